@@ -1,0 +1,361 @@
+"""The ``deepcabac`` command line: encode, decode, info, report and test model streams.
+
+Habits of zstd/xz: ``-o`` names the output, ``-f`` allows overwriting, ``-`` is stdin/stdout (binary
+is never written to a terminal), ``-q``/``-v`` set verbosity, progress goes to stderr. Exit status:
+0 success, 1 an error about the data or files (one line on stderr, no traceback), 2 a usage error.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import sys
+import tempfile
+from contextlib import contextmanager
+
+import click
+
+from deepcabac_py import __version__
+from deepcabac_py.checkpoint import KINDS, checkpoint_writer, kind_from_suffix, load_checkpoint
+from deepcabac_py.codec import (
+    DEFAULT_QP,
+    DEFAULT_QP_1D,
+    DEFAULT_QP_DENSITY,
+    decode_checkpoint,
+    encode_model,
+    read_stream_header,
+)
+from deepcabac_py.container import read_header_file
+from deepcabac_py.errors import DeepCabacError, InputError, OutputError
+from deepcabac_py.fileio import write_atomic
+from deepcabac_py.quantize import QP_MAX, QP_MIN
+from deepcabac_py.report import build_report, format_report
+
+STREAM_SUFFIX = ".dcb"
+_DEFAULT_SUFFIX = {"torch": ".pt", "safetensors": ".safetensors", "npz": ".npz"}
+
+
+class _Group(click.Group):
+    """Turns library errors into one line on stderr and exit status 1."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except DeepCabacError as exc:
+            click.echo(f"deepcabac: error: {exc}", err=True)
+            ctx.exit(1)
+        except KeyboardInterrupt:
+            click.echo("deepcabac: interrupted", err=True)
+            ctx.exit(130)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, "-V", "--version", prog_name="deepcabac")
+def main():
+    """Compress neural-network checkpoints with a quantizer and a context-adaptive arithmetic coder.
+
+    \b
+    deepcabac encode model.safetensors -o model.dcb --qp -32
+    deepcabac info model.dcb
+    deepcabac decode model.dcb -o model.decoded.safetensors
+    deepcabac report model.pt
+    """
+
+
+# --- shared options ----------------------------------------------------------------------------
+
+def _verbosity(f):
+    f = click.option("-q", "--quiet", is_flag=True, help="Print nothing but errors.")(f)
+    f = click.option("-v", "--verbose", is_flag=True, help="Print more detail.")(f)
+    return f
+
+
+def _threads(f):
+    return click.option("-T", "--threads", type=click.IntRange(min=1), default=None,
+                        help="Worker threads (default: all cores).")(f)
+
+
+def _progress_option(f):
+    return click.option("--no-progress", is_flag=True, help="Do not show progress bars.")(f)
+
+
+def _quant_options(f):
+    f = click.option("--qp", type=click.IntRange(QP_MIN, QP_MAX), default=DEFAULT_QP, show_default=True,
+                     help="Quantization parameter: step = (4 + qp mod 4) * 2**(qp // 4 - 2) at density 2.")(f)
+    f = click.option("--qp-density", type=click.IntRange(0, 6), default=DEFAULT_QP_DENSITY, show_default=True,
+                     help="Steps per octave = 2**qp_density.")(f)
+    f = click.option("--qp-1d", type=click.IntRange(QP_MIN, QP_MAX), default=DEFAULT_QP_1D, show_default=True,
+                     help="qp of tensors with at most one dimension (biases, norms).")(f)
+    f = click.option("--qp-tensor", "qp_tensor", multiple=True, metavar="NAME=QP",
+                     help="Per-tensor qp; NAME may be a glob pattern. Repeatable.")(f)
+    f = click.option("--exact", "exact", multiple=True, metavar="PATTERN",
+                     help="Store float tensors matching PATTERN bit-exactly. Repeatable.")(f)
+    f = click.option("--exact-all", is_flag=True, help="Store every float tensor bit-exactly (lossless).")(f)
+    return f
+
+
+def _parse_overrides(items) -> dict[str, int]:
+    out = {}
+    for item in items:
+        name, sep, value = item.rpartition("=")
+        try:
+            qp = int(value)
+        except ValueError:
+            qp = None
+        if not sep or not name or qp is None or not QP_MIN <= qp <= QP_MAX:
+            raise click.BadParameter(f"expected NAME=QP with QP in [{QP_MIN}, {QP_MAX}], got {item!r}",
+                                     param_hint="--qp-tensor")
+        out[name] = qp
+    return out
+
+
+def _encode_settings(qp, qp_density, qp_1d, qp_tensor, exact, exact_all) -> dict:
+    return dict(qp=qp, qp_density=qp_density, qp_1d=qp_1d, qp_overrides=_parse_overrides(qp_tensor),
+                keep_exact=True if exact_all else list(exact))
+
+
+@contextmanager
+def _progress(total: int, desc: str, enabled: bool):
+    if not enabled:
+        yield None
+        return
+    from tqdm import tqdm
+
+    # disable=None: shown only when stderr is a terminal.
+    with tqdm(total=total, desc=desc, unit="w", unit_scale=True, file=sys.stderr, disable=None,
+              leave=False, dynamic_ncols=True) as bar:
+        yield bar.update
+
+
+def _info(quiet: bool, message: str) -> None:
+    if not quiet:
+        click.echo(message, err=True)
+
+
+# --- input and output --------------------------------------------------------------------------
+
+def _read_bytes(path: str) -> bytes:
+    if path == "-":
+        return sys.stdin.buffer.read()
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as exc:
+        raise InputError(f"cannot read {path}: {exc.strerror or exc}") from None
+
+
+@contextmanager
+def _checkpoint_path(path: str, kind: str | None):
+    """A file path for a checkpoint given as a path or as stdin (spooled to a temporary file)."""
+    if path != "-":
+        yield path
+        return
+    data = sys.stdin.buffer.read()
+    suffix = _DEFAULT_SUFFIX.get(kind or "", "")
+    with tempfile.TemporaryDirectory(prefix="deepcabac-") as tmp:
+        spooled = os.path.join(tmp, "stdin" + suffix)
+        with open(spooled, "wb") as f:
+            f.write(data)
+        yield spooled
+
+
+def _write_output(path: str, data_or_writer, force: bool) -> None:
+    if path == "-":
+        if sys.stdout.isatty():
+            raise OutputError("refusing to write binary data to a terminal; use -o FILE or redirect stdout")
+        if callable(data_or_writer):
+            buf = io.BytesIO()
+            data_or_writer(buf)
+            data_or_writer = buf.getvalue()
+        sys.stdout.buffer.write(data_or_writer)
+        sys.stdout.buffer.flush()
+        return
+    if os.path.isdir(path):
+        raise OutputError(f"cannot write {path}: it is a directory")
+    write_atomic(path, data_or_writer, force=force)
+
+
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return a != "-" and b != "-" and os.path.exists(b) and os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+# --- commands ----------------------------------------------------------------------------------
+
+@main.command()
+@click.argument("input", metavar="INPUT", type=click.Path(allow_dash=True, dir_okay=False))
+@click.option("-o", "--output", type=click.Path(allow_dash=True, dir_okay=False),
+              help=f"Output stream (default: INPUT{STREAM_SUFFIX}; stdout when INPUT is -).")
+@click.option("--input-format", type=click.Choice(KINDS), default=None,
+              help="Checkpoint kind when it cannot be told from the suffix (e.g. on stdin).")
+@click.option("-f", "--force", is_flag=True, help="Overwrite an existing output file.")
+@_quant_options
+@_threads
+@_progress_option
+@_verbosity
+def encode(input, output, input_format, force, qp, qp_density, qp_1d, qp_tensor, exact, exact_all,
+           threads, no_progress, quiet, verbose):
+    """Compress a checkpoint (.pt/.pth/.bin, .safetensors, .npz) into a model stream."""
+    settings = _encode_settings(qp, qp_density, qp_1d, qp_tensor, exact, exact_all)
+    if output is None:
+        output = "-" if input == "-" else input + STREAM_SUFFIX
+    if _same_file(input, output):
+        raise click.UsageError("the output would overwrite the input")
+    with _checkpoint_path(input, input_format) as path:
+        ckpt = load_checkpoint(path, input_format)
+    params = _param_count(ckpt)
+    with _progress(params, "encode", not (quiet or no_progress)) as update:
+        try:
+            data = encode_model(ckpt, threads=threads, progress=update, **settings)
+        except TypeError as exc:  # an unsupported tensor type inside the checkpoint
+            raise InputError(f"{input}: {exc}") from None
+    _write_output(output, data, force)
+    header = read_stream_header(data)
+    rep = build_report(header)
+    _info(quiet, f"{input}: {rep.original_bytes:,} bytes of tensors -> {len(data):,} bytes "
+                 f"({rep.ratio_vs_original:.2f}x), {rep.bits_per_param:.3f} bits/param"
+                 + (f" -> {output}" if verbose else ""))
+    if verbose and not quiet:
+        click.echo(format_report(rep), err=True)
+
+
+@main.command()
+@click.argument("input", metavar="INPUT", type=click.Path(allow_dash=True, dir_okay=False))
+@click.option("-o", "--output", type=click.Path(allow_dash=True, dir_okay=False),
+              help=f"Output checkpoint (default: INPUT without {STREAM_SUFFIX}).")
+@click.option("--format", "kind", type=click.Choice(KINDS), default=None,
+              help="Checkpoint kind to write (default: from the output suffix, else the original kind).")
+@click.option("-f", "--force", is_flag=True, help="Overwrite an existing output file.")
+@_threads
+@_progress_option
+@_verbosity
+def decode(input, output, kind, force, threads, no_progress, quiet, verbose):
+    """Decompress a model stream into a checkpoint."""
+    if output is None:
+        if input == "-":
+            output = "-"
+        elif input.endswith(STREAM_SUFFIX) and len(input) > len(STREAM_SUFFIX):
+            output = input[: -len(STREAM_SUFFIX)]
+        else:
+            raise click.UsageError(f"cannot derive an output name from {input!r}: use -o")
+    data = _read_bytes(input)
+    header = read_stream_header(data)
+    original_kind = header.metadata.get("kind")
+    kind = kind or (kind_from_suffix(output) if output != "-" else None)
+    kind = kind or (original_kind if original_kind in KINDS else "torch")
+    if output != "-" and kind_from_suffix(output) is None and not os.path.splitext(output)[1]:
+        output += _DEFAULT_SUFFIX[kind]
+    if _same_file(input, output):
+        raise click.UsageError("the output would overwrite the input")
+    params = sum(e.numel for e in header.tensors if not e.is_alias)
+    with _progress(params, "decode", not (quiet or no_progress)) as update:
+        ckpt = decode_checkpoint(data, threads=threads, progress=update)
+    _write_output(output, checkpoint_writer(ckpt, kind), force)
+    _info(quiet or not verbose, f"{input}: {len(data):,} bytes -> {output} ({kind}, {len(header.tensors)} tensors)")
+
+
+@main.command()
+@click.argument("input", metavar="INPUT", type=click.Path(allow_dash=True, dir_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def info(input, as_json):
+    """Show a stream's header: tensors, shapes, dtypes, coding modes, qp and sizes (no decoding)."""
+    header = read_stream_header(_read_bytes("-")) if input == "-" else read_header_file(input)
+    rep = build_report(header)
+    if as_json:
+        out = {"format_version": header.version, "qp": header.qp, "qp_1d": header.qp_1d,
+               "qp_density": header.qp_density, "kind": header.metadata.get("kind"), **rep.to_dict()}
+        for t in out["tensors"]:
+            for k in ("snr_db", "max_abs_error"):
+                t.pop(k, None)
+        out.pop("snr_db"), out.pop("max_abs_error"), out.pop("fidelity")
+        click.echo(json.dumps(out, indent=1))
+        return
+    click.echo(f"deepcabac stream, format {header.version}: {header.total_size:,} bytes, "
+               f"{len(header.tensors)} tensors, original kind {header.metadata.get('kind', '?')}")
+    click.echo(f"settings: qp {header.qp}, qp_1d {header.qp_1d}, qp_density {header.qp_density}")
+    text = format_report(rep)
+    click.echo("\n".join(line[: line.rfind(" SNR dB")] if " SNR dB" in line else line for line in text.splitlines()))
+
+
+@main.command()
+@click.argument("input", metavar="INPUT", type=click.Path(allow_dash=True, dir_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.option("--input-format", type=click.Choice(KINDS), default=None,
+              help="Checkpoint kind when it cannot be told from the suffix.")
+@_quant_options
+@_threads
+@_progress_option
+@_verbosity
+def report(input, as_json, input_format, qp, qp_density, qp_1d, qp_tensor, exact, exact_all,
+           threads, no_progress, quiet, verbose):
+    """Per-tensor and total figures: params, bits/param, ratio vs fp32, SNR and max error.
+
+    INPUT is a checkpoint (encoded in memory with the given settings, then decoded to measure the
+    error) or a model stream (sizes only: the original is not known).
+    """
+    raw = _read_bytes(input) if input == "-" else None
+    is_stream = (raw[:4] if raw is not None else _peek(input)) == b"\x89DCB"
+    if is_stream:
+        data = raw if raw is not None else _read_bytes(input)
+        header = read_stream_header(data)
+        rep = build_report(header)
+    else:
+        settings = _encode_settings(qp, qp_density, qp_1d, qp_tensor, exact, exact_all)
+        if raw is not None:
+            with tempfile.TemporaryDirectory(prefix="deepcabac-") as tmp:
+                spooled = os.path.join(tmp, "stdin" + _DEFAULT_SUFFIX.get(input_format or "", ""))
+                with open(spooled, "wb") as f:
+                    f.write(raw)
+                original = load_checkpoint(spooled, input_format)
+        else:
+            original = load_checkpoint(input, input_format)
+        params = _param_count(original)
+        with _progress(2 * params, "report", not (quiet or no_progress)) as update:
+            try:
+                data = encode_model(original, threads=threads, progress=update, **settings)
+            except TypeError as exc:
+                raise InputError(f"{input}: {exc}") from None
+            decoded = decode_checkpoint(data, threads=threads, progress=update)
+        rep = build_report(read_stream_header(data), original, decoded)
+    if as_json:
+        click.echo(json.dumps(rep.to_dict(), indent=1))
+    else:
+        click.echo(format_report(rep))
+
+
+@main.command()
+@click.argument("inputs", metavar="INPUT...", nargs=-1, required=True,
+                type=click.Path(allow_dash=True, dir_okay=False))
+@_threads
+@_verbosity
+def test(inputs, threads, quiet, verbose):
+    """Decode streams and discard the result: checks that they are intact."""
+    for path in inputs:
+        data = _read_bytes(path)
+        decode_checkpoint(data, threads=threads)
+        _info(quiet, f"{path}: OK")
+
+
+def _param_count(ckpt) -> int:
+    total = 0
+    for t in ckpt.tensors.values():
+        n = 1
+        for d in t.shape:
+            n *= int(d)
+        total += n
+    return total
+
+
+def _peek(path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read(4)
+    except OSError as exc:
+        raise InputError(f"cannot read {path}: {exc.strerror or exc}") from None
+
+
+if __name__ == "__main__":
+    main()

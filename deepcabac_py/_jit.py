@@ -1,0 +1,13 @@
+"""Numba settings in one place.
+
+Every kernel is compiled with ``cache=True`` (the CLI and the tests must not pay compilation twice)
+and ``nogil=True`` (independent substreams run on threads). ``fastmath`` is never used: the bytes
+depend on exact integer arithmetic. ``inline='always'`` is reserved for helpers that take scalars
+only; arrays passed to small helpers are reference-counted on every call, which costs more than the
+arithmetic coding itself.
+"""
+
+import numba
+
+kernel = numba.njit(cache=True, nogil=True)
+scalar_helper = numba.njit(cache=True, inline="always")

@@ -1,0 +1,467 @@
+"""Whole-model encoding and decoding: policy, parallel substreams and the container.
+
+``encode_model`` flattens any mapping of tensors (nested checkpoints included), decides per tensor how
+to code it (quantized floats, lossless integers, raw bytes), cuts every coded tensor into independent
+chunks and encodes the chunks on a thread pool (the kernels release the GIL). ``decode_model`` is its
+inverse and returns the original structure.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import warnings
+import zlib
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from . import levelcoder, quantize
+from ._jit import kernel
+from .checkpoint import Checkpoint, flatten, is_plain, numpy_to_tensor, plain_skeleton, tensor_to_numpy, unflatten
+from .container import (
+    FLAG_ALIAS,
+    FLAG_TORCH,
+    Coder,
+    DType,
+    Mode,
+    StreamHeader,
+    TensorEntry,
+    read_header,
+    write_header,
+)
+from .errors import CorruptStreamError, TruncatedStreamError
+
+DEFAULT_QP = -32
+DEFAULT_QP_1D = -75  # near lossless for biases and norms, as NNC's nonweight_qp
+DEFAULT_QP_DENSITY = 2
+
+_NUMPY_CARRIER = {
+    DType.FLOAT32: np.float32, DType.FLOAT16: np.float16, DType.BFLOAT16: np.uint16,
+    DType.FLOAT64: np.float64, DType.INT8: np.int8, DType.INT16: np.int16, DType.INT32: np.int32,
+    DType.INT64: np.int64, DType.UINT8: np.uint8, DType.UINT16: np.uint16, DType.UINT32: np.uint32,
+    DType.UINT64: np.uint64, DType.BOOL: np.bool_, DType.COMPLEX64: np.complex64,
+    DType.COMPLEX128: np.complex128,
+}
+_DTYPE_BY_NAME = {d.name.lower(): d for d in DType}
+
+Progress = Callable[[int], None]
+
+
+@dataclass
+class QuantizedTensor:
+    """The integer levels of one tensor and how to turn them back into values.
+
+    For quantized floats ``values = levels * step`` (rounded once to ``dtype``); for integer tensors
+    ``step`` is ``None`` and the levels are the values.
+    """
+
+    name: str
+    levels: np.ndarray  # int32, the tensor's shape
+    step: float | None
+    dtype: str
+    qp: int | None = None
+    qp_density: int | None = None
+
+    def dequantize(self) -> Any:
+        """The values in the original dtype (a torch tensor for bfloat16, else a numpy array)."""
+        dtype = _DTYPE_BY_NAME[self.dtype]
+        if self.step is None:
+            arr = self.levels.astype(_NUMPY_CARRIER[dtype])
+            return arr
+        arr = _reconstruct(self.levels, self.step, dtype)
+        return numpy_to_tensor(arr, self.dtype, True) if dtype == DType.BFLOAT16 else arr
+
+
+# --------------------------------------------------------------------------------------------------
+# policy
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Plan:
+    entry: TensorEntry
+    array: np.ndarray | None  # the values (numpy carrier), None for aliases
+    layout: levelcoder.ChunkLayout | None = None
+
+
+def _matches(name: str, patterns) -> bool:
+    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+def _lookup_qp(name: str, overrides: Mapping[str, int]) -> int | None:
+    if name in overrides:
+        return overrides[name]
+    for pattern, value in overrides.items():
+        if fnmatch.fnmatchcase(name, pattern):
+            return value
+    return None
+
+
+@kernel
+def _float_range(values):
+    # max |x| and whether all are finite, without temporaries the size of the tensor
+    top = 0.0
+    finite = True
+    for i in range(values.shape[0]):
+        x = np.float64(values[i])
+        if x != x or x == np.inf or x == -np.inf:
+            finite = False
+        elif abs(x) > top:
+            top = abs(x)
+    return top, finite
+
+
+@kernel
+def _int_range(values):
+    lo = np.int64(0)
+    hi = np.int64(0)
+    for i in range(values.shape[0]):
+        x = np.int64(values[i])
+        if x < lo:
+            lo = x
+        if x > hi:
+            hi = x
+    return lo, hi
+
+
+def _as_float_for_quantizer(arr: np.ndarray, dtype: DType) -> np.ndarray:
+    """A float32/float64 view or copy the quantizer kernels accept."""
+    flat = arr.reshape(-1)
+    if dtype == DType.BFLOAT16:
+        return (flat.astype(np.uint32) << 16).view(np.float32)
+    if dtype == DType.FLOAT16:
+        return flat.astype(np.float32)
+    return flat
+
+
+def _plan_tensor(name: str, tensor, *, qp: int, qp_1d: int, qp_density: int, overrides, exact) -> _Plan:
+    arr, dtype_name, is_torch = tensor_to_numpy(tensor)
+    dtype = _DTYPE_BY_NAME[dtype_name]
+    entry = TensorEntry(name=name, dtype=dtype, shape=tuple(int(d) for d in arr.shape), mode=Mode.RAW,
+                        flags=FLAG_TORCH if is_torch else 0)
+    if arr.size == 0:
+        return _Plan(entry, arr)
+    if dtype.is_float and not exact(name):
+        values = _as_float_for_quantizer(arr, dtype)
+        top, finite = _float_range(values)
+        if not finite:
+            warnings.warn(f"{name}: contains NaN or infinity; stored exactly (raw)", stacklevel=3)
+            return _Plan(entry, arr)
+        chosen = _lookup_qp(name, overrides)
+        if chosen is None:
+            chosen = qp_1d if arr.ndim <= 1 else qp
+        entry.qp = quantize.qp_for_range(float(top), chosen, qp_density)
+        entry.qp_density = qp_density
+        entry.mode, entry.coder = Mode.UNIFORM, Coder.ADAPTIVE_SCALE
+    elif not dtype.is_float and dtype not in (DType.COMPLEX64, DType.COMPLEX128):
+        if dtype in (DType.UINT64,) and int(arr.max()) > levelcoder.LEVEL_MAX:
+            return _Plan(entry, arr)
+        lo, hi = _int_range(arr.reshape(-1).view(np.uint8) if dtype == DType.BOOL else arr.reshape(-1))
+        if lo < -levelcoder.LEVEL_MAX or hi > levelcoder.LEVEL_MAX:
+            return _Plan(entry, arr)
+        entry.mode, entry.coder = Mode.INTEGER, Coder.ADAPTIVE_SCALE
+    else:
+        return _Plan(entry, arr)
+    layout = levelcoder.layout_for_shape(entry.shape)
+    entry.chunk_elements = layout.chunk_elements
+    entry.coder_param = layout.k_offset
+    return _Plan(entry, arr, layout)
+
+
+def _chunk_levels(plan: _Plan, start: int, stop: int) -> np.ndarray:
+    entry = plan.entry
+    flat = plan.array.reshape(-1)[start:stop]
+    if entry.mode == Mode.UNIFORM:
+        values = _as_float_for_quantizer(flat, entry.dtype)
+        return quantize.quantize_nearest(values, quantize.step_from_qp(entry.qp, entry.qp_density))
+    if entry.dtype == DType.BOOL:
+        return flat.view(np.uint8).astype(np.int32)
+    return flat.astype(np.int32)
+
+
+def _values_from_levels(e: TensorEntry, levels: np.ndarray) -> np.ndarray:
+    if e.mode == Mode.UNIFORM:
+        return _reconstruct(levels, e.step, e.dtype)
+    if e.dtype == DType.BOOL:
+        return levels != 0
+    info = np.iinfo(_NUMPY_CARRIER[e.dtype])
+    if levels.size and (int(levels.min()) < info.min or int(levels.max()) > info.max):
+        raise CorruptStreamError(f"tensor {e.name!r}: a decoded integer is out of its dtype's range")
+    return levels
+
+
+def _reconstruct(levels: np.ndarray, step: float, dtype: DType) -> np.ndarray:
+    if dtype == DType.BFLOAT16:
+        import torch
+
+        f64 = torch.from_numpy(levels.reshape(-1).astype(np.float64) * step)
+        return f64.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16).reshape(levels.shape)
+    return quantize.reconstruct(levels, step, _NUMPY_CARRIER[dtype])
+
+
+# --------------------------------------------------------------------------------------------------
+# encode
+# --------------------------------------------------------------------------------------------------
+
+
+def _resolve_threads(threads: int | None) -> int:
+    if threads is None:
+        try:
+            return max(1, len(os.sched_getaffinity(0)))
+        except AttributeError:  # not on Linux
+            return max(1, os.cpu_count() or 1)
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ValueError(f"threads must be a positive integer or None, got {threads!r}")
+    return threads
+
+
+def _exact_predicate(keep_exact) -> Callable[[str], bool]:
+    if keep_exact is True:
+        return lambda name: True
+    if not keep_exact:
+        return lambda name: False
+    if isinstance(keep_exact, str):
+        keep_exact = [keep_exact]
+    patterns = list(keep_exact)
+    return lambda name: _matches(name, patterns)
+
+
+def _plan_model(model, qp, qp_1d, qp_density, qp_overrides, keep_exact) -> tuple[Checkpoint, list[_Plan]]:
+    ckpt = model if isinstance(model, Checkpoint) else flatten(model)
+    for value in (qp, qp_1d):
+        quantize.step_from_qp(value, qp_density)  # validates both
+    overrides = dict(qp_overrides or {})
+    for key, value in overrides.items():
+        quantize.step_from_qp(value, qp_density)
+    exact = _exact_predicate(keep_exact)
+    plans = [
+        _plan_tensor(name, t, qp=qp, qp_1d=qp_1d, qp_density=qp_density, overrides=overrides, exact=exact)
+        for name, t in ckpt.tensors.items()
+    ]
+    index = {p.entry.name: i for i, p in enumerate(plans)}
+    for alias, target in ckpt.aliases.items():
+        base = plans[index[target]].entry
+        plans.append(_Plan(TensorEntry(name=alias, dtype=base.dtype, shape=base.shape, mode=base.mode,
+                                       coder=Coder.NONE, flags=FLAG_ALIAS | (base.flags & FLAG_TORCH),
+                                       alias_of=index[target]), None))
+    return ckpt, plans
+
+
+def encode_model(
+    model: Mapping[str, Any] | Checkpoint,
+    *,
+    qp: int = DEFAULT_QP,
+    qp_density: int = DEFAULT_QP_DENSITY,
+    qp_1d: int = DEFAULT_QP_1D,
+    qp_overrides: Mapping[str, int] | None = None,
+    keep_exact: bool | str | Iterable[str] = False,
+    threads: int | None = None,
+    progress: Progress | None = None,
+) -> bytes:
+    """Compress a model (a state dict, any nested mapping of tensors, or a :class:`Checkpoint`).
+
+    Float tensors are quantized with the step of ``qp`` (``qp_1d`` for tensors with at most one
+    dimension: biases, norms); ``qp_overrides`` maps tensor names or glob patterns to their own qp.
+    ``keep_exact`` (``True`` or names/patterns) stores float tensors bit-exactly instead. Integer and
+    boolean tensors are always lossless; non-tensor entries are kept. The output is deterministic
+    for the same input and settings, whatever ``threads`` is.
+    """
+    threads = _resolve_threads(threads)
+    ckpt, plans = _plan_model(model, qp, qp_1d, qp_density, qp_overrides, keep_exact)
+
+    jobs = [(p, k) for p in plans if p.layout is not None for k in range(p.layout.count)]
+    # Largest chunks first keeps both cores busy to the end; results are put back in table order.
+    order = sorted(range(len(jobs)), key=lambda j: -(jobs[j][0].layout.bounds(jobs[j][1])[1] - jobs[j][0].layout.bounds(jobs[j][1])[0]))
+
+    def run(j: int) -> bytes:
+        plan, k = jobs[j]
+        start, stop = plan.layout.bounds(k)
+        data = levelcoder.encode_chunk(_chunk_levels(plan, start, stop), plan.layout, k)
+        if progress is not None:
+            progress(stop - start)
+        return data
+
+    if threads == 1 or len(jobs) <= 1:
+        results = {j: run(j) for j in order}
+    else:
+        with ThreadPoolExecutor(max_workers=threads) as pool:
+            results = dict(zip(order, pool.map(run, order)))
+
+    payload: list[bytes] = []
+    offset = 0
+    j = 0
+    for plan in plans:
+        e = plan.entry
+        if e.flags & FLAG_ALIAS:
+            continue
+        if plan.layout is None:
+            raw = np.ascontiguousarray(plan.array).astype(plan.array.dtype.newbyteorder("<"), copy=False).tobytes()
+            chunks = [raw] if plan.array.size else []
+            if progress is not None:
+                progress(plan.array.size)
+        else:
+            chunks = [results[j + k] for k in range(plan.layout.count)]
+            j += plan.layout.count
+        e.chunk_sizes = [len(c) for c in chunks]
+        e.size = sum(e.chunk_sizes)
+        e.offset = offset
+        crc = 0
+        for c in chunks:
+            crc = zlib.crc32(c, crc)
+        e.crc32 = crc
+        offset += e.size
+        payload.extend(chunks)
+
+    # A plain flat state dict needs no skeleton: the decoder rebuilds it from the tensor table.
+    metadata = {"kind": ckpt.kind}
+    if not is_plain(ckpt):
+        metadata["skeleton"] = ckpt.skeleton
+    if ckpt.metadata is not None:
+        metadata["safetensors_metadata"] = ckpt.metadata
+    header = write_header(qp, qp_1d, qp_density, metadata, [p.entry for p in plans])
+    return b"".join([header, *payload])
+
+
+def quantize_model(
+    model: Mapping[str, Any] | Checkpoint,
+    *,
+    qp: int = DEFAULT_QP,
+    qp_density: int = DEFAULT_QP_DENSITY,
+    qp_1d: int = DEFAULT_QP_1D,
+    qp_overrides: Mapping[str, int] | None = None,
+    keep_exact: bool | str | Iterable[str] = False,
+) -> dict[str, QuantizedTensor]:
+    """The levels and steps :func:`encode_model` would code, without entropy coding.
+
+    Tensors stored raw (kept exact, non-finite, complex) are left out.
+    """
+    _, plans = _plan_model(model, qp, qp_1d, qp_density, qp_overrides, keep_exact)
+    out = {}
+    for plan in plans:
+        e = plan.entry
+        if plan.layout is None:
+            continue
+        levels = _chunk_levels(plan, 0, e.numel).reshape(e.shape)
+        out[e.name] = _quantized(e, levels)
+    return out
+
+
+def _quantized(e: TensorEntry, levels: np.ndarray) -> QuantizedTensor:
+    uniform = e.mode == Mode.UNIFORM
+    return QuantizedTensor(e.name, levels, e.step, e.dtype.name.lower(),
+                           e.qp if uniform else None, e.qp_density if uniform else None)
+
+
+# --------------------------------------------------------------------------------------------------
+# decode
+# --------------------------------------------------------------------------------------------------
+
+
+def read_stream_header(data) -> StreamHeader:
+    """Parse the header of a model stream (bytes-like) without decoding any payload."""
+    return read_header(memoryview(data))
+
+
+def _payload_views(data, header: StreamHeader, e: TensorEntry) -> list[memoryview]:
+    base = header.header_size + e.offset
+    view = memoryview(data)[base:base + e.size]
+    if len(view) != e.size:
+        raise TruncatedStreamError(f"tensor {e.name!r}: payload truncated")
+    if zlib.crc32(view) != e.crc32:
+        raise CorruptStreamError(f"tensor {e.name!r}: payload checksum mismatch (the stream is damaged)")
+    views, pos = [], 0
+    for size in e.chunk_sizes:
+        views.append(view[pos:pos + size])
+        pos += size
+    return views
+
+
+def _decode_entries(data, header: StreamHeader, *, want_levels: bool, threads: int,
+                    progress: Progress | None) -> dict[str, np.ndarray]:
+    """Decode every non-alias tensor: levels (int32) if ``want_levels`` else values (carrier dtype)."""
+    outputs: dict[str, np.ndarray] = {}
+    jobs = []
+    for e in header.tensors:
+        if e.is_alias:
+            continue
+        carrier = _NUMPY_CARRIER[e.dtype]
+        views = _payload_views(data, header, e)
+        if e.mode == Mode.RAW:
+            if want_levels:
+                continue
+            arr = np.frombuffer(views[0] if views else b"", dtype=np.dtype(carrier).newbyteorder("<"))
+            outputs[e.name] = arr.astype(carrier).reshape(e.shape)
+            continue
+        layout = levelcoder.layout_from_stream(e.shape, e.chunk_elements, e.coder_param)
+        out = np.empty(e.numel, dtype=np.int32 if want_levels else carrier)
+        outputs[e.name] = out
+        for k, view in enumerate(views):
+            jobs.append((e, layout, k, view, out))
+
+    def run(job) -> None:
+        e, layout, k, view, out = job
+        start, stop = layout.bounds(k)
+        if want_levels:
+            levelcoder.decode_chunk(view, layout, k, out[start:stop])
+        else:
+            levels = np.empty(stop - start, dtype=np.int32)
+            levelcoder.decode_chunk(view, layout, k, levels)
+            out[start:stop] = _values_from_levels(e, levels)
+        if progress is not None:
+            progress(stop - start)
+
+    order = sorted(jobs, key=lambda jb: -(jb[1].bounds(jb[2])[1] - jb[1].bounds(jb[2])[0]))
+    if threads == 1 or len(order) <= 1:
+        for job in order:
+            run(job)
+    else:
+        with ThreadPoolExecutor(max_workers=threads) as pool:
+            list(pool.map(run, order))
+    for e in header.tensors:
+        if e.name in outputs:
+            outputs[e.name] = outputs[e.name].reshape(e.shape)
+    return outputs
+
+
+def decode_checkpoint(data, *, threads: int | None = None, progress: Progress | None = None) -> Checkpoint:
+    """Decode a model stream into a :class:`Checkpoint` (flat tensors plus the original structure)."""
+    threads = _resolve_threads(threads)
+    header = read_stream_header(data)
+    values = _decode_entries(data, header, want_levels=False, threads=threads, progress=progress)
+    tensors, aliases = {}, {}
+    for e in header.tensors:
+        if e.is_alias:
+            aliases[e.name] = header.tensors[e.alias_of].name
+        else:
+            tensors[e.name] = numpy_to_tensor(values[e.name], e.dtype.name.lower(), bool(e.flags & FLAG_TORCH))
+    meta = header.metadata
+    skeleton = meta.get("skeleton")
+    if skeleton is None:
+        skeleton = plain_skeleton(list(tensors))
+    if not isinstance(skeleton, dict):
+        raise CorruptStreamError("stream metadata holds a malformed model skeleton")
+    kind = meta.get("kind", "mapping")
+    st_meta = meta.get("safetensors_metadata")
+    return Checkpoint(tensors=tensors, skeleton=skeleton, kind=kind if isinstance(kind, str) else "mapping",
+                      metadata=st_meta if isinstance(st_meta, dict) else None, aliases=aliases)
+
+
+def decode_model(data, *, threads: int | None = None, progress: Progress | None = None) -> Any:
+    """Decode a stream made by :func:`encode_model` back into the structure that was encoded.
+
+    Tensors come back as the type they were given in (torch tensors or numpy arrays), with their
+    dtypes and shapes; quantized floats hold ``level * step`` rounded to their dtype.
+    """
+    return unflatten(decode_checkpoint(data, threads=threads, progress=progress))
+
+
+def decode_levels(data, *, threads: int | None = None) -> dict[str, QuantizedTensor]:
+    """The integer levels and steps of every level-coded tensor (for integer inference)."""
+    threads = _resolve_threads(threads)
+    header = read_stream_header(data)
+    levels = _decode_entries(data, header, want_levels=True, threads=threads, progress=None)
+    return {e.name: _quantized(e, levels[e.name]) for e in header.tensors if e.name in levels}

@@ -1,0 +1,357 @@
+"""The model stream container: one description of the byte layout, used by writer and reader.
+
+Layout (little-endian; ``docs/format.md`` is the normative description):
+
+    magic(8) version:u16 flags:u16 header_size:u32
+    header body:  settings, metadata JSON, tensor table
+    header_crc:u32                      (CRC-32 of every byte before it)
+    payload:      the tensors' substreams, in table order
+
+The header parses without touching the payload. Every length is checked against the bytes that
+are really there before anything is allocated from it.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import struct
+import zlib
+from dataclasses import dataclass, field
+
+from .errors import CorruptStreamError, FormatError, InputError, TruncatedStreamError
+
+MAGIC = b"\x89DCB\r\n\x1a\n"
+FORMAT_VERSION = 1
+PREAMBLE = struct.Struct("<8sHHI")
+MAX_HEADER_SIZE = 1 << 30
+MAX_NDIM = 32
+MAX_DIM = 1 << 48
+NO_ALIAS = 0xFFFFFFFF
+
+
+class DType(enum.IntEnum):
+    """Element types; the integer codes are frozen (they are in the bytes)."""
+
+    FLOAT32 = 1
+    FLOAT16 = 2
+    BFLOAT16 = 3
+    FLOAT64 = 4
+    INT8 = 5
+    INT16 = 6
+    INT32 = 7
+    INT64 = 8
+    UINT8 = 9
+    UINT16 = 10
+    UINT32 = 11
+    UINT64 = 12
+    BOOL = 13
+    COMPLEX64 = 14
+    COMPLEX128 = 15
+
+    @property
+    def itemsize(self) -> int:
+        return _ITEMSIZE[self]
+
+    @property
+    def is_float(self) -> bool:
+        return self in (DType.FLOAT32, DType.FLOAT16, DType.BFLOAT16, DType.FLOAT64)
+
+
+_ITEMSIZE = {
+    DType.FLOAT32: 4, DType.FLOAT16: 2, DType.BFLOAT16: 2, DType.FLOAT64: 8, DType.INT8: 1,
+    DType.INT16: 2, DType.INT32: 4, DType.INT64: 8, DType.UINT8: 1, DType.UINT16: 2,
+    DType.UINT32: 4, DType.UINT64: 8, DType.BOOL: 1, DType.COMPLEX64: 8, DType.COMPLEX128: 16,
+}
+
+
+class Mode(enum.IntEnum):
+    """How a tensor's payload is coded; frozen codes."""
+
+    RAW = 0  # the little-endian bytes of the elements, unchanged
+    UNIFORM = 1  # levels (level coder) times the step of (qp, qp_density)
+    INTEGER = 2  # the integer values themselves through the level coder: lossless
+
+
+class Coder(enum.IntEnum):
+    """Which level coder produced the substreams; frozen codes."""
+
+    NONE = 0  # RAW payloads
+    ADAPTIVE_SCALE = 1  # levelcoder / _cabac_kernels, format version 1
+
+
+FLAG_TORCH = 1  # the tensor was a torch.Tensor (decode returns one)
+FLAG_ALIAS = 2  # the tensor shares storage with the tensor named by ``alias_of``
+_KNOWN_FLAGS = FLAG_TORCH | FLAG_ALIAS
+
+
+@dataclass
+class TensorEntry:
+    """One row of the tensor table."""
+
+    name: str
+    dtype: DType
+    shape: tuple[int, ...]
+    mode: Mode
+    coder: Coder = Coder.NONE
+    flags: int = 0
+    qp: int = 0
+    qp_density: int = 0
+    alias_of: int = NO_ALIAS
+    coder_param: int = 0  # the level coder's k offset
+    chunk_elements: int = 0
+    chunk_sizes: list[int] = field(default_factory=list)
+    offset: int = 0  # payload offset, relative to the first payload byte
+    size: int = 0
+    crc32: int = 0
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def is_alias(self) -> bool:
+        return bool(self.flags & FLAG_ALIAS)
+
+    @property
+    def step(self) -> float | None:
+        if self.mode != Mode.UNIFORM:
+            return None
+        from .quantize import step_from_qp
+
+        return step_from_qp(self.qp, self.qp_density)
+
+
+@dataclass
+class StreamHeader:
+    """What :func:`read_header` returns: everything but the payload."""
+
+    version: int
+    qp: int
+    qp_1d: int
+    qp_density: int
+    metadata: dict
+    tensors: list[TensorEntry]
+    header_size: int  # bytes before the payload
+    payload_size: int
+
+    @property
+    def total_size(self) -> int:
+        return self.header_size + self.payload_size
+
+
+_SETTINGS = struct.Struct("<IhhBB")  # tensor_count, qp, qp_1d, qp_density, reserved
+_ENTRY_FIXED = struct.Struct("<BBBBB")  # dtype, mode, coder, flags, ndim
+_ENTRY_QUANT = struct.Struct("<hBBIQI")  # qp, qp_density, coder_param, alias_of, chunk_elements, chunk_count
+_ENTRY_TAIL = struct.Struct("<QQI")  # offset, size, crc32
+
+
+def write_header(qp: int, qp_1d: int, qp_density: int, metadata: dict, tensors: list[TensorEntry]) -> bytes:
+    """Serialize the header; ``tensors`` must carry final offsets, sizes and checksums."""
+    meta = json.dumps(metadata, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+    body = [_SETTINGS.pack(len(tensors), qp, qp_1d, qp_density, 0), struct.pack("<I", len(meta)), meta]
+    for t in tensors:
+        name = t.name.encode("utf-8")
+        if len(name) > 0xFFFF:
+            raise ValueError(f"tensor name too long ({len(name)} bytes): {t.name[:40]}...")
+        body += [struct.pack("<H", len(name)), name, _ENTRY_FIXED.pack(t.dtype, t.mode, t.coder, t.flags, len(t.shape))]
+        body.append(struct.pack(f"<{len(t.shape)}Q", *t.shape))
+        body.append(_ENTRY_QUANT.pack(t.qp, t.qp_density, t.coder_param, t.alias_of, t.chunk_elements, len(t.chunk_sizes)))
+        body.append(struct.pack(f"<{len(t.chunk_sizes)}I", *t.chunk_sizes))
+        body.append(_ENTRY_TAIL.pack(t.offset, t.size, t.crc32))
+    body = b"".join(body)
+    # The body is deflated: names and the skeleton repeat themselves, and for small models the
+    # header would otherwise be a large share of the stream.
+    packed = struct.pack("<I", len(body)) + zlib.compress(body, 9)
+    head = PREAMBLE.pack(MAGIC, FORMAT_VERSION, 0, len(packed) + 4) + packed
+    return head + struct.pack("<I", zlib.crc32(head))
+
+
+class _Reader:
+    """Bounds-checked cursor over the header bytes."""
+
+    def __init__(self, data, start: int, end: int):
+        self.data, self.pos, self.end = data, start, end
+
+    def take(self, n: int, what: str):
+        if n < 0 or self.pos + n > self.end:
+            raise CorruptStreamError(f"header field '{what}' runs past the end of the header")
+        chunk = self.data[self.pos:self.pos + n]
+        self.pos += n
+        return chunk
+
+    def unpack(self, st: struct.Struct, what: str):
+        return st.unpack(self.take(st.size, what))
+
+
+def read_preamble(data) -> tuple[int, int]:
+    """Check magic and version; return (version, header_size including the CRC)."""
+    if len(data) < PREAMBLE.size:
+        if bytes(data[: len(MAGIC)]) != MAGIC[: len(data)]:
+            raise FormatError("not a deepcabac model stream (wrong magic bytes)")
+        raise TruncatedStreamError(f"stream is {len(data)} bytes, shorter than the {PREAMBLE.size}-byte preamble")
+    magic, version, flags, header_size = PREAMBLE.unpack(bytes(data[: PREAMBLE.size]))
+    if magic != MAGIC:
+        raise FormatError("not a deepcabac model stream (wrong magic bytes)")
+    if version != FORMAT_VERSION:
+        raise FormatError(f"unsupported format version {version} (this library reads version {FORMAT_VERSION})")
+    if flags != 0:
+        raise FormatError(f"unknown header flags 0x{flags:04x}")
+    if not 4 <= header_size <= MAX_HEADER_SIZE:
+        raise CorruptStreamError(f"implausible header size {header_size}")
+    return version, header_size
+
+
+def read_header(data, *, total_size: int | None = None) -> StreamHeader:
+    """Parse and validate the header of a stream (``data`` may hold just the header).
+
+    ``total_size`` is the length of the whole stream when ``data`` holds only its beginning.
+    """
+    version, header_size = read_preamble(data)
+    end = PREAMBLE.size + header_size
+    if len(data) < end:
+        raise TruncatedStreamError(f"stream ends inside its header ({len(data)} of {end} bytes)")
+    stored_crc = struct.unpack("<I", bytes(data[end - 4:end]))[0]
+    if zlib.crc32(bytes(data[: end - 4])) != stored_crc:
+        raise CorruptStreamError("header checksum mismatch: the header is damaged")
+    total = len(data) if total_size is None else total_size
+    payload_size = total - end
+
+    body = _inflate_body(data, end)
+    r = _Reader(body, 0, len(body))
+    count, qp, qp_1d, qp_density, _ = r.unpack(_SETTINGS, "settings")
+    (meta_len,) = r.unpack(struct.Struct("<I"), "metadata size")
+    try:
+        metadata = json.loads(bytes(r.take(meta_len, "metadata")).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CorruptStreamError(f"metadata is not valid JSON: {exc}") from None
+    if not isinstance(metadata, dict):
+        raise CorruptStreamError("metadata must be a JSON object")
+    # Each entry takes at least 45 bytes: refuse counts the header cannot hold before looping.
+    if count > (r.end - r.pos) // 45:
+        raise CorruptStreamError(f"tensor count {count} does not fit in a {header_size}-byte header")
+
+    tensors: list[TensorEntry] = []
+    next_offset = 0
+    for i in range(count):
+        (name_len,) = r.unpack(struct.Struct("<H"), "name length")
+        try:
+            name = bytes(r.take(name_len, "name")).decode("utf-8")
+        except UnicodeDecodeError:
+            raise CorruptStreamError(f"tensor {i}: name is not UTF-8") from None
+        dtype, mode, coder, flags, ndim = r.unpack(_ENTRY_FIXED, "tensor type")
+        where = f"tensor {i} ({name!r})"
+        try:
+            dtype, mode, coder = DType(dtype), Mode(mode), Coder(coder)
+        except ValueError as exc:
+            raise FormatError(f"{where}: {exc}") from None
+        if flags & ~_KNOWN_FLAGS:
+            raise FormatError(f"{where}: unknown flags 0x{flags:02x}")
+        if ndim > MAX_NDIM:
+            raise CorruptStreamError(f"{where}: {ndim} dimensions")
+        shape = struct.unpack(f"<{ndim}Q", bytes(r.take(8 * ndim, "shape")))
+        t_qp, t_density, coder_param, alias_of, chunk_elements, chunk_count = r.unpack(_ENTRY_QUANT, "coding parameters")
+        if chunk_count > (r.end - r.pos) // 4:
+            raise CorruptStreamError(f"{where}: chunk count {chunk_count} does not fit in the header")
+        chunk_sizes = list(struct.unpack(f"<{chunk_count}I", bytes(r.take(4 * chunk_count, "chunk sizes"))))
+        offset, size, crc = r.unpack(_ENTRY_TAIL, "payload location")
+        entry = TensorEntry(name, dtype, tuple(shape), mode, coder, flags, t_qp, t_density, alias_of,
+                            coder_param, chunk_elements, chunk_sizes, offset, size, crc)
+        _validate_entry(entry, i, where, tensors, next_offset)
+        next_offset += entry.size
+        tensors.append(entry)
+    if r.pos != r.end:
+        raise CorruptStreamError(f"{r.end - r.pos} unexplained bytes at the end of the header")
+    if next_offset != payload_size:
+        if next_offset > payload_size:
+            raise TruncatedStreamError(f"payload is {payload_size} bytes but the tensor table needs {next_offset}")
+        raise CorruptStreamError(f"{payload_size - next_offset} unexplained bytes after the last tensor")
+    return StreamHeader(version, qp, qp_1d, qp_density, metadata, tensors, end, next_offset)
+
+
+def _inflate_body(data, end: int) -> bytes:
+    if end - 4 < PREAMBLE.size + 4:
+        raise CorruptStreamError("header too short for its body")
+    (raw_size,) = struct.unpack("<I", bytes(data[PREAMBLE.size:PREAMBLE.size + 4]))
+    packed = bytes(data[PREAMBLE.size + 4:end - 4])
+    # A deflate stream expands at most ~1032x: refuse sizes the packed bytes cannot produce.
+    if raw_size > MAX_HEADER_SIZE or raw_size > 1100 * len(packed) + 64:
+        raise CorruptStreamError(f"implausible header body size {raw_size}")
+    inflater = zlib.decompressobj()
+    try:
+        body = inflater.decompress(packed, raw_size)
+    except zlib.error as exc:
+        raise CorruptStreamError(f"header body does not inflate: {exc}") from None
+    if len(body) != raw_size or inflater.unconsumed_tail or not inflater.eof or inflater.unused_data:
+        raise CorruptStreamError("header body size does not match its declared size")
+    return body
+
+
+def read_header_file(path) -> StreamHeader:
+    """Read and parse only the header of a stream file (the payload is not read)."""
+    import os
+
+    try:
+        with open(path, "rb") as f:
+            total = os.fstat(f.fileno()).st_size
+            head = f.read(PREAMBLE.size)
+            _, header_size = read_preamble(head)
+            head += f.read(header_size)
+    except OSError as exc:
+        raise InputError(f"cannot read {path}: {exc.strerror or exc}") from None
+    return read_header(head, total_size=total)
+
+
+def _validate_entry(e: TensorEntry, index: int, where: str, earlier: list[TensorEntry], expected_offset: int) -> None:
+    from .levelcoder import MAX_K_OFFSET, layout_from_stream, max_elements_for_payload
+    from .quantize import QP_DENSITY_MAX, QP_MAX, QP_MIN
+
+    numel = 1
+    for d in e.shape:
+        if d > MAX_DIM:
+            raise CorruptStreamError(f"{where}: dimension {d} is absurd")
+        numel *= d
+    if numel > MAX_DIM:
+        raise CorruptStreamError(f"{where}: {numel} elements is absurd")
+    if e.is_alias:
+        if e.alias_of >= index:
+            raise CorruptStreamError(f"{where}: aliases tensor {e.alias_of}, which does not precede it")
+        target = earlier[e.alias_of]
+        if target.is_alias or target.shape != e.shape or target.dtype != e.dtype:
+            raise CorruptStreamError(f"{where}: alias target {e.alias_of} does not match it")
+        if e.size or e.chunk_sizes or e.coder_param:
+            raise CorruptStreamError(f"{where}: an alias carries no payload")
+        return
+    if e.alias_of != NO_ALIAS:
+        raise CorruptStreamError(f"{where}: alias index without the alias flag")
+    if e.offset != expected_offset:
+        raise CorruptStreamError(f"{where}: payload offset {e.offset}, expected {expected_offset}")
+    if sum(e.chunk_sizes) != e.size:
+        raise CorruptStreamError(f"{where}: chunk sizes do not add up to the payload size")
+    if e.mode == Mode.RAW:
+        if e.coder != Coder.NONE or e.size != numel * e.dtype.itemsize or len(e.chunk_sizes) != (1 if numel else 0):
+            raise CorruptStreamError(f"{where}: raw payload of {e.size} bytes does not match its shape and dtype")
+        return
+    if e.coder != Coder.ADAPTIVE_SCALE:
+        raise FormatError(f"{where}: coding mode {e.mode.name} needs a level coder")
+    if e.mode == Mode.UNIFORM:
+        if not e.dtype.is_float:
+            raise CorruptStreamError(f"{where}: uniform quantization of a {e.dtype.name} tensor")
+        if not (QP_MIN <= e.qp <= QP_MAX and 0 <= e.qp_density <= QP_DENSITY_MAX):
+            raise CorruptStreamError(f"{where}: qp {e.qp} / qp_density {e.qp_density} out of range")
+    elif e.dtype.is_float or e.dtype in (DType.COMPLEX64, DType.COMPLEX128):
+        raise CorruptStreamError(f"{where}: integer coding of a {e.dtype.name} tensor")
+    if e.coder_param > MAX_K_OFFSET:
+        raise CorruptStreamError(f"{where}: coder parameter {e.coder_param} out of range")
+    if e.chunk_elements < 1:
+        raise CorruptStreamError(f"{where}: chunk size {e.chunk_elements}")
+    layout = layout_from_stream(e.shape, e.chunk_elements, e.coder_param)
+    if len(e.chunk_sizes) != layout.count:
+        raise CorruptStreamError(f"{where}: {len(e.chunk_sizes)} chunks, but the shape needs {layout.count}")
+    for k, size in enumerate(e.chunk_sizes):
+        start, stop = layout.bounds(k)
+        if stop - start > max_elements_for_payload(size):
+            raise CorruptStreamError(f"{where}: chunk {k} claims {stop - start} levels in {size} bytes")

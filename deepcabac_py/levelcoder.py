@@ -1,0 +1,126 @@
+"""Entropy coding of integer level arrays: the validated front of the Numba kernels.
+
+A tensor is viewed as a row-major matrix (dim0 x the rest) and cut into chunks of whole rows of at
+most :data:`CHUNK_ELEMENTS` elements (a row longer than that is cut into pieces). Each chunk is an
+independent arithmetic-coded substream, so the chunks of one tensor encode and decode in parallel
+and a damaged chunk cannot take its neighbours with it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import _cabac_kernels as _k
+from .errors import CorruptStreamError
+
+CHUNK_ELEMENTS = 1 << 20
+DEFAULT_K_OFFSET = _k.DEFAULT_K_OFFSET
+MAX_K_OFFSET = 3
+LEVEL_MAX = (1 << 31) - 1  # |level| <= LEVEL_MAX; int32's minimum has no zigzag code
+
+_ERRORS = {
+    _k.ERR_BAD_START: "the substream does not start with a valid code value",
+    _k.ERR_BAD_ESCAPE: "an escape code is longer than any level allows",
+    _k.ERR_BAD_VALUE: "a decoded level exceeds the 31-bit range",
+    _k.ERR_BAD_TERMINATE: "the substream does not end where its levels end (bad terminate bin)",
+    _k.ERR_OVERRUN: "the substream is shorter than its levels need (truncated)",
+    _k.ERR_BAD_BYPASS: "a bypass code word is out of range",
+}
+
+
+@dataclass(frozen=True)
+class ChunkLayout:
+    """How a tensor of ``numel`` elements is cut into substreams."""
+
+    numel: int
+    ncols: int  # columns of the 2-D view when the column model is used, else 0
+    chunk_elements: int
+    k_offset: int = DEFAULT_K_OFFSET  # Rice parameter = scale octave - 4 - k_offset (0..3)
+
+    @property
+    def count(self) -> int:
+        return -(-self.numel // self.chunk_elements) if self.numel else 0
+
+    def bounds(self, index: int) -> tuple[int, int]:
+        start = index * self.chunk_elements
+        return start, min(self.numel, start + self.chunk_elements)
+
+    def first_column(self, start: int) -> int:
+        return start % self.ncols if self.ncols else 0
+
+
+def _numel_and_columns(shape: tuple[int, ...]) -> tuple[int, int]:
+    numel = 1
+    for d in shape:
+        numel *= int(d)
+    rows = int(shape[0]) if len(shape) >= 2 else 1
+    return numel, (numel // rows if rows > 1 and numel else 0)
+
+
+def layout_for_shape(shape: tuple[int, ...], target: int = CHUNK_ELEMENTS,
+                     k_offset: int = DEFAULT_K_OFFSET) -> ChunkLayout:
+    """The chunk layout the encoder chooses for a tensor of ``shape``: whole rows when they fit."""
+    numel, ncols = _numel_and_columns(shape)
+    size = (target // ncols) * ncols if ncols and ncols <= target else target
+    return ChunkLayout(numel=numel, ncols=ncols, chunk_elements=max(1, size), k_offset=k_offset)
+
+
+def layout_from_stream(shape: tuple[int, ...], chunk_elements: int, k_offset: int) -> ChunkLayout:
+    """The layout a stream declares (any positive chunk size decodes)."""
+    numel, ncols = _numel_and_columns(shape)
+    return ChunkLayout(numel=numel, ncols=ncols, chunk_elements=chunk_elements, k_offset=k_offset)
+
+
+def max_elements_for_payload(nbytes: int) -> int:
+    """An upper bound on how many levels ``nbytes`` of substream can hold.
+
+    Used to refuse headers whose shapes would make the decoder allocate far more than the payload
+    can describe.
+    """
+    bits = (nbytes + _k.OVERRUN_SLACK + 1) * 8
+    return int(bits / _k.MIN_BITS_PER_ELEMENT) + 1
+
+
+def encode_chunk(part: np.ndarray, layout: ChunkLayout, index: int) -> bytes:
+    """Encode ``part``, the flat int32 levels of the ``index``-th chunk of a tensor."""
+    start, stop = layout.bounds(index)
+    if part.dtype != np.int32 or part.shape != (stop - start,):
+        raise ValueError(f"chunk {index} needs a flat int32 array of {stop - start} levels")
+    check_levels(part)
+    # A generous first guess; the kernel reports -1 if a pathological chunk needs more.
+    capacity = part.shape[0] * 5 + 64
+    while True:
+        out = np.empty(capacity, dtype=np.uint8)
+        size = _k.encode_levels_kernel(part, layout.ncols, layout.first_column(start), layout.k_offset, out)
+        if size >= 0:
+            break
+        capacity = part.shape[0] * 48 + 256
+    # The first byte of the range coder's output is always zero: it is not stored.
+    return out[1:size].tobytes()
+
+
+def decode_chunk(payload, layout: ChunkLayout, index: int, out: np.ndarray) -> None:
+    """Decode the ``index``-th chunk from ``payload`` (bytes-like) into ``out``, a flat int32 array
+    of exactly the chunk's length.
+
+    Raises :class:`CorruptStreamError` if the substream is inconsistent.
+    """
+    start, stop = layout.bounds(index)
+    if out.dtype != np.int32 or out.shape != (stop - start,):
+        raise ValueError(f"out must be a flat int32 array of {stop - start} elements")
+    buf = np.frombuffer(payload, dtype=np.uint8)
+    if stop - start > max_elements_for_payload(buf.shape[0]):
+        raise CorruptStreamError(
+            f"chunk {index} claims {stop - start} levels but its {buf.shape[0]} bytes cannot hold them"
+        )
+    status = _k.decode_levels_kernel(buf, layout.ncols, layout.first_column(start), layout.k_offset, out)
+    if status != _k.OK:
+        raise CorruptStreamError(f"chunk {index}: {_ERRORS.get(status, 'corrupt substream')}")
+
+
+def check_levels(levels: np.ndarray) -> None:
+    """Raise ``ValueError`` unless ``levels`` fit the coder (|level| <= 2**31 - 1)."""
+    if levels.size and int(levels.min()) < -LEVEL_MAX:
+        raise ValueError("levels must lie in [-(2**31 - 1), 2**31 - 1]")

@@ -1,0 +1,184 @@
+"""Per-tensor and per-model compression figures: sizes, bits per parameter, ratios and errors."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from .checkpoint import Checkpoint, tensor_to_numpy
+from .container import Mode, StreamHeader
+
+_FLOATS = ("float32", "float16", "bfloat16", "float64")
+
+
+@dataclass
+class TensorReport:
+    name: str
+    shape: list[int]
+    dtype: str
+    mode: str
+    qp: int | None
+    step: float | None
+    params: int
+    bytes: int
+    bits_per_param: float | None
+    ratio_vs_fp32: float | None
+    snr_db: float | None = None  # None: no original to compare with; inf: exact
+    max_abs_error: float | None = None
+    alias_of: str | None = None
+
+
+@dataclass
+class ModelReport:
+    stream_bytes: int
+    header_bytes: int
+    params: int
+    bits_per_param: float | None
+    ratio_vs_fp32: float | None
+    original_bytes: int | None  # the tensors' bytes in their own dtypes
+    ratio_vs_original: float | None
+    snr_db: float | None
+    max_abs_error: float | None
+    tensors: list[TensorReport] = field(default_factory=list)
+    fidelity: dict | None = None  # e.g. {"accuracy": ...} filled by callers that can run the model
+
+    def to_dict(self) -> dict:
+        return _jsonable(asdict(self))
+
+
+def _jsonable(obj):
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return "inf" if obj > 0 else ("-inf" if obj < 0 else "nan")
+    if isinstance(obj, dict):
+        return {k: _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_jsonable(v) for v in obj]
+    return obj
+
+
+def _as_float64(t, dtype: str) -> np.ndarray:
+    arr, name, _ = tensor_to_numpy(t)
+    if name == "bfloat16":
+        return (arr.astype(np.uint32) << 16).view(np.float32).astype(np.float64).reshape(-1)
+    return arr.astype(np.float64).reshape(-1)
+
+
+def _errors(original, decoded, dtype: str) -> tuple[float, float]:
+    if dtype not in _FLOATS:
+        a, _, _ = tensor_to_numpy(original)
+        b, _, _ = tensor_to_numpy(decoded)
+        same = np.array_equal(a, b)
+        return (math.inf, 0.0) if same else (-math.inf, math.nan)
+    x = _as_float64(original, dtype)
+    y = _as_float64(decoded, dtype)
+    if x.size == 0:
+        return math.inf, 0.0
+    finite = np.isfinite(x) & np.isfinite(y)
+    same_nonfinite = np.array_equal(np.isnan(x), np.isnan(y)) and np.array_equal(x[~finite & ~np.isnan(x)], y[~finite & ~np.isnan(y)])
+    diff = x[finite] - y[finite]
+    noise = float(np.dot(diff, diff))
+    signal = float(np.dot(x[finite], x[finite]))
+    max_err = float(np.max(np.abs(diff))) if diff.size else 0.0
+    if not same_nonfinite:
+        return -math.inf, math.nan
+    if noise == 0.0:
+        return math.inf, max_err
+    if signal == 0.0:
+        return -math.inf, max_err
+    return 10.0 * math.log10(signal / noise), max_err
+
+
+def build_report(header: StreamHeader, original: Checkpoint | None = None,
+                 decoded: Checkpoint | None = None) -> ModelReport:
+    """Figures for a stream; errors too when the original and decoded checkpoints are given."""
+    tensors: list[TensorReport] = []
+    total_params = 0
+    original_bytes = 0
+    signal = noise = 0.0
+    worst = 0.0
+    exact_all = True
+    names = [e.name for e in header.tensors]
+    for e in header.tensors:
+        dtype = e.dtype.name.lower()
+        params = e.numel
+        rep = TensorReport(
+            name=e.name, shape=list(e.shape), dtype=dtype, mode="ALIAS" if e.is_alias else e.mode.name,
+            qp=e.qp if e.mode == Mode.UNIFORM and not e.is_alias else None,
+            step=e.step if not e.is_alias else None, params=params, bytes=e.size,
+            bits_per_param=(8.0 * e.size / params) if params and not e.is_alias else None,
+            ratio_vs_fp32=(4.0 * params / e.size) if e.size else None,
+            alias_of=names[e.alias_of] if e.is_alias else None,
+        )
+        if not e.is_alias:
+            total_params += params
+            original_bytes += params * e.dtype.itemsize
+        if original is not None and decoded is not None and not e.is_alias:
+            o, d = original.tensors.get(e.name), decoded.tensors.get(e.name)
+            if o is not None and d is not None:
+                rep.snr_db, rep.max_abs_error = _errors(o, d, dtype)
+                if dtype in _FLOATS:
+                    x, y = _as_float64(o, dtype), _as_float64(d, dtype)
+                    ok = np.isfinite(x) & np.isfinite(y)
+                    signal += float(np.dot(x[ok], x[ok]))
+                    noise += float(np.dot(x[ok] - y[ok], x[ok] - y[ok]))
+                if rep.max_abs_error is not None and not math.isnan(rep.max_abs_error):
+                    worst = max(worst, rep.max_abs_error)
+                exact_all = exact_all and rep.snr_db == math.inf
+        tensors.append(rep)
+    stream = header.total_size
+    have_errors = original is not None and decoded is not None
+    if have_errors:
+        model_snr = math.inf if noise == 0.0 else (10.0 * math.log10(signal / noise) if signal else -math.inf)
+        if exact_all:
+            model_snr = math.inf
+    return ModelReport(
+        stream_bytes=stream,
+        header_bytes=header.header_size,
+        params=total_params,
+        bits_per_param=8.0 * stream / total_params if total_params else None,
+        ratio_vs_fp32=4.0 * total_params / stream if stream else None,
+        original_bytes=original_bytes,
+        ratio_vs_original=original_bytes / stream if stream else None,
+        snr_db=model_snr if have_errors else None,
+        max_abs_error=worst if have_errors else None,
+        tensors=tensors,
+    )
+
+
+def format_report(rep: ModelReport, *, per_tensor: bool = True) -> str:
+    """A plain-text table of a :class:`ModelReport`."""
+    def num(x, fmt):
+        if x is None:
+            return "-"
+        if isinstance(x, float) and math.isinf(x):
+            return "exact" if x > 0 else "-inf"
+        if isinstance(x, float) and math.isnan(x):
+            return "nan"
+        return format(x, fmt)
+
+    lines = []
+    if per_tensor:
+        width = min(60, max([len(t.name) for t in rep.tensors] + [6]))
+        lines.append(f"{'tensor':<{width}} {'shape':>16} {'dtype':>8} {'mode':>7} {'qp':>4} "
+                     f"{'params':>11} {'bytes':>11} {'bits/p':>7} {'x fp32':>8} {'SNR dB':>7} {'max err':>9}")
+        for t in rep.tensors:
+            name = t.name if len(t.name) <= width else "..." + t.name[-(width - 3):]
+            shape = "x".join(map(str, t.shape)) or "scalar"
+            lines.append(
+                f"{name:<{width}} {shape:>16} {t.dtype:>8} {t.mode:>7} {num(t.qp, 'd'):>4} "
+                f"{t.params:>11,} {t.bytes:>11,} {num(t.bits_per_param, '.3f'):>7} {num(t.ratio_vs_fp32, '.2f'):>8} "
+                f"{num(t.snr_db, '.1f'):>7} {num(t.max_abs_error, '.2e'):>9}"
+            )
+        lines.append("")
+    lines.append(
+        f"total: {rep.params:,} params in {rep.stream_bytes:,} bytes (header {rep.header_bytes:,}): "
+        f"{num(rep.bits_per_param, '.3f')} bits/param, {num(rep.ratio_vs_fp32, '.2f')}x smaller than fp32"
+        + (f", {num(rep.ratio_vs_original, '.2f')}x smaller than the original dtypes" if rep.original_bytes else "")
+    )
+    if rep.snr_db is not None:
+        lines.append(f"fidelity: SNR {num(rep.snr_db, '.2f')} dB, max abs error {num(rep.max_abs_error, '.3e')}")
+    if rep.fidelity:
+        lines.append("model fidelity: " + ", ".join(f"{k} {v}" for k, v in rep.fidelity.items()))
+    return "\n".join(lines)
