@@ -17,21 +17,15 @@ from contextlib import contextmanager
 import click
 
 from deepcabac_py import __version__
-from deepcabac_py.checkpoint import KINDS, checkpoint_writer, kind_from_suffix, load_checkpoint
-from deepcabac_py.codec import (
-    DEFAULT_QP,
-    DEFAULT_QP_1D,
-    DEFAULT_QP_DENSITY,
-    decode_checkpoint,
-    encode_model,
-    read_stream_header,
-)
 from deepcabac_py.container import read_header_file
 from deepcabac_py.errors import DeepCabacError, InputError, OutputError
-from deepcabac_py.fileio import write_atomic
 from deepcabac_py.quantize import QP_MAX, QP_MIN
 from deepcabac_py.report import build_report, format_report
 
+# The library's codec and checkpoint modules import torch, which takes most of a second: commands
+# import them when they need them, so that `info` stays fast. These mirror deepcabac_py.codec.
+KINDS = ("torch", "safetensors", "npz")
+DEFAULT_QP, DEFAULT_QP_1D, DEFAULT_QP_DENSITY = -32, -75, 2
 STREAM_SUFFIX = ".dcb"
 _DEFAULT_SUFFIX = {"torch": ".pt", "safetensors": ".safetensors", "npz": ".npz"}
 
@@ -199,6 +193,9 @@ def _same_file(a: str, b: str) -> bool:
 def encode(input, output, input_format, force, qp, qp_density, qp_1d, qp_tensor, exact, exact_all,
            threads, no_progress, quiet, verbose):
     """Compress a checkpoint (.pt/.pth/.bin, .safetensors, .npz) into a model stream."""
+    from deepcabac_py.checkpoint import load_checkpoint
+    from deepcabac_py.codec import encode_model, read_stream_header
+
     settings = _encode_settings(qp, qp_density, qp_1d, qp_tensor, exact, exact_all)
     if output is None:
         output = "-" if input == "-" else input + STREAM_SUFFIX
@@ -234,6 +231,9 @@ def encode(input, output, input_format, force, qp, qp_density, qp_1d, qp_tensor,
 @_verbosity
 def decode(input, output, kind, force, threads, no_progress, quiet, verbose):
     """Decompress a model stream into a checkpoint."""
+    from deepcabac_py.checkpoint import checkpoint_writer, kind_from_suffix
+    from deepcabac_py.codec import decode_checkpoint, read_stream_header
+
     if output is None:
         if input == "-":
             output = "-"
@@ -262,7 +262,9 @@ def decode(input, output, kind, force, threads, no_progress, quiet, verbose):
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def info(input, as_json):
     """Show a stream's header: tensors, shapes, dtypes, coding modes, qp and sizes (no decoding)."""
-    header = read_stream_header(_read_bytes("-")) if input == "-" else read_header_file(input)
+    from deepcabac_py.container import read_header
+
+    header = read_header(memoryview(_read_bytes("-"))) if input == "-" else read_header_file(input)
     rep = build_report(header)
     if as_json:
         out = {"format_version": header.version, "qp": header.qp, "qp_1d": header.qp_1d,
@@ -276,8 +278,16 @@ def info(input, as_json):
     click.echo(f"deepcabac stream, format {header.version}: {header.total_size:,} bytes, "
                f"{len(header.tensors)} tensors, original kind {header.metadata.get('kind', '?')}")
     click.echo(f"settings: qp {header.qp}, qp_1d {header.qp_1d}, qp_density {header.qp_density}")
-    text = format_report(rep)
-    click.echo("\n".join(line[: line.rfind(" SNR dB")] if " SNR dB" in line else line for line in text.splitlines()))
+    # Drop the SNR and max-error columns (unknown without the original) from the header line *and*
+    # the per-tensor rows: the table is fixed-width, so every row is cut where the header's SNR column starts.
+    lines = format_report(rep).splitlines()
+    cut = lines[0].rfind(" SNR dB") if lines else -1
+    if cut >= 0:
+        for i, line in enumerate(lines):
+            if not line:  # the blank line that ends the table
+                break
+            lines[i] = line[:cut].rstrip()
+    click.echo("\n".join(lines))
 
 
 @main.command()
@@ -296,6 +306,9 @@ def report(input, as_json, input_format, qp, qp_density, qp_1d, qp_tensor, exact
     INPUT is a checkpoint (encoded in memory with the given settings, then decoded to measure the
     error) or a model stream (sizes only: the original is not known).
     """
+    from deepcabac_py.checkpoint import load_checkpoint
+    from deepcabac_py.codec import decode_checkpoint, encode_model, read_stream_header
+
     raw = _read_bytes(input) if input == "-" else None
     is_stream = (raw[:4] if raw is not None else _peek(input)) == b"\x89DCB"
     if is_stream:
@@ -333,6 +346,8 @@ def report(input, as_json, input_format, qp, qp_density, qp_1d, qp_tensor, exact
 @_verbosity
 def test(inputs, threads, quiet, verbose):
     """Decode streams and discard the result: checks that they are intact."""
+    from deepcabac_py.codec import decode_checkpoint
+
     for path in inputs:
         data = _read_bytes(path)
         decode_checkpoint(data, threads=threads)

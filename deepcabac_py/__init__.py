@@ -9,26 +9,45 @@ written in Numba. The public surface is small::
     header = read_stream_header(data)            # tensors, shapes, modes, sizes: no payload decoding
 """
 
-from .codec import (
-    QuantizedTensor,
-    decode_checkpoint,
-    decode_levels,
-    decode_model,
-    encode_model,
-    quantize_model,
-    read_stream_header,
-)
-from .checkpoint import Checkpoint, load_checkpoint, save_checkpoint
-from .errors import (
-    CheckpointError,
-    CorruptStreamError,
-    DeepCabacError,
-    FormatError,
-    OutputError,
-    OutputExistsError,
-    TruncatedStreamError,
-)
-from .quantize import step_from_qp
+import importlib
+
+# Names are resolved on first use (PEP 562), so that `import deepcabac_py` and header-only work such
+# as `deepcabac info` do not pay for importing torch.
+_EXPORTS = {
+    "QuantizedTensor": "codec",
+    "decode_checkpoint": "codec",
+    "decode_levels": "codec",
+    "decode_model": "codec",
+    "encode_model": "codec",
+    "quantize_model": "codec",
+    "read_stream_header": "codec",
+    "Checkpoint": "checkpoint",
+    "load_checkpoint": "checkpoint",
+    "save_checkpoint": "checkpoint",
+    "CheckpointError": "errors",
+    "CorruptStreamError": "errors",
+    "DeepCabacError": "errors",
+    "FormatError": "errors",
+    "InputError": "errors",
+    "OutputError": "errors",
+    "OutputExistsError": "errors",
+    "TruncatedStreamError": "errors",
+    "step_from_qp": "quantize",
+}
+
+
+def __getattr__(name):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'deepcabac_py' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(list(globals()) + list(_EXPORTS))
+
 
 __version__ = "0.1.0"
 
@@ -38,6 +57,7 @@ __all__ = [
     "CorruptStreamError",
     "DeepCabacError",
     "FormatError",
+    "InputError",
     "OutputError",
     "OutputExistsError",
     "QuantizedTensor",

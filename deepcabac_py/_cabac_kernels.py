@@ -9,10 +9,10 @@ Design, in short (the reasons are measured in ``benchmarks/bench_contexts.py``):
 * Range coder with a 32-bit range and carry propagation through a cached byte (LZMA style). A bin
   costs one multiplication; probabilities have 15 bits, so the coding loss against the estimator is
   far below the 9-bit-range M-coder of NNC.
-* Each context holds two probability estimators with windows of 2**RATE_FAST and 2**RATE_SLOW bins,
-  averaged. A per-context counter makes both adapt at rate 1/(n+2) for the first bins, so a context
-  that is used a few times is not stuck near its initial 1/2 (this replaces NNC's per-tensor search
-  over preset initial states).
+* Each context holds one probability estimator whose adaptation rate starts at 1/2 and slows as
+  1/(n+2) with the bins seen, down to 2**-RATE: a context used a few times is not stuck near its
+  initial 1/2 (this replaces NNC's per-tensor search over preset initial states), a mature one is
+  nearly static, which suits the stationary statistics of a weight tensor.
 * A signed level v is mapped to u = 2|v| - (v > 0) (0, +1, -1, +2, -2, ...). The coder keeps a local
   scale: an exponential moving average of u along the scan, and one per column of the 2-D view
   (dim0 x rest) across rows. The scale selects a context set ("bucket", half-octave steps) and a Rice
@@ -30,17 +30,20 @@ from ._jit import kernel, scalar_helper
 # --- arithmetic coder ---------------------------------------------------------------------------
 PROB_BITS = 15
 PROB_ONE = 1 << PROB_BITS
-P_MIN = 32  # probabilities are clamped to [P_MIN, PROB_ONE - P_MIN] / PROB_ONE
+P_MIN = 32  # the probability of a 1 is at least P_MIN / PROB_ONE (forced by OR-ing P_MIN in)
 TOP = 1 << 24
 RANGE_INIT = 0xFFFFFFFF
 TERMINATE_P = 256  # probability of the terminate bin being 1: 1/128
 
 # --- probability estimation ---------------------------------------------------------------------
-RATE_FAST = 6
-RATE_SLOW = 9
-WARMUP_MAX = (1 << RATE_SLOW) - 1
-# Adaptation shift for a context that has seen n bins: floor(log2(n + 2)), i.e. rate ~ 1/(n + 2).
-WARMUP_SHIFT = np.array([int(np.log2(n + 2)) for n in range(WARMUP_MAX + 1)], dtype=np.int64)
+# One estimator per context: a 16-bit probability of a 1, moved by (target - p) >> shift. A counter
+# makes the shift grow as floor(log2(n + 2)) until RATE, so a young context learns at rate ~1/(n+2)
+# (close to counting) and a mature one forgets with a window of ~2**RATE bins. Measured on
+# all-MiniLM-L6-v2 (benchmarks/bench_contexts.py): as small as a two-rate mix of windows 2**6 and
+# 2**9, and 10% faster.
+RATE = 8
+WARMUP_MAX = (1 << RATE) - 1
+SHIFT_FOR_COUNT = np.array([min(RATE, int(np.log2(n + 2))) for n in range(WARMUP_MAX + 1)], dtype=np.int64)
 
 # --- binarization and context layout ------------------------------------------------------------
 SCALE_FRAC = 4  # scales are kept in units of u / 16
@@ -54,7 +57,7 @@ N_CTX = N_BUCKETS * CTX_PER_BUCKET
 Q_MAX = 24  # unary length after which an Exp-Golomb escape in bypass bins follows
 U_MAX = (1 << 32) - 2  # largest u: |v| <= 2**31 - 1
 MAX_BYPASS_GROUP = 16
-DEFAULT_K_OFFSET = 1
+DEFAULT_K_OFFSET = 0
 
 # --- decoding status codes ----------------------------------------------------------------------
 OK = 0
@@ -65,6 +68,7 @@ ERR_BAD_TERMINATE = 4
 ERR_OVERRUN = 5
 ERR_BAD_BYPASS = 6
 OVERRUN_SLACK = 8  # bytes a valid decoder may read past the end (lookahead of the final flush)
+MAX_STRIPPED = 4  # trailing zero bytes the encoder may drop (the decoder reads zeros there)
 
 # Lower bound on the cost of one coded element, for bounding allocations by the payload size: an
 # element costs at least one context-coded bin, whose probability is at most 1 - P_MIN / PROB_ONE.
@@ -97,37 +101,66 @@ def _bitlen(x):
     return n + x
 
 
+def _bucket_of(s):
+    length = int(s).bit_length()
+    bucket = 2 * length + ((s >> (length - 2)) & 1) if length >= 2 else 2 * length
+    return bucket, length
+
+
+# Buckets and bit lengths of small scales, packed as bucket << 8 | length: the common case costs a
+# table look-up instead of a bit-length computation.
+SMALL_SCALES = 1 << 12
+BUCKET_LUT = np.array([(b << 8) | n for b, n in map(_bucket_of, range(SMALL_SCALES))], dtype=np.int64)
+
+
 @scalar_helper
 def _bucket_and_k(s, k_offset):
-    length = _bitlen(s)
-    if length >= 2:
-        bucket = 2 * length + ((s >> (length - 2)) & 1)
+    if s < SMALL_SCALES:
+        packed = BUCKET_LUT[s]
+        bucket = packed >> 8
+        length = packed & 0xFF
     else:
-        bucket = 2 * length
-    k = length - SCALE_FRAC - k_offset
+        length = _bitlen(s)
+        bucket = 2 * length + ((s >> (length - 2)) & 1)
+    # k_offset counts half octaves: k = floor((log2 of the scale in u units) - k_offset / 2), about.
+    k = (bucket - 2 * SCALE_FRAC - k_offset) >> 1
     if k < 0:
         k = 0
     return bucket, k
 
 
 @scalar_helper
-def _prob(a, b):
-    p = (a + b) >> 2
-    if p < P_MIN:
-        p = P_MIN
-    elif p > PROB_ONE - P_MIN:
-        p = PROB_ONE - P_MIN
-    return p
+def _prob(state):
+    # OR instead of a clamp: cheaper, and it keeps p in [P_MIN, PROB_ONE - 1].
+    return (state >> 1) | P_MIN
 
 
 @scalar_helper
-def _adapt(a, b, n, bit, shift_fast, shift_slow):
-    target = bit << 16
-    a += (target - a) >> shift_fast
-    b += (target - b) >> shift_slow
-    if n < WARMUP_MAX:
-        n += 1
-    return a, b, n
+def _adapt(state, count, bit):
+    state += ((bit << 16) - state) >> SHIFT_FOR_COUNT[count]
+    if count < WARMUP_MAX:
+        count += 1
+    return state, count
+
+
+@scalar_helper
+def _encode_bypass(low, rng, bits, g):
+    # Bit by bit, halving the range: no division is needed to decode (see _decode_bypass).
+    for j in range(g - 1, -1, -1):
+        rng >>= 1
+        low += rng * ((bits >> j) & 1)
+    return low, rng
+
+
+@scalar_helper
+def _decode_bypass(code, rng, g):
+    bits = 0
+    for _ in range(g):
+        rng >>= 1
+        mask = ~((code - rng) >> 63)  # all ones when code >= rng: branch-free
+        code -= rng & mask
+        bits = (bits << 1) | (mask & 1)
+    return code, rng, bits
 
 
 @kernel
@@ -156,11 +189,10 @@ def encode_levels_kernel(levels, ncols, col0, k_offset, out):
     the first element sitting in column ``col0``.
     """
     n = levels.shape[0]
-    state = np.empty((N_CTX, 3), dtype=np.int64)
+    state = np.empty((N_CTX, 2), dtype=np.int64)  # probability of a 1 (16 bits), bins seen
     for c in range(N_CTX):
         state[c, 0] = 1 << 15
-        state[c, 1] = 1 << 15
-        state[c, 2] = 0
+        state[c, 1] = 0
     use_cols = ncols > 0
     col_scale = np.zeros(max(ncols, 1), dtype=np.int64)
     col = col0
@@ -190,20 +222,14 @@ def encode_levels_kernel(levels, ncols, col0, k_offset, out):
                 break
             bit = 1 if j < q else 0
             c = base + (j if j < N_UNARY_CTX - 1 else N_UNARY_CTX - 1)
-            sf = WARMUP_SHIFT[state[c, 2]]
-            ss = sf
-            if sf > RATE_FAST:
-                sf = RATE_FAST
-            if ss > RATE_SLOW:
-                ss = RATE_SLOW
-            p = _prob(state[c, 0], state[c, 1])
+            p = _prob(state[c, 0])
             bound = (rng >> PROB_BITS) * p
             if bit:
                 rng = bound
             else:
                 low += bound
                 rng -= bound
-            state[c, 0], state[c, 1], state[c, 2] = _adapt(state[c, 0], state[c, 1], state[c, 2], bit, sf, ss)
+            state[c, 0], state[c, 1] = _adapt(state[c, 0], state[c, 1], bit)
             while rng < TOP:
                 rng <<= 8
                 low, cache, cache_size, pos = _shift_low(low, cache, cache_size, out, pos)
@@ -212,10 +238,7 @@ def encode_levels_kernel(levels, ncols, col0, k_offset, out):
             x = q - Q_MAX + 1
             length = _bitlen(x)
             for j in range(length):
-                bit = 1 if j < length - 1 else 0
-                rng >>= 1
-                if bit:
-                    low += rng
+                low, rng = _encode_bypass(low, rng, 1 if j < length - 1 else 0, 1)
                 while rng < TOP:
                     rng <<= 8
                     low, cache, cache_size, pos = _shift_low(low, cache, cache_size, out, pos)
@@ -223,9 +246,7 @@ def encode_levels_kernel(levels, ncols, col0, k_offset, out):
             while remaining > 0:
                 g = remaining if remaining < MAX_BYPASS_GROUP else MAX_BYPASS_GROUP
                 remaining -= g
-                bits = (x >> remaining) & ((1 << g) - 1)
-                rng >>= g
-                low += bits * rng
+                low, rng = _encode_bypass(low, rng, (x >> remaining) & ((1 << g) - 1), g)
                 while rng < TOP:
                     rng <<= 8
                     low, cache, cache_size, pos = _shift_low(low, cache, cache_size, out, pos)
@@ -235,20 +256,14 @@ def encode_levels_kernel(levels, ncols, col0, k_offset, out):
         if k >= 2:
             bit = (u >> (k - 1)) & 1
             c = base + N_UNARY_CTX + (1 if q > 0 else 0)
-            sf = WARMUP_SHIFT[state[c, 2]]
-            ss = sf
-            if sf > RATE_FAST:
-                sf = RATE_FAST
-            if ss > RATE_SLOW:
-                ss = RATE_SLOW
-            p = _prob(state[c, 0], state[c, 1])
+            p = _prob(state[c, 0])
             bound = (rng >> PROB_BITS) * p
             if bit:
                 rng = bound
             else:
                 low += bound
                 rng -= bound
-            state[c, 0], state[c, 1], state[c, 2] = _adapt(state[c, 0], state[c, 1], state[c, 2], bit, sf, ss)
+            state[c, 0], state[c, 1] = _adapt(state[c, 0], state[c, 1], bit)
             while rng < TOP:
                 rng <<= 8
                 low, cache, cache_size, pos = _shift_low(low, cache, cache_size, out, pos)
@@ -256,9 +271,7 @@ def encode_levels_kernel(levels, ncols, col0, k_offset, out):
         while remaining > 0:
             g = remaining if remaining < MAX_BYPASS_GROUP else MAX_BYPASS_GROUP
             remaining -= g
-            bits = (u >> remaining) & ((1 << g) - 1)
-            rng >>= g
-            low += bits * rng
+            low, rng = _encode_bypass(low, rng, (u >> remaining) & ((1 << g) - 1), g)
             while rng < TOP:
                 rng <<= 8
                 low, cache, cache_size, pos = _shift_low(low, cache, cache_size, out, pos)
@@ -289,8 +302,12 @@ def encode_levels_kernel(levels, ncols, col0, k_offset, out):
         low, cache, cache_size, pos = _shift_low(low, cache, cache_size, out, pos)
     if pos > out.shape[0]:
         return -1
-    while pos > 1 and out[pos - 1] == 0:
+    # At most MAX_STRIPPED zero bytes go, so a decoder never needs to read more than
+    # OVERRUN_SLACK bytes past the end of a valid substream.
+    stripped = 0
+    while pos > 1 and out[pos - 1] == 0 and stripped < MAX_STRIPPED:
         pos -= 1
+        stripped += 1
     return pos
 
 
@@ -300,11 +317,10 @@ def decode_levels_kernel(buf, ncols, col0, k_offset, out):
     encoder's first byte is always 0 and is not stored). Returns a status code (``OK`` = 0)."""
     n = out.shape[0]
     size = buf.shape[0]
-    state = np.empty((N_CTX, 3), dtype=np.int64)
+    state = np.empty((N_CTX, 2), dtype=np.int64)  # probability of a 1 (16 bits), bins seen
     for c in range(N_CTX):
         state[c, 0] = 1 << 15
-        state[c, 1] = 1 << 15
-        state[c, 2] = 0
+        state[c, 1] = 0
     use_cols = ncols > 0
     col_scale = np.zeros(max(ncols, 1), dtype=np.int64)
     col = col0
@@ -330,13 +346,7 @@ def decode_levels_kernel(buf, ncols, col0, k_offset, out):
         q = 0
         while q < Q_MAX:
             c = base + (q if q < N_UNARY_CTX - 1 else N_UNARY_CTX - 1)
-            sf = WARMUP_SHIFT[state[c, 2]]
-            ss = sf
-            if sf > RATE_FAST:
-                sf = RATE_FAST
-            if ss > RATE_SLOW:
-                ss = RATE_SLOW
-            p = _prob(state[c, 0], state[c, 1])
+            p = _prob(state[c, 0])
             bound = (rng >> PROB_BITS) * p
             if code < bound:
                 bit = 1
@@ -345,7 +355,7 @@ def decode_levels_kernel(buf, ncols, col0, k_offset, out):
                 bit = 0
                 code -= bound
                 rng -= bound
-            state[c, 0], state[c, 1], state[c, 2] = _adapt(state[c, 0], state[c, 1], state[c, 2], bit, sf, ss)
+            state[c, 0], state[c, 1] = _adapt(state[c, 0], state[c, 1], bit)
             while rng < TOP:
                 rng <<= 8
                 code = (code << 8) | (np.int64(buf[pos]) if pos < size else 0)
@@ -356,12 +366,9 @@ def decode_levels_kernel(buf, ncols, col0, k_offset, out):
         if q == Q_MAX:
             length = 1
             while True:
-                rng >>= 1
+                code, rng, bit = _decode_bypass(code, rng, 1)
                 if code >= rng:
-                    code -= rng
-                    bit = 1
-                else:
-                    bit = 0
+                    return ERR_BAD_BYPASS
                 while rng < TOP:
                     rng <<= 8
                     code = (code << 8) | (np.int64(buf[pos]) if pos < size else 0)
@@ -376,11 +383,9 @@ def decode_levels_kernel(buf, ncols, col0, k_offset, out):
             while remaining > 0:
                 g = remaining if remaining < MAX_BYPASS_GROUP else MAX_BYPASS_GROUP
                 remaining -= g
-                rng >>= g
-                bits = code // rng
-                if bits >> g:
+                code, rng, bits = _decode_bypass(code, rng, g)
+                if code >= rng:
                     return ERR_BAD_BYPASS
-                code -= bits * rng
                 x = (x << g) | bits
                 while rng < TOP:
                     rng <<= 8
@@ -394,13 +399,7 @@ def decode_levels_kernel(buf, ncols, col0, k_offset, out):
         remaining = k
         if k >= 2:
             c = base + N_UNARY_CTX + (1 if q > 0 else 0)
-            sf = WARMUP_SHIFT[state[c, 2]]
-            ss = sf
-            if sf > RATE_FAST:
-                sf = RATE_FAST
-            if ss > RATE_SLOW:
-                ss = RATE_SLOW
-            p = _prob(state[c, 0], state[c, 1])
+            p = _prob(state[c, 0])
             bound = (rng >> PROB_BITS) * p
             if code < bound:
                 bit = 1
@@ -409,7 +408,7 @@ def decode_levels_kernel(buf, ncols, col0, k_offset, out):
                 bit = 0
                 code -= bound
                 rng -= bound
-            state[c, 0], state[c, 1], state[c, 2] = _adapt(state[c, 0], state[c, 1], state[c, 2], bit, sf, ss)
+            state[c, 0], state[c, 1] = _adapt(state[c, 0], state[c, 1], bit)
             while rng < TOP:
                 rng <<= 8
                 code = (code << 8) | (np.int64(buf[pos]) if pos < size else 0)
@@ -419,11 +418,9 @@ def decode_levels_kernel(buf, ncols, col0, k_offset, out):
         while remaining > 0:
             g = remaining if remaining < MAX_BYPASS_GROUP else MAX_BYPASS_GROUP
             remaining -= g
-            rng >>= g
-            bits = code // rng
-            if bits >> g:
+            code, rng, bits = _decode_bypass(code, rng, g)
+            if code >= rng:
                 return ERR_BAD_BYPASS
-            code -= bits * rng
             u = (u << g) | bits
             while rng < TOP:
                 rng <<= 8

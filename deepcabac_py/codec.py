@@ -154,7 +154,12 @@ def _plan_tensor(name: str, tensor, *, qp: int, qp_1d: int, qp_density: int, ove
         chosen = _lookup_qp(name, overrides)
         if chosen is None:
             chosen = qp_1d if arr.ndim <= 1 else qp
-        entry.qp = quantize.qp_for_range(float(top), chosen, qp_density)
+        try:
+            entry.qp = quantize.qp_for_range(float(top), chosen, qp_density)
+        except ValueError:
+            warnings.warn(f"{name}: values up to {top:g} do not fit 31-bit levels at any qp of density "
+                          f"{qp_density}; stored exactly (raw)", stacklevel=3)
+            return _Plan(entry, arr)
         entry.qp_density = qp_density
         entry.mode, entry.coder = Mode.UNIFORM, Coder.ADAPTIVE_SCALE
     elif not dtype.is_float and dtype not in (DType.COMPLEX64, DType.COMPLEX128):
@@ -275,7 +280,7 @@ def encode_model(
 
     jobs = [(p, k) for p in plans if p.layout is not None for k in range(p.layout.count)]
     # Largest chunks first keeps both cores busy to the end; results are put back in table order.
-    order = sorted(range(len(jobs)), key=lambda j: -(jobs[j][0].layout.bounds(jobs[j][1])[1] - jobs[j][0].layout.bounds(jobs[j][1])[0]))
+    order = sorted(range(len(jobs)), key=lambda j: -jobs[j][0].layout.size(jobs[j][1]))
 
     def run(j: int) -> bytes:
         plan, k = jobs[j]
@@ -407,6 +412,11 @@ def _decode_entries(data, header: StreamHeader, *, want_levels: bool, threads: i
         start, stop = layout.bounds(k)
         if want_levels:
             levelcoder.decode_chunk(view, layout, k, out[start:stop])
+        elif e.mode == Mode.UNIFORM and e.dtype == DType.FLOAT32:
+            # Levels and float32 values have the same size: decode into the output, convert in place.
+            window = out[start:stop].view(np.int32)
+            levelcoder.decode_chunk(view, layout, k, window)
+            quantize.reconstruct_f32_inplace(window, e.step)
         else:
             levels = np.empty(stop - start, dtype=np.int32)
             levelcoder.decode_chunk(view, layout, k, levels)
@@ -414,7 +424,7 @@ def _decode_entries(data, header: StreamHeader, *, want_levels: bool, threads: i
         if progress is not None:
             progress(stop - start)
 
-    order = sorted(jobs, key=lambda jb: -(jb[1].bounds(jb[2])[1] - jb[1].bounds(jb[2])[0]))
+    order = sorted(jobs, key=lambda job: -job[1].size(job[2]))
     if threads == 1 or len(order) <= 1:
         for job in order:
             run(job)

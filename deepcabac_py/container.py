@@ -307,7 +307,7 @@ def read_header_file(path) -> StreamHeader:
 
 def _validate_entry(e: TensorEntry, index: int, where: str, earlier: list[TensorEntry], expected_offset: int) -> None:
     from .levelcoder import MAX_K_OFFSET, layout_from_stream, max_elements_for_payload
-    from .quantize import QP_DENSITY_MAX, QP_MAX, QP_MIN
+    from .quantize import QP_DENSITY_MAX, QP_MAX, QP_MIN, step_from_qp
 
     numel = 1
     for d in e.shape:
@@ -342,6 +342,10 @@ def _validate_entry(e: TensorEntry, index: int, where: str, earlier: list[Tensor
             raise CorruptStreamError(f"{where}: uniform quantization of a {e.dtype.name} tensor")
         if not (QP_MIN <= e.qp <= QP_MAX and 0 <= e.qp_density <= QP_DENSITY_MAX):
             raise CorruptStreamError(f"{where}: qp {e.qp} / qp_density {e.qp_density} out of range")
+        try:
+            step_from_qp(e.qp, e.qp_density)
+        except ValueError as exc:
+            raise CorruptStreamError(f"{where}: {exc}") from None
     elif e.dtype.is_float or e.dtype in (DType.COMPLEX64, DType.COMPLEX128):
         raise CorruptStreamError(f"{where}: integer coding of a {e.dtype.name} tensor")
     if e.coder_param > MAX_K_OFFSET:

@@ -17,7 +17,7 @@ from .errors import CorruptStreamError
 
 CHUNK_ELEMENTS = 1 << 20
 DEFAULT_K_OFFSET = _k.DEFAULT_K_OFFSET
-MAX_K_OFFSET = 3
+MAX_K_OFFSET = 7
 LEVEL_MAX = (1 << 31) - 1  # |level| <= LEVEL_MAX; int32's minimum has no zigzag code
 
 _ERRORS = {
@@ -37,7 +37,7 @@ class ChunkLayout:
     numel: int
     ncols: int  # columns of the 2-D view when the column model is used, else 0
     chunk_elements: int
-    k_offset: int = DEFAULT_K_OFFSET  # Rice parameter = scale octave - 4 - k_offset (0..3)
+    k_offset: int = DEFAULT_K_OFFSET  # Rice parameter offset in half octaves (0..MAX_K_OFFSET)
 
     @property
     def count(self) -> int:
@@ -46,6 +46,10 @@ class ChunkLayout:
     def bounds(self, index: int) -> tuple[int, int]:
         start = index * self.chunk_elements
         return start, min(self.numel, start + self.chunk_elements)
+
+    def size(self, index: int) -> int:
+        start, stop = self.bounds(index)
+        return stop - start
 
     def first_column(self, start: int) -> int:
         return start % self.ncols if self.ncols else 0

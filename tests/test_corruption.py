@@ -1,0 +1,506 @@
+"""Damaged and hostile streams: decode_model raises a DeepCabacError (or, where the damage does not
+matter, decodes identically); it never raises anything else, never hangs and never allocates from an
+unchecked header field."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import struct
+import tracemalloc
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import deepcabac_py as dc
+from deepcabac_py.checkpoint import flatten, tensor_to_numpy
+from deepcabac_py.container import (
+    FLAG_ALIAS,
+    FORMAT_VERSION,
+    MAGIC,
+    NO_ALIAS,
+    PREAMBLE,
+    Coder,
+    DType,
+    Mode,
+    TensorEntry,
+    read_header,
+    write_header,
+)
+from deepcabac_py.errors import CorruptStreamError, DeepCabacError, FormatError, TruncatedStreamError
+from deepcabac_py.levelcoder import DEFAULT_K_OFFSET
+
+ROOT = Path(__file__).resolve().parent.parent
+PEAK_LIMIT = 50 * 2**20
+
+
+# --------------------------------------------------------------------------------------------------
+# helpers
+# --------------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def no_hang(seconds: int = 60):
+    def boom(signum, frame):
+        raise TimeoutError("decoding did not terminate")
+
+    old = signal.signal(signal.SIGALRM, boom)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def fingerprint(obj):
+    """Skeleton plus the exact bits of every tensor: equal fingerprints = identical decodes."""
+    ckpt = flatten(obj)
+    tensors = {}
+    for name, t in ckpt.tensors.items():
+        arr, dtype, is_torch = tensor_to_numpy(t)
+        tensors[name] = (dtype, is_torch, arr.shape, arr.tobytes())
+    return ckpt.skeleton, tensors, ckpt.aliases
+
+
+def decode_outcome(data):
+    """The decoded object's fingerprint, or the DeepCabacError raised; anything else propagates."""
+    try:
+        return fingerprint(dc.decode_model(data, threads=1))
+    except DeepCabacError as exc:
+        return exc
+
+
+def fix_checksums(data: bytes) -> bytes:
+    """Recompute every payload CRC (and so the header CRC) so that damage reaches the level decoder."""
+    header = read_header(memoryview(data), total_size=len(data))
+    payload = data[header.header_size:]
+    for e in header.tensors:
+        if not e.is_alias:
+            e.crc32 = zlib.crc32(payload[e.offset:e.offset + e.size])
+    return write_header(header.qp, header.qp_1d, header.qp_density, header.metadata, header.tensors) + payload
+
+
+def reseal_header(data: bytearray) -> bytes:
+    """Recompute the header CRC after editing header bytes in place."""
+    (header_size,) = struct.unpack_from("<I", data, 12)
+    end = PREAMBLE.size + header_size
+    struct.pack_into("<I", data, end - 4, zlib.crc32(bytes(data[:end - 4])))
+    return bytes(data)
+
+
+# The header body (settings, metadata, tensor table) is stored deflated after its raw size:
+#   preamble(16) raw_size:u32 deflate(body) crc:u32
+# Offsets into the *raw* body:
+BODY_COUNT = 0  # tensor_count:u32, then qp, qp_1d (i16), qp_density, reserved (u8)
+BODY_META_LEN = 10  # u32, then the metadata JSON
+
+
+def header_body(data: bytes) -> bytes:
+    (header_size,) = struct.unpack_from("<I", data, 12)
+    return zlib.decompress(data[PREAMBLE.size + 4:PREAMBLE.size + header_size - 4])
+
+
+def edit_header_body(data: bytes, edit) -> bytes:
+    """Inflate the header body, let ``edit`` change it (a bytearray), deflate it and reseal the CRC."""
+    (header_size,) = struct.unpack_from("<I", data, 12)
+    body = bytearray(header_body(data))
+    edit(body)
+    packed = struct.pack("<I", len(body)) + zlib.compress(bytes(body), 9)
+    head = PREAMBLE.pack(MAGIC, FORMAT_VERSION, 0, len(packed) + 4) + packed
+    return head + struct.pack("<I", zlib.crc32(head)) + data[PREAMBLE.size + header_size:]
+
+
+def first_entry_offset(body: bytes) -> int:
+    """Offset of the first tensor entry (its name length) in a raw header body."""
+    (meta_len,) = struct.unpack_from("<I", body, BODY_META_LEN)
+    return BODY_META_LEN + 4 + meta_len
+
+
+def small_model():
+    rng = np.random.default_rng(123)
+    w = torch.from_numpy((rng.standard_normal((6, 5)) * 0.2).astype(np.float32))
+    return {
+        "model": {
+            "conv.weight": torch.from_numpy((rng.standard_normal((4, 2, 3, 3)) * 0.3).astype(np.float32)),
+            "fc.weight": w,
+            "fc.bias": torch.from_numpy((rng.standard_normal(5) * 0.01).astype(np.float32)),
+            "steps": torch.tensor(1234),
+            "mask": np.array([True, False, True]),
+            "head.weight": w,  # tied
+            "raw": np.array([1.0, np.nan], dtype=np.float32),
+        },
+        "epoch": 3,
+    }
+
+
+@pytest.fixture(scope="module")
+def small_stream():
+    with pytest.warns(UserWarning):  # the NaN tensor is stored raw
+        return dc.encode_model(small_model(), qp=-32, threads=1)
+
+
+@pytest.fixture(scope="module")
+def digits_stream():
+    ckpt = dc.load_checkpoint(ROOT / "models" / "digits_cnn.pt")
+    return dc.encode_model(ckpt, qp=-32, threads=1)
+
+
+def check_flips(data: bytes, positions, masks=(0xFF,)) -> tuple[int, int]:
+    """Flip ``mask`` at every position: each decode raises a DeepCabacError or decodes identically."""
+    reference = decode_outcome(data)
+    assert not isinstance(reference, Exception)
+    raised = identical = 0
+    with no_hang():
+        for pos in positions:
+            for mask in masks:
+                damaged = bytearray(data)
+                damaged[pos] ^= mask
+                outcome = decode_outcome(bytes(damaged))
+                if isinstance(outcome, DeepCabacError):
+                    raised += 1
+                else:
+                    assert outcome == reference, f"byte {pos} ^ {mask:#x} decoded to something else"
+                    identical += 1
+    return raised, identical
+
+
+# --------------------------------------------------------------------------------------------------
+# damaged real streams
+# --------------------------------------------------------------------------------------------------
+
+
+def test_digits_every_byte_flipped(digits_stream):
+    raised, identical = check_flips(digits_stream, range(len(digits_stream)))
+    assert raised + identical == len(digits_stream)
+    assert raised >= len(digits_stream) * 0.99  # checksums cover (nearly) every byte
+
+
+def test_digits_single_bit_flips(digits_stream):
+    rng = np.random.default_rng(0)
+    positions = sorted(set(rng.integers(0, len(digits_stream), 48).tolist()) | {0, 8, 12, 16, len(digits_stream) - 1})
+    check_flips(digits_stream, positions, masks=(1, 2, 4, 8, 16, 32, 64, 128))
+
+
+def test_digits_every_truncation(digits_stream):
+    with no_hang():
+        for length in range(len(digits_stream)):
+            with pytest.raises(DeepCabacError):
+                dc.decode_model(digits_stream[:length], threads=1)
+    with pytest.raises(CorruptStreamError):
+        dc.decode_model(digits_stream + b"\x00", threads=1)
+
+
+def test_small_every_byte_and_truncation(small_stream):
+    raised, _ = check_flips(small_stream, range(len(small_stream)), masks=(0xFF, 0x01, 0x80))
+    assert raised >= len(small_stream)
+    for length in range(len(small_stream)):
+        with pytest.raises(DeepCabacError):
+            dc.decode_model(small_stream[:length], threads=1)
+
+
+def test_container_header_round_trips(small_stream, digits_stream):
+    for data in (small_stream, digits_stream):
+        assert fix_checksums(data) == data
+
+
+def test_payload_damage_behind_valid_checksums(small_stream):
+    """With the CRCs recomputed the damage reaches the level decoder itself."""
+    header = dc.read_stream_header(small_stream)
+    reference = decode_outcome(small_stream)
+    shapes = {name: (t[0], t[2]) for name, t in reference[1].items()}
+    outcomes = {"raised": 0, "decoded": 0}
+    with no_hang():
+        for pos in range(header.header_size, len(small_stream)):
+            for mask in (0xFF, 0x10):
+                damaged = bytearray(small_stream)
+                damaged[pos] ^= mask
+                outcome = decode_outcome(fix_checksums(bytes(damaged)))
+                if isinstance(outcome, DeepCabacError):
+                    outcomes["raised"] += 1
+                else:
+                    # undetectable damage changes values, never the structure, dtypes or shapes
+                    assert outcome[0] == reference[0]
+                    assert {n: (t[0], t[2]) for n, t in outcome[1].items()} == shapes
+                    outcomes["decoded"] += 1
+    assert outcomes["raised"] > 0
+
+
+def test_header_damage_behind_valid_checksum(small_stream):
+    """Every header byte flipped with the header CRC recomputed: inflating and parsing hold."""
+    header_size = dc.read_stream_header(small_stream).header_size
+    with no_hang():
+        for pos in range(PREAMBLE.size, header_size - 4):
+            for mask in (0xFF, 0x01):
+                damaged = bytearray(small_stream)
+                damaged[pos] ^= mask
+                assert isinstance(decode_outcome(reseal_header(damaged)), DeepCabacError)
+
+
+def test_header_body_damage_behind_valid_deflate_and_checksum(small_stream):
+    """Every byte of the inflated header body flipped (then deflated and sealed again): the parser's
+    own checks hold; a damaged name or metadata string may decode to another valid structure."""
+    body_size = len(header_body(small_stream))
+    with no_hang():
+        for pos in range(body_size):
+            for mask in (0xFF, 0x01, 0x40):
+                def flip(body, pos=pos, mask=mask):
+                    body[pos] ^= mask
+                decode_outcome(edit_header_body(small_stream, flip))  # raises only DeepCabacError
+        for cut in range(body_size):
+            def truncate(body, cut=cut):
+                del body[cut:]
+            assert isinstance(decode_outcome(edit_header_body(small_stream, truncate)), DeepCabacError)
+
+
+# --------------------------------------------------------------------------------------------------
+# preamble
+# --------------------------------------------------------------------------------------------------
+
+
+def test_wrong_magic(small_stream):
+    for data in (b"PK\x03\x04" + small_stream[4:], b"x" + small_stream[1:], b"hello", b"\x00" * 40):
+        with pytest.raises(FormatError) as info:
+            dc.decode_model(data)
+        assert not isinstance(info.value, CorruptStreamError)
+    with pytest.raises(FormatError):
+        dc.read_stream_header(b"not a stream at all, but long enough")
+
+
+def test_empty_and_short_inputs(small_stream):
+    for data in (b"", small_stream[:3], small_stream[:PREAMBLE.size - 1], small_stream[:PREAMBLE.size]):
+        with pytest.raises(DeepCabacError):
+            dc.decode_model(data)
+    with pytest.raises(TruncatedStreamError):
+        dc.decode_model(small_stream[:PREAMBLE.size + 5])
+
+
+@pytest.mark.parametrize("version", [0, 2, 0xFFFF])
+def test_unsupported_version(small_stream, version):
+    data = bytearray(small_stream)
+    struct.pack_into("<H", data, 8, version)
+    with pytest.raises(FormatError, match="version"):
+        dc.decode_model(bytes(data))
+    with pytest.raises(FormatError, match="version"):
+        dc.read_stream_header(reseal_header(data))
+
+
+def test_unknown_flags_and_header_size(small_stream):
+    data = bytearray(small_stream)
+    struct.pack_into("<H", data, 10, 1)
+    with pytest.raises(FormatError):
+        dc.decode_model(bytes(data))
+    for size in (0, 3, 2**30 + 1, 2**32 - 1):
+        data = bytearray(small_stream)
+        struct.pack_into("<I", data, 12, size)
+        with pytest.raises(CorruptStreamError):
+            dc.decode_model(bytes(data))
+
+
+# --------------------------------------------------------------------------------------------------
+# hand-built hostile headers
+# --------------------------------------------------------------------------------------------------
+
+
+def craft(entries: list[TensorEntry], payload: bytes, metadata=None) -> bytes:
+    for e in entries:
+        if not e.is_alias:
+            e.crc32 = zlib.crc32(payload[e.offset:e.offset + e.size])
+    return write_header(-32, -75, 2, {"kind": "mapping"} if metadata is None else metadata, entries) + payload
+
+
+def uniform(name="w", shape=(4, 4), *, chunk_elements=None, chunk_sizes=(10,), offset=0, size=None, **kw):
+    numel = int(np.prod(shape, dtype=object))
+    sizes = list(chunk_sizes)
+    return TensorEntry(name=name, dtype=kw.pop("dtype", DType.FLOAT32), shape=tuple(shape),
+                       mode=kw.pop("mode", Mode.UNIFORM), coder=kw.pop("coder", Coder.ADAPTIVE_SCALE),
+                       qp=kw.pop("qp", -32), qp_density=kw.pop("qp_density", 2),
+                       coder_param=kw.pop("coder_param", DEFAULT_K_OFFSET),
+                       chunk_elements=chunk_elements or max(numel, 1), chunk_sizes=sizes, offset=offset,
+                       size=sum(sizes) if size is None else size, **kw)
+
+
+def assert_refused(data: bytes, error=CorruptStreamError):
+    """``data`` is refused with ``error``, and refusing it allocates little."""
+    tracemalloc.start()
+    try:
+        with pytest.raises(error):
+            dc.decode_model(data, threads=1)
+        with pytest.raises(error):
+            dc.decode_levels(data, threads=1)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < PEAK_LIMIT, f"peak {peak / 2**20:.1f} MB"
+
+
+def test_crafted_valid_stream_decodes():
+    # the crafting helpers themselves produce a decodable stream
+    from deepcabac_py import levelcoder
+
+    levels = np.arange(-8, 8, dtype=np.int32)
+    layout = levelcoder.layout_for_shape((4, 4))
+    chunk = levelcoder.encode_chunk(levels, layout, 0)
+    data = craft([uniform(chunk_elements=layout.chunk_elements, chunk_sizes=[len(chunk)])], chunk)
+    out = dc.decode_model(data)["w"]
+    np.testing.assert_array_equal(out, (levels * 2.0**-8).reshape(4, 4).astype(np.float32))
+
+
+def test_huge_shape_tiny_payload():
+    assert_refused(craft([uniform(shape=(2**40,), chunk_sizes=[10])], bytes(10)))
+    assert_refused(craft([uniform(shape=(2**20, 2**20), chunk_elements=2**20, chunk_sizes=[10])], bytes(10)))
+    assert_refused(craft([uniform(shape=(2**40,), mode=Mode.RAW, coder=Coder.NONE, chunk_sizes=[10],
+                                  qp=0, qp_density=0, chunk_elements=0)], bytes(10)))
+    assert_refused(craft([uniform(shape=(2**40,), dtype=DType.INT64, mode=Mode.INTEGER, chunk_sizes=[10])], bytes(10)))
+    assert_refused(craft([uniform(shape=(2**60, 1), chunk_sizes=[10])], bytes(10)))
+    assert_refused(craft([uniform(shape=(2**30, 2**30), chunk_sizes=[10])], bytes(10)))
+    assert_refused(craft([uniform(shape=(2,) * 32 + (2**20,), chunk_sizes=[10])], bytes(10)))
+
+
+def test_largest_allowed_claim_stays_proportional_to_the_payload():
+    from deepcabac_py.levelcoder import max_elements_for_payload
+
+    n = max_elements_for_payload(40)
+    payload = bytes(np.random.default_rng(1).integers(0, 256, 40, dtype=np.uint8))
+    tracemalloc.start()
+    try:
+        outcome = decode_outcome(craft([uniform(shape=(n,), chunk_sizes=[40])], payload))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < PEAK_LIMIT
+    assert isinstance(outcome, CorruptStreamError) or outcome[1]["w"][2] == (n,)
+
+
+def test_chunk_sizes_that_do_not_add_up():
+    assert_refused(craft([uniform(chunk_sizes=[3, 4], size=10)], bytes(10)))
+    assert_refused(craft([uniform(shape=(8, 4), chunk_elements=16, chunk_sizes=[10])], bytes(10)))
+    assert_refused(craft([uniform(shape=(8, 4), chunk_elements=16, chunk_sizes=[4, 3, 3])], bytes(10)))
+    assert_refused(craft([uniform(chunk_elements=0)], bytes(10)))
+    assert_refused(craft([uniform(shape=(0,), chunk_sizes=[10])], bytes(10)))
+
+
+def test_offsets_that_lie():
+    a = uniform("a", chunk_sizes=[10])
+    b = uniform("b", chunk_sizes=[10], offset=5)
+    assert_refused(craft([a, b], bytes(20)))
+    a = uniform("a", chunk_sizes=[10], offset=3)
+    assert_refused(craft([a], bytes(13)))
+
+
+def test_payload_sizes_that_lie():
+    # more payload declared than present (no allocation of the declared size)
+    assert_refused(craft([uniform(chunk_sizes=[2**32 - 1])], bytes(10)), TruncatedStreamError)
+    assert_refused(craft([uniform(shape=(2**20, 1024), chunk_elements=2**20,
+                                  chunk_sizes=[2**32 - 1] * 1024)], bytes(10)), TruncatedStreamError)
+    # less payload declared than present
+    assert_refused(craft([uniform(chunk_sizes=[10])], bytes(30)))
+
+
+def test_tensor_and_chunk_counts_larger_than_the_header():
+    base = craft([uniform(chunk_sizes=[10])], bytes(10))
+    assert struct.unpack_from("<I", header_body(base), BODY_COUNT)[0] == 1
+    for count in (0, 2, 1000, 2**32 - 1):
+        assert_refused(edit_header_body(base, lambda b, c=count: struct.pack_into("<I", b, BODY_COUNT, c)))
+    # chunk count field: after name length, name, fixed fields, shape and the other quant fields
+    pos = first_entry_offset(header_body(base)) + 2 + 1 + 5 + 8 * 2 + 16
+    assert struct.unpack_from("<I", header_body(base), pos)[0] == 1
+    for count in (0, 2, 2**20, 2**32 - 1):
+        assert_refused(edit_header_body(base, lambda b, c=count: struct.pack_into("<I", b, pos, c)))
+
+
+def test_header_body_sizes_that_lie():
+    base = craft([uniform(chunk_sizes=[10])], bytes(10))
+    raw_size = len(header_body(base))
+    for claimed in (0, raw_size - 1, raw_size + 1, 2**29, 2**32 - 1):
+        data = bytearray(base)
+        struct.pack_into("<I", data, PREAMBLE.size, claimed)
+        assert_refused(reseal_header(data))
+    # a body followed by junk
+    assert_refused(edit_header_body(base, lambda b: b.extend(b"\x00" * 7)))
+
+
+def test_hostile_entry_fields():
+    cases = [
+        uniform(qp=4095, qp_density=0),  # step beyond float64
+        uniform(qp=-4096, qp_density=1),  # step of zero
+        uniform(qp=5000),
+        uniform(qp_density=7),
+        uniform(dtype=DType.INT32),  # uniform quantization of integers
+        uniform(mode=Mode.INTEGER),  # integer coding of floats
+        uniform(mode=Mode.RAW),  # raw with a level coder
+        uniform(alias_of=0),  # alias index without the flag
+        uniform(flags=FLAG_ALIAS, alias_of=0, chunk_sizes=[], chunk_elements=0),  # aliases itself
+    ]
+    for entry in cases:
+        assert_refused(craft([entry], bytes(10) if entry.size else b""))
+    assert_refused(craft([uniform(coder=Coder.NONE)], bytes(10)), FormatError)  # no level coder
+    from deepcabac_py.levelcoder import MAX_K_OFFSET
+
+    assert_refused(craft([uniform(coder_param=MAX_K_OFFSET + 1)], bytes(10)))
+    # an alias of a tensor of another shape / an alias of an alias
+    a = uniform("a", chunk_sizes=[10])
+    b = uniform("b", shape=(2, 2), flags=FLAG_ALIAS, alias_of=0, chunk_sizes=[], chunk_elements=0)
+    assert_refused(craft([a, b], bytes(10)))
+    b = uniform("b", flags=FLAG_ALIAS, alias_of=0, chunk_sizes=[], chunk_elements=0)
+    c = uniform("c", flags=FLAG_ALIAS, alias_of=1, chunk_sizes=[], chunk_elements=0)
+    assert_refused(craft([a, b, c], bytes(10)))
+    assert NO_ALIAS == 0xFFFFFFFF
+
+
+def test_unknown_codes_are_format_errors():
+    base = craft([uniform(chunk_sizes=[10])], bytes(10))
+    fixed = first_entry_offset(header_body(base)) + 2 + 1  # dtype, mode, coder, flags, ndim
+    assert header_body(base)[fixed:fixed + 5] == bytes([DType.FLOAT32, Mode.UNIFORM, Coder.ADAPTIVE_SCALE, 0, 2])
+
+    def setter(offset, value):
+        def edit(body):
+            body[fixed + offset] = value
+        return edit
+
+    for offset, value in ((0, 99), (1, 7), (2, 200), (3, 0x80)):
+        assert_refused(edit_header_body(base, setter(offset, value)), FormatError)
+    assert_refused(edit_header_body(base, setter(4, 200)))  # ndim
+    assert_refused(edit_header_body(base, setter(4, 1)))  # fewer dimensions: fields shift
+
+
+def test_bad_metadata_and_skeleton():
+    payload = bytes(10)
+    for meta in ([1, 2], {"kind": "mapping", "skeleton": [1]},
+                 {"kind": "mapping", "skeleton": {"format": "deepcabac.skeleton", "version": 1,
+                                                  "root": {"$tensor": "missing"}}},
+                 {"kind": "mapping", "skeleton": {"format": "other", "root": None}}):
+        from deepcabac_py import levelcoder
+
+        chunk = levelcoder.encode_chunk(np.zeros(16, np.int32), levelcoder.layout_for_shape((4, 4)), 0)
+        data = craft([uniform(chunk_sizes=[len(chunk)])], chunk, metadata=meta)
+        with pytest.raises(DeepCabacError):
+            dc.decode_model(data)
+    # metadata that is not UTF-8 / not JSON, or a metadata size beyond the body
+    base = craft([uniform(chunk_sizes=[10])], payload)
+    meta_len = struct.unpack_from("<I", header_body(base), BODY_META_LEN)[0]
+
+    def garble(body, fill):
+        body[BODY_META_LEN + 4:BODY_META_LEN + 4 + meta_len] = fill * meta_len
+
+    assert_refused(edit_header_body(base, lambda b: garble(b, b"\xff")))
+    assert_refused(edit_header_body(base, lambda b: garble(b, b"{")))
+    for size in (meta_len + 1, 2**32 - 1):
+        assert_refused(edit_header_body(base, lambda b, n=size: struct.pack_into("<I", b, BODY_META_LEN, n)))
+
+
+def test_decoded_integers_outside_their_dtype():
+    from deepcabac_py import levelcoder
+
+    for dtype, values in ((DType.UINT8, [3, 300]), (DType.UINT8, [-1, 0]), (DType.INT8, [-129, 5]),
+                          (DType.UINT64, [-5, 1])):
+        levels = np.array(values, dtype=np.int32)
+        chunk = levelcoder.encode_chunk(levels, levelcoder.layout_for_shape((2,)), 0)
+        entry = uniform(shape=(2,), dtype=dtype, mode=Mode.INTEGER, chunk_sizes=[len(chunk)], qp=0, qp_density=0)
+        with pytest.raises(CorruptStreamError, match="out of its dtype's range"):
+            dc.decode_model(craft([entry], chunk))
+        # decode_levels hands out the levels as they are
+        np.testing.assert_array_equal(dc.decode_levels(craft([entry], chunk))["w"].levels, levels)

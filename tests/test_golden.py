@@ -1,0 +1,161 @@
+"""Golden streams: committed bytes that must keep decoding to the committed values, and that today's
+encoder must reproduce exactly (an accidental format or coder change fails here).
+
+The inputs are generated below from integer draws of numpy's legacy ``RandomState`` (its streams
+are frozen) scaled by powers of two, so they are bit-identical on every platform.
+
+Regenerate the files (only after an *intended* format change, and bump the format version if old
+streams no longer decode) with::
+
+    DEEPCABAC_REGEN_GOLDEN=1 python -m pytest tests/test_golden.py
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import deepcabac_py as dc
+from deepcabac_py.checkpoint import flatten, tensor_to_numpy
+
+GOLDEN = Path(__file__).resolve().parent / "golden"
+REGEN = os.environ.get("DEEPCABAC_REGEN_GOLDEN") == "1"
+DTYPES_KEY = "__dtypes__"  # in each .npz: "name=dtype" strings, in tensor-table order
+
+
+def _ints(seed: int, shape, low: int, high: int) -> np.ndarray:
+    return np.random.RandomState(seed).randint(low, high, size=shape).astype(np.int64)
+
+
+def _floats(seed: int, shape, scale_log2: int) -> np.ndarray:
+    """Roughly bell-shaped values (a sum of three uniform integers), exact multiples of 2**-k."""
+    x = _ints(seed, (3,) + tuple(shape), -1000, 1001).sum(axis=0)
+    return np.ldexp(x.astype(np.float64), scale_log2 - 10)
+
+
+def golden_cases() -> dict[str, tuple[object, dict]]:
+    """name -> (input object, encode_model settings)."""
+    weight = _floats(1, (16, 12), -3).astype(np.float32)
+    state_dict = {
+        "layer.weight": weight,
+        "layer.bias": _floats(2, (12,), -6).astype(np.float32),
+        "counts": _ints(3, (3, 5), -70000, 70000),
+        "big": np.array([2**40, -3, 0], dtype=np.int64),  # beyond int32: stored raw
+        "flags": _ints(4, (9,), 0, 2).astype(bool),
+    }
+    mixed = {
+        "emb": torch.from_numpy(_floats(5, (10, 8), 0)).to(torch.bfloat16),
+        "norm": torch.from_numpy(_floats(6, (8,), -2)).to(torch.float16),
+        "proj": torch.from_numpy(_floats(7, (4, 6), -1)),  # float64
+        "scalar": torch.tensor(0.75),
+    }
+    w = torch.from_numpy(_floats(8, (6, 5), -2).astype(np.float32))
+    nested = {
+        "model": {"w": w, "b": torch.from_numpy(_floats(9, (5,), -4).astype(np.float32))},
+        "tied": w,
+        "ids": torch.from_numpy(_ints(10, (4,), -9, 10).astype(np.int32)),
+        "step": 123,
+        "name": "golden",
+        "lr": 0.001,
+        "betas": (0.9, 0.999),
+    }
+    return {
+        "state_dict": (state_dict, {"qp": -36}),
+        "mixed_dtypes": (mixed, {"qp": -30, "qp_overrides": {"proj": -44}}),
+        "nested": (nested, {"qp": -32, "qp_density": 3, "keep_exact": ["model.b"]}),
+    }
+
+
+CASES = sorted(golden_cases())
+
+
+def _expected_arrays(data: bytes) -> dict[str, np.ndarray]:
+    ckpt = dc.decode_checkpoint(data, threads=1)
+    arrays, dtypes = {}, []
+    for name, t in ckpt.tensors.items():
+        arr, dtype, _ = tensor_to_numpy(t)
+        arrays[name] = arr
+        dtypes.append(f"{name}={dtype}")
+    arrays[DTYPES_KEY] = np.array(dtypes)
+    return arrays
+
+
+def _regenerate() -> None:
+    GOLDEN.mkdir(exist_ok=True)
+    for name, (obj, settings) in golden_cases().items():
+        data = dc.encode_model(obj, threads=1, **settings)
+        arrays = _expected_arrays(data)
+        # the expected values are the quantizer's, not merely whatever the decoder returned
+        for tname, qt in dc.quantize_model(obj, **settings).items():
+            assert tensor_to_numpy(qt.dequantize())[0].tobytes() == arrays[tname].tobytes(), tname
+        (GOLDEN / f"{name}.dcb").write_bytes(data)
+        np.savez_compressed(GOLDEN / f"{name}.npz", **arrays)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def golden_files():
+    if REGEN:
+        _regenerate()
+    missing = [f"{n}{ext}" for n in CASES for ext in (".dcb", ".npz") if not (GOLDEN / f"{n}{ext}").exists()]
+    if missing:
+        pytest.fail(f"golden files missing: {missing}; run with DEEPCABAC_REGEN_GOLDEN=1 to create them")
+
+
+def _committed(name: str) -> tuple[bytes, dict[str, np.ndarray]]:
+    data = (GOLDEN / f"{name}.dcb").read_bytes()
+    with np.load(GOLDEN / f"{name}.npz", allow_pickle=False) as npz:
+        arrays = {key: npz[key] for key in npz.files}
+    return data, arrays
+
+
+def _non_tensor_skeleton(obj):
+    return flatten(obj).skeleton
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_committed_stream_decodes_exactly(name):
+    data, expected = _committed(name)
+    dtypes = dict(item.split("=") for item in expected.pop(DTYPES_KEY).tolist())
+    ckpt = dc.decode_checkpoint(data, threads=1)
+    assert list(ckpt.tensors) == list(dtypes)
+    for tname, t in ckpt.tensors.items():
+        arr, dtype, _ = tensor_to_numpy(t)
+        assert dtype == dtypes[tname], tname
+        assert arr.dtype == expected[tname].dtype and arr.shape == expected[tname].shape, tname
+        assert arr.tobytes() == expected[tname].tobytes(), tname
+    # the structure (containers, non-tensor values, tensor types, ties) is today's input's
+    obj, _ = golden_cases()[name]
+    decoded = dc.decode_model(data, threads=2)
+    assert _non_tensor_skeleton(decoded) == _non_tensor_skeleton(obj)
+    original, restored = flatten(obj), flatten(decoded)
+    assert restored.aliases == original.aliases
+    for tname, t in original.tensors.items():
+        assert isinstance(restored.tensors[tname], torch.Tensor) == isinstance(t, torch.Tensor)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_encoder_reproduces_committed_bytes(name):
+    data, _ = _committed(name)
+    obj, settings = golden_cases()[name]
+    assert dc.encode_model(obj, threads=1, **settings) == data
+    assert dc.encode_model(obj, threads=2, **settings) == data
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_committed_levels_match_values(name):
+    data, expected = _committed(name)
+    for tname, qt in dc.decode_levels(data).items():
+        assert qt.levels.dtype == np.int32
+        if qt.step is None:
+            np.testing.assert_array_equal(qt.levels.astype(np.int64), expected[tname].astype(np.int64))
+        else:
+            assert tensor_to_numpy(qt.dequantize())[0].tobytes() == expected[tname].tobytes()
+
+
+def test_golden_files_are_small():
+    total = sum(p.stat().st_size for p in GOLDEN.iterdir() if p.suffix in (".dcb", ".npz"))
+    assert total < 20_000
