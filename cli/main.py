@@ -19,6 +19,7 @@ import click
 from deepcabac_py import __version__
 from deepcabac_py.container import read_header_file
 from deepcabac_py.errors import DeepCabacError, InputError, OutputError
+from deepcabac_py.fileio import write_atomic
 from deepcabac_py.quantize import QP_MAX, QP_MIN
 from deepcabac_py.report import build_report, format_report
 

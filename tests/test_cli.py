@@ -15,7 +15,6 @@ import shutil
 import struct
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -169,7 +168,10 @@ def _pty(columns: int = 100):
     pty = pytest.importorskip("pty")
     fcntl = pytest.importorskip("fcntl")
     termios = pytest.importorskip("termios")
-    master, slave = pty.openpty()
+    try:
+        master, slave = pty.openpty()
+    except OSError as exc:
+        pytest.skip(f"no pseudo-terminal available: {exc}")
     # A pty starts at 0x0; tqdm draws nothing on a zero-width terminal.
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
     return master, slave
@@ -636,6 +638,11 @@ def test_report_and_info_on_a_stream(model_dir):
     # info's text table has no SNR / max error columns
     text = ok(["info", stream]).stdout
     assert "SNR" not in text and "max err" not in text
+    rows = [line for line in text.splitlines() if line.split(" ", 1)[0] in {e.name for e in header.tensors}]
+    assert len(rows) == len(header.tensors)
+    for row in rows:  # name shape dtype mode qp params bytes bits/p x-fp32: no empty error columns
+        assert len(row.split()) == 9, row
+        float(row.split()[-1])
     assert json.loads(ok(["info", "--json", "-"], input=data).stdout) == info
 
 
@@ -667,7 +674,6 @@ def test_encode_to_stdout_is_exactly_a_stream(model_dir):
     assert data.startswith(MAGIC)
     assert read_stream_header(data).total_size == len(data)
     assert "bits/param" in result.stderr
-    assert_tensors_identical(flat_tensors(decode_model(data)), flat_tensors(decode_model(data)))
     ok(["encode", src, "-o", model_dir / "f.dcb", "-q"])
     assert (model_dir / "f.dcb").read_bytes() == data
 
@@ -759,11 +765,7 @@ def test_disk_full_during_write_leaves_old_file_and_no_temp(model_dir, monkeypat
     ok(["encode", src, "-o", out, "-q"])
     before = out.read_bytes()
 
-    real_fsync = os.fsync
-
-    def full_disk(fd):
-        if os.path.isdir(f"/proc/self/fd/{fd}") if os.path.exists("/proc/self/fd") else False:
-            return real_fsync(fd)
+    def full_disk(fd):  # the data fsync fails as on a full disk (the directory fsync is best effort)
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(os, "fsync", full_disk)
@@ -786,11 +788,9 @@ def test_version_and_help():
     for args in (["--help"], ["-h"], ["encode", "--help"], ["decode", "--help"], ["info", "--help"],
                  ["report", "--help"], ["test", "--help"]):
         assert "Usage:" in ok(args).stdout
-    assert_usage_error(run([]) if run([]).exit_code == 2 else _no_args_is_help())
-
-
-def _no_args_is_help():
-    pytest.skip("no-argument invocation prints help with exit 0 in this click version")
+    # no command: help (click exits 0 or 2 here depending on its version), never a traceback
+    result = run([])
+    assert result.exit_code in (0, 2) and "Usage:" in result.stdout + result.stderr
 
 
 def test_subprocess_version_and_help():
