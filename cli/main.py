@@ -18,7 +18,7 @@ import click
 
 from deepcabac_py import __version__
 from deepcabac_py.container import read_header_file
-from deepcabac_py.errors import DeepCabacError, InputError, OutputError
+from deepcabac_py.errors import DeepCabacError, InputError, OutputError, OutputExistsError
 from deepcabac_py.fileio import write_atomic
 from deepcabac_py.quantize import QP_MAX, QP_MIN
 from deepcabac_py.report import build_report, format_report
@@ -67,8 +67,9 @@ def _verbosity(f):
 
 
 def _threads(f):
-    return click.option("-T", "--threads", type=click.IntRange(min=1), default=None,
-                        help="Worker threads (default: all cores).")(f)
+    return click.option("-T", "--threads", type=click.IntRange(min=0), default=0,
+                        callback=lambda ctx, param, value: value or None,
+                        help="Worker threads (default 0: all cores).")(f)
 
 
 def _progress_option(f):
@@ -155,7 +156,7 @@ def _checkpoint_path(path: str, kind: str | None):
         yield spooled
 
 
-def _write_output(path: str, data_or_writer, force: bool) -> None:
+def _write_output(path: str, data_or_writer, force: bool, mode: int | None = None) -> None:
     if path == "-":
         if sys.stdout.isatty():
             raise OutputError("refusing to write binary data to a terminal; use -o FILE or redirect stdout")
@@ -168,7 +169,38 @@ def _write_output(path: str, data_or_writer, force: bool) -> None:
         return
     if os.path.isdir(path):
         raise OutputError(f"cannot write {path}: it is a directory")
-    write_atomic(path, data_or_writer, force=force)
+    write_atomic(path, data_or_writer, force=force, mode=mode)
+
+
+def _check_output(path: str, force: bool) -> None:
+    """Refuse early, before any work, what _write_output would refuse at the end."""
+    if path == "-":
+        if sys.stdout.isatty():
+            raise OutputError("refusing to write binary data to a terminal; use -o FILE or redirect stdout")
+    elif os.path.isdir(path):
+        raise OutputError(f"cannot write {path}: it is a directory")
+    elif os.path.lexists(path) and not force:
+        raise OutputExistsError(f"output file {path} already exists; use --force to overwrite it")
+
+
+@contextmanager
+def _about(path: str):
+    """Prefix library errors with the file they concern, as zstd and xz do."""
+    try:
+        yield
+    except DeepCabacError as exc:
+        name = "<stdin>" if path == "-" else path
+        if name in str(exc):
+            raise
+        raise type(exc)(f"{name}: {exc}") from None
+
+
+def _input_mode(path: str) -> int | None:
+    # The output keeps the input's permission bits (a private checkpoint stays private).
+    try:
+        return None if path == "-" else os.stat(path).st_mode & 0o777
+    except OSError:
+        return None
 
 
 def _same_file(a: str, b: str) -> bool:
@@ -202,19 +234,19 @@ def encode(input, output, input_format, force, qp, qp_density, qp_1d, qp_tensor,
         output = "-" if input == "-" else input + STREAM_SUFFIX
     if _same_file(input, output):
         raise click.UsageError("the output would overwrite the input")
-    with _checkpoint_path(input, input_format) as path:
-        ckpt = load_checkpoint(path, input_format)
-    params = _param_count(ckpt)
-    with _progress(params, "encode", not (quiet or no_progress)) as update:
-        try:
-            data = encode_model(ckpt, threads=threads, progress=update, **settings)
-        except TypeError as exc:  # an unsupported tensor type inside the checkpoint
-            raise InputError(f"{input}: {exc}") from None
-    _write_output(output, data, force)
-    header = read_stream_header(data)
-    rep = build_report(header)
+    _check_output(output, force)
+    with _about(input):
+        with _checkpoint_path(input, input_format) as path:
+            ckpt = load_checkpoint(path, input_format)
+        with _progress(_param_count(ckpt), "encode", not (quiet or no_progress)) as update:
+            try:
+                data = encode_model(ckpt, threads=threads, progress=update, **settings)
+            except TypeError as exc:  # an unsupported tensor type inside the checkpoint
+                raise InputError(str(exc)) from None
+    _write_output(output, data, force, _input_mode(input))
+    rep = build_report(read_stream_header(data))
     _info(quiet, f"{input}: {rep.original_bytes:,} bytes of tensors -> {len(data):,} bytes "
-                 f"({rep.ratio_vs_original:.2f}x), {rep.bits_per_param:.3f} bits/param"
+                 f"({_ratio_words(rep.ratio_vs_original)}), {rep.bits_per_param:.3f} bits/param"
                  + (f" -> {output}" if verbose else ""))
     if verbose and not quiet:
         click.echo(format_report(rep), err=True)
@@ -238,24 +270,27 @@ def decode(input, output, kind, force, threads, no_progress, quiet, verbose):
     if output is None:
         if input == "-":
             output = "-"
-        elif input.endswith(STREAM_SUFFIX) and len(input) > len(STREAM_SUFFIX):
+        elif input.lower().endswith(STREAM_SUFFIX) and len(input) > len(STREAM_SUFFIX):
             output = input[: -len(STREAM_SUFFIX)]
         else:
             raise click.UsageError(f"cannot derive an output name from {input!r}: use -o")
-    data = _read_bytes(input)
-    header = read_stream_header(data)
-    original_kind = header.metadata.get("kind")
-    kind = kind or (kind_from_suffix(output) if output != "-" else None)
-    kind = kind or (original_kind if original_kind in KINDS else "torch")
-    if output != "-" and kind_from_suffix(output) is None and not os.path.splitext(output)[1]:
-        output += _DEFAULT_SUFFIX[kind]
+    suffix_kind = kind_from_suffix(output) if output != "-" else None
+    if kind and suffix_kind and kind != suffix_kind:
+        raise click.UsageError(f"--format {kind} contradicts the output name {output!r}")
     if _same_file(input, output):
         raise click.UsageError("the output would overwrite the input")
-    params = sum(e.numel for e in header.tensors if not e.is_alias)
-    with _progress(params, "decode", not (quiet or no_progress)) as update:
-        ckpt = decode_checkpoint(data, threads=threads, progress=update)
-    _write_output(output, checkpoint_writer(ckpt, kind), force)
-    _info(quiet or not verbose, f"{input}: {len(data):,} bytes -> {output} ({kind}, {len(header.tensors)} tensors)")
+    _check_output(output, force)
+    with _about(input):
+        data = _read_bytes(input)
+        header = read_stream_header(data)
+        original_kind = header.metadata.get("kind")
+        kind = kind or suffix_kind or (original_kind if original_kind in KINDS else "torch")
+        params = sum(e.numel for e in header.tensors if not e.is_alias)
+        with _progress(params, "decode", not (quiet or no_progress)) as update:
+            ckpt = decode_checkpoint(data, threads=threads, progress=update)
+    _write_output(output, checkpoint_writer(ckpt, kind), force, _input_mode(input))
+    _info(quiet, f"{input}: {len(data):,} bytes -> {params:,} params ({kind})"
+                 + (f" -> {output}" if verbose else ""))
 
 
 @main.command()
@@ -265,7 +300,8 @@ def info(input, as_json):
     """Show a stream's header: tensors, shapes, dtypes, coding modes, qp and sizes (no decoding)."""
     from deepcabac_py.container import read_header
 
-    header = read_header(memoryview(_read_bytes("-"))) if input == "-" else read_header_file(input)
+    with _about(input):
+        header = read_header(memoryview(_read_bytes("-"))) if input == "-" else read_header_file(input)
     rep = build_report(header)
     if as_json:
         out = {"format_version": header.version, "qp": header.qp, "qp_1d": header.qp_1d,
@@ -310,30 +346,31 @@ def report(input, as_json, input_format, qp, qp_density, qp_1d, qp_tensor, exact
     from deepcabac_py.checkpoint import load_checkpoint
     from deepcabac_py.codec import decode_checkpoint, encode_model, read_stream_header
 
-    raw = _read_bytes(input) if input == "-" else None
-    is_stream = (raw[:4] if raw is not None else _peek(input)) == b"\x89DCB"
-    if is_stream:
-        data = raw if raw is not None else _read_bytes(input)
-        header = read_stream_header(data)
-        rep = build_report(header)
-    else:
-        settings = _encode_settings(qp, qp_density, qp_1d, qp_tensor, exact, exact_all)
-        if raw is not None:
-            with tempfile.TemporaryDirectory(prefix="deepcabac-") as tmp:
-                spooled = os.path.join(tmp, "stdin" + _DEFAULT_SUFFIX.get(input_format or "", ""))
-                with open(spooled, "wb") as f:
-                    f.write(raw)
-                original = load_checkpoint(spooled, input_format)
+    with _about(input):
+        raw = _read_bytes(input) if input == "-" else None
+        is_stream = (raw[:4] if raw is not None else _peek(input)) == b"\x89DCB"
+        if is_stream:
+            data = raw if raw is not None else _read_bytes(input)
+            header = read_stream_header(data)
+            rep = build_report(header)
         else:
-            original = load_checkpoint(input, input_format)
-        params = _param_count(original)
-        with _progress(2 * params, "report", not (quiet or no_progress)) as update:
-            try:
-                data = encode_model(original, threads=threads, progress=update, **settings)
-            except TypeError as exc:
-                raise InputError(f"{input}: {exc}") from None
-            decoded = decode_checkpoint(data, threads=threads, progress=update)
-        rep = build_report(read_stream_header(data), original, decoded)
+            settings = _encode_settings(qp, qp_density, qp_1d, qp_tensor, exact, exact_all)
+            if raw is not None:
+                with tempfile.TemporaryDirectory(prefix="deepcabac-") as tmp:
+                    spooled = os.path.join(tmp, "stdin" + _DEFAULT_SUFFIX.get(input_format or "", ""))
+                    with open(spooled, "wb") as f:
+                        f.write(raw)
+                    original = load_checkpoint(spooled, input_format)
+            else:
+                original = load_checkpoint(input, input_format)
+            params = _param_count(original)
+            with _progress(2 * params, "report", not (quiet or no_progress)) as update:
+                try:
+                    data = encode_model(original, threads=threads, progress=update, **settings)
+                except TypeError as exc:
+                    raise InputError(str(exc)) from None
+                decoded = decode_checkpoint(data, threads=threads, progress=update)
+            rep = build_report(read_stream_header(data), original, decoded)
     if as_json:
         click.echo(json.dumps(rep.to_dict(), indent=1))
     else:
@@ -346,13 +383,27 @@ def report(input, as_json, input_format, qp, qp_density, qp_1d, qp_tensor, exact
 @_threads
 @_verbosity
 def test(inputs, threads, quiet, verbose):
-    """Decode streams and discard the result: checks that they are intact."""
+    """Decode streams and discard the result: checks that they are intact (all are checked)."""
     from deepcabac_py.codec import decode_checkpoint
 
+    failed = 0
     for path in inputs:
-        data = _read_bytes(path)
-        decode_checkpoint(data, threads=threads)
+        try:
+            with _about(path):
+                decode_checkpoint(_read_bytes(path), threads=threads)
+        except DeepCabacError as exc:
+            click.echo(f"deepcabac: error: {exc}", err=True)
+            failed += 1
+            continue
         _info(quiet, f"{path}: OK")
+    if failed:
+        raise SystemExit(1)
+
+
+def _ratio_words(ratio: float | None) -> str:
+    if not ratio:
+        return "-"
+    return f"{ratio:.2f}x smaller" if ratio >= 1 else f"{1 / ratio:.2f}x larger"
 
 
 def _param_count(ckpt) -> int:

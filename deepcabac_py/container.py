@@ -267,7 +267,8 @@ def read_header(data, *, total_size: int | None = None) -> StreamHeader:
         raise CorruptStreamError(f"{r.end - r.pos} unexplained bytes at the end of the header")
     if next_offset != payload_size:
         if next_offset > payload_size:
-            raise TruncatedStreamError(f"payload is {payload_size} bytes but the tensor table needs {next_offset}")
+            raise TruncatedStreamError(f"truncated stream: the payload has {payload_size} bytes but the tensor "
+                                       f"table needs {next_offset}")
         raise CorruptStreamError(f"{payload_size - next_offset} unexplained bytes after the last tensor")
     return StreamHeader(version, qp, qp_1d, qp_density, metadata, tensors, end, next_offset)
 

@@ -74,6 +74,7 @@ def write_atomic(
     data: Union[bytes, bytearray, memoryview, Writer],
     *,
     force: bool = False,
+    mode: int | None = None,
 ) -> None:
     """Write ``data`` to ``path`` atomically.
 
@@ -82,7 +83,8 @@ def write_atomic(
     :class:`OutputExistsError` is raised and nothing is written. Operating-system errors (disk full,
     permission denied, missing directory, ...) are raised as :class:`OutputError`; any other exception
     from the writer callable propagates unchanged. In every failure case the temporary file is removed
-    and an existing ``path`` is left untouched.
+    and an existing ``path`` is left untouched. ``mode`` sets the new file's permission bits (default:
+    those of the file it replaces, else 0o666 minus the umask).
     """
     if not (isinstance(data, (bytes, bytearray, memoryview)) or callable(data)):
         raise TypeError(f"data must be bytes-like or a callable taking a binary file, not {type(data).__name__}")
@@ -123,9 +125,9 @@ def write_atomic(
                 f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        if existing_mode is not None:
+        if mode is not None or existing_mode is not None:
             try:
-                os.chmod(tmp_name, existing_mode)
+                os.chmod(tmp_name, mode if mode is not None else existing_mode)
             except OSError:
                 pass
 

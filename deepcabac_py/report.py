@@ -48,12 +48,17 @@ class ModelReport:
     fidelity: dict | None = None  # e.g. {"accuracy": ...} filled by callers that can run the model
 
     def to_dict(self) -> dict:
-        return _jsonable(asdict(self))
+        out = asdict(self)
+        for item in [out, *out["tensors"]]:
+            snr = item.get("snr_db")
+            item["exact"] = None if snr is None else snr == math.inf
+        return _jsonable(out)
 
 
 def _jsonable(obj):
+    # JSON has no infinities: an exact tensor has snr_db null and "exact": true (see to_dict).
     if isinstance(obj, float) and not math.isfinite(obj):
-        return "inf" if obj > 0 else ("-inf" if obj < 0 else "nan")
+        return None
     if isinstance(obj, dict):
         return {k: _jsonable(v) for k, v in obj.items()}
     if isinstance(obj, list):
@@ -160,7 +165,7 @@ def format_report(rep: ModelReport, *, per_tensor: bool = True) -> str:
         if x is None:
             return "-"
         if isinstance(x, float) and math.isinf(x):
-            return "exact" if x > 0 else "-inf"
+            return "inf" if x > 0 else "-inf"
         if isinstance(x, float) and math.isnan(x):
             return "nan"
         return format(x, fmt)
@@ -179,13 +184,19 @@ def format_report(rep: ModelReport, *, per_tensor: bool = True) -> str:
                 f"{num(t.snr_db, '.1f'):>7} {num(t.max_abs_error, '.2e'):>9}"
             )
         lines.append("")
+    def ratio(r):
+        if not r:
+            return "-"
+        return f"{r:.2f}x smaller" if r >= 1 else f"{1 / r:.2f}x larger"
+
     lines.append(
         f"total: {rep.params:,} params in {rep.stream_bytes:,} bytes (header {rep.header_bytes:,}): "
-        f"{num(rep.bits_per_param, '.3f')} bits/param, {num(rep.ratio_vs_fp32, '.2f')}x smaller than fp32"
-        + (f", {num(rep.ratio_vs_original, '.2f')}x smaller than the original dtypes" if rep.original_bytes else "")
+        f"{num(rep.bits_per_param, '.3f')} bits/param, {ratio(rep.ratio_vs_fp32)} than fp32"
+        + (f", {ratio(rep.ratio_vs_original)} than the original dtypes" if rep.original_bytes else "")
     )
     if rep.snr_db is not None:
-        lines.append(f"fidelity: SNR {num(rep.snr_db, '.2f')} dB, max abs error {num(rep.max_abs_error, '.3e')}")
+        snr = "exact (lossless)" if rep.snr_db == math.inf else f"SNR {num(rep.snr_db, '.2f')} dB"
+        lines.append(f"fidelity: {snr}, max abs error {num(rep.max_abs_error, '.3e')}")
     if rep.fidelity:
         lines.append("model fidelity: " + ", ".join(f"{k} {v}" for k, v in rep.fidelity.items()))
     return "\n".join(lines)

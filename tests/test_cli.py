@@ -269,11 +269,13 @@ def test_decode_to_another_kind_by_suffix_and_by_format(model_dir):
     obj = torch.load(as_torch, weights_only=True)
     assert_tensors_identical(flat_tensors(obj), flat_tensors(decode_model(stream_st.read_bytes())))
 
-    # a derived name without a checkpoint suffix gets the original kind's suffix
+    # a derived name is used as it is (as zstd does), in the original kind
     bare = model_dir / "bare.dcb"
     shutil.copy(stream_st, bare)
     ok(["decode", bare])
-    assert (model_dir / "bare.safetensors").is_file()
+    assert not (model_dir / "bare.safetensors").exists()
+    assert load_checkpoint(model_dir / "bare", "safetensors").tensors.keys() == decode_model(
+        stream_st.read_bytes()).keys()
     no_temp_files(model_dir)
 
 
@@ -521,7 +523,7 @@ def test_not_a_checkpoint(model_dir):
     (["--qp-tensor", "classifier.weight=abc"], ["--qp-tensor"]),
     (["--qp-tensor", "=-20"], ["--qp-tensor"]),
     (["--qp-density", "9"], ["--qp-density"]),
-    (["-T", "0"], ["--threads"]),
+    (["-T", "-1"], ["--threads"]),
     (["--input-format", "onnx"], ["--input-format"]),
     (["--no-such-option"], ["no such option"]),
 ])
@@ -598,11 +600,10 @@ def test_report_on_a_checkpoint(model_dir):
     assert [t["name"] for t in js["tensors"]] == names
     for t in js["tensors"]:
         assert isinstance(t["bits_per_param"], float) and t["bits_per_param"] > 0
-        assert t["snr_db"] is not None
         if t["dtype"] == "float32":
-            assert isinstance(t["snr_db"], float) and t["snr_db"] > 10, t
-        else:  # integer tensors are lossless; JSON has no infinity
-            assert t["snr_db"] == "inf"
+            assert isinstance(t["snr_db"], float) and t["snr_db"] > 10 and t["exact"] is False, t
+        else:  # integer tensors are lossless; JSON has no infinity: null and "exact": true
+            assert t["snr_db"] is None and t["exact"] is True
     assert isinstance(js["snr_db"], float) and js["snr_db"] > 10
     assert js["params"] == sum(t["params"] for t in js["tensors"] if t["alias_of"] is None)
 
@@ -610,7 +611,7 @@ def test_report_on_a_checkpoint(model_dir):
     coarse = json.loads(ok(["report", "--json", src, "--qp", "-16", "--qp-1d", "-40"]).stdout)
     assert coarse["bits_per_param"] < js["bits_per_param"] and coarse["snr_db"] < js["snr_db"]
     exact = json.loads(ok(["report", "--json", src, "--exact-all"]).stdout)
-    assert exact["snr_db"] == "inf" and exact["max_abs_error"] == 0.0
+    assert exact["snr_db"] is None and exact["exact"] is True and exact["max_abs_error"] == 0.0
 
 
 def test_report_and_info_on_a_stream(model_dir):
@@ -830,5 +831,8 @@ def test_subprocess_round_trip_and_errors(model_dir):
     proc = subprocess.run(_module_cmd("test", "cut.dcb", "missing.dcb"), **run_kw)
     assert proc.returncode == 1
     err = proc.stderr.decode()
-    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    # every input is checked, one line each, each naming its file
+    lines = err.strip().splitlines()
+    assert len(lines) == 2 and "Traceback" not in err
+    assert "cut.dcb" in lines[0] and "truncated" in lines[0] and "missing.dcb" in lines[1]
     no_temp_files(model_dir)
