@@ -70,10 +70,10 @@ ERR_BAD_BYPASS = 6
 OVERRUN_SLACK = 8  # bytes a valid decoder may read past the end (lookahead of the final flush)
 MAX_STRIPPED = 4  # trailing zero bytes the encoder may drop (the decoder reads zeros there)
 
-# Lower bound on the cost of one coded element, for bounding allocations by the payload size: an
-# element costs at least one context-coded bin, whose probability is at most 1 - P_MIN / PROB_ONE.
-# With the integer bound (rng >> PROB_BITS) * p, a 0-bin keeps at most rng * (1 - P_MIN / PROB_ONE)
-# + P_MIN of a range rng >= TOP, hence the P_MIN / TOP term.
+# Lower bound on the cost of one coded element, for bounding allocations by the payload size: every
+# element ends with a context-coded 0 bin (or an escape whose prefix holds a bypass bin). The
+# probability of a 1 is at least P_MIN / PROB_ONE, so a 0 bin keeps at most 1 - P_MIN / PROB_ONE of
+# the range, plus P_MIN / TOP for the truncation of (range >> PROB_BITS).
 MIN_BITS_PER_ELEMENT = -np.log2(1.0 - P_MIN / PROB_ONE + P_MIN / TOP)
 
 

@@ -569,9 +569,11 @@ def plain_skeleton(names: list[str]) -> dict:
     }
 
 
-def is_plain(ckpt: Checkpoint) -> bool:
+def is_plain(ckpt: Checkpoint, *, allow_ordered: bool = True) -> bool:
     """True when the skeleton is just ``{name: tensor}`` for every tensor in order (no aliases), i.e. a
-    file without a stored skeleton reloads to the same checkpoint."""
+    file without a stored skeleton reloads to the same checkpoint. With ``allow_ordered`` an
+    OrderedDict root counts as plain too (it then comes back as a dict: fine for safetensors files,
+    not for the codec's streams)."""
     if ckpt.aliases:
         return False
     sk = ckpt.skeleton
@@ -580,7 +582,7 @@ def is_plain(ckpt: Checkpoint) -> bool:
     root = sk.get("root")
     if not isinstance(root, dict) or len(root) != 1:
         return False
-    items = root.get("$dict", root.get("$odict"))
+    items = root.get("$dict", root.get("$odict") if allow_ordered else None)
     if not isinstance(items, list) or len(items) != len(ckpt.tensors):
         return False
     for pair, name in zip(items, ckpt.tensors):

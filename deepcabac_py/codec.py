@@ -30,6 +30,7 @@ from .container import (
     Mode,
     StreamHeader,
     TensorEntry,
+    raw_chunk_elements,
     read_header,
     write_header,
 )
@@ -192,6 +193,8 @@ def _values_from_levels(e: TensorEntry, levels: np.ndarray) -> np.ndarray:
     if e.mode == Mode.UNIFORM:
         return _reconstruct(levels, e.step, e.dtype)
     if e.dtype == DType.BOOL:
+        if levels.size and (int(levels.min()) < 0 or int(levels.max()) > 1):
+            raise CorruptStreamError(f"tensor {e.name!r}: a decoded boolean is neither 0 nor 1")
         return levels != 0
     info = np.iinfo(_NUMPY_CARRIER[e.dtype])
     if levels.size and (int(levels.min()) < info.min or int(levels.max()) > info.max):
@@ -201,10 +204,7 @@ def _values_from_levels(e: TensorEntry, levels: np.ndarray) -> np.ndarray:
 
 def _reconstruct(levels: np.ndarray, step: float, dtype: DType) -> np.ndarray:
     if dtype == DType.BFLOAT16:
-        import torch
-
-        f64 = torch.from_numpy(levels.reshape(-1).astype(np.float64) * step)
-        return f64.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16).reshape(levels.shape)
+        return quantize.reconstruct_bf16_bits(levels, step)
     return quantize.reconstruct(levels, step, _NUMPY_CARRIER[dtype])
 
 
@@ -304,8 +304,9 @@ def encode_model(
         if e.flags & FLAG_ALIAS:
             continue
         if plan.layout is None:
-            raw = np.ascontiguousarray(plan.array).astype(plan.array.dtype.newbyteorder("<"), copy=False).tobytes()
-            chunks = [raw] if plan.array.size else []
+            flat = plan.array.reshape(-1).astype(plan.array.dtype.newbyteorder("<"), copy=False)
+            e.chunk_elements = raw_chunk_elements(e.dtype)
+            chunks = [flat[k:k + e.chunk_elements].tobytes() for k in range(0, flat.size, e.chunk_elements)]
             if progress is not None:
                 progress(plan.array.size)
         else:
@@ -323,7 +324,7 @@ def encode_model(
 
     # A plain flat state dict needs no skeleton: the decoder rebuilds it from the tensor table.
     metadata = {"kind": ckpt.kind}
-    if not is_plain(ckpt):
+    if not is_plain(ckpt, allow_ordered=False):
         metadata["skeleton"] = ckpt.skeleton
     if ckpt.metadata is not None:
         metadata["safetensors_metadata"] = ckpt.metadata
@@ -398,7 +399,9 @@ def _decode_entries(data, header: StreamHeader, *, want_levels: bool, threads: i
         if e.mode == Mode.RAW:
             if want_levels:
                 continue
-            arr = np.frombuffer(views[0] if views else b"", dtype=np.dtype(carrier).newbyteorder("<"))
+            little = np.dtype(carrier).newbyteorder("<")
+            parts = [np.frombuffer(v, dtype=little) for v in views]
+            arr = np.concatenate(parts) if len(parts) > 1 else (parts[0] if parts else np.empty(0, little))
             outputs[e.name] = arr.astype(carrier).reshape(e.shape)
             continue
         layout = levelcoder.layout_from_stream(e.shape, e.chunk_elements, e.coder_param)

@@ -222,7 +222,11 @@ def read_header(data, *, total_size: int | None = None) -> StreamHeader:
 
     body = _inflate_body(data, end)
     r = _Reader(body, 0, len(body))
-    count, qp, qp_1d, qp_density, _ = r.unpack(_SETTINGS, "settings")
+    count, qp, qp_1d, qp_density, reserved = r.unpack(_SETTINGS, "settings")
+    if reserved:
+        raise FormatError(f"unknown settings byte 0x{reserved:02x}")
+    _check_qp_pair(qp, qp_density, "model qp")
+    _check_qp_pair(qp_1d, qp_density, "model qp_1d")
     (meta_len,) = r.unpack(struct.Struct("<I"), "metadata size")
     try:
         metadata = json.loads(bytes(r.take(meta_len, "metadata")).decode("utf-8"))
@@ -230,11 +234,12 @@ def read_header(data, *, total_size: int | None = None) -> StreamHeader:
         raise CorruptStreamError(f"metadata is not valid JSON: {exc}") from None
     if not isinstance(metadata, dict):
         raise CorruptStreamError("metadata must be a JSON object")
-    # Each entry takes at least 45 bytes: refuse counts the header cannot hold before looping.
-    if count > (r.end - r.pos) // 45:
+    # Each entry takes at least 47 bytes: refuse counts the header cannot hold before looping.
+    if count > (r.end - r.pos) // 47:
         raise CorruptStreamError(f"tensor count {count} does not fit in a {header_size}-byte header")
 
     tensors: list[TensorEntry] = []
+    names: set[str] = set()
     next_offset = 0
     for i in range(count):
         (name_len,) = r.unpack(struct.Struct("<H"), "name length")
@@ -244,6 +249,9 @@ def read_header(data, *, total_size: int | None = None) -> StreamHeader:
             raise CorruptStreamError(f"tensor {i}: name is not UTF-8") from None
         dtype, mode, coder, flags, ndim = r.unpack(_ENTRY_FIXED, "tensor type")
         where = f"tensor {i} ({name!r})"
+        if name in names:
+            raise CorruptStreamError(f"{where}: a second tensor of the same name")
+        names.add(name)
         try:
             dtype, mode, coder = DType(dtype), Mode(mode), Coder(coder)
         except ValueError as exc:
@@ -291,6 +299,22 @@ def _inflate_body(data, end: int) -> bytes:
     return body
 
 
+def raw_chunk_elements(dtype: DType) -> int:
+    """Elements per chunk of a RAW tensor: chunk sizes are u32, so chunks stay below 1 GiB."""
+    return (1 << 30) // dtype.itemsize
+
+
+def _check_qp_pair(qp: int, qp_density: int, what: str) -> None:
+    from .quantize import QP_DENSITY_MAX, QP_MAX, QP_MIN, step_from_qp
+
+    if not (QP_MIN <= qp <= QP_MAX and 0 <= qp_density <= QP_DENSITY_MAX):
+        raise CorruptStreamError(f"{what} {qp} / qp_density {qp_density} out of range")
+    try:
+        step_from_qp(qp, qp_density)
+    except ValueError:
+        raise CorruptStreamError(f"{what} {qp} at qp_density {qp_density} has no usable step") from None
+
+
 def read_header_file(path) -> StreamHeader:
     """Read and parse only the header of a stream file (the payload is not read)."""
     import os
@@ -308,7 +332,6 @@ def read_header_file(path) -> StreamHeader:
 
 def _validate_entry(e: TensorEntry, index: int, where: str, earlier: list[TensorEntry], expected_offset: int) -> None:
     from .levelcoder import MAX_K_OFFSET, layout_from_stream, max_elements_for_payload
-    from .quantize import QP_DENSITY_MAX, QP_MAX, QP_MIN, step_from_qp
 
     numel = 1
     for d in e.shape:
@@ -323,8 +346,9 @@ def _validate_entry(e: TensorEntry, index: int, where: str, earlier: list[Tensor
         target = earlier[e.alias_of]
         if target.is_alias or target.shape != e.shape or target.dtype != e.dtype:
             raise CorruptStreamError(f"{where}: alias target {e.alias_of} does not match it")
-        if e.size or e.chunk_sizes or e.coder_param:
-            raise CorruptStreamError(f"{where}: an alias carries no payload")
+        if (e.size or e.chunk_sizes or e.coder_param or e.offset or e.crc32 or e.qp or e.qp_density
+                or e.chunk_elements or e.coder != Coder.NONE or e.mode != target.mode):
+            raise CorruptStreamError(f"{where}: an alias carries no payload and no coding parameters")
         return
     if e.alias_of != NO_ALIAS:
         raise CorruptStreamError(f"{where}: alias index without the alias flag")
@@ -333,22 +357,25 @@ def _validate_entry(e: TensorEntry, index: int, where: str, earlier: list[Tensor
     if sum(e.chunk_sizes) != e.size:
         raise CorruptStreamError(f"{where}: chunk sizes do not add up to the payload size")
     if e.mode == Mode.RAW:
-        if e.coder != Coder.NONE or e.size != numel * e.dtype.itemsize or len(e.chunk_sizes) != (1 if numel else 0):
+        if (e.coder != Coder.NONE or e.qp or e.qp_density or e.coder_param
+                or e.chunk_elements != raw_chunk_elements(e.dtype) or e.size != numel * e.dtype.itemsize):
             raise CorruptStreamError(f"{where}: raw payload of {e.size} bytes does not match its shape and dtype")
+        chunks = -(-numel // e.chunk_elements)
+        if len(e.chunk_sizes) != chunks or any(
+                size != min(e.chunk_elements, numel - k * e.chunk_elements) * e.dtype.itemsize
+                for k, size in enumerate(e.chunk_sizes)):
+            raise CorruptStreamError(f"{where}: raw chunk sizes do not match its shape and dtype")
         return
     if e.coder != Coder.ADAPTIVE_SCALE:
         raise FormatError(f"{where}: coding mode {e.mode.name} needs a level coder")
     if e.mode == Mode.UNIFORM:
         if not e.dtype.is_float:
             raise CorruptStreamError(f"{where}: uniform quantization of a {e.dtype.name} tensor")
-        if not (QP_MIN <= e.qp <= QP_MAX and 0 <= e.qp_density <= QP_DENSITY_MAX):
-            raise CorruptStreamError(f"{where}: qp {e.qp} / qp_density {e.qp_density} out of range")
-        try:
-            step_from_qp(e.qp, e.qp_density)
-        except ValueError as exc:
-            raise CorruptStreamError(f"{where}: {exc}") from None
+        _check_qp_pair(e.qp, e.qp_density, f"{where}: qp")
     elif e.dtype.is_float or e.dtype in (DType.COMPLEX64, DType.COMPLEX128):
         raise CorruptStreamError(f"{where}: integer coding of a {e.dtype.name} tensor")
+    elif e.qp or e.qp_density:
+        raise CorruptStreamError(f"{where}: an integer tensor has no qp")
     if e.coder_param > MAX_K_OFFSET:
         raise CorruptStreamError(f"{where}: coder parameter {e.coder_param} out of range")
     if e.chunk_elements < 1:

@@ -68,12 +68,18 @@ def layout_for_shape(shape: tuple[int, ...], target: int = CHUNK_ELEMENTS,
     """The chunk layout the encoder chooses for a tensor of ``shape``: whole rows when they fit."""
     numel, ncols = _numel_and_columns(shape)
     size = (target // ncols) * ncols if ncols and ncols <= target else target
-    return ChunkLayout(numel=numel, ncols=ncols, chunk_elements=max(1, size), k_offset=k_offset)
+    return layout_from_stream(shape, max(1, size), k_offset)
 
 
 def layout_from_stream(shape: tuple[int, ...], chunk_elements: int, k_offset: int) -> ChunkLayout:
-    """The layout a stream declares (any positive chunk size decodes)."""
+    """The layout a stream declares (any positive chunk size decodes).
+
+    The column model needs at least one whole row per chunk; with longer rows it is off (ncols 0),
+    which also bounds its per-chunk state by the chunk size.
+    """
     numel, ncols = _numel_and_columns(shape)
+    if ncols > chunk_elements:
+        ncols = 0
     return ChunkLayout(numel=numel, ncols=ncols, chunk_elements=chunk_elements, k_offset=k_offset)
 
 

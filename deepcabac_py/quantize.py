@@ -2,9 +2,9 @@
 
 The step follows the NNC formula exactly, so a setting here compares one to one with NNCodec:
 with k = 2**qp_density, ``step = (k + qp mod k) * 2**(floor(qp / k) - qp_density)``. Reconstruction
-is ``level * step``, computed in float64 (exact: the mantissa of the step has at most 4 bits and
-|level| < 2**31) and rounded once to the tensor's dtype, so the encoder and the decoder produce the
-same bits.
+is ``level * step``, computed in float64 (exact: the mantissa of the step has at most 7 bits and
+|level| < 2**31) and rounded once, to nearest even, to the tensor's dtype, so the encoder and the
+decoder produce the same bits.
 
 This module is the seam the rate-distortion quantizers (RDOQ, trellis) plug into: they produce
 levels for a given step; everything downstream only sees levels and a step.
@@ -95,6 +95,24 @@ def reconstruct_f32_inplace(levels: np.ndarray, step: float) -> None:
     if levels.dtype != np.int32 or levels.ndim != 1 or not levels.flags.c_contiguous:
         raise ValueError("levels must be a flat contiguous int32 array")
     _reconstruct_f32_inplace_kernel(levels, float(step))
+
+
+def reconstruct_bf16_bits(levels: np.ndarray, step: float) -> np.ndarray:
+    """``levels * step`` rounded once to bfloat16, returned as its uint16 bit patterns.
+
+    (torch's float64 -> bfloat16 conversion goes through float32 and can round twice.)
+    """
+    exact = levels.reshape(-1).astype(np.float64) * step
+    bits = exact.view(np.uint64)
+    # Round the float64 to 8 significant bits, ties to even, by integer arithmetic on its pattern;
+    # the result converts to float32 exactly, whose top half is the bfloat16 pattern.
+    lsb = (bits >> np.uint64(45)) & np.uint64(1)
+    rounded = ((bits + np.uint64((1 << 44) - 1) + lsb) & ~np.uint64((1 << 45) - 1)).view(np.float64)
+    finite = np.isfinite(exact)
+    rounded = np.where(finite, rounded, exact)
+    with np.errstate(over="ignore"):
+        f32 = rounded.astype(np.float32)
+    return (f32.view(np.uint32) >> np.uint32(16)).astype(np.uint16).reshape(levels.shape)
 
 
 def quantize_nearest(values: np.ndarray, step: float) -> np.ndarray:

@@ -16,7 +16,10 @@ import deepcabac_py as dc
 from deepcabac_py import levelcoder
 from deepcabac_py.checkpoint import tensor_to_numpy
 from deepcabac_py.container import FLAG_ALIAS, FLAG_TORCH, DType, Mode
+from deepcabac_py.errors import CorruptStreamError
 from deepcabac_py.quantize import step_from_qp
+
+decode_model, encode_model = dc.decode_model, dc.encode_model
 
 ROOT = Path(__file__).resolve().parent.parent
 DIGITS_PT = ROOT / "models" / "digits_cnn.pt"
@@ -404,3 +407,99 @@ def test_argument_validation():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         dc.encode_model(model)  # a finite model warns about nothing
+
+
+# --------------------------------------------------------------------------------------------------
+# rules added after the format review
+# --------------------------------------------------------------------------------------------------
+
+
+def test_ordered_dict_comes_back_ordered():
+    from collections import OrderedDict
+
+    sd = OrderedDict([("b", np.ones(3, np.float32)), ("a", np.zeros((2, 2), np.float32))])
+    out = decode_model(encode_model(sd))
+    assert type(out) is OrderedDict and list(out) == ["b", "a"]
+
+
+def test_bfloat16_is_rounded_once():
+    # 2**30 + 2**22 + 1 at qp -120 (step 2**-30): the exact value is 1 + 2**-8 + 2**-30, whose nearest
+    # bfloat16 is 1 + 2**-7; rounding through float32 first would give a tie and round to 1.0.
+    import torch
+
+    from deepcabac_py.quantize import reconstruct_bf16_bits, step_from_qp
+
+    bits = reconstruct_bf16_bits(np.array([2**30 + 2**22 + 1], np.int32), step_from_qp(-120))
+    value = torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16).float().item()
+    assert value == 1.0078125
+    # and it agrees with float32 -> bfloat16 wherever float32 holds the value exactly
+    levels = np.random.default_rng(3).integers(-(2**20), 2**20, 5000).astype(np.int32)
+    step = step_from_qp(-40)
+    expect = torch.from_numpy(levels.astype(np.float64) * step).float().to(torch.bfloat16)
+    assert np.array_equal(reconstruct_bf16_bits(levels, step), expect.view(torch.int16).numpy().view(np.uint16))
+
+
+def _entries_of(data):
+    from deepcabac_py.container import read_header
+
+    return read_header(memoryview(data))
+
+
+def _rewrite(data, mutate):
+    """Re-serialize a stream's header after ``mutate(header)``, keeping the payload."""
+    from deepcabac_py.container import write_header
+
+    h = _entries_of(data)
+    mutate(h)
+    return write_header(h.qp, h.qp_1d, h.qp_density, h.metadata, h.tensors) + bytes(data[h.header_size:])
+
+
+def test_duplicate_names_are_corrupt():
+    data = encode_model({"a": np.ones(4, np.float32), "b": np.ones(4, np.float32)})
+
+    def rename(h):
+        h.tensors[1].name = "a"
+
+    with pytest.raises(CorruptStreamError, match="same name"):
+        decode_model(_rewrite(data, rename))
+
+
+def test_boolean_levels_must_be_zero_or_one():
+    data = encode_model({"mask": np.array([0, 5, 1], np.int64)})
+
+    def as_bool(h):
+        from deepcabac_py.container import DType
+
+        h.tensors[0].dtype = DType.BOOL
+
+    with pytest.raises(CorruptStreamError, match="boolean"):
+        decode_model(_rewrite(data, as_bool))
+
+
+def test_alias_entries_carry_no_coding_parameters():
+    import torch
+
+    t = torch.ones(3)
+    data = encode_model({"a": t, "b": t})
+
+    def give_qp(h):
+        h.tensors[1].qp = -20
+
+    with pytest.raises(CorruptStreamError, match="alias"):
+        decode_model(_rewrite(data, give_qp))
+
+
+def test_column_model_needs_a_whole_row_per_chunk():
+    from deepcabac_py.levelcoder import layout_for_shape, layout_from_stream
+
+    assert layout_from_stream((4, 1000), 500, 0).ncols == 0
+    assert layout_from_stream((4, 1000), 2000, 0).ncols == 1000
+    assert layout_for_shape((2, 3 << 20)).ncols == 0  # rows longer than a chunk
+
+
+def test_raw_tensors_are_cut_into_chunks():
+    from deepcabac_py.container import raw_chunk_elements
+
+    h = _entries_of(encode_model({"x": np.arange(10, dtype=np.complex64)}))
+    e = h.tensors[0]
+    assert e.chunk_elements == raw_chunk_elements(e.dtype) and e.chunk_sizes == [80]
