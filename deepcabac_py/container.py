@@ -28,6 +28,7 @@ MAX_HEADER_SIZE = 1 << 30
 MAX_NDIM = 32
 MAX_DIM = 1 << 48
 NO_ALIAS = 0xFFFFFFFF
+MIN_CHUNK_ELEMENTS = 1 << 16  # level-coded chunks hold at least this many elements (or the tensor)
 
 
 class DType(enum.IntEnum):
@@ -378,8 +379,9 @@ def _validate_entry(e: TensorEntry, index: int, where: str, earlier: list[Tensor
         raise CorruptStreamError(f"{where}: an integer tensor has no qp")
     if e.coder_param > MAX_K_OFFSET:
         raise CorruptStreamError(f"{where}: coder parameter {e.coder_param} out of range")
-    if e.chunk_elements < 1:
-        raise CorruptStreamError(f"{where}: chunk size {e.chunk_elements}")
+    # Small chunks would multiply the per-chunk slack of the allocation bound; writers use >= 2**19.
+    if e.chunk_elements < min(e.numel, MIN_CHUNK_ELEMENTS) or e.chunk_elements < 1:
+        raise CorruptStreamError(f"{where}: chunk size {e.chunk_elements} is below the minimum")
     layout = layout_from_stream(e.shape, e.chunk_elements, e.coder_param)
     if len(e.chunk_sizes) != layout.count:
         raise CorruptStreamError(f"{where}: {len(e.chunk_sizes)} chunks, but the shape needs {layout.count}")

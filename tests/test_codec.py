@@ -503,3 +503,15 @@ def test_raw_tensors_are_cut_into_chunks():
     h = _entries_of(encode_model({"x": np.arange(10, dtype=np.complex64)}))
     e = h.tensors[0]
     assert e.chunk_elements == raw_chunk_elements(e.dtype) and e.chunk_sizes == [80]
+
+
+def test_tiny_chunks_are_refused():
+    # Many tiny chunks would each get the allocation bound's slack: the reader wants >= 2**16.
+    data = encode_model({"w": np.zeros((100, 1000), np.float32)})
+
+    def shrink(h):
+        h.tensors[0].chunk_elements = 1000
+        h.tensors[0].chunk_sizes = [0] * 99 + [h.tensors[0].size]
+
+    with pytest.raises(CorruptStreamError, match="chunk size"):
+        decode_model(_rewrite(data, shrink))
