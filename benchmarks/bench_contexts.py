@@ -29,14 +29,15 @@ from deepcabac_py.quantize import quantize_nearest, step_from_qp
 KERNELS = Path(__file__).resolve().parents[1] / "deepcabac_py" / "_cabac_kernels.py"
 OUT = Path(__file__).resolve().parent / "out"
 
-# name -> (list of (old, new) source substitutions, k_offset, use the column model)
+# name -> (list of (old, new) source substitutions, k_offset, use the column model, predict)
 VARIANTS = {
-    "shipped (k_offset 0)": ([], 0, True),
-    "k_offset 1 (half octave finer)": ([], 1, True),
-    "k_offset 2": ([], 2, True),
-    "no column model": ([], 0, False),
-    "estimator window 2**7": ([("RATE = 8\n", "RATE = 7\n")], 0, True),
-    "estimator window 2**10": ([("RATE = 8\n", "RATE = 10\n")], 0, True),
+    "shipped (k_offset 0, column prediction)": ([], 0, True, True),
+    "no column prediction": ([], 0, True, False),
+    "k_offset 1 (half octave finer)": ([], 1, True, True),
+    "k_offset 2": ([], 2, True, True),
+    "no column model (and no prediction)": ([], 0, False, False),
+    "estimator window 2**7": ([("RATE = 8\n", "RATE = 7\n")], 0, True, True),
+    "estimator window 2**10": ([("RATE = 8\n", "RATE = 10\n")], 0, True, True),
     "two-rate estimator (2**6 + 2**9)": ([
         ("def _prob(state):\n    # OR instead of a clamp: cheaper, and it keeps p in [P_MIN, PROB_ONE - 1].\n"
          "    return (state >> 1) | P_MIN",
@@ -49,8 +50,8 @@ VARIANTS = {
         ("        state[c, 0] = 1 << 15\n", "        state[c, 0] = (1 << 15) | (1 << 47)\n"),
         ("SHIFT_FOR_COUNT = np.array([min(RATE, int(np.log2(n + 2)))",
          "SHIFT_FOR_COUNT = np.array([min(9, int(np.log2(n + 2)))"),
-    ], 0, True),
-    "suffix top bit as bypass": ([("        if k >= 2:\n", "        if k >= 99:\n")], 0, True),
+    ], 0, True, True),
+    "suffix top bit as bypass": ([("        if k >= 2:\n", "        if k >= 99:\n")], 0, True, True),
 }
 
 
@@ -83,7 +84,7 @@ def minilm_matrices() -> list[tuple[np.ndarray, int]]:
     return mats
 
 
-def measure(mod, mats, k_offset: int, use_cols: bool, repeats: int) -> tuple[int, float, float]:
+def measure(mod, mats, k_offset: int, use_cols: bool, predict: bool, repeats: int) -> tuple[int, float, float]:
     chunks = []
     for levels, ncols in mats:
         layout = levelcoder.layout_for_shape((levels.size // ncols, ncols))
@@ -91,8 +92,8 @@ def measure(mod, mats, k_offset: int, use_cols: bool, repeats: int) -> tuple[int
             start, stop = layout.bounds(k)
             chunks.append((levels[start:stop], ncols if use_cols else 0))
     warm = np.empty(1 << 12, np.uint8)
-    mod.encode_levels_kernel(chunks[0][0][:64], chunks[0][1], 0, k_offset, warm)
-    mod.decode_levels_kernel(warm[1:64], chunks[0][1], 0, k_offset, np.empty(64, np.int32))
+    mod.encode_levels_kernel(chunks[0][0][:64], chunks[0][1], 0, k_offset, predict, warm)
+    mod.decode_levels_kernel(warm[1:64], chunks[0][1], 0, k_offset, predict, np.empty(64, np.int32))
     best_enc = best_dec = float("inf")
     total = n = 0
     for rep in range(repeats):
@@ -101,12 +102,12 @@ def measure(mod, mats, k_offset: int, use_cols: bool, repeats: int) -> tuple[int
         for part, ncols in chunks:
             out = np.empty(part.size * 6 + 64, np.uint8)
             t0 = time.perf_counter()
-            size = mod.encode_levels_kernel(part, ncols, 0, k_offset, out)
+            size = mod.encode_levels_kernel(part, ncols, 0, k_offset, predict, out)
             t_enc += time.perf_counter() - t0
             buf = out[1:size].copy()
             back = np.empty_like(part)
             t0 = time.perf_counter()
-            status = mod.decode_levels_kernel(buf, ncols, 0, k_offset, back)
+            status = mod.decode_levels_kernel(buf, ncols, 0, k_offset, predict, back)
             t_dec += time.perf_counter() - t0
             if rep == 0 and (status != 0 or not np.array_equal(back, part)):
                 raise SystemExit("variant failed to round-trip")
@@ -125,13 +126,13 @@ def main() -> None:
     nnc_bytes = json.loads(peer.read_text())["bytes"] if peer.exists() else None
     print(f"all-MiniLM-L6-v2, qp -32, {sum(m.size for m, _ in mats):,} weights in 2-D tensors"
           + (f"; NNCodec whole stream {nnc_bytes:,} bytes" if nnc_bytes else ""))
-    print(f"{'variant':<36} {'bytes':>11} {'vs shipped':>10} {'vs NNCodec':>10} {'enc ns/w':>9} {'dec ns/w':>9}")
+    print(f"{'variant':<40} {'bytes':>11} {'vs shipped':>10} {'vs NNCodec':>10} {'enc ns/w':>9} {'dec ns/w':>9}")
     base = None
-    for name, (subs, k_offset, use_cols) in VARIANTS.items():
-        total, enc, dec = measure(load_variant(name, subs), mats, k_offset, use_cols, args.repeats)
+    for name, (subs, k_offset, use_cols, predict) in VARIANTS.items():
+        total, enc, dec = measure(load_variant(name, subs), mats, k_offset, use_cols, predict, args.repeats)
         base = base or total
         vs_nnc = f"{total / nnc_bytes:.4f}" if nnc_bytes else "-"
-        print(f"{name:<36} {total:>11,} {total / base:>10.4f} {vs_nnc:>10} {enc:>9.1f} {dec:>9.1f}", flush=True)
+        print(f"{name:<40} {total:>11,} {total / base:>10.4f} {vs_nnc:>10} {enc:>9.1f} {dec:>9.1f}", flush=True)
     print("(vs NNCodec compares these tensors alone with NNCodec's whole stream; bench_minilm.py gives"
           " the like-for-like figure)")
 

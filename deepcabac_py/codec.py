@@ -163,6 +163,7 @@ def _plan_tensor(name: str, tensor, *, qp: int, qp_1d: int, qp_density: int, ove
             return _Plan(entry, arr)
         entry.qp_density = qp_density
         entry.mode, entry.coder = Mode.UNIFORM, Coder.ADAPTIVE_SCALE
+        max_level = int(float(top) / quantize.step_from_qp(entry.qp, qp_density) + 0.5)
     elif not dtype.is_float and dtype not in (DType.COMPLEX64, DType.COMPLEX128):
         if dtype in (DType.UINT64,) and int(arr.max()) > levelcoder.LEVEL_MAX:
             return _Plan(entry, arr)
@@ -170,11 +171,12 @@ def _plan_tensor(name: str, tensor, *, qp: int, qp_1d: int, qp_density: int, ove
         if lo < -levelcoder.LEVEL_MAX or hi > levelcoder.LEVEL_MAX:
             return _Plan(entry, arr)
         entry.mode, entry.coder = Mode.INTEGER, Coder.ADAPTIVE_SCALE
+        max_level = max(-int(lo), int(hi))
     else:
         return _Plan(entry, arr)
-    layout = levelcoder.layout_for_shape(entry.shape)
+    layout = levelcoder.layout_for_shape(entry.shape, max_abs_level=max_level)
     entry.chunk_elements = layout.chunk_elements
-    entry.coder_param = layout.k_offset
+    entry.coder_param = layout.coder_param
     return _Plan(entry, arr, layout)
 
 

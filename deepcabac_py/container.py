@@ -99,7 +99,7 @@ class TensorEntry:
     qp: int = 0
     qp_density: int = 0
     alias_of: int = NO_ALIAS
-    coder_param: int = 0  # the level coder's k offset
+    coder_param: int = 0  # the level coder's k offset | PREDICT_BIT (levelcoder.ChunkLayout)
     chunk_elements: int = 0
     chunk_sizes: list[int] = field(default_factory=list)
     offset: int = 0  # payload offset, relative to the first payload byte
@@ -332,7 +332,7 @@ def read_header_file(path) -> StreamHeader:
 
 
 def _validate_entry(e: TensorEntry, index: int, where: str, earlier: list[TensorEntry], expected_offset: int) -> None:
-    from .levelcoder import MAX_K_OFFSET, layout_from_stream, max_elements_for_payload
+    from .levelcoder import MAX_K_OFFSET, PREDICT_BIT, layout_from_stream, max_elements_for_payload
 
     numel = 1
     for d in e.shape:
@@ -377,8 +377,8 @@ def _validate_entry(e: TensorEntry, index: int, where: str, earlier: list[Tensor
         raise CorruptStreamError(f"{where}: integer coding of a {e.dtype.name} tensor")
     elif e.qp or e.qp_density:
         raise CorruptStreamError(f"{where}: an integer tensor has no qp")
-    if e.coder_param > MAX_K_OFFSET:
-        raise CorruptStreamError(f"{where}: coder parameter {e.coder_param} out of range")
+    if (e.coder_param & ~PREDICT_BIT) > MAX_K_OFFSET:
+        raise CorruptStreamError(f"{where}: coder parameter 0x{e.coder_param:02x} out of range")
     # Small chunks would multiply the per-chunk slack of the allocation bound; writers use >= 2**19.
     if e.chunk_elements < min(e.numel, MIN_CHUNK_ELEMENTS) or e.chunk_elements < 1:
         raise CorruptStreamError(f"{where}: chunk size {e.chunk_elements} is below the minimum")

@@ -18,6 +18,8 @@ from .errors import CorruptStreamError
 CHUNK_ELEMENTS = 1 << 20
 DEFAULT_K_OFFSET = _k.DEFAULT_K_OFFSET
 MAX_K_OFFSET = 7
+PREDICT_BIT = 0x10  # coder_param = k_offset | PREDICT_BIT when column prediction is on
+PREDICT_MAX_LEVEL = _k.PREDICT_MAX_LEVEL
 LEVEL_MAX = (1 << 31) - 1  # |level| <= LEVEL_MAX; int32's minimum has no zigzag code
 
 _ERRORS = {
@@ -38,6 +40,12 @@ class ChunkLayout:
     ncols: int  # columns of the 2-D view when the column model is used, else 0
     chunk_elements: int
     k_offset: int = DEFAULT_K_OFFSET  # Rice parameter offset in half octaves (0..MAX_K_OFFSET)
+    predict: bool = False  # column prediction (only with the column model)
+
+    @property
+    def coder_param(self) -> int:
+        """The byte that stores k_offset and the prediction switch in the tensor table."""
+        return self.k_offset | (PREDICT_BIT if self.predict else 0)
 
     @property
     def count(self) -> int:
@@ -64,14 +72,18 @@ def _numel_and_columns(shape: tuple[int, ...]) -> tuple[int, int]:
 
 
 def layout_for_shape(shape: tuple[int, ...], target: int = CHUNK_ELEMENTS,
-                     k_offset: int = DEFAULT_K_OFFSET) -> ChunkLayout:
-    """The chunk layout the encoder chooses for a tensor of ``shape``: whole rows when they fit."""
+                     k_offset: int = DEFAULT_K_OFFSET, max_abs_level: int = 0) -> ChunkLayout:
+    """The chunk layout the encoder chooses for a tensor of ``shape``: whole rows when they fit,
+    column prediction wherever the column model runs and the levels allow it."""
     numel, ncols = _numel_and_columns(shape)
     size = (target // ncols) * ncols if ncols and ncols <= target else target
-    return layout_from_stream(shape, max(1, size), k_offset)
+    layout = layout_from_stream(shape, max(1, size), k_offset)
+    if layout.ncols and max_abs_level <= PREDICT_MAX_LEVEL:
+        layout = ChunkLayout(layout.numel, layout.ncols, layout.chunk_elements, k_offset, predict=True)
+    return layout
 
 
-def layout_from_stream(shape: tuple[int, ...], chunk_elements: int, k_offset: int) -> ChunkLayout:
+def layout_from_stream(shape: tuple[int, ...], chunk_elements: int, coder_param: int) -> ChunkLayout:
     """The layout a stream declares (any positive chunk size decodes).
 
     The column model needs at least one whole row per chunk; with longer rows it is off (ncols 0),
@@ -80,7 +92,8 @@ def layout_from_stream(shape: tuple[int, ...], chunk_elements: int, k_offset: in
     numel, ncols = _numel_and_columns(shape)
     if ncols > chunk_elements:
         ncols = 0
-    return ChunkLayout(numel=numel, ncols=ncols, chunk_elements=chunk_elements, k_offset=k_offset)
+    return ChunkLayout(numel=numel, ncols=ncols, chunk_elements=chunk_elements,
+                       k_offset=coder_param & ~PREDICT_BIT, predict=bool(coder_param & PREDICT_BIT))
 
 
 def max_elements_for_payload(nbytes: int) -> int:
@@ -99,11 +112,14 @@ def encode_chunk(part: np.ndarray, layout: ChunkLayout, index: int) -> bytes:
     if part.dtype != np.int32 or part.shape != (stop - start,):
         raise ValueError(f"chunk {index} needs a flat int32 array of {stop - start} levels")
     check_levels(part)
+    if layout.predict and part.size and max(-int(part.min()), int(part.max())) > PREDICT_MAX_LEVEL:
+        raise ValueError(f"column prediction needs |level| <= {PREDICT_MAX_LEVEL}")
     # A generous first guess; the kernel reports -1 if a pathological chunk needs more.
     capacity = part.shape[0] * 5 + 64
     while True:
         out = np.empty(capacity, dtype=np.uint8)
-        size = _k.encode_levels_kernel(part, layout.ncols, layout.first_column(start), layout.k_offset, out)
+        size = _k.encode_levels_kernel(part, layout.ncols, layout.first_column(start), layout.k_offset,
+                                       layout.predict, out)
         if size >= 0:
             break
         capacity = part.shape[0] * 48 + 256
@@ -125,7 +141,8 @@ def decode_chunk(payload, layout: ChunkLayout, index: int, out: np.ndarray) -> N
         raise CorruptStreamError(
             f"chunk {index} claims {stop - start} levels but its {buf.shape[0]} bytes cannot hold them"
         )
-    status = _k.decode_levels_kernel(buf, layout.ncols, layout.first_column(start), layout.k_offset, out)
+    status = _k.decode_levels_kernel(buf, layout.ncols, layout.first_column(start), layout.k_offset,
+                                     layout.predict, out)
     if status != _k.OK:
         raise CorruptStreamError(f"chunk {index}: {_ERRORS.get(status, 'corrupt substream')}")
 

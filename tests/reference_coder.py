@@ -24,6 +24,7 @@ Public entry points mirror :mod:`deepcabac_py.levelcoder`:
 from __future__ import annotations
 
 from deepcabac_py import _cabac_kernels as _K
+from deepcabac_py.levelcoder import PREDICT_BIT
 
 # --- constants (imported so that a change propagates) ----------------------------------------------
 PROB_BITS = _K.PROB_BITS
@@ -312,6 +313,41 @@ class ScaleTracker:
         self.index += 1
 
 
+class ColumnPredictor:
+    """Per-column moving average of the levels. A whole row is coded as v - round(average) instead
+    of v when the running cost of doing so (a moving average of the zigzag magnitude, both kept for
+    every element) is below SEL_NUM/16 of coding v plainly; the choice is made at each row end from
+    values the decoder has too, so no side information is sent. Off without the column model."""
+
+    def __init__(self, ncols: int, col0: int, enabled: bool) -> None:
+        self.on = enabled and ncols > 0
+        self.ncols = ncols
+        self.col = col0 if ncols > 0 else 0
+        self.average = [0] * ncols if self.on else []
+        self.cost_plain = 0
+        self.cost_predicted = 0
+        self.active = False
+
+    def prediction(self) -> int:
+        return (self.average[self.col] + 128) >> 8 if self.on else 0
+
+    def update(self, v: int, pred: int) -> None:
+        if not self.on:
+            return
+        self.cost_plain += ((zigzag(v) << SCALE_FRAC) - self.cost_plain) >> _K.SEL_SHIFT
+        self.cost_predicted += ((zigzag(v - pred) << SCALE_FRAC) - self.cost_predicted) >> _K.SEL_SHIFT
+        self.average[self.col] += ((v << 8) - self.average[self.col]) >> _K.PRED_SHIFT
+        self.col += 1
+        if self.col == self.ncols:
+            self.active = self.cost_predicted * 16 < self.cost_plain * _K.SEL_NUM
+            self.col = 0
+
+
+def split_coder_param(coder_param: int) -> tuple[int, bool]:
+    """(k_offset, column prediction) from the tensor table's coder_param byte."""
+    return coder_param & ~PREDICT_BIT, bool(coder_param & PREDICT_BIT)
+
+
 class LevelBinarizer:
     """Codes one u with Rice parameter k: q = u >> k in unary (context bins, escape to Exp-Golomb
     order 0 in bypass bits after Q_MAX ones), then the k low bits of u: the top one context-coded
@@ -377,20 +413,24 @@ class LevelBinarizer:
 # ==================================================================================================
 
 
-def encode_levels(levels, ncols: int, col0: int, k_offset: int) -> bytes:
+def encode_levels(levels, ncols: int, col0: int, coder_param: int) -> bytes:
     """The substream of ``levels`` (ints with |v| <= 2**31 - 1), as ``levelcoder.encode_chunk``
-    returns it."""
+    returns it; ``coder_param`` is k_offset, plus PREDICT_BIT for column prediction."""
+    k_offset, predict = split_coder_param(coder_param)
     coder = RangeEncoder()
     scale = ScaleTracker(ncols, col0)
+    predictor = ColumnPredictor(ncols, col0, predict)
     binarizer = LevelBinarizer()
     for v in levels:
         v = int(v)
         if not -(2**31 - 1) <= v <= 2**31 - 1:
             raise ValueError(f"level {v} out of range")
-        u = zigzag(v)
+        pred = predictor.prediction()
+        u = zigzag(v - pred if predictor.active else v)
         bucket, k = bucket_and_rice(scale.current(), k_offset)
         binarizer.encode(coder, u, bucket, k)
         scale.update(u)
+        predictor.update(v, pred)
     coder.encode_terminate()
     data = coder.finish()
     assert data[0] == 0, "the range coder's first byte must be zero"
@@ -402,25 +442,34 @@ def encode_levels(levels, ncols: int, col0: int, k_offset: int) -> bytes:
     return body[:keep]
 
 
-def decode_levels(data: bytes, n: int, ncols: int, col0: int, k_offset: int) -> list[int]:
+def decode_levels(data: bytes, n: int, ncols: int, col0: int, coder_param: int) -> list[int]:
     """Decode ``n`` levels; raises :class:`ReferenceDecodeError` on an inconsistent substream."""
+    k_offset, predict = split_coder_param(coder_param)
     coder = RangeDecoder(bytes(data))
     scale = ScaleTracker(ncols, col0)
+    predictor = ColumnPredictor(ncols, col0, predict)
     binarizer = LevelBinarizer()
     out = []
     for _ in range(n):
         bucket, k = bucket_and_rice(scale.current(), k_offset)
         u = binarizer.decode(coder, bucket, k)
-        out.append(unzigzag(u))
+        pred = predictor.prediction()
+        v = unzigzag(u)
+        if predictor.active:
+            v += pred
+            if not -(2**31 - 1) <= v <= 2**31 - 1:
+                raise ReferenceDecodeError(ERR_BAD_VALUE)
+        out.append(v)
         scale.update(u)
+        predictor.update(v, pred)
     coder.decode_terminate()
     return out
 
 
-def decode_status(data: bytes, n: int, ncols: int, col0: int, k_offset: int) -> tuple[int, list[int]]:
+def decode_status(data: bytes, n: int, ncols: int, col0: int, coder_param: int) -> tuple[int, list[int]]:
     """``(status, levels)`` instead of raising, to compare with the kernel's status code; the
     levels are empty unless the status is OK."""
     try:
-        return OK, decode_levels(data, n, ncols, col0, k_offset)
+        return OK, decode_levels(data, n, ncols, col0, coder_param)
     except ReferenceDecodeError as exc:
         return exc.status, []

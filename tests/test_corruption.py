@@ -344,7 +344,8 @@ def test_crafted_valid_stream_decodes():
     levels = np.arange(-8, 8, dtype=np.int32)
     layout = levelcoder.layout_for_shape((4, 4))
     chunk = levelcoder.encode_chunk(levels, layout, 0)
-    data = craft([uniform(chunk_elements=layout.chunk_elements, chunk_sizes=[len(chunk)])], chunk)
+    data = craft([uniform(chunk_elements=layout.chunk_elements, chunk_sizes=[len(chunk)],
+                          coder_param=layout.coder_param)], chunk)
     out = dc.decode_model(data)["w"]
     np.testing.assert_array_equal(out, (levels * 2.0**-8).reshape(4, 4).astype(np.float32))
 

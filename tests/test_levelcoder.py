@@ -17,7 +17,9 @@ from deepcabac_py import levelcoder as lc
 from deepcabac_py.errors import CorruptStreamError
 
 LEVEL_MAX = 2**31 - 1
-K_OFFSETS = tuple(range(lc.MAX_K_OFFSET + 1))
+# coder_param values: every k offset, and a few with column prediction on
+K_OFFSETS = tuple(range(lc.MAX_K_OFFSET + 1)) + (lc.PREDICT_BIT, lc.PREDICT_BIT | 2, lc.PREDICT_BIT | 7)
+PREDICT_MAX = lc.PREDICT_MAX_LEVEL
 # (ncols, col0): no column model; narrow and wide 2-D views; first element not in column 0
 COLUMN_SETUPS = ((0, 0), (1, 0), (13, 0), (13, 5), (64, 63))
 
@@ -27,14 +29,22 @@ COLUMN_SETUPS = ((0, 0), (1, 0), (13, 0), (13, 5), (64, 63))
 # --------------------------------------------------------------------------------------------------
 
 
+def fit_levels(levels: np.ndarray, coder_param: int) -> np.ndarray:
+    """Column prediction needs |level| <= PREDICT_MAX_LEVEL: clip test inputs when it is on."""
+    return np.clip(levels, -PREDICT_MAX, PREDICT_MAX).astype(np.int32) if coder_param & lc.PREDICT_BIT else levels
+
+
 def chunk_setup(n: int, ncols: int, col0: int, k_offset: int) -> tuple[lc.ChunkLayout, int]:
-    """A layout and chunk index whose chunk has ``n`` levels starting in column ``col0``."""
+    """A layout and chunk index whose chunk has ``n`` levels starting in column ``col0``;
+    ``k_offset`` is a coder_param (k offset | PREDICT_BIT)."""
+    param = k_offset
+    k_offset, predict = param & ~lc.PREDICT_BIT, bool(param & lc.PREDICT_BIT)
     if ncols == 0:
-        return lc.ChunkLayout(numel=n, ncols=0, chunk_elements=max(n, 1), k_offset=k_offset), 0
+        return lc.ChunkLayout(numel=n, ncols=0, chunk_elements=max(n, 1), k_offset=k_offset, predict=predict), 0
     # chunk 1 starts at chunk_elements, which is == col0 (mod ncols) and >= n
     size = ncols * -(-n // ncols) + col0
     size = max(size, ncols) if size == 0 else size
-    layout = lc.ChunkLayout(numel=size + n, ncols=ncols, chunk_elements=size, k_offset=k_offset)
+    layout = lc.ChunkLayout(numel=size + n, ncols=ncols, chunk_elements=size, k_offset=k_offset, predict=predict)
     assert layout.first_column(layout.bounds(1)[0]) == col0 and layout.bounds(1)[1] - layout.bounds(1)[0] == n
     return layout, 1
 
@@ -57,7 +67,7 @@ def kernel_status(data: bytes, n, ncols, col0, k_offset, *, python=False) -> tup
     buf = np.frombuffer(data, dtype=np.uint8)
     out = np.zeros(n, dtype=np.int32)
     fn = _k.decode_levels_kernel.py_func if python else _k.decode_levels_kernel
-    return int(fn(buf, ncols, col0, k_offset, out)), out
+    return int(fn(buf, ncols, col0, k_offset & ~lc.PREDICT_BIT, bool(k_offset & lc.PREDICT_BIT), out)), out
 
 
 @contextlib.contextmanager
@@ -126,7 +136,7 @@ DISTRIBUTIONS = [
 def test_reference_bytes_equal_numba(kind):
     for i, (ncols, col0) in enumerate(COLUMN_SETUPS):
         for k_offset in K_OFFSETS:
-            levels = make_levels(kind, 400 + 37 * i, seed=100 * i + k_offset)
+            levels = fit_levels(make_levels(kind, 400 + 37 * i, seed=100 * i + k_offset), k_offset)
             expected = ref.encode_levels(levels.tolist(), ncols, col0, k_offset)
             data = numba_encode(levels, ncols, col0, k_offset)
             assert data == expected, (kind, ncols, col0, k_offset)
@@ -152,8 +162,8 @@ def test_column_model_changes_the_stream():
 def test_tiny_inputs(n, ncols, col0):
     values = [0] if n == 0 else [0, 1, -1, 2, 1000, LEVEL_MAX, -LEVEL_MAX]
     for v in values:
-        levels = np.array([v] * n, dtype=np.int32)
         for k_offset in K_OFFSETS:
+            levels = fit_levels(np.array([v] * n, dtype=np.int32), k_offset)
             data = numba_encode(levels, ncols, col0, k_offset)
             assert data == ref.encode_levels(levels.tolist(), ncols, col0, k_offset)
             np.testing.assert_array_equal(numba_decode(data, n, ncols, col0, k_offset), levels)
@@ -164,7 +174,8 @@ def test_kernel_py_func_encoder_agrees():
     levels = make_levels("mixed", 150, seed=11)
     for ncols, col0, k_offset in ((0, 0, 0), (7, 3, 2)):
         out = np.zeros(levels.shape[0] * 48 + 256, dtype=np.uint8)
-        size = _k.encode_levels_kernel.py_func(levels, ncols, col0, k_offset, out)
+        size = _k.encode_levels_kernel.py_func(levels, ncols, col0, k_offset & ~lc.PREDICT_BIT,
+                                               bool(k_offset & lc.PREDICT_BIT), out)
         assert out[1:size].tobytes() == numba_encode(levels, ncols, col0, k_offset)
 
 
@@ -178,8 +189,10 @@ _level = st.one_of(st.integers(-3, 3), st.integers(-300, 300), st.integers(-LEVE
     k_offset=st.integers(0, lc.MAX_K_OFFSET),
 )
 def test_property_round_trip_and_reference(arr, target, k_offset):
-    layout = lc.layout_for_shape(arr.shape, target=target, k_offset=k_offset)
     flat = arr.reshape(-1)
+    top = int(np.abs(flat.astype(np.int64)).max()) if flat.size else 0
+    layout = lc.layout_for_shape(arr.shape, target=target, k_offset=k_offset, max_abs_level=top)
+    assert layout.predict == (layout.ncols > 0 and top <= PREDICT_MAX)
     decoded = np.empty_like(flat)
     assert layout.count == (-(-flat.size // layout.chunk_elements) if flat.size else 0)
     for index in range(layout.count):
@@ -187,7 +200,7 @@ def test_property_round_trip_and_reference(arr, target, k_offset):
         part = np.ascontiguousarray(flat[start:stop])
         data = lc.encode_chunk(part, layout, index)
         col0 = layout.first_column(start)
-        assert data == ref.encode_levels(part.tolist(), layout.ncols, col0, k_offset)
+        assert data == ref.encode_levels(part.tolist(), layout.ncols, col0, layout.coder_param)
         lc.decode_chunk(data, layout, index, decoded[start:stop])
     np.testing.assert_array_equal(decoded, flat)
 
