@@ -300,6 +300,8 @@ def info(input, as_json):
     """Show a stream's header: tensors, shapes, dtypes, coding modes, qp and sizes (no decoding)."""
     from deepcabac_py.container import read_header
 
+    if dispatch_if_update(input, as_json, "info"):  # an update stream (cli/update.py)
+        return
     with _about(input):
         header = read_header(memoryview(_read_bytes("-"))) if input == "-" else read_header_file(input)
     rep = build_report(header)
@@ -346,6 +348,8 @@ def report(input, as_json, input_format, qp, qp_density, qp_1d, qp_tensor, exact
     from deepcabac_py.checkpoint import load_checkpoint
     from deepcabac_py.codec import decode_checkpoint, encode_model, read_stream_header
 
+    if dispatch_if_update(input, as_json, "report"):  # an update stream (cli/update.py)
+        return
     with _about(input):
         raw = _read_bytes(input) if input == "-" else None
         is_stream = (raw[:4] if raw is not None else _peek(input)) == b"\x89DCB"
@@ -423,6 +427,9 @@ def _peek(path: str) -> bytes:
     except OSError as exc:
         raise InputError(f"cannot read {path}: {exc.strerror or exc}") from None
 
+
+from .update import dispatch_if_update, update_group  # noqa: E402
+main.add_command(update_group, "update")
 
 if __name__ == "__main__":
     main()

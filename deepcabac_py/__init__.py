@@ -7,6 +7,11 @@ written in Numba. The public surface is small::
     model = decode_model(data)                   # the same structure back
     levels = decode_levels(data)                 # integer levels and steps, for integer inference
     header = read_stream_header(data)            # tensors, shapes, modes, sizes: no payload decoding
+
+Sparse weight updates (STC/SBC/top-k levels coded against their parent model)::
+
+    msg = encode_update(new, base, density=0.01)  # bytes; names the parent by round and SHA-256
+    new2 = apply_update(base, msg)               # refuses any other base
 """
 
 import importlib
@@ -33,6 +38,19 @@ _EXPORTS = {
     "OutputExistsError": "errors",
     "TruncatedStreamError": "errors",
     "step_from_qp": "quantize",
+    "ErrorFeedback": "sparsify",
+    "SparseTensor": "sparsify",
+    "sparsify": "sparsify",
+    "UpdateMismatchError": "errors",
+    "UpdateSession": "updates",
+    "UpdateStreamWriter": "updates",
+    "apply_update": "updates",
+    "decode_update": "updates",
+    "encode_sparse": "updates",
+    "encode_update": "updates",
+    "iter_messages": "updates",
+    "model_hash": "updates",
+    "read_update_header": "updates",
 }
 
 
@@ -56,19 +74,32 @@ __all__ = [
     "CheckpointError",
     "CorruptStreamError",
     "DeepCabacError",
+    "ErrorFeedback",
     "FormatError",
     "InputError",
     "OutputError",
     "OutputExistsError",
     "QuantizedTensor",
+    "SparseTensor",
     "TruncatedStreamError",
+    "UpdateMismatchError",
+    "UpdateSession",
+    "UpdateStreamWriter",
+    "apply_update",
     "decode_checkpoint",
     "decode_levels",
     "decode_model",
+    "decode_update",
     "encode_model",
+    "encode_sparse",
+    "encode_update",
+    "iter_messages",
     "load_checkpoint",
+    "model_hash",
     "quantize_model",
     "read_stream_header",
+    "read_update_header",
     "save_checkpoint",
+    "sparsify",
     "step_from_qp",
 ]

@@ -36,3 +36,7 @@ class OutputError(DeepCabacError):
 
 class InputError(DeepCabacError):
     """An input file cannot be read (missing, unreadable, a directory)."""
+
+
+class UpdateMismatchError(DeepCabacError):
+    """An update does not belong here: its parent model or its coding session is not the one given."""

@@ -1,0 +1,932 @@
+"""Update streams: sparse weight updates coded against their parent model.
+
+One *message* carries the update of one round: which model it applies to (the parent's round index
+and the SHA-256 of its state, checked by :func:`apply_update`), which coding session it continues,
+and the sparse levels and step of every tensor that changed. Messages are self-delimiting, so a
+stream of rounds is simply the messages one after the other, in a file or on a socket
+(:class:`UpdateStreamWriter`, :func:`iter_messages`).
+
+    data = encode_update(new, base, density=0.01)           # bytes (STC levels, our coder)
+    new2 = apply_update(base, data)                          # refuses a base with another hash
+    upd = decode_update(data, base)                          # levels, steps, header
+
+A :class:`UpdateSession` holds what both ends learned from earlier messages of the same stream:
+the adaptive contexts of every tensor, the co-located levels of the previous update (temporal
+context) and a per-position count of earlier nonzeros (history). The encoder and the decoder each
+keep one; a message names the session and its position in it, and decoding refuses a session that
+is not at that position. ``docs/format.md`` ("Update streams") is the byte-level description.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import io
+import struct
+import zlib
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from . import _update_kernels as _k
+from . import golomb
+from .errors import CorruptStreamError, FormatError, TruncatedStreamError, UpdateMismatchError
+from .sparsify import ErrorFeedback, SparseTensor, reconstruct, sparsify
+
+MAGIC = b"\x89DCU\r\n\x1a\n"
+FORMAT_VERSION = 1
+PREAMBLE = struct.Struct("<8sHHI")  # magic, version, flags, header_size
+FLAG_TABLE = 1  # the header lists the parent's tensors (names, dtypes, shapes)
+_KNOWN_FLAGS = FLAG_TABLE
+MAX_HEADER_SIZE = 1 << 28
+MAX_NDIM = 32
+HASH_SIZE = 32
+LEVEL_MAX = (1 << 31) - 1
+
+# Measured in benchmarks/bench_updates.py: row skipping pays only when whole rows are zeroed
+# (structured sparsification, rows=...), so it is off by default and on with rows=.
+DEFAULT_FEATURES = _k.F_ALL & ~_k.F_ROWSKIP
+FEATURE_NAMES = {
+    "temporal": _k.F_TEMPORAL, "history": _k.F_HISTORY, "column": _k.F_COLUMN, "row": _k.F_ROW,
+    "rowskip": _k.F_ROWSKIP, "sign": _k.F_SIGNCTX, "area": _k.F_AREA,
+}
+_SESSION_FEATURES = _k.F_TEMPORAL | _k.F_HISTORY | _k.F_AREA  # need an UpdateSession's memory
+
+
+class UpdateCoder(enum.IntEnum):
+    """Payload coder of a message; frozen codes."""
+
+    CABAC = 1  # _update_kernels: one arithmetic-coded substream for all tensors
+    GOLOMB = 2  # golomb: Golomb-Rice gaps + raw sign bits (levels in {-1, 0, 1} only)
+
+
+class Method(enum.IntEnum):
+    """How a tensor's levels were made (and how they are applied); frozen codes."""
+
+    STC = 1  # ternary, values = level * step
+    SBC = 2  # binary (one sign), values = level * step
+    TOPK = 3  # top-k on a uniform grid, values = level * step
+    INTEGER = 4  # exact integer difference (integer tensors); step is 0
+
+
+class SignMode(enum.IntEnum):
+    CODED = _k.SIGN_CODED
+    ALL_POSITIVE = _k.SIGN_ALL_POSITIVE
+    ALL_NEGATIVE = _k.SIGN_ALL_NEGATIVE
+
+
+_DTYPE_CODES = {"float32": 1, "float16": 2, "bfloat16": 3, "float64": 4, "int8": 5, "int16": 6, "int32": 7,
+                "int64": 8, "uint8": 9, "uint16": 10, "uint32": 11, "uint64": 12, "bool": 13,
+                "complex64": 14, "complex128": 15}  # the model stream's codes (container.DType)
+_DTYPE_NAMES = {v: k for k, v in _DTYPE_CODES.items()}
+_FLOATS = ("float16", "float32", "float64")
+_INTS = ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32")
+
+
+# --------------------------------------------------------------------------------------------------
+# models: flat numpy views and the parent hash
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Tensor:
+    name: str
+    array: np.ndarray  # C-contiguous carrier array
+    dtype: str
+    is_torch: bool
+
+
+def _flat_model(model) -> dict[str, _Tensor]:
+    """name -> tensor, sorted by name. Accepts flat mappings of tensors and Checkpoints."""
+    from .checkpoint import Checkpoint, tensor_to_numpy
+
+    tensors = model.tensors if isinstance(model, Checkpoint) else model
+    if not isinstance(tensors, Mapping):
+        raise TypeError(f"expected a mapping of tensors or a Checkpoint, got {type(model).__name__}")
+    if tensors and all(isinstance(v, _Tensor) for v in tensors.values()):
+        return dict(sorted(tensors.items()))  # already flat
+    out = {}
+    for name in sorted(tensors):
+        if not isinstance(name, str):
+            raise TypeError(f"tensor names must be strings, got {name!r}")
+        arr, dtype, is_torch = tensor_to_numpy(tensors[name])
+        out[name] = _Tensor(name, arr, dtype, is_torch)
+    return out
+
+
+def model_hash(model) -> bytes:
+    """SHA-256 of a model state: every tensor's name, dtype, shape and bytes, in name order."""
+    return _hash_flat(_flat_model(model))
+
+
+def _hash_flat(flat: dict[str, _Tensor]) -> bytes:
+    h = hashlib.sha256()
+    for name, t in flat.items():
+        h.update(name.encode("utf-8") + b"\0" + t.dtype.encode() + b"\0")
+        h.update(struct.pack(f"<I{t.array.ndim}Q", t.array.ndim, *t.array.shape))
+        arr = t.array
+        if arr.dtype.byteorder == ">":
+            arr = arr.astype(arr.dtype.newbyteorder("<"))
+        h.update(memoryview(np.ascontiguousarray(arr)).cast("B"))
+    return h.digest()
+
+
+def _rows_cols(shape: tuple[int, ...]) -> tuple[int, int]:
+    numel = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    if len(shape) >= 2 and shape[0] > 0 and numel > 0:
+        return int(shape[0]), numel // int(shape[0])
+    return 1, numel
+
+
+# --------------------------------------------------------------------------------------------------
+# session
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _TensorState:
+    ctx: np.ndarray  # int64 [N_CTX_U, 2]
+    parent: np.ndarray  # int8 flat: the previous update's levels, clipped to [-2, 2]
+    hist: np.ndarray  # uint8 flat: earlier nonzeros here (bits 0-1, saturating at 3) | last sign << 2 (1 +, 2 -)
+
+
+def _fresh_ctx() -> np.ndarray:
+    ctx = np.zeros((_k.N_CTX_U, _k.CTX_COLS), dtype=np.int64)
+    ctx[:, 0] = _k.EST_HALF
+    return ctx
+
+
+class UpdateSession:
+    """What one end remembers of a stream of updates: contexts, previous levels, history.
+
+    Use one session per direction and per peer on each side (the encoder's and the decoder's stay
+    equal as long as every message is decoded in order). ``session_id`` (1 .. 2**32 - 1) is written
+    into every message so that a message is never decoded with another stream's state.
+    """
+
+    def __init__(self, session_id: int = 1):
+        if not (isinstance(session_id, int) and 0 < session_id < (1 << 32)):
+            raise ValueError(f"session_id must be an integer in [1, 2**32 - 1], got {session_id!r}")
+        self.session_id = session_id
+        self.seq = 0
+        self.states: dict[str, _TensorState] = {}
+
+    def _state(self, name: str, numel: int) -> _TensorState:
+        st = self.states.get(name)
+        if st is None:
+            st = _TensorState(_fresh_ctx(), np.zeros(numel, np.int8), np.zeros(numel, np.uint8))
+            self.states[name] = st
+        elif st.parent.size != numel:
+            raise UpdateMismatchError(f"tensor {name!r} has {numel} elements, the session knew {st.parent.size}")
+        return st
+
+    def _advance(self, coded: dict[str, np.ndarray], ctx: dict[str, np.ndarray]) -> None:
+        for name, st in self.states.items():
+            if name not in coded:
+                st.parent[:] = 0
+        for name, levels in coded.items():
+            st = self._state(name, levels.size)
+            flat = levels.reshape(-1)
+            st.parent[:] = np.clip(flat, -_k.PARENT_MAX, _k.PARENT_MAX)
+            count = np.minimum((st.hist & 3) + (flat != 0), _k.HIST_MAX)
+            last = np.where(flat > 0, 1, np.where(flat < 0, 2, st.hist >> 2))
+            st.hist[:] = count | (last << 2)
+            if name in ctx:
+                st.ctx[:] = ctx[name]
+        self.seq += 1
+
+    def copy(self) -> "UpdateSession":
+        s = UpdateSession(self.session_id)
+        s.seq = self.seq
+        s.states = {n: _TensorState(st.ctx.copy(), st.parent.copy(), st.hist.copy()) for n, st in self.states.items()}
+        return s
+
+    def snapshot(self) -> bytes:
+        """The session as bytes (zlib-compressed), e.g. to hand a client that resyncs from a full model."""
+        buf = io.BytesIO()
+        arrays = {"meta": np.array([self.session_id, self.seq], dtype=np.int64)}
+        for i, (name, st) in enumerate(sorted(self.states.items())):
+            arrays[f"n{i}"] = np.frombuffer(name.encode("utf-8"), dtype=np.uint8)
+            arrays[f"c{i}"], arrays[f"p{i}"], arrays[f"h{i}"] = st.ctx, st.parent, st.hist
+        np.savez(buf, **arrays)
+        return zlib.compress(buf.getvalue(), 6)
+
+    @classmethod
+    def from_snapshot(cls, data: bytes) -> "UpdateSession":
+        try:
+            with np.load(io.BytesIO(zlib.decompress(data)), allow_pickle=False) as z:
+                sid, seq = (int(v) for v in z["meta"])
+                s = cls(sid)
+                s.seq = seq
+                i = 0
+                while f"n{i}" in z:
+                    s.states[bytes(z[f"n{i}"]).decode("utf-8")] = _TensorState(z[f"c{i}"].copy(), z[f"p{i}"].copy(),
+                                                                              z[f"h{i}"].copy())
+                    i += 1
+        except (zlib.error, ValueError, KeyError, OSError) as exc:
+            raise CorruptStreamError(f"not a session snapshot: {exc}") from None
+        return s
+
+
+# --------------------------------------------------------------------------------------------------
+# header: one description used by writer and reader
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class UpdateEntry:
+    """One coded tensor of a message."""
+
+    index: int  # position of the tensor among the parent's tensors in name order
+    method: Method
+    step: float
+    nnz: int
+    maxabs: int
+    sign_mode: SignMode
+    features: int
+    name: str | None = None
+
+
+@dataclass
+class UpdateHeader:
+    """Everything in a message but the payload (:func:`read_update_header`)."""
+
+    version: int
+    round: int
+    parent_round: int
+    parent_hash: bytes
+    session_id: int  # 0: no session (fresh contexts, no history)
+    session_seq: int
+    coder: UpdateCoder
+    tensor_total: int
+    table: list[tuple[str, str, tuple[int, ...]]] | None  # (name, dtype, shape) of the parent's tensors
+    entries: list[UpdateEntry]
+    header_size: int  # bytes before the payload
+    payload_size: int
+
+    @property
+    def total_size(self) -> int:
+        return self.header_size + self.payload_size + 4
+
+    @property
+    def nnz(self) -> int:
+        return sum(e.nnz for e in self.entries)
+
+
+def _uvarint(x: int) -> bytes:
+    if x < 0:
+        raise ValueError("varints are unsigned")
+    out = bytearray()
+    while True:
+        b = x & 0x7F
+        x >>= 7
+        if x:
+            out.append(b | 0x80)
+        else:
+            out.append(b)
+            return bytes(out)
+
+
+class _Cursor:
+    def __init__(self, data: bytes, pos: int, end: int):
+        self.data, self.pos, self.end = data, pos, end
+
+    def take(self, n: int, what: str) -> bytes:
+        if n < 0 or self.pos + n > self.end:
+            raise CorruptStreamError(f"update header field '{what}' runs past the end of the header")
+        out = self.data[self.pos:self.pos + n]
+        self.pos += n
+        return out
+
+    def u8(self, what: str) -> int:
+        return self.take(1, what)[0]
+
+    def uvarint(self, what: str, limit: int = (1 << 63) - 1) -> int:
+        x, shift = 0, 0
+        while True:
+            b = self.u8(what)
+            x |= (b & 0x7F) << shift
+            if not b & 0x80:
+                break
+            shift += 7
+            if shift > 63:
+                raise CorruptStreamError(f"update header field '{what}' is an overlong varint")
+        if x > limit:
+            raise CorruptStreamError(f"update header field '{what}' = {x} exceeds {limit}")
+        return x
+
+
+def _write_message(*, round_index: int, parent_round: int, parent_hash: bytes, session_id: int, session_seq: int,
+                   coder: UpdateCoder, tensor_total: int, table, entries: list[UpdateEntry], payload: bytes) -> bytes:
+    body = [_uvarint(round_index), _uvarint(parent_round), parent_hash, _uvarint(session_id), _uvarint(session_seq),
+            bytes([coder]), _uvarint(tensor_total)]
+    if table is not None:
+        for name, dtype, shape in table:
+            raw = name.encode("utf-8")
+            body += [_uvarint(len(raw)), raw, bytes([_DTYPE_CODES[dtype], len(shape)])]
+            body += [_uvarint(d) for d in shape]
+    body.append(_uvarint(len(entries)))
+    for e in entries:
+        body += [_uvarint(e.index), bytes([e.method]), struct.pack("<f", e.step), _uvarint(e.nnz), _uvarint(e.maxabs),
+                 bytes([e.sign_mode, e.features])]
+    body.append(_uvarint(len(payload)))
+    body = b"".join(body)
+    flags = FLAG_TABLE if table is not None else 0
+    head = PREAMBLE.pack(MAGIC, FORMAT_VERSION, flags, len(body) + 4) + body
+    head += struct.pack("<I", zlib.crc32(head))
+    return head + payload + struct.pack("<I", zlib.crc32(payload))
+
+
+def is_update_stream(data) -> bool:
+    """True if ``data`` starts like an update message (magic bytes)."""
+    return bytes(data[:len(MAGIC)]) == MAGIC
+
+
+def read_update_header(data, *, total_size: int | None = None) -> UpdateHeader:
+    """Parse and validate the header of the message at the start of ``data`` (bytes-like).
+
+    ``data`` may hold just the header (pass the message's ``total_size`` then), or more than one
+    message (only the first is parsed).
+    """
+    data = bytes(data[:PREAMBLE.size]) if len(data) < PREAMBLE.size else data
+    if len(data) < PREAMBLE.size:
+        if bytes(data[:len(MAGIC)]) != MAGIC[:len(data)]:
+            raise FormatError("not a deepcabac update stream (wrong magic bytes)")
+        raise TruncatedStreamError(f"update is {len(data)} bytes, shorter than the {PREAMBLE.size}-byte preamble")
+    magic, version, flags, header_size = PREAMBLE.unpack(bytes(data[:PREAMBLE.size]))
+    if magic != MAGIC:
+        raise FormatError("not a deepcabac update stream (wrong magic bytes)")
+    if version != FORMAT_VERSION:
+        raise FormatError(f"unsupported update format version {version} (this library reads version {FORMAT_VERSION})")
+    if flags & ~_KNOWN_FLAGS:
+        raise FormatError(f"unknown update header flags 0x{flags:04x}")
+    if not 4 <= header_size <= MAX_HEADER_SIZE:
+        raise CorruptStreamError(f"implausible update header size {header_size}")
+    end = PREAMBLE.size + header_size
+    if len(data) < end:
+        raise TruncatedStreamError(f"update ends inside its header ({len(data)} of {end} bytes)")
+    head = bytes(data[:end])
+    if zlib.crc32(head[:-4]) != struct.unpack("<I", head[-4:])[0]:
+        raise CorruptStreamError("update header checksum mismatch: the header is damaged")
+    r = _Cursor(head, PREAMBLE.size, end - 4)
+    round_index = r.uvarint("round")
+    parent_round = r.uvarint("parent round")
+    parent_hash = r.take(HASH_SIZE, "parent hash")
+    session_id = r.uvarint("session id", (1 << 32) - 1)
+    session_seq = r.uvarint("session position")
+    try:
+        coder = UpdateCoder(r.u8("coder"))
+    except ValueError as exc:
+        raise FormatError(f"update: {exc}") from None
+    # Every listed tensor takes at least 3 bytes: refuse counts the header cannot hold.
+    tensor_total = r.uvarint("tensor count", max(0, (r.end - r.pos)) if flags & FLAG_TABLE else (1 << 32))
+    table = None
+    if flags & FLAG_TABLE:
+        table = []
+        names = set()
+        for i in range(tensor_total):
+            raw = r.take(r.uvarint("name length", 1 << 16), "name")
+            try:
+                name = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise CorruptStreamError(f"update tensor {i}: name is not UTF-8") from None
+            code, ndim = r.u8("dtype"), r.u8("ndim")
+            if code not in _DTYPE_NAMES:
+                raise FormatError(f"update tensor {i} ({name!r}): unknown dtype code {code}")
+            if ndim > MAX_NDIM:
+                raise CorruptStreamError(f"update tensor {i} ({name!r}): {ndim} dimensions")
+            shape = tuple(r.uvarint("dimension", 1 << 48) for _ in range(ndim))
+            if name in names or (table and name <= table[-1][0]):
+                raise CorruptStreamError(f"update tensor table is not sorted by unique name at {name!r}")
+            names.add(name)
+            table.append((name, _DTYPE_NAMES[code], shape))
+    count = r.uvarint("entry count", min(tensor_total, r.end - r.pos))
+    entries: list[UpdateEntry] = []
+    last = -1
+    for j in range(count):
+        index = r.uvarint("tensor index", (1 << 32))
+        if index <= last or index >= tensor_total:
+            raise CorruptStreamError(f"update entry {j}: tensor index {index} out of order or range")
+        last = index
+        try:
+            method = Method(r.u8("method"))
+        except ValueError as exc:
+            raise FormatError(f"update entry {j}: {exc}") from None
+        (step,) = struct.unpack("<f", r.take(4, "step"))
+        nnz = r.uvarint("nnz", 1 << 48)
+        maxabs = r.uvarint("largest level", LEVEL_MAX)
+        try:
+            sign_mode = SignMode(r.u8("sign mode"))
+        except ValueError as exc:
+            raise FormatError(f"update entry {j}: {exc}") from None
+        features = r.u8("features")
+        e = UpdateEntry(index, method, step, nnz, maxabs, sign_mode, features)
+        _validate_entry(e, j, coder, table)
+        entries.append(e)
+    payload_size = r.uvarint("payload size", 1 << 48)
+    if r.pos != r.end:
+        raise CorruptStreamError(f"{r.end - r.pos} unexplained bytes at the end of the update header")
+    header = UpdateHeader(version, round_index, parent_round, parent_hash, session_id, session_seq, coder, tensor_total,
+                          table, entries, end, payload_size)
+    available = len(data) if total_size is None else total_size
+    if available < header.total_size:
+        raise TruncatedStreamError(f"truncated update: {available} bytes, the header describes {header.total_size}")
+    return header
+
+
+def _validate_entry(e: UpdateEntry, j: int, coder: UpdateCoder, table) -> None:
+    where = f"update entry {j}"
+    if e.features & ~_k.F_ALL:
+        raise FormatError(f"{where}: unknown feature bits 0x{e.features:02x}")
+    if e.nnz < 1 or e.maxabs < 1:
+        raise CorruptStreamError(f"{where}: a listed tensor has nonzeros")
+    if e.method == Method.INTEGER:
+        if e.step != 0.0:
+            raise CorruptStreamError(f"{where}: an integer difference has no step")
+    elif not (np.isfinite(e.step) and e.step > 0):
+        raise CorruptStreamError(f"{where}: step {e.step} is not a positive finite number")
+    if e.method in (Method.STC, Method.SBC) and e.maxabs != 1:
+        raise CorruptStreamError(f"{where}: {e.method.name} levels are ternary")
+    if e.method == Method.SBC and e.sign_mode == SignMode.CODED:
+        raise CorruptStreamError(f"{where}: SBC sends no signs")
+    if coder == UpdateCoder.GOLOMB and (e.maxabs != 1 or e.features):
+        raise CorruptStreamError(f"{where}: the Golomb coder carries ternary levels without features")
+    if table is not None:
+        name, dtype, shape = table[e.index]
+        e.name = name
+        numel = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        if e.nnz > numel:
+            raise CorruptStreamError(f"{where} ({name!r}): {e.nnz} nonzeros in {numel} elements")
+        _check_method_dtype(e.method, dtype, where)
+
+
+def _check_method_dtype(method: Method, dtype: str, where: str) -> None:
+    if method == Method.INTEGER:
+        if dtype not in _INTS:
+            raise CorruptStreamError(f"{where}: integer difference of a {dtype} tensor")
+    elif dtype not in _FLOATS:
+        raise CorruptStreamError(f"{where}: float update of a {dtype} tensor")
+
+
+# --------------------------------------------------------------------------------------------------
+# encode
+# --------------------------------------------------------------------------------------------------
+
+
+def _tinfo_and_arrays(items, session: UpdateSession | None):
+    """items: list of (name, levels int32 flat, rows, cols, nnz, maxabs, sign_mode, features)."""
+    total = sum(it[2] * it[3] for it in items)
+    tinfo = np.zeros((len(items), 9), dtype=np.int64)
+    levels = np.empty(total, dtype=np.int32)
+    parent = np.zeros(total, dtype=np.int8)
+    hist = np.zeros(total, dtype=np.uint8)
+    ctx = np.empty((len(items) * _k.N_CTX_U, _k.CTX_COLS), dtype=np.int64)
+    off = 0
+    for t, (name, flat, rows, cols, nnz, maxabs, sign_mode, features) in enumerate(items):
+        tinfo[t] = (off, rows, cols, nnz, maxabs, sign_mode, features, t * _k.N_CTX_U, _k.rate_for(nnz, rows * cols))
+        if flat is not None:
+            levels[off:off + flat.size] = flat
+        c0 = t * _k.N_CTX_U
+        if session is not None:
+            st = session._state(name, rows * cols)
+            parent[off:off + rows * cols] = st.parent
+            hist[off:off + rows * cols] = st.hist
+            ctx[c0:c0 + _k.N_CTX_U] = st.ctx
+        else:
+            ctx[c0:c0 + _k.N_CTX_U] = _fresh_ctx()
+        off += rows * cols
+    return tinfo, levels, parent, hist, ctx
+
+
+def _cabac_encode(items, session) -> tuple[bytes, dict[str, np.ndarray]]:
+    tinfo, levels, parent, hist, ctx = _tinfo_and_arrays(items, session)
+    capacity = int(tinfo[:, 3].sum()) * 16 + levels.size // 4 + 64
+    while True:
+        out = np.empty(capacity, dtype=np.uint8)
+        size = _k.encode_update_kernel(levels, tinfo, parent, hist, ctx, out)
+        if size >= 0:
+            break
+        capacity *= 4
+    ctx_by_name = {it[0]: ctx[t * _k.N_CTX_U:(t + 1) * _k.N_CTX_U].copy() for t, it in enumerate(items)}
+    return out[1:size].tobytes(), ctx_by_name
+
+
+def _golomb_encode(items) -> bytes:
+    nbits = 0
+    plans = []
+    for name, flat, rows, cols, nnz, maxabs, sign_mode, features in items:
+        b = golomb.golomb_parameter(nnz, flat.size)
+        signs = sign_mode == SignMode.CODED
+        nbits += golomb.position_bits(np.flatnonzero(flat), flat.size, b) + (nnz if signs else 0)
+        plans.append((flat, b, signs))
+    out = np.zeros((nbits + 7) // 8, dtype=np.uint8)
+    pos = 0
+    for flat, b, signs in plans:
+        pos = golomb.encode_tensor_kernel(flat, b, signs, out, pos)
+    assert pos == nbits
+    return out.tobytes()
+
+
+def encode_sparse(
+    sparse: Mapping[str, SparseTensor | np.ndarray],
+    base,
+    *,
+    round_index: int | None = None,
+    parent_round: int | None = None,
+    session: UpdateSession | None = None,
+    coder: str = "cabac",
+    features: int | None = None,
+    table: bool | None = None,
+    parent_hash: bytes | None = None,
+) -> bytes:
+    """Code already-sparsified levels as one update message against ``base``.
+
+    ``sparse`` maps tensor names of ``base`` to :class:`SparseTensor` (float tensors) or to integer
+    arrays (exact differences of integer tensors). Tensors that are missing or all zero are not
+    sent. ``session`` continues a stream (contexts, temporal levels, history) and is advanced;
+    without one the message stands alone. ``table`` (default: on without a session) lists the
+    parent's tensor names and shapes in the header, so the message can be inspected without the
+    base; with a session the base supplies them and the header stays small.
+    """
+    flat_base = _flat_model(base)
+    ph = _hash_flat(flat_base) if parent_hash is None else parent_hash
+    return _encode(sparse, flat_base, ph, round_index=round_index, parent_round=parent_round, session=session,
+                   coder=coder, features=features, table=table)
+
+
+def _encode(sparse, flat_base, parent_hash, *, round_index, parent_round, session, coder, features, table) -> bytes:
+    try:
+        coder_code = {"cabac": UpdateCoder.CABAC, "golomb": UpdateCoder.GOLOMB}[coder]
+    except KeyError:
+        raise ValueError(f"coder must be 'cabac' or 'golomb', got {coder!r}") from None
+    if features is None:
+        features = DEFAULT_FEATURES
+    if not (isinstance(features, int) and 0 <= features <= _k.F_ALL):
+        raise ValueError(f"features must be a bit set in [0, {_k.F_ALL}], got {features!r}")
+    if coder_code == UpdateCoder.GOLOMB:
+        features = 0
+    if session is not None and not isinstance(session, UpdateSession):
+        raise TypeError("session must be an UpdateSession")
+    seq = session.seq if session is not None else 0
+    parent_round = (seq if session is not None else 0) if parent_round is None else parent_round
+    round_index = parent_round + 1 if round_index is None else round_index
+    for v, what in ((round_index, "round_index"), (parent_round, "parent_round")):
+        if not (isinstance(v, int) and v >= 0):
+            raise ValueError(f"{what} must be a non-negative integer, got {v!r}")
+    names = list(flat_base)
+    index = {n: i for i, n in enumerate(names)}
+    unknown = [n for n in sparse if n not in index]
+    if unknown:
+        raise ValueError(f"update names tensors the base does not have: {unknown[:5]}")
+    items, entries, coded = [], [], {}
+    for name in names:
+        if name not in sparse:
+            continue
+        t = flat_base[name]
+        s = sparse[name]
+        if isinstance(s, SparseTensor):
+            if t.dtype not in _FLOATS:
+                raise ValueError(f"{name}: a {t.dtype} tensor takes an integer difference, not a SparseTensor")
+            levels, step, method = np.asarray(s.levels), float(np.float32(s.step)), Method[s.method.upper()]
+        else:
+            if t.dtype not in _INTS:
+                raise ValueError(f"{name}: a {t.dtype} tensor needs a SparseTensor")
+            levels, step, method = np.asarray(s), 0.0, Method.INTEGER
+        if levels.shape != t.array.shape:
+            raise ValueError(f"{name}: levels of shape {levels.shape}, the base tensor has {t.array.shape}")
+        if levels.dtype.kind not in "iu":
+            raise ValueError(f"{name}: levels must be integers")
+        flat = np.ascontiguousarray(levels.reshape(-1)).astype(np.int64)
+        nz = np.flatnonzero(flat)
+        if nz.size == 0:
+            continue
+        if method != Method.INTEGER and (not np.isfinite(step) or step <= 0):
+            raise ValueError(f"{name}: step must be positive and finite, got {step}")
+        lo, hi = int(flat[nz].min()), int(flat[nz].max())
+        maxabs = max(-lo, hi)
+        if maxabs > LEVEL_MAX:
+            raise ValueError(f"{name}: levels must lie in [-(2**31 - 1), 2**31 - 1]")
+        if method in (Method.STC, Method.SBC) and maxabs != 1:
+            raise ValueError(f"{name}: {method.name} levels must be in {{-1, 0, 1}}")
+        sign_mode = SignMode.ALL_POSITIVE if lo > 0 else SignMode.ALL_NEGATIVE if hi < 0 else SignMode.CODED
+        if method == Method.SBC and sign_mode == SignMode.CODED:
+            raise ValueError(f"{name}: SBC levels must all have one sign")
+        if method == Method.STC:
+            sign_mode = SignMode.CODED  # STC always sends signs (the receiver cannot know the side)
+        if coder_code == UpdateCoder.GOLOMB and maxabs != 1:
+            raise ValueError(f"{name}: the Golomb coder carries levels in {{-1, 0, 1}} only (use coder='cabac')")
+        rows, cols = _rows_cols(t.array.shape)
+        f = features if session is not None else features & ~_SESSION_FEATURES
+        items.append((name, flat.astype(np.int32), rows, cols, int(nz.size), maxabs, int(sign_mode), f))
+        entries.append(UpdateEntry(index[name], method, step, int(nz.size), maxabs, sign_mode, f, name))
+        coded[name] = flat.astype(np.int32)
+    if coder_code == UpdateCoder.CABAC:
+        payload, ctx = _cabac_encode(items, session) if items else (b"", {})
+    else:
+        payload, ctx = (_golomb_encode(items) if items else b""), {}
+    if table is None:
+        table = session is None
+    tab = [(n, flat_base[n].dtype, tuple(int(d) for d in flat_base[n].array.shape)) for n in names] if table else None
+    data = _write_message(round_index=round_index, parent_round=parent_round, parent_hash=parent_hash,
+                          session_id=session.session_id if session is not None else 0, session_seq=seq,
+                          coder=coder_code, tensor_total=len(names), table=tab, entries=entries, payload=payload)
+    if session is not None:
+        session._advance(coded, ctx)
+    return data
+
+
+def update_difference(new, base) -> dict[str, np.ndarray]:
+    """``new - base`` per tensor: float64 for float tensors, int64 for integer tensors (others must
+    be equal)."""
+    fn, fb = _flat_model(new), _flat_model(base)
+    if list(fn) != list(fb):
+        missing = sorted(set(fb) ^ set(fn))
+        raise ValueError(f"new and base hold different tensors: {missing[:5]}")
+    out = {}
+    for name, t in fn.items():
+        b = fb[name]
+        if t.dtype != b.dtype or t.array.shape != b.array.shape:
+            raise ValueError(f"{name}: {t.dtype}{list(t.array.shape)} vs base {b.dtype}{list(b.array.shape)}")
+        if t.dtype in _FLOATS:
+            out[name] = t.array.astype(np.float64) - b.array.astype(np.float64)
+        elif t.dtype in _INTS:
+            out[name] = t.array.astype(np.int64) - b.array.astype(np.int64)
+        elif not np.array_equal(t.array, b.array):
+            raise ValueError(f"{name}: {t.dtype} tensors cannot be updated (they must not change)")
+    return out
+
+
+def encode_update(
+    new,
+    base,
+    *,
+    density: float = 0.01,
+    method: str = "stc",
+    coder: str = "cabac",
+    rows: float | None = None,
+    value_levels: int = 7,
+    feedback: ErrorFeedback | None = None,
+    session: UpdateSession | None = None,
+    round_index: int | None = None,
+    parent_round: int | None = None,
+    features: int | None = None,
+    table: bool | None = None,
+) -> bytes:
+    """Sparsify ``new - base`` and code it as one update message.
+
+    ``method`` is ``"stc"`` (ternary), ``"sbc"`` (binary) or ``"topk"`` (``value_levels`` grid) at
+    ``density`` (per tensor, of its elements); ``rows`` keeps only that fraction of the strongest
+    rows first. With ``feedback`` (an :class:`ErrorFeedback`) the residual of earlier rounds is added
+    before sparsifying and the new residual is stored. Integer tensors are sent exactly. ``coder`` is
+    ``"cabac"`` (ours) or ``"golomb"`` (the STC/SBC papers' position code; ternary levels only).
+    """
+    flat_base = _flat_model(base)
+    diff = update_difference(new, flat_base)
+    floats = {n: d for n, d in diff.items() if flat_base[n].dtype in _FLOATS}
+
+    def compress(name: str, acc: np.ndarray) -> SparseTensor:
+        return sparsify(acc, method, density, rows=rows, value_levels=value_levels)
+
+    if feedback is not None:
+        sent = feedback.step(floats, compress)
+    else:
+        sent = {n: compress(n, d) for n, d in floats.items()}
+    sparse: dict[str, Any] = dict(sent)
+    sparse.update({n: d for n, d in diff.items() if flat_base[n].dtype in _INTS})
+    if features is None and rows is not None:
+        features = DEFAULT_FEATURES | _k.F_ROWSKIP
+    return _encode(sparse, flat_base, _hash_flat(flat_base), round_index=round_index, parent_round=parent_round,
+                   session=session, coder=coder, features=features, table=table)
+
+
+# --------------------------------------------------------------------------------------------------
+# decode and apply
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Update:
+    """A decoded update message: the header and the levels and step of every coded tensor."""
+
+    header: UpdateHeader
+    tensors: dict[str, SparseTensor | np.ndarray] = field(default_factory=dict)
+
+    def delta(self) -> dict[str, np.ndarray]:
+        """The dense update per coded tensor (float32 for float tensors, int64 differences otherwise)."""
+        return {n: (t.values() if isinstance(t, SparseTensor) else t.astype(np.int64)) for n, t in self.tensors.items()}
+
+
+def _shapes(header: UpdateHeader, flat_base: dict[str, _Tensor] | None) -> list[tuple[str, str, tuple[int, ...]]]:
+    base_table = None
+    if flat_base is not None:
+        base_table = [(n, t.dtype, tuple(int(d) for d in t.array.shape)) for n, t in flat_base.items()]
+        if len(base_table) != header.tensor_total:
+            raise UpdateMismatchError(f"the update is for a model of {header.tensor_total} tensors, the base has "
+                                      f"{len(base_table)}")
+        if header.table is not None and header.table != base_table:
+            raise UpdateMismatchError("the update's tensor table does not match the base model")
+        return base_table
+    if header.table is None:
+        raise ValueError("this update lists no tensor table: pass the base model to decode it")
+    return header.table
+
+
+def decode_update(data, base=None, *, session: UpdateSession | None = None, check_parent: bool = True) -> Update:
+    """Decode one update message (the first in ``data``).
+
+    ``base`` (the parent model) supplies names and shapes when the message has no tensor table and
+    is checked against the message's parent hash (``UpdateMismatchError`` if it differs). A message
+    that continues a session needs that ``session``, at the message's position; it is advanced.
+    """
+    header = read_update_header(data)
+    flat_base = _flat_model(base) if base is not None else None
+    if flat_base is not None and check_parent:
+        h = _hash_flat(flat_base)
+        if h != header.parent_hash:
+            raise UpdateMismatchError(
+                f"wrong parent: the update (round {header.round}) applies to the model of round {header.parent_round} "
+                f"with SHA-256 {header.parent_hash.hex()[:16]}..., the base given hashes to {h.hex()[:16]}...")
+    return _decode(data, header, flat_base, session)
+
+
+def _decode(data, header: UpdateHeader, flat_base, session: UpdateSession | None) -> Update:
+    if header.session_id == 0:
+        if header.session_seq != 0:
+            raise CorruptStreamError("a message without a session has a session position")
+        if any(e.features & _SESSION_FEATURES for e in header.entries):
+            raise CorruptStreamError("a message without a session uses temporal or history contexts")
+        if session is not None:
+            raise UpdateMismatchError("this update was coded without a session; decode it without one")
+    else:
+        if session is None:
+            raise UpdateMismatchError(f"this update continues session {header.session_id} at message "
+                                      f"{header.session_seq}: decode it with that session")
+        if session.session_id != header.session_id or session.seq != header.session_seq:
+            raise UpdateMismatchError(
+                f"this update continues session {header.session_id} at message {header.session_seq}; the session "
+                f"given is {session.session_id} at message {session.seq} (were messages skipped or reordered?)")
+    shapes = _shapes(header, flat_base)
+    view = memoryview(data)
+    payload = view[header.header_size:header.header_size + header.payload_size]
+    (crc,) = struct.unpack("<I", bytes(view[header.header_size + header.payload_size:header.total_size]))
+    if zlib.crc32(payload) != crc:
+        raise CorruptStreamError("update payload checksum mismatch (the update is damaged)")
+    items = []
+    for j, e in enumerate(header.entries):
+        name, dtype, shape = shapes[e.index]
+        e.name = name
+        _check_method_dtype(e.method, dtype, f"update entry {j} ({name!r})")
+        rows, cols = _rows_cols(shape)
+        if e.nnz > rows * cols:
+            raise CorruptStreamError(f"update entry {j} ({name!r}): {e.nnz} nonzeros in {rows * cols} elements")
+        items.append((name, None, rows, cols, e.nnz, e.maxabs, int(e.sign_mode), e.features))
+    tinfo, _, parent, hist, ctx = _tinfo_and_arrays(items, session)
+    out = np.zeros(int(sum(r * c for _, _, r, c, *_ in items)), dtype=np.int32)
+    buf = np.frombuffer(payload, dtype=np.uint8)
+    if header.coder == UpdateCoder.CABAC:
+        if items:
+            status = _k.decode_update_kernel(buf, tinfo, parent, hist, ctx, out)
+            if status != _k.OK:
+                raise CorruptStreamError(f"update payload is corrupt (decoder status {status}: "
+                                         f"{_STATUS.get(status, 'inconsistent data')})")
+        elif buf.size:
+            raise CorruptStreamError("an update with no tensors has a payload")
+    else:
+        pos = 0
+        for t, (name, _, rows, cols, nnz, maxabs, sign_mode, _f) in enumerate(items):
+            off = int(tinfo[t, 0])
+            side = -1 if sign_mode == SignMode.ALL_NEGATIVE else 1
+            pos = golomb.decode_tensor_kernel(buf, pos, nnz, golomb.golomb_parameter(nnz, rows * cols),
+                                              sign_mode == SignMode.CODED, side, out[off:off + rows * cols])
+            if pos < 0:
+                raise CorruptStreamError(f"update tensor {name!r}: the Golomb position code is inconsistent")
+        if (pos + 7) // 8 != buf.size:
+            raise CorruptStreamError("the Golomb payload does not end where its positions end")
+    result = Update(header)
+    coded, ctx_by_name = {}, {}
+    for t, (e, item) in enumerate(zip(header.entries, items)):
+        name, _, rows, cols = item[:4]
+        _, dtype, shape = shapes[e.index]
+        off = int(tinfo[t, 0])
+        levels = out[off:off + rows * cols]
+        if e.sign_mode != SignMode.CODED:
+            nzv = levels[levels != 0]
+            if (e.sign_mode == SignMode.ALL_POSITIVE and (nzv < 0).any()) or \
+                    (e.sign_mode == SignMode.ALL_NEGATIVE and (nzv > 0).any()):
+                raise CorruptStreamError(f"update tensor {name!r}: a level has the wrong sign")
+        coded[name] = levels
+        ctx_by_name[name] = ctx[t * _k.N_CTX_U:(t + 1) * _k.N_CTX_U].copy()
+        arr = levels.reshape(shape).copy()
+        if e.method == Method.INTEGER:
+            result.tensors[name] = arr
+        else:
+            result.tensors[name] = SparseTensor(arr, e.step, e.method.name.lower())
+    if session is not None:
+        session._advance(coded, ctx_by_name)
+    return result
+
+
+_STATUS = {
+    _k.ERR_BAD_START: "bad start", _k.ERR_BAD_ESCAPE: "escape code too long", _k.ERR_BAD_VALUE: "level out of range",
+    _k.ERR_BAD_TERMINATE: "bad terminate bin", _k.ERR_OVERRUN: "truncated", _k.ERR_BAD_BYPASS: "bypass out of range",
+    _k.ERR_BAD_COUNT: "fewer nonzeros than the header says",
+}
+
+
+def apply_delta(base, update: Update) -> dict[str, Any]:
+    """``base`` plus the update's values, tensor by tensor (same types and dtypes as ``base``).
+
+    Float tensors: ``base + levels * step`` with the product in float32 and the sum in the base's
+    dtype (float16 sums in float32). Integer tensors: the exact sum (refused if it overflows).
+    """
+    from .checkpoint import numpy_to_tensor
+
+    flat = _flat_model(base)
+    out = {}
+    for name, t in flat.items():
+        u = update.tensors.get(name)
+        arr = t.array
+        if u is not None:
+            if isinstance(u, SparseTensor):
+                rec = reconstruct(u.levels, u.step)
+                if t.dtype == "float16":
+                    arr = (arr.astype(np.float32) + rec).astype(np.float16)
+                else:
+                    arr = arr + rec.astype(arr.dtype)
+            else:
+                wide = arr.astype(np.int64) + u.astype(np.int64)
+                info = np.iinfo(arr.dtype)
+                if wide.size and (wide.min() < info.min or wide.max() > info.max):
+                    raise CorruptStreamError(f"tensor {name!r}: the update overflows its {t.dtype} values")
+                arr = wide.astype(arr.dtype)
+        else:
+            arr = arr.copy()
+        out[name] = numpy_to_tensor(np.ascontiguousarray(arr), t.dtype, t.is_torch)
+    return out
+
+
+def apply_update(base, data, *, session: UpdateSession | None = None) -> dict[str, Any]:
+    """Decode the update message ``data`` against ``base`` and return the new model (a flat dict).
+
+    Refuses (``UpdateMismatchError``) a base whose SHA-256 is not the message's parent hash.
+    """
+    upd = decode_update(data, base, session=session)
+    return apply_delta(base, upd)
+
+
+# --------------------------------------------------------------------------------------------------
+# streams of messages
+# --------------------------------------------------------------------------------------------------
+
+
+class UpdateStreamWriter:
+    """Append update messages to a binary file object (a stream of rounds is the messages in order)."""
+
+    def __init__(self, f):
+        self.f = f
+        self.count = 0
+        self.bytes = 0
+
+    def write(self, message: bytes) -> None:
+        read_update_header(message)  # refuse anything that is not one whole message
+        self.f.write(message)
+        self.count += 1
+        self.bytes += len(message)
+
+
+def read_message(f) -> bytes | None:
+    """Read one whole message from a binary file object; ``None`` at a clean end of file."""
+    pre = f.read(PREAMBLE.size)
+    if not pre:
+        return None
+    if len(pre) < PREAMBLE.size or not is_update_stream(pre):
+        read_update_header(pre)  # raises FormatError or TruncatedStreamError
+    _, _, _, header_size = PREAMBLE.unpack(pre)
+    if not 4 <= header_size <= MAX_HEADER_SIZE:
+        raise CorruptStreamError(f"implausible update header size {header_size}")
+    head = pre + f.read(header_size)
+    header = read_update_header(head, total_size=1 << 62)
+    rest = f.read(header.total_size - len(head))
+    message = head + rest
+    if len(message) < header.total_size:
+        raise TruncatedStreamError(f"update stream ends inside a message ({len(message)} of {header.total_size} bytes)")
+    return message
+
+
+def iter_messages(source) -> Iterator[bytes]:
+    """The messages of a stream: ``source`` is bytes-like or a binary file object."""
+    if hasattr(source, "read"):
+        while True:
+            m = read_message(source)
+            if m is None:
+                return
+            yield m
+    else:
+        view = memoryview(source)
+        pos = 0
+        while pos < len(view):
+            header = read_update_header(view[pos:])
+            yield bytes(view[pos:pos + header.total_size])
+            pos += header.total_size

@@ -1,0 +1,103 @@
+"""``deepcabac update`` / ``info`` / ``report`` on update files, and the federated helpers."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+from deepcabac_py.cli.main import main
+from deepcabac_py.errors import UpdateMismatchError
+from deepcabac_py.federated import FedClient, FedServer, crc_of_model
+from deepcabac_py.updates import read_update_header
+
+
+def _runner() -> CliRunner:
+    try:
+        return CliRunner(mix_stderr=False)
+    except TypeError:  # click >= 8.2
+        return CliRunner()
+
+
+@pytest.fixture()
+def models(tmp_path):
+    torch.manual_seed(0)
+    base = {"fc.weight": torch.randn(32, 64), "fc.bias": torch.randn(32), "n": torch.tensor(4)}
+    new = {k: (v + 0.01 * torch.randn_like(v) if v.is_floating_point() else v + 1) for k, v in base.items()}
+    torch.save(base, tmp_path / "base.pt")
+    torch.save(new, tmp_path / "new.pt")
+    return tmp_path
+
+
+def test_cli_encode_info_report_apply(models):
+    r = _runner()
+    out = models / "r7.dcu"
+    res = r.invoke(main, ["update", "encode", "--base", str(models / "base.pt"), str(models / "new.pt"), "-o", str(out),
+                          "--density", "0.05", "--round", "7", "--parent-round", "6"])
+    assert res.exit_code == 0, res.output
+    h = read_update_header(out.read_bytes())
+    assert (h.round, h.parent_round) == (7, 6)
+    res = r.invoke(main, ["info", str(out)])
+    assert res.exit_code == 0 and "round 7 (parent round 6" in res.output and "fc.weight" in res.output
+    res = r.invoke(main, ["info", "--json", str(out)])
+    assert json.loads(res.output)[0]["nnz"] == h.nnz
+    res = r.invoke(main, ["report", "--json", str(out)])
+    rep = json.loads(res.output)[0]
+    assert rep["ratio_vs_fp32"] > 10 and rep["ratio_vs_golomb"] > 0 and rep["bits_per_nonzero"] > 0
+    res = r.invoke(main, ["update", "apply", str(models / "base.pt"), str(out), "-o", str(models / "applied.pt")])
+    assert res.exit_code == 0, res.output
+    applied = torch.load(models / "applied.pt")
+    assert int(applied["n"]) == 5 and not torch.equal(applied["fc.weight"], torch.load(models / "base.pt")["fc.weight"])
+    # the wrong base: one line, status 1
+    res = r.invoke(main, ["update", "apply", str(models / "new.pt"), str(out), "-o", str(models / "x.pt")])
+    assert res.exit_code == 1 and "wrong parent" in (res.stderr if hasattr(res, "stderr") else res.output)
+    # a damaged file: the library's error, status 1
+    bad = bytearray(out.read_bytes())
+    bad[-6] ^= 0xFF
+    (models / "bad.dcu").write_bytes(bytes(bad))
+    res = r.invoke(main, ["update", "apply", str(models / "base.pt"), str(models / "bad.dcu"), "-o", str(models / "y.pt")])
+    assert res.exit_code == 1
+    # existing output without --force
+    res = r.invoke(main, ["update", "encode", "--base", str(models / "base.pt"), str(models / "new.pt"), "-o", str(out)])
+    assert res.exit_code == 1
+
+
+def test_federated_rounds_keep_everyone_in_sync():
+    g = np.random.default_rng(0)
+    init = {"w": g.normal(size=(16, 24)).astype(np.float32), "b": np.zeros(16, np.float32)}
+    server = FedServer(init, density=0.05)
+    clients = [FedClient(c, init, density=0.05) for c in range(4)]
+    for r in range(6):
+        chosen = [r % 4, (r + 1) % 4]  # partial participation: clients miss rounds
+        for c in chosen:
+            cl = clients[c]
+            cl.sync(server.catch_up(cl.round))
+            assert crc_of_model(cl.model) == crc_of_model(server.model)
+            local = {k: v + 0.01 * g.normal(size=v.shape).astype(np.float32) for k, v in cl.model.items()}
+            server.receive(c, cl.upstream(local))
+        server.aggregate()
+    lagging = clients[3]
+    catch = server.catch_up(lagging.round)
+    assert catch.messages and catch.full_model is None
+    lagging.sync(catch)
+    assert crc_of_model(lagging.model) == crc_of_model(server.model)
+    # a stale upstream message (parent = an old round) is refused
+    stale = FedClient(9, init, density=0.05)
+    with pytest.raises(UpdateMismatchError):
+        server.receive(9, stale.upstream({k: v + 1 for k, v in init.items()}))
+    # when the missed messages outweigh the model, the full model (and session) is sent
+    server.keep_messages = 1
+    server.messages = {server.round: server.messages[server.round]}
+    full = server.catch_up(0)
+    assert full.full_model is not None
+    fresh = FedClient(8, init, density=0.05)
+    fresh.sync(full)
+    assert crc_of_model(fresh.model) == crc_of_model(server.model)
+    local = {k: v + 0.01 for k, v in fresh.model.items()}
+    server.receive(8, fresh.upstream(local))  # the resynchronised client takes part again
+    server.aggregate()
+    fresh.sync(server.catch_up(fresh.round))
+    assert crc_of_model(fresh.model) == crc_of_model(server.model)
