@@ -45,7 +45,7 @@ ABLATION = [
     ("+ row activity", K.F_ROWSKIP | K.F_ROW),
     ("+ column activity", K.F_ROWSKIP | K.F_ROW | K.F_COLUMN),
     ("+ temporal (parent level)", K.F_ROWSKIP | K.F_ROW | K.F_COLUMN | K.F_TEMPORAL),
-    ("+ history (count, last sign)", K.F_ROWSKIP | K.F_ROW | K.F_COLUMN | K.F_TEMPORAL | K.F_HISTORY),
+    ("+ history (age, count, last sign)", K.F_ROWSKIP | K.F_ROW | K.F_COLUMN | K.F_TEMPORAL | K.F_HISTORY),
     ("+ area (row/col history)", K.F_ALL & ~K.F_SIGNCTX),
     ("+ sign contexts (= all)", K.F_ALL),
     ("all but row skip (default)", K.F_ALL & ~K.F_ROWSKIP),

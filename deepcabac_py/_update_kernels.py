@@ -20,11 +20,13 @@ The range coder (``_shift_low``, bypass bins, terminate bin, flush) is the level
   largest magnitude exceeds 1). Coding of a tensor stops once its ``nnz`` nonzeros are out; in a
   row whose flag says "nonzero", a last position reached with no nonzero yet is not coded.
 * **Contexts** (each family can be switched off per tensor by a feature bit):
-  temporal (the co-located level of the previous update of the session) and history (how often
-  the position was nonzero before, 0 / 1 / 2+) for significance; column activity (nonzeros in the
-  same column in earlier rows of this tensor, 0 / 1 / 2+); row activity (none yet in this row /
-  some, previous position zero / previous position nonzero); sign contexts from the co-located
-  parent sign, the last sign in the row and the last sign in the column.
+  temporal (the co-located level of the previous update of the session) and history (messages
+  since the position was last nonzero, 1 / 2 / 3-4 / 5-8 / 9+, and how often it was, 1 / 2-3 /
+  4-7 / 8+, or never) for significance; column activity (nonzeros in the
+  same column in earlier rows of this tensor, 0 / 1 / 2+); row activity (none yet
+  in this row / some, previous position zero / previous position nonzero); sign contexts from the co-located
+  last sign at the position (with its age, 1-2 / 3-8 / 9+), the last sign in the row and the last
+  sign in the column.
 """
 
 import numpy as np
@@ -72,21 +74,33 @@ SIGN_ALL_NEGATIVE = 2
 # --- context layout (per tensor) ----------------------------------------------------------------
 CTX_ROW = 0  # 4: 2 * (parent row had a nonzero) + (previous row had a nonzero)
 N_AREA = 9  # 3 row history classes x 3 column history classes
-CTX_SIG = 4  # 5 temporal/history states x 3 column x 3 row states x 9 areas = 405
-N_SIG_CTX = 405
-CTX_SIGN = CTX_SIG + N_SIG_CTX  # 27: 9 * parent sign + 3 * row sign + column sign (0 none, 1 +, 2 -)
+N_TSTATE = 21  # history states: never nonzero, or 5 age classes x 4 count classes
+N_COLCLS = 3  # nonzeros in the same column in earlier rows of this message: 0, 1, 2+
+N_ROWCLS = 3  # none earlier in this row / some, previous position zero / previous position nonzero
+CTX_SIG = 4  # 21 history states x 3 column x 3 row states x 9 areas = 1701
+N_SIG_CTX = N_TSTATE * N_COLCLS * N_ROWCLS * N_AREA
+CTX_SIGN = CTX_SIG + N_SIG_CTX  # 63: 9 * (last sign x age class, 7) + 3 * row sign + column sign (0 none, 1 +, 2 -)
+N_SIGN_CTX = 63
 CTX_SIGN_BYPASS = -1
-CTX_GT1 = CTX_SIGN + 27  # 3: min(|parent|, 2)
+CTX_GT1 = CTX_SIGN + N_SIGN_CTX  # 3: min(|parent|, 2)
 CTX_EG = CTX_GT1 + 3  # 16 Exp-Golomb prefix contexts of |v| - 2
 N_EG_CTX = 16
 N_CTX_U = CTX_EG + N_EG_CTX
 MAX_EG_LENGTH = 32
 
-HIST_MAX = 3
 PARENT_MAX = 2  # parent levels are stored clipped to [-2, 2]
+# hist (uint16 per position): last sign (bits 0-1: 0 never, 1 +, 2 -) | count of earlier nonzeros
+# (bits 2-5, saturating at 15) << 2 | age (bits 6-11: messages since the last nonzero, 1 = the
+# previous message, saturating at 63; 0 = never) << 6
+HIST_COUNT_SHIFT = 2
+HIST_COUNT_MAX = 15
+HIST_AGE_SHIFT = 6
+HIST_AGE_MAX = 63
 
 # --- column state bits (scratch per tensor) -----------------------------------------------------
-# col[c] = count (0..2) | sign << 2 (0 none, 1 +, 2 -)
+# col[c] = count (0..2, saturating) | last sign << 2 (0 none, 1 +, 2 -)
+COL_COUNT_MAX = 3  # mask; the count saturates at 2
+COL_SIGN_SHIFT = 2
 
 # --- status codes (shared meaning with the level coder where they overlap) -----------------------
 OK = 0
@@ -139,7 +153,7 @@ def _area_classes(hist, off, rows, cols, rowcls, colcls):
     for r in range(rows):
         base = off + r * cols
         for c in range(cols):
-            h = np.int64(hist[base + c]) & 3
+            h = (np.int64(hist[base + c]) >> HIST_COUNT_SHIFT) & HIST_COUNT_MAX
             rowsum[r] += h
             colsum[c] += h
             total += h
@@ -168,23 +182,29 @@ def _area_of(rc, cc):
 
 @scalar_helper
 def _sig_context(features, parent, hist, colstate, rcount, prev_nz, area):
-    hist = hist & 3
     if not (features & F_AREA):
         area = 0
     t = 0
+    age = (np.int64(hist) >> HIST_AGE_SHIFT) & HIST_AGE_MAX
     if features & F_HISTORY:
-        t = hist if hist < 2 else 2
-    if features & F_TEMPORAL:
+        if age > 0:
+            # 5 age classes (1, 2, 3-4, 5-8, 9+) x 4 count classes (1, 2-3, 4-7, 8+)
+            a = _bitlen_u(age - 1)
+            n = _bitlen_u((np.int64(hist) >> HIST_COUNT_SHIFT) & HIST_COUNT_MAX) - 1
+            t = 1 + 4 * (a if a < 4 else 4) + (n if n < 3 else 3)
+    elif features & F_TEMPORAL:
         if parent != 0:
-            t = 3 + (1 if hist >= 2 else 0) if features & F_HISTORY else 3
+            t = 1
     cs = 0
     if features & F_COLUMN:
-        cs = colstate & 3
+        cs = colstate & COL_COUNT_MAX
+        if cs > N_COLCLS - 1:
+            cs = N_COLCLS - 1
     rs = 0
     if features & F_ROW:
         if rcount > 0:
             rs = 2 if prev_nz else 1
-    return CTX_SIG + ((t * 3 + cs) * 3 + rs) * N_AREA + area
+    return CTX_SIG + ((t * N_COLCLS + cs) * N_ROWCLS + rs) * N_AREA + area
 
 
 @scalar_helper
@@ -193,10 +213,13 @@ def _sign_context(features, parent, hist, rsign, colstate):
         return CTX_SIGN_BYPASS
     ps = 0
     if features & F_HISTORY:
-        ps = hist >> 2  # the sign of the last nonzero at this position (sticky)
+        last = hist & 3  # the sign of the last nonzero at this position (sticky)
+        if last:
+            a = _bitlen_u(((hist >> HIST_AGE_SHIFT) & HIST_AGE_MAX) - 1)  # 0-1: age 1-2, 2-3: 3-8, 4+: 9+
+            ps = 1 + 3 * (last - 1) + (2 if a >= 4 else a >> 1)
     elif features & F_TEMPORAL:
-        ps = 1 if parent > 0 else (2 if parent < 0 else 0)
-    return CTX_SIGN + 9 * ps + 3 * rsign + (colstate >> 2)
+        ps = 1 if parent > 0 else (4 if parent < 0 else 0)
+    return CTX_SIGN + 9 * ps + 3 * rsign + (colstate >> COL_SIGN_SHIFT)
 
 
 @kernel
@@ -212,7 +235,7 @@ def encode_update_kernel(levels, tinfo, parent, hist, ctx, out):
     """Encode the tensors described by ``tinfo`` (int64 [T, 9]: offset, rows, cols, nnz, maxabs,
     sign_mode, features, context offset, adaptation rate from :func:`rate_for`) whose flat int32 levels are concatenated in ``levels``.
 
-    ``parent`` (int8) and ``hist`` (uint8) are co-located with ``levels``; ``ctx`` (int64 [C, 2]:
+    ``parent`` (int8) and ``hist`` (uint16) are co-located with ``levels``; ``ctx`` (int64 [C, 2]:
     24-bit probability, count) is updated in place. Returns the byte count (the first, always-zero
     byte included), or -1 if ``out`` is too small.
     """
@@ -372,8 +395,8 @@ def encode_update_kernel(levels, tinfo, parent, hist, ctx, out):
                 rcount += 1
                 s = 2 if neg else 1
                 rsign = s
-                cnt = col[cc] & 3
-                col[cc] = (cnt + 1 if cnt < 2 else 2) | (s << 2)
+                cnt = col[cc] & COL_COUNT_MAX
+                col[cc] = (cnt + 1 if cnt < 2 else 2) | (s << COL_SIGN_SHIFT)
 
     # Terminate bin (1), then the level coder's flush.
     bound = (rng >> PROB_BITS) * TERMINATE_P
@@ -583,8 +606,8 @@ def decode_update_kernel(buf, tinfo, parent, hist, ctx, out):
                 rcount += 1
                 s = 2 if neg else 1
                 rsign = s
-                cnt = col[cc] & 3
-                col[cc] = (cnt + 1 if cnt < 2 else 2) | (s << 2)
+                cnt = col[cc] & COL_COUNT_MAX
+                col[cc] = (cnt + 1 if cnt < 2 else 2) | (s << COL_SIGN_SHIFT)
         if coded != nnz:
             return ERR_BAD_COUNT
 

@@ -116,7 +116,8 @@ class FedServer:
             if d is not None:
                 sparse[n] = d.astype(np.int64)
         data = encode_sparse(sparse, self.model, round_index=self.round + 1, parent_round=self.round,
-                             session=self.down_session, coder=self.coder, parent_hash=self._hash)
+                             session=self.down_session, coder=self.coder, parent_hash=self._hash,
+                             table=False)  # both ends hold the model: no tensor table, whatever the coder
         from .updates import Update, read_update_header
 
         # Exactly what a client applies: the tensors the message carries (all-zero ones are not sent).
@@ -188,7 +189,7 @@ class FedClient:
         sparse: dict[str, Any] = dict(sent)
         sparse.update({n: d for n, d in diff.items() if self.model[n].dtype.kind in "iu"})
         return encode_sparse(sparse, self.model, round_index=self.round + 1, parent_round=self.round,
-                             session=self.up_session, coder=self.coder)
+                             session=self.up_session, coder=self.coder, table=False)
 
 
 def crc_of_model(model) -> int:

@@ -12,7 +12,7 @@ stream of rounds is simply the messages one after the other, in a file or on a s
 
 A :class:`UpdateSession` holds what both ends learned from earlier messages of the same stream:
 the adaptive contexts of every tensor, the co-located levels of the previous update (temporal
-context) and a per-position count of earlier nonzeros (history). The encoder and the decoder each
+context) and per position how often and how long ago it was nonzero, with its last sign (history). The encoder and the decoder each
 keep one; a message names the session and its position in it, and decoding refuses a session that
 is not at that position. ``docs/format.md`` ("Update streams") is the byte-level description.
 """
@@ -149,7 +149,22 @@ def _rows_cols(shape: tuple[int, ...]) -> tuple[int, int]:
 class _TensorState:
     ctx: np.ndarray  # int64 [N_CTX_U, 2]
     parent: np.ndarray  # int8 flat: the previous update's levels, clipped to [-2, 2]
-    hist: np.ndarray  # uint8 flat: earlier nonzeros here (bits 0-1, saturating at 3) | last sign << 2 (1 +, 2 -)
+    hist: np.ndarray  # uint16 flat: last sign (1 +, 2 -) | count of nonzeros (<= 15) << 2 | age (<= 63) << 6
+
+
+def _next_hist(hist: np.ndarray, levels: np.ndarray | None) -> np.ndarray:
+    """The history after one more message (``levels`` None: the tensor was not listed, all zero)."""
+    h = hist.astype(np.int64)
+    sign = h & 3
+    count = (h >> _k.HIST_COUNT_SHIFT) & _k.HIST_COUNT_MAX
+    age = (h >> _k.HIST_AGE_SHIFT) & _k.HIST_AGE_MAX
+    age = np.where(age > 0, np.minimum(age + 1, _k.HIST_AGE_MAX), 0)
+    if levels is not None:
+        nz = levels != 0
+        sign = np.where(levels > 0, 1, np.where(levels < 0, 2, sign))
+        count = np.minimum(count + nz, _k.HIST_COUNT_MAX)
+        age = np.where(nz, 1, age)
+    return (sign | (count << _k.HIST_COUNT_SHIFT) | (age << _k.HIST_AGE_SHIFT)).astype(np.uint16)
 
 
 def _fresh_ctx() -> np.ndarray:
@@ -176,7 +191,7 @@ class UpdateSession:
     def _state(self, name: str, numel: int) -> _TensorState:
         st = self.states.get(name)
         if st is None:
-            st = _TensorState(_fresh_ctx(), np.zeros(numel, np.int8), np.zeros(numel, np.uint8))
+            st = _TensorState(_fresh_ctx(), np.zeros(numel, np.int8), np.zeros(numel, np.uint16))
             self.states[name] = st
         elif st.parent.size != numel:
             raise UpdateMismatchError(f"tensor {name!r} has {numel} elements, the session knew {st.parent.size}")
@@ -186,13 +201,12 @@ class UpdateSession:
         for name, st in self.states.items():
             if name not in coded:
                 st.parent[:] = 0
+                st.hist[:] = _next_hist(st.hist, None)
         for name, levels in coded.items():
             st = self._state(name, levels.size)
             flat = levels.reshape(-1)
             st.parent[:] = np.clip(flat, -_k.PARENT_MAX, _k.PARENT_MAX)
-            count = np.minimum((st.hist & 3) + (flat != 0), _k.HIST_MAX)
-            last = np.where(flat > 0, 1, np.where(flat < 0, 2, st.hist >> 2))
-            st.hist[:] = count | (last << 2)
+            st.hist[:] = _next_hist(st.hist, flat)
             if name in ctx:
                 st.ctx[:] = ctx[name]
         self.seq += 1
@@ -222,8 +236,12 @@ class UpdateSession:
                 s.seq = seq
                 i = 0
                 while f"n{i}" in z:
-                    s.states[bytes(z[f"n{i}"]).decode("utf-8")] = _TensorState(z[f"c{i}"].copy(), z[f"p{i}"].copy(),
-                                                                              z[f"h{i}"].copy())
+                    st = _TensorState(z[f"c{i}"].copy(), z[f"p{i}"].copy(), z[f"h{i}"].copy())
+                    if (st.ctx.dtype != np.int64 or st.ctx.shape != (_k.N_CTX_U, _k.CTX_COLS)
+                            or st.parent.dtype != np.int8 or st.hist.dtype != np.uint16
+                            or st.parent.shape != st.hist.shape or st.parent.ndim != 1):
+                        raise ValueError(f"tensor {i}: arrays of the wrong type or shape")
+                    s.states[bytes(z[f"n{i}"]).decode("utf-8")] = st
                     i += 1
         except (zlib.error, ValueError, KeyError, OSError) as exc:
             raise CorruptStreamError(f"not a session snapshot: {exc}") from None
@@ -481,7 +499,7 @@ def _tinfo_and_arrays(items, session: UpdateSession | None):
     tinfo = np.zeros((len(items), 9), dtype=np.int64)
     levels = np.empty(total, dtype=np.int32)
     parent = np.zeros(total, dtype=np.int8)
-    hist = np.zeros(total, dtype=np.uint8)
+    hist = np.zeros(total, dtype=np.uint16)
     ctx = np.empty((len(items) * _k.N_CTX_U, _k.CTX_COLS), dtype=np.int64)
     off = 0
     for t, (name, flat, rows, cols, nnz, maxabs, sign_mode, features) in enumerate(items):

@@ -41,9 +41,17 @@ def adapt(ctx: list, c: int, bit: int, rate: int) -> None:
     ctx[c] = [p, min(n + 1, K.COUNT_MAX)]
 
 
+def hist_count(h: int) -> int:
+    return (h >> K.HIST_COUNT_SHIFT) & K.HIST_COUNT_MAX
+
+
+def hist_age(h: int) -> int:
+    return (h >> K.HIST_AGE_SHIFT) & K.HIST_AGE_MAX
+
+
 def area_classes(hist, rows, cols):
-    rowsum = [sum(hist[r * cols + c] & 3 for c in range(cols)) for r in range(rows)]
-    colsum = [sum(hist[r * cols + c] & 3 for r in range(rows)) for c in range(cols)]
+    rowsum = [sum(hist_count(hist[r * cols + c]) for c in range(cols)) for r in range(rows)]
+    colsum = [sum(hist_count(hist[r * cols + c]) for r in range(rows)) for c in range(cols)]
     lt = sum(rowsum).bit_length()
     rc = [-100 if s == 0 else s.bit_length() + rows.bit_length() - lt for s in rowsum]
     cc = [-100 if s == 0 else s.bit_length() + cols.bit_length() - lt for s in colsum]
@@ -59,13 +67,16 @@ def area_of(rc: int, cc: int) -> int:
 
 
 def sig_context(f, parent, hist, colstate, rcount, prev_nz, area) -> int:
-    h = hist & 3
-    t = min(h, 2) if f & K.F_HISTORY else 0
-    if f & K.F_TEMPORAL and parent != 0:
-        t = 3 + (1 if h >= 2 else 0) if f & K.F_HISTORY else 3
-    cs = colstate & 3 if f & K.F_COLUMN else 0
+    t = 0
+    age, count = hist_age(hist), hist_count(hist)
+    if f & K.F_HISTORY:
+        if age > 0:  # age classes 1, 2, 3-4, 5-8, 9+; count classes 1, 2-3, 4-7, 8+
+            t = 1 + 4 * min((age - 1).bit_length(), 4) + min(count.bit_length() - 1, 3)
+    elif f & K.F_TEMPORAL and parent != 0:
+        t = 1
+    cs = min(colstate & K.COL_COUNT_MAX, 2) if f & K.F_COLUMN else 0
     rs = (2 if prev_nz else 1) if (f & K.F_ROW and rcount > 0) else 0
-    return K.CTX_SIG + ((t * 3 + cs) * 3 + rs) * K.N_AREA + area
+    return K.CTX_SIG + ((t * K.N_COLCLS + cs) * K.N_ROWCLS + rs) * K.N_AREA + area
 
 
 def sign_context(f, parent, hist, rsign, colstate) -> int | None:
@@ -73,10 +84,13 @@ def sign_context(f, parent, hist, rsign, colstate) -> int | None:
         return None
     ps = 0
     if f & K.F_HISTORY:
-        ps = hist >> 2
+        last = hist & 3
+        if last:  # with the age class 1-2, 3-8, 9+
+            a = (hist_age(hist) - 1).bit_length()
+            ps = 1 + 3 * (last - 1) + (2 if a >= 4 else a >> 1)
     elif f & K.F_TEMPORAL:
-        ps = 1 if parent > 0 else (2 if parent < 0 else 0)
-    return K.CTX_SIGN + 9 * ps + 3 * rsign + (colstate >> 2)
+        ps = 1 if parent > 0 else (4 if parent < 0 else 0)
+    return K.CTX_SIGN + 9 * ps + 3 * rsign + (colstate >> K.COL_SIGN_SHIFT)
 
 
 class _Bins:
@@ -175,7 +189,7 @@ def _code_tensor(t: dict, io: _Bins, decode: bool) -> list:
             rcount += 1
             s = 2 if neg else 1
             rsign = s
-            col[c] = min((col[c] & 3) + 1, 2) | (s << 2)
+            col[c] = min((col[c] & K.COL_COUNT_MAX) + 1, 2) | (s << K.COL_SIGN_SHIFT)
     if decode and coded != nnz:
         raise ReferenceDecodeError(K.ERR_BAD_COUNT)
     return levels

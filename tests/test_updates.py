@@ -140,7 +140,9 @@ def _random_tensor(g, rows, cols, density, maxabs, sign_mode, features, history=
              K.SIGN_ALL_NEGATIVE: -np.ones(k, np.int64)}[sign_mode]
     levels[pos] = mags * signs
     parent = g.integers(-2, 3, size=n) * (g.random(n) < 0.1) if history else np.zeros(n, np.int64)
-    hist = (g.integers(0, 4, size=n) | (g.integers(0, 3, size=n) << 2)) * (g.random(n) < 0.2) if history \
+    # last sign | count << 2 | age << 6 (all zero where the position was never nonzero)
+    hist = (g.integers(1, 3, size=n) | (g.integers(1, K.HIST_COUNT_MAX + 1, size=n) << K.HIST_COUNT_SHIFT)
+            | (g.integers(1, K.HIST_AGE_MAX + 1, size=n) << K.HIST_AGE_SHIFT)) * (g.random(n) < 0.3) if history \
         else np.zeros(n, np.int64)
     return dict(levels=[int(v) for v in levels], rows=rows, cols=cols, nnz=k, maxabs=int(maxabs),
                 sign_mode=sign_mode, features=features, parent=[int(v) for v in parent], hist=[int(v) for v in hist])
@@ -155,7 +157,7 @@ def _kernel_encode(tensors, ctx):
         pa += d["parent"]
         hi += d["hist"]
         off += d["rows"] * d["cols"]
-    args = (np.array(tinfo, np.int64).reshape(-1, 9), np.array(pa, np.int8), np.array(hi, np.uint8), ctx)
+    args = (np.array(tinfo, np.int64).reshape(-1, 9), np.array(pa, np.int8), np.array(hi, np.uint16), ctx)
     out = np.empty(off * 8 + 64, np.uint8)
     size = K.encode_update_kernel(np.array(lv, np.int32), *args[:3], ctx, out)
     return out[1:size].tobytes(), args
@@ -336,3 +338,16 @@ def test_more_rounds_cost_fewer_bits_with_contexts():
         alone.append(read_update_header(encode_sparse(sp, base)).payload_size)
     assert sum(with_session[3:]) < 0.9 * sum(alone[3:])
     assert math.isfinite(sum(with_session))
+
+
+def test_session_history_tracks_age_count_and_sign():
+    from deepcabac_py.updates import _next_hist
+
+    h = np.zeros(4, np.uint16)
+    for levels in ([1, 0, 0, 0], [-1, 0, 0, 0], None, [0, 1, 0, 0]):
+        h = _next_hist(h, None if levels is None else np.array(levels))
+    sign, count, age = h & 3, (h >> K.HIST_COUNT_SHIFT) & K.HIST_COUNT_MAX, (h >> K.HIST_AGE_SHIFT) & K.HIST_AGE_MAX
+    assert sign.tolist() == [2, 1, 0, 0] and count.tolist() == [2, 1, 0, 0] and age.tolist() == [3, 1, 0, 0]
+    h = np.full(1, 2 | (K.HIST_COUNT_MAX << K.HIST_COUNT_SHIFT) | (K.HIST_AGE_MAX << K.HIST_AGE_SHIFT), np.uint16)
+    assert _next_hist(h, None)[0] == h[0]  # both saturate
+    assert _next_hist(h, np.array([3]))[0] == 1 | (K.HIST_COUNT_MAX << K.HIST_COUNT_SHIFT) | (1 << K.HIST_AGE_SHIFT)
