@@ -150,3 +150,13 @@ def test_step_is_finite_normal_or_refused_at_the_range_ends(density):
         except ValueError:
             continue
         assert math.isfinite(step) and step >= 2.0**-1022
+
+
+def test_cli_mirrors_library_defaults():
+    # cli/main.py repeats a few constants so that `deepcabac info` does not import torch.
+    from deepcabac_py import checkpoint, codec
+    from deepcabac_py.cli import main as cli
+
+    assert cli.KINDS == checkpoint.KINDS
+    assert (cli.DEFAULT_QP, cli.DEFAULT_QP_1D, cli.DEFAULT_QP_DENSITY) == (
+        codec.DEFAULT_QP, codec.DEFAULT_QP_1D, codec.DEFAULT_QP_DENSITY)
