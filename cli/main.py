@@ -334,16 +334,20 @@ def info(input, as_json):
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.option("--input-format", type=click.Choice(KINDS), default=None,
               help="Checkpoint kind when it cannot be told from the suffix.")
+@click.option("--formats", "show_formats", is_flag=True,
+              help="Also show each weight matrix's size as dense fp32, CSR, CER, CSER and in the stream.")
 @_quant_options
 @_threads
 @_progress_option
 @_verbosity
-def report(input, as_json, input_format, qp, qp_density, qp_1d, qp_tensor, exact, exact_all,
+def report(input, as_json, input_format, show_formats, qp, qp_density, qp_1d, qp_tensor, exact, exact_all,
            threads, no_progress, quiet, verbose):
     """Per-tensor and total figures: params, bits/param, ratio vs fp32, SNR and max error.
 
     INPUT is a checkpoint (encoded in memory with the given settings, then decoded to measure the
-    error) or a model stream (sizes only: the original is not known).
+    error) or a model stream (sizes only: the original is not known). --formats adds, for every
+    quantized tensor with two or more dimensions (conv weights as out x in*kh*kw), its bytes as dense
+    fp32, scipy-style CSR, CER and CSER built from the decoded levels, and in the stream.
     """
     from deepcabac_py.checkpoint import load_checkpoint
     from deepcabac_py.codec import decode_checkpoint, encode_model, read_stream_header
@@ -375,10 +379,23 @@ def report(input, as_json, input_format, qp, qp_density, qp_1d, qp_tensor, exact
                     raise InputError(str(exc)) from None
                 decoded = decode_checkpoint(data, threads=threads, progress=update)
             rep = build_report(read_stream_header(data), original, decoded)
+        sizes = None
+        if show_formats:
+            from deepcabac_py.matrix_formats import stream_format_sizes
+
+            sizes = stream_format_sizes(data, threads=threads)
     if as_json:
-        click.echo(json.dumps(rep.to_dict(), indent=1))
+        out = rep.to_dict()
+        if sizes is not None:
+            out["formats"] = sizes
+        click.echo(json.dumps(out, indent=1))
     else:
         click.echo(format_report(rep))
+        if sizes is not None:
+            from deepcabac_py.report import format_matrix_sizes
+
+            click.echo("")
+            click.echo(format_matrix_sizes(sizes))
 
 
 @main.command()

@@ -200,3 +200,28 @@ def format_report(rep: ModelReport, *, per_tensor: bool = True) -> str:
     if rep.fidelity:
         lines.append("model fidelity: " + ", ".join(f"{k} {v}" for k, v in rep.fidelity.items()))
     return "\n".join(lines)
+
+
+def format_matrix_sizes(rows: list[dict]) -> str:
+    """A plain-text table of per-tensor matrix-format sizes (rows from
+    :func:`deepcabac_py.matrix_formats.stream_format_sizes`): bytes as dense fp32, CSR, CER, CSER and
+    in the stream, with the entropy of the levels; a total line in bits per weight."""
+    if not rows:
+        return "formats: no quantized tensor with two or more dimensions"
+    width = min(60, max([len(r["name"]) for r in rows] + [6]))
+    cols = ("dense", "csr", "cer", "cser", "stream")
+    lines = [f"{'tensor':<{width}} {'matrix':>12} {'H bits':>6} {'dense B':>11} {'CSR B':>11} {'CER B':>11} "
+             f"{'CSER B':>11} {'stream B':>11} {'CER code':>8} {'CSER code':>9}"]
+    totals = dict.fromkeys(cols, 0)
+    weights = 0
+    for r in rows:
+        name = r["name"] if len(r["name"]) <= width else "..." + r["name"][-(width - 3):]
+        shape = "x".join(map(str, r["matrix_shape"]))
+        lines.append(f"{name:<{width}} {shape:>12} {r['entropy_bits']:>6.3f} {r['dense']:>11,} {r['csr']:>11,} "
+                     f"{r['cer']:>11,} {r['cser']:>11,} {r['stream']:>11,} {r['cer_coding']:>8} {r['cser_coding']:>9}")
+        for c in cols:
+            totals[c] += r[c]
+        weights += r["matrix_shape"][0] * r["matrix_shape"][1]
+    bpw = "  ".join(f"{c} {8.0 * totals[c] / weights:.3f}" for c in cols) if weights else "-"
+    lines.append(f"total bits/weight over {weights:,} weights: {bpw}")
+    return "\n".join(lines)

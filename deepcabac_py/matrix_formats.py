@@ -1,0 +1,608 @@
+"""Entropy-bounded matrix formats: compute directly on quantized weights (CER and CSER).
+
+A quantized weight matrix has few distinct values and a skewed value distribution. Both formats
+(Wiedemann et al., "Compact and Computationally Efficient Representation of Deep Neural Networks")
+rank the distinct values once for the whole matrix by frequency; the most frequent value (usually 0)
+is implicit. Each row stores its other entries grouped by value, so a dot product adds the inputs of
+a group first and multiplies once per group (distributive law)::
+
+    y[r] = v0 * sum(x) + sum over groups g of row r: (value(g) - v0) * sum(x[j] for j in g)
+
+* **CER** (compressed entropy row): group i of a row holds the value of rank i + 1; a row lists
+  groups up to the highest rank it contains, empty ones included, and stores no value per group.
+* **CSER** (compressed shared elements row): each group also stores the rank of its value (an index
+  into the shared value list), so a row pays nothing for the values it lacks.
+
+Arrays held (``.arrays``; ``.nbytes`` is the sum of their sizes, nothing else is kept):
+
+=========== ============================================================================
+``values``  float32 [K] the distinct values, most frequent first (``levels`` int32 [K] as well
+            when built from integer levels, for :meth:`to_levels`)
+``tokens``  the columns of every row, group after group, ascending inside a group, in one of
+            three codings picked per matrix (``coding``): ``"absolute"`` column indices in the
+            narrowest of uint8/16/32 that holds n - 1; ``"delta8"`` gaps to the previous column
+            of the group in bytes; ``"delta4"`` gaps in nibbles, two per byte, each group starting
+            on a byte. A gap token of all ones (255 or 15) means "skip that many columns" and holds
+            no element. Padded by 4 zero bytes so kernels can read past a group without a branch.
+``gcnt``    tokens per group          (narrowest of uint8/16/32 holding the largest of these three)
+``rowng``   groups per row
+``gval``    rank of each group's value (CSER only)
+``blk_tok`` token and group offsets of every 16th row (uint32): the only absolute pointers,
+``blk_grp`` and the unit of work the threads split
+=========== ============================================================================
+
+``coding="auto"`` (the default) trades bytes for speed. On large groups the codings decode at about
+1 : 1.6 : 3 the time per entry (absolute, delta8, delta4); on small groups, and wherever gaps are long
+(escapes), the delta codings fall much further behind while saving little. So it keeps "absolute"
+unless the non-empty groups hold at least :data:`AUTO_DELTA_MIN_GROUP` entries on average, and then
+moves to the next, slower coding only when that saves at least :data:`AUTO_DELTA_MIN_SAVING` of the
+bytes and stays cheap to decode: delta8 with at most :data:`AUTO_DELTA8_MAX_ESCAPES` escapes per
+group (an escape costs a mispredicted branch), delta4 with at most :data:`AUTO_DELTA4_MAX_TOKENS`
+nibbles per entry. Each coding can also be asked for explicitly.
+
+Products run in Numba, multi-threaded across rows for large enough inputs, in float32 with a fixed
+summation order (results do not depend on the thread count). Implicit entries are skipped, so
+non-finite inputs where the weight is the implicit value do not propagate as they would in a dense
+product. Construction and products are for inference: there is no gradient.
+
+Convolution weights are used through their 2-D view ``(out_channels, in_channels * kh * kw)``
+(:func:`matrix_view`).
+"""
+
+from __future__ import annotations
+
+import math
+import numba
+import numpy as np
+
+from . import _matrix_kernels as K
+from .quantize import reconstruct
+
+__all__ = [
+    "AUTO_DELTA4_MAX_TOKENS",
+    "AUTO_DELTA8_MAX_ESCAPES",
+    "AUTO_DELTA_MIN_GROUP",
+    "AUTO_DELTA_MIN_SAVING",
+    "CERMatrix",
+    "CSERMatrix",
+    "csr_nbytes",
+    "from_stream",
+    "level_entropy",
+    "matrix_view",
+    "stream_format_sizes",
+]
+
+CODINGS = ("absolute", "delta8", "delta4")
+_CODING_CODE = {"absolute": K.CODING_ABSOLUTE, "delta8": K.CODING_DELTA8, "delta4": K.CODING_DELTA4}
+AUTO_DELTA_MIN_SAVING = 0.2
+AUTO_DELTA_MIN_GROUP = 16
+AUTO_DELTA8_MAX_ESCAPES = 0.1
+AUTO_DELTA4_MAX_TOKENS = 1.5
+# Products estimated to take less than this (ns, one thread) run serially: waking the other threads
+# costs about 2-3 us.
+PARALLEL_MIN_NS = 6_000.0
+# matvec on one thread, by kernel family (fitted on the benchmark layers; delta4 per nibble)
+_NS_PER_TOKEN = (0.23, 0.31, 0.28, 0.39)
+_NS_PER_GROUP = (3.0, 0.6, 2.5, 6.0)
+# Absolute-coded matrices with more groups than this per stored entry (tiny groups) or per row use
+# the flat matvec kernel (see _matrix_kernels): measured on the benchmark layers, a loop per group
+# loses up to 4x there, and wins by up to 1.7x on larger and fewer groups.
+FLAT_GROUPS_PER_ENTRY = 0.25
+FLAT_GROUPS_PER_ROW = 16
+_MV_SERIAL = (K._mv_abs, K._mv_abs_flat, K._mv_d8, K._mv_d4)
+_MAX_LEVEL_SPAN = 1 << 26  # level ranges up to this are counted with bincount, wider ones sorted
+
+
+def _uint_for(max_value: int) -> np.dtype:
+    for dt in (np.uint8, np.uint16, np.uint32):
+        if max_value <= np.iinfo(dt).max:
+            return np.dtype(dt)
+    return np.dtype(np.uint64)
+
+
+def matrix_view(tensor) -> np.ndarray:
+    """The 2-D view of a weight tensor: ``(shape[0], prod(shape[1:]))`` (conv: out x in*kh*kw)."""
+    arr = np.asarray(tensor)
+    if arr.ndim < 2:
+        raise ValueError(f"a weight matrix needs at least 2 dimensions, got shape {arr.shape}")
+    return arr.reshape(arr.shape[0], -1)
+
+
+def level_entropy(levels) -> float:
+    """Entropy in bits per element of the distribution of values in ``levels`` (0 for empty input)."""
+    arr = np.asarray(levels).reshape(-1)
+    if arr.size == 0:
+        return 0.0
+    _, counts = np.unique(arr, return_counts=True)
+    p = counts / arr.size
+    return float(-(p * np.log2(p)).sum())
+
+
+def csr_nbytes(levels, *, value_itemsize: int = 4, index_itemsize: int = 4, pointer_itemsize: int = 4) -> int:
+    """Bytes of a CSR matrix holding the nonzeros of ``levels`` (a 2-D array, any dtype).
+
+    The defaults are scipy.sparse's ``csr_matrix`` of float32 data: float32 values, int32 column
+    indices and int32 row pointers (scipy's smallest index type).
+    """
+    arr = np.asarray(levels)
+    if arr.ndim != 2:
+        raise ValueError(f"levels must be a 2-D array, got shape {arr.shape}")
+    nnz = int(np.count_nonzero(arr))
+    return nnz * (value_itemsize + index_itemsize) + (arr.shape[0] + 1) * pointer_itemsize
+
+
+# --------------------------------------------------------------------------------------------------
+# input checks
+# --------------------------------------------------------------------------------------------------
+
+
+def _integer_matrix(arr, what: str) -> np.ndarray:
+    a = np.asarray(arr)
+    if a.ndim != 2:
+        raise ValueError(f"{what} must be a 2-D array (use matrix_view for conv weights), got shape {a.shape}")
+    if a.dtype == np.bool_ or not np.issubdtype(a.dtype, np.integer):
+        raise ValueError(f"{what} must hold integers, got dtype {a.dtype}")
+    return a
+
+
+def _check_step(step) -> float:
+    try:
+        s = float(step)
+    except (TypeError, ValueError):
+        raise ValueError(f"step must be a positive finite number, got {step!r}") from None
+    if not (math.isfinite(s) and s > 0):
+        raise ValueError(f"step must be a positive finite number, got {step!r}")
+    return s
+
+
+def _check_coding(coding: str) -> str:
+    if coding != "auto" and coding not in CODINGS:
+        raise ValueError(f"coding must be 'auto' or one of {CODINGS}, got {coding!r}")
+    return coding
+
+
+def _ranks_from_codes(codes: np.ndarray, ncodes: int) -> tuple[np.ndarray, np.ndarray]:
+    """Ranks (int32, 0 = most frequent) of the codes 0..ncodes-1 in ``codes`` and, for every rank,
+    the code it stands for. Ties go to the smaller code (codes ascend with the values)."""
+    counts = np.bincount(codes.reshape(-1), minlength=ncodes)
+    present = np.flatnonzero(counts)
+    order = present[np.lexsort((present, -counts[present]))]
+    rank_of = np.zeros(ncodes, dtype=np.int32)
+    rank_of[order] = np.arange(order.size, dtype=np.int32)
+    return rank_of[codes], order
+
+
+# --------------------------------------------------------------------------------------------------
+# the formats
+# --------------------------------------------------------------------------------------------------
+
+
+class _RowGroupedMatrix:
+    """Shared machinery of :class:`CERMatrix` and :class:`CSERMatrix` (see the module docstring)."""
+
+    _cser = False
+    format_name = ""
+
+    def __init__(self, *, shape, values, levels, step, coding, tokens, gcnt, rowng, gval, blk_tok,
+                 blk_grp, nnz, tensor_shape=None):
+        # Private: use from_levels / from_codebook / from_dense.
+        self._shape = (int(shape[0]), int(shape[1]))
+        self._values = values
+        self._levels = levels
+        self._step = step
+        self._coding = coding
+        self._tokens = tokens
+        self._gcnt = gcnt
+        self._rowng = rowng
+        self._gval = gval
+        self._blk_tok = blk_tok
+        self._blk_grp = blk_grp
+        self._nnz = int(nnz)
+        self.tensor_shape = tuple(tensor_shape) if tensor_shape is not None else self._shape
+
+    # -- constructors ------------------------------------------------------------------------------
+
+    @classmethod
+    def from_levels(cls, levels, step, *, coding: str = "auto"):
+        """From integer quantization levels (2-D) and the step: the values are ``level * step``
+        rounded once to float32 (as the codec reconstructs them)."""
+        lv = _integer_matrix(levels, "levels")
+        step = _check_step(step)
+        _check_coding(coding)
+        if lv.size:
+            lo, hi = int(lv.min()), int(lv.max())
+            if lo < np.iinfo(np.int32).min or hi > np.iinfo(np.int32).max:
+                raise ValueError("levels must fit in int32")
+            if hi - lo < _MAX_LEVEL_SPAN:
+                ranks, order = _ranks_from_codes((lv.astype(np.int64) - lo).astype(np.int32), hi - lo + 1)
+                level_book = (order + lo).astype(np.int32)
+            else:
+                uniq, inv = np.unique(lv.astype(np.int32), return_inverse=True)
+                ranks, order = _ranks_from_codes(inv.reshape(lv.shape).astype(np.int32), uniq.size)
+                level_book = uniq[order].astype(np.int32)
+        else:
+            ranks = np.zeros(lv.shape, dtype=np.int32)
+            level_book = np.zeros(0, dtype=np.int32)
+        values = reconstruct(level_book, step, np.float32)
+        return cls._build(ranks, values, level_book, step, coding)
+
+    @classmethod
+    def from_codebook(cls, indices, codebook, *, coding: str = "auto"):
+        """From a matrix of indices into a small codebook of values (rounded to float32)."""
+        idx = _integer_matrix(indices, "indices")
+        book = np.asarray(codebook)
+        if book.ndim != 1 or not (np.issubdtype(book.dtype, np.floating) or np.issubdtype(book.dtype, np.integer)):
+            raise ValueError(f"codebook must be a 1-D array of numbers, got shape {book.shape} dtype {book.dtype}")
+        book = book.astype(np.float32)
+        if not np.all(np.isfinite(book)):
+            raise ValueError("codebook values must be finite (after rounding to float32)")
+        _check_coding(coding)
+        if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= book.size):
+            raise ValueError(f"indices must lie in [0, {book.size}) for a codebook of {book.size} values")
+        uniq, merge = np.unique(book, return_inverse=True)  # equal values share one group
+        codes = merge.reshape(-1)[idx].astype(np.int32) if idx.size else np.zeros(idx.shape, np.int32)
+        ranks, order = _ranks_from_codes(codes, uniq.size) if idx.size else (codes, np.zeros(0, np.int64))
+        return cls._build(ranks, uniq[order].astype(np.float32), None, None, coding)
+
+    @classmethod
+    def from_dense(cls, matrix, *, coding: str = "auto"):
+        """From a dense 2-D matrix with few distinct values (stored as float32: exact for float32
+        and float16 input). Cost and size grow with the number of distinct values."""
+        a = np.asarray(matrix)
+        if a.ndim != 2:
+            raise ValueError(f"matrix must be a 2-D array (use matrix_view for conv weights), got shape {a.shape}")
+        if not (np.issubdtype(a.dtype, np.floating) or np.issubdtype(a.dtype, np.integer)) or a.dtype == np.bool_:
+            raise ValueError(f"matrix must hold numbers, got dtype {a.dtype}")
+        a = a.astype(np.float32)
+        if not np.all(np.isfinite(a)):
+            raise ValueError("matrix values must be finite (after rounding to float32)")
+        _check_coding(coding)
+        uniq, inv = np.unique(a, return_inverse=True)
+        codes = inv.reshape(a.shape).astype(np.int32)
+        ranks, order = _ranks_from_codes(codes, uniq.size) if a.size else (codes, np.zeros(0, np.int64))
+        return cls._build(ranks, uniq[order].astype(np.float32), None, None, coding)
+
+    @classmethod
+    def _build(cls, ranks: np.ndarray, values: np.ndarray, levels, step, coding: str):
+        ranks = np.ascontiguousarray(ranks, dtype=np.int32)
+        m, n = ranks.shape
+        nranks = int(values.size)
+        stats = np.zeros((m, 9), dtype=np.int64)
+        if m and n and nranks > 1:
+            K._build_stats(ranks, nranks, _build_chunks(m * n), stats)
+        ng = stats[:, 4] if cls._cser else stats[:, 3]
+        ngroups = int(ng.sum())
+        row_max = int(ng.max()) if m else 0
+        gval_max = nranks - 1 if cls._cser else 0
+        meta_arrays = ngroups * (2 if cls._cser else 1) + m
+
+        abs_dtype = _uint_for(max(n - 1, 0))
+        per_row = {"absolute": stats[:, 0], "delta8": stats[:, 1], "delta4": stats[:, 2]}
+        biggest = {"absolute": stats[:, 5], "delta8": stats[:, 6], "delta4": stats[:, 7]}
+        sizes = {}
+        for c in CODINGS:
+            total = int(per_row[c].sum())
+            itemsize = abs_dtype.itemsize if c == "absolute" else 1
+            tok_bytes = (total + K.PAD_TOKENS) * itemsize
+            big = int(biggest[c].max()) if m else 0
+            meta = _uint_for(max(big, row_max, gval_max))
+            sizes[c] = (tok_bytes + meta.itemsize * meta_arrays, meta)
+        if coding == "auto":
+            entries = int(stats[:, 0].sum())
+            groups = max(int(stats[:, 4].sum()), 1)
+            usable = {
+                "delta8": int(stats[:, 1].sum()) - entries <= AUTO_DELTA8_MAX_ESCAPES * groups,
+                "delta4": int(stats[:, 8].sum()) <= AUTO_DELTA4_MAX_TOKENS * entries,
+            }
+            coding = "absolute"
+            if entries >= AUTO_DELTA_MIN_GROUP * groups:
+                for c in ("delta8", "delta4"):
+                    if usable[c] and sizes[c][0] <= (1.0 - AUTO_DELTA_MIN_SAVING) * sizes[coding][0]:
+                        coding = c
+        meta_dtype = sizes[coding][1]
+
+        tok_off = np.zeros(m + 1, dtype=np.int64)
+        np.cumsum(per_row[coding], out=tok_off[1:])
+        grp_off = np.zeros(m + 1, dtype=np.int64)
+        np.cumsum(ng, out=grp_off[1:])
+        ntok = int(tok_off[-1])
+        tok = np.zeros(ntok + K.PAD_TOKENS, dtype=abs_dtype if coding == "absolute" else np.uint8)
+        gcnt = np.zeros(ngroups, dtype=meta_dtype)
+        rowng = np.zeros(m, dtype=meta_dtype)
+        gval = np.zeros(ngroups, dtype=meta_dtype) if cls._cser else None
+        if m and n and nranks > 1:
+            K._build_fill(ranks, nranks, _build_chunks(m * n), _CODING_CODE[coding], tok_off, grp_off, tok, gcnt,
+                          rowng, gval)
+
+        nblk = (m + K.ROWS_PER_BLOCK - 1) // K.ROWS_PER_BLOCK
+        starts = np.minimum(np.arange(nblk + 1) * K.ROWS_PER_BLOCK, m)
+        if max(ntok, ngroups) > np.iinfo(np.uint32).max:
+            raise ValueError("matrix too large: more than 2**32 - 1 tokens or groups")
+        blk_tok = tok_off[starts].astype(np.uint32)
+        blk_grp = grp_off[starts].astype(np.uint32)
+        return cls(shape=(m, n), values=values, levels=levels, step=step, coding=coding, tokens=tok,
+                   gcnt=gcnt, rowng=rowng, gval=gval, blk_tok=blk_tok, blk_grp=blk_grp,
+                   nnz=int(stats[:, 0].sum()))
+
+    # -- description -------------------------------------------------------------------------------
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self._shape
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.dtype(np.float32)
+
+    @property
+    def coding(self) -> str:
+        """How column indices are stored: ``"absolute"``, ``"delta8"`` or ``"delta4"``."""
+        return self._coding
+
+    @property
+    def index_dtype(self) -> np.dtype:
+        """dtype of the token array (nibble tokens are packed two per uint8)."""
+        return self._tokens.dtype
+
+    @property
+    def meta_dtype(self) -> np.dtype:
+        return self._rowng.dtype
+
+    @property
+    def nnz(self) -> int:
+        """Stored entries: those not equal to the implicit (most frequent) value."""
+        return self._nnz
+
+    @property
+    def num_values(self) -> int:
+        return int(self._values.size)
+
+    @property
+    def values(self) -> np.ndarray:
+        """The distinct values, most frequent (implicit) first (a read-only view)."""
+        v = self._values.view()
+        v.flags.writeable = False
+        return v
+
+    @property
+    def implicit_value(self) -> float:
+        return float(self._values[0]) if self._values.size else 0.0
+
+    @property
+    def step(self) -> float | None:
+        return self._step
+
+    @property
+    def arrays(self) -> dict[str, np.ndarray]:
+        """Every array the matrix holds, by name (shared, not copies: do not modify)."""
+        out = {"values": self._values, "tokens": self._tokens, "gcnt": self._gcnt, "rowng": self._rowng}
+        if self._gval is not None:
+            out["gval"] = self._gval
+        out["blk_tok"] = self._blk_tok
+        out["blk_grp"] = self._blk_grp
+        if self._levels is not None:
+            out["levels"] = self._levels
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        """Storage in bytes: the sum of :attr:`arrays` (shape and scalars are not counted)."""
+        return sum(int(a.nbytes) for a in self.arrays.values())
+
+    @property
+    def bits_per_weight(self) -> float:
+        size = self._shape[0] * self._shape[1]
+        return 8.0 * self.nbytes / size if size else 0.0
+
+    def __repr__(self) -> str:
+        m, n = self._shape
+        return (f"{type(self).__name__}(shape=({m}, {n}), values={self.num_values}, nnz={self._nnz}, "
+                f"coding={self._coding!r}, nbytes={self.nbytes}, bits/weight={self.bits_per_weight:.3f})")
+
+    # -- kernels -----------------------------------------------------------------------------------
+
+    def _args(self):
+        return (self._tokens, self._gcnt, self._rowng, self._gval, self._blk_tok, self._blk_grp)
+
+    def _chunks(self, batch: int) -> int:
+        """1 (run serially) when the product would take less than about PARALLEL_MIN_NS ns on one
+        thread, else the number of threads (rough per-token costs measured on the kernels)."""
+        tokens = self._tokens.size * (2 if self._coding == "delta4" else 1)
+        per_token, per_group = _NS_PER_TOKEN[self._kind], _NS_PER_GROUP[self._kind]
+        if batch > 1:
+            per_token, per_group = 0.1 * batch + 0.2, 3.0 + 0.1 * batch
+        est = tokens * per_token + self._gcnt.size * per_group + self._shape[0] * 2.0
+        if est < PARALLEL_MIN_NS:
+            return 1
+        threads = numba.get_num_threads()
+        return threads if threads > 1 else 1
+
+    @property
+    def _kind(self) -> int:
+        """Which kernel family runs matvec: 0 absolute, 1 absolute flat, 2 delta8, 3 delta4."""
+        kind = self.__dict__.get("_kind_cache")
+        if kind is None:
+            if self._coding == "absolute":
+                groups = self._gcnt.size
+                flat = (groups > FLAT_GROUPS_PER_ENTRY * max(self._nnz, 1)
+                        or groups > FLAT_GROUPS_PER_ROW * self._shape[0])
+                kind = 1 if flat else 0
+            else:
+                kind = 2 if self._coding == "delta8" else 3
+            self.__dict__["_kind_cache"] = kind
+        return kind
+
+    def _expand_into(self, book: np.ndarray, out: np.ndarray) -> np.ndarray:
+        m, n = self._shape
+        if m == 0 or n == 0:
+            return out
+        nblk = self._blk_tok.size - 1
+        nch = self._chunks(max(1, n // 64))
+        code = _CODING_CODE[self._coding]
+        if nch > 1:
+            K._expand_par(nch, code, *self._args(), book, out)
+        else:
+            K._expand(0, nblk, code, *self._args(), book, out)
+        return out
+
+    def to_dense(self) -> np.ndarray:
+        """The dense float32 matrix, exactly (the values as stored)."""
+        return self._expand_into(self._values, np.empty(self._shape, dtype=np.float32))
+
+    def to_levels(self) -> np.ndarray:
+        """The int32 level matrix (only for matrices built with :meth:`from_levels`)."""
+        if self._levels is None:
+            raise ValueError("this matrix was not built from levels; use to_dense()")
+        return self._expand_into(self._levels, np.empty(self._shape, dtype=np.int32))
+
+    def matvec(self, x) -> np.ndarray:
+        """``W @ x`` for a vector of length n, in float32."""
+        m, n = self._shape
+        if not (type(x) is np.ndarray and x.dtype == np.float32 and x.ndim == 1 and x.shape[0] == n
+                and x.flags.c_contiguous):
+            xv = np.asarray(x)
+            if xv.ndim != 1 or xv.shape[0] != n:
+                raise ValueError(f"x must be a vector of length {n}, got shape {xv.shape}")
+            if not (np.issubdtype(xv.dtype, np.floating) or np.issubdtype(xv.dtype, np.integer)):
+                raise ValueError(f"x must hold numbers, got dtype {xv.dtype}")
+            x = np.ascontiguousarray(xv, dtype=np.float32)
+        y = np.empty(m, dtype=np.float32)
+        if m == 0 or n == 0:
+            y[:] = 0.0
+            return y
+        plan = self.__dict__.get("_mv_plan")
+        if plan is None:  # what every call needs, worked out once (a call costs microseconds)
+            plan = (_MV_SERIAL[self._kind], self._kind, self._chunks(1) > 1, bool(self._values[0] != 0),
+                    self._blk_tok.size - 1, self._args() + (self._values,))
+            self.__dict__["_mv_plan"] = plan
+        serial, kind, parallel, nonzero_v0, nblk, arrays = plan
+        xsum = np.float32(x.sum(dtype=np.float64)) if nonzero_v0 else np.float32(0.0)
+        if parallel:
+            threads = numba.get_num_threads()
+            if threads > 1:
+                K._mv_par(kind, threads, *arrays, x, xsum, y)
+                return y
+        serial(0, nblk, *arrays, x, xsum, y)
+        return y
+
+    def matmat(self, X) -> np.ndarray:
+        """``W @ X`` for a matrix X of shape (n, B) (B inputs as columns), in float32: (m, B).
+
+        X is used C-contiguous (copied if it is not), so the B inputs of one column are adjacent.
+        """
+        m, n = self._shape
+        Xa = np.asarray(X)
+        if Xa.ndim != 2 or Xa.shape[0] != n:
+            raise ValueError(f"X must have shape ({n}, B), got {Xa.shape}")
+        if not (np.issubdtype(Xa.dtype, np.floating) or np.issubdtype(Xa.dtype, np.integer)):
+            raise ValueError(f"X must hold numbers, got dtype {Xa.dtype}")
+        Xa = np.ascontiguousarray(Xa, dtype=np.float32)
+        nb = Xa.shape[1]
+        Y = np.empty((m, nb), dtype=np.float32)
+        if m == 0 or nb == 0:
+            return Y
+        if n == 0:
+            Y[:] = 0.0
+            return Y
+        v0 = self._values[0]
+        xsum = Xa.sum(axis=0, dtype=np.float64).astype(np.float32) if v0 != 0 else np.zeros(nb, np.float32)
+        nch = self._chunks(nb)
+        code = _CODING_CODE[self._coding]
+        if nch > 1:
+            K._mm_par(nch, code, *self._args(), self._values, Xa, xsum, Y)
+        else:
+            K._mm(0, self._blk_tok.size - 1, code, *self._args(), self._values, Xa, xsum, Y)
+        return Y
+
+    def __matmul__(self, other):
+        a = np.asarray(other)
+        return self.matvec(a) if a.ndim == 1 else self.matmat(a)
+
+
+class CERMatrix(_RowGroupedMatrix):
+    """Compressed Entropy Row: per row, groups of columns by value rank, no per-group value index.
+
+    >>> W = CERMatrix.from_levels(np.array([[0, 2, 0, -1], [1, 0, 0, 0]], dtype=np.int32), 0.5)
+    >>> W.to_dense().tolist()
+    [[0.0, 1.0, 0.0, -0.5], [0.5, 0.0, 0.0, 0.0]]
+    >>> W.matvec(np.array([1, 2, 3, 4], dtype=np.float32)).tolist()
+    [0.0, 0.5]
+    """
+
+    _cser = False
+    format_name = "CER"
+
+
+class CSERMatrix(_RowGroupedMatrix):
+    """Compressed Shared Elements Row: like CER, but every group stores the index of its value in
+    the shared value list, so rows only list the values they contain.
+
+    >>> W = CSERMatrix.from_codebook(np.array([[0, 1, 1], [2, 0, 0]]), np.array([0.0, 0.25, -1.0]))
+    >>> (W @ np.ones((3, 2), dtype=np.float32)).tolist()
+    [[0.5, 0.5], [-1.0, -1.0]]
+    """
+
+    _cser = True
+    format_name = "CSER"
+
+
+_FORMATS = {"cer": CERMatrix, "cser": CSERMatrix}
+
+
+def _build_chunks(size: int) -> int:
+    threads = numba.get_num_threads()
+    return threads if threads > 1 and size >= 200_000 else 1
+
+
+def from_stream(data, formats: str = "cser", *, coding: str = "auto", names=None,
+                threads: int | None = None) -> dict[str, _RowGroupedMatrix]:
+    """Decode a model stream straight into CER or CSER matrices.
+
+    Every quantized float tensor with at least two dimensions becomes a matrix of its 2-D view
+    (``tensor_shape`` keeps the original shape); other tensors are left out. ``formats`` is
+    ``"cer"`` or ``"cser"``; ``names`` optionally restricts the tensors (an iterable of names).
+    Values are ``level * step`` in float32, which is what ``decode_model`` returns for float32
+    tensors (float16/bfloat16 tensors decode to those values rounded once more).
+    """
+    from .codec import decode_levels
+
+    cls = _FORMATS.get(formats)
+    if cls is None:
+        raise ValueError(f"formats must be one of {sorted(_FORMATS)}, got {formats!r}")
+    _check_coding(coding)
+    wanted = None if names is None else set(names)
+    levels = decode_levels(data, threads=threads)
+    out: dict[str, _RowGroupedMatrix] = {}
+    for name, q in levels.items():
+        if wanted is not None and name not in wanted:
+            continue
+        if q.step is None or q.levels.ndim < 2 or q.dtype not in ("float32", "float16", "bfloat16", "float64"):
+            continue
+        mat = cls.from_levels(matrix_view(q.levels), q.step, coding=coding)
+        mat.tensor_shape = tuple(q.levels.shape)
+        out[name] = mat
+    return out
+
+
+def stream_format_sizes(data, *, threads: int | None = None) -> list[dict]:
+    """Per quantized tensor with two or more dimensions of a model stream: its 2-D view's bytes as
+    dense float32 (``dense``), scipy-style CSR (``csr``), CER (``cer``), CSER (``cser``) and in the
+    stream (``stream``: the tensor's payload), the entropy of its levels and the CER/CSER codings."""
+    from .codec import decode_levels, read_stream_header
+
+    header = read_stream_header(data)
+    payload = {e.name: e.size for e in header.tensors if not e.is_alias}
+    rows = []
+    for name, q in decode_levels(data, threads=threads).items():
+        if q.step is None or q.levels.ndim < 2:
+            continue
+        lv = matrix_view(q.levels)
+        cer = CERMatrix.from_levels(lv, q.step)
+        cser = CSERMatrix.from_levels(lv, q.step)
+        rows.append({
+            "name": name, "shape": list(q.levels.shape), "matrix_shape": list(lv.shape),
+            "entropy_bits": level_entropy(lv), "dense": 4 * lv.size, "csr": csr_nbytes(lv),
+            "cer": cer.nbytes, "cser": cser.nbytes, "stream": int(payload[name]),
+            "cer_coding": cer.coding, "cser_coding": cser.coding,
+        })
+    return rows

@@ -1,0 +1,489 @@
+"""CER / CSER matrices: exact round trips, kernels against numpy and a plain-Python reference,
+the torch modules, and decoding a stored model straight into the formats."""
+
+from __future__ import annotations
+
+import doctest
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import deepcabac_py as dc
+from deepcabac_py import matrix_formats as mf
+from deepcabac_py.matrix_formats import CERMatrix, CSERMatrix, csr_nbytes, from_stream, level_entropy, matrix_view
+from deepcabac_py.quantize import reconstruct, step_from_qp
+from deepcabac_py.torch_modules import CompressedConv2d, CompressedLinear, compress_module
+
+ROOT = Path(__file__).resolve().parent.parent
+DIGITS = ROOT / "models" / "digits_cnn.safetensors"
+FORMATS = (CERMatrix, CSERMatrix)
+CODINGS = ("absolute", "delta8", "delta4")
+KINDS = {"absolute": 0, "flat": 1, "delta8": 2, "delta4": 3}
+
+
+# --------------------------------------------------------------------------------------------------
+# helpers
+# --------------------------------------------------------------------------------------------------
+
+
+def random_levels(rng, m, n, *, zero_frac=0.7, spread=3, offset=0):
+    """Levels with a Laplacian-like spread; ``offset`` shifts everything (nonzero most frequent)."""
+    lv = np.rint(rng.laplace(0.0, spread, size=(m, n))).astype(np.int32)
+    lv[rng.random((m, n)) < zero_frac] = 0
+    return lv + np.int32(offset)
+
+
+def assert_close_product(got, W, X):
+    """|got - W X| <= 1e-5 * (|W| |X|) + 1e-6 elementwise (float32 sums in any order)."""
+    W64 = np.asarray(W, dtype=np.float64)
+    X64 = np.asarray(X, dtype=np.float64)
+    ref = W64 @ X64
+    scale = np.abs(W64) @ np.abs(X64)
+    assert got.shape == ref.shape
+    assert got.dtype == np.float32
+    err = np.abs(got.astype(np.float64) - ref)
+    assert np.all(err <= 1e-5 * scale + 1e-6), float(np.max(err - 1e-5 * scale))
+
+
+@pytest.fixture
+def force(monkeypatch):
+    """force(kind=..., parallel=...): pick the kernel family and the threaded path."""
+    def apply(*, flat=None, parallel=None):
+        if flat is not None:
+            monkeypatch.setattr(mf, "FLAT_GROUPS_PER_ENTRY", -1.0 if flat else 1e30)
+            monkeypatch.setattr(mf, "FLAT_GROUPS_PER_ROW", -1.0 if flat else 1e30)
+        if parallel is not None:
+            monkeypatch.setattr(mf, "PARALLEL_MIN_NS", 0.0 if parallel else float("inf"))
+    return apply
+
+
+# --------------------------------------------------------------------------------------------------
+# plain-Python reference: reads the arrays as documented, one element at a time
+# --------------------------------------------------------------------------------------------------
+
+
+def reference_groups(mat):
+    """For every row, the list of (rank, [columns]) read from the stored arrays."""
+    a = mat.arrays
+    tok, gcnt, rowng = a["tokens"], a["gcnt"], a["rowng"]
+    gval = a.get("gval")
+    coding = mat.coding
+    rows, t, g = [], 0, 0
+    for r in range(mat.shape[0]):
+        groups = []
+        for i in range(int(rowng[r])):
+            cnt = int(gcnt[g])
+            rank = int(gval[g]) if gval is not None else i + 1
+            cols = []
+            if coding == "absolute":
+                cols = [int(c) for c in tok[t:t + cnt]]
+                t += cnt
+            else:
+                esc = 255 if coding == "delta8" else 15
+                p = -1
+                for k in range(cnt):
+                    d = int(tok[t + k]) if coding == "delta8" else (int(tok[t + k // 2]) >> (4 * (k % 2))) & 15
+                    if d == esc:
+                        p += esc
+                    else:
+                        p += d + 1
+                        cols.append(p)
+                t += cnt if coding == "delta8" else (cnt + 1) // 2
+            groups.append((rank, cols))
+            g += 1
+        rows.append(groups)
+    assert g == gcnt.size
+    return rows
+
+
+def reference_dense(mat):
+    m, n = mat.shape
+    vals = [float(v) for v in mat.values]
+    out = [[vals[0] if vals else 0.0] * n for _ in range(m)]
+    for r, groups in enumerate(reference_groups(mat)):
+        for rank, cols in groups:
+            for c in cols:
+                out[r][c] = vals[rank]
+    return np.array(out, dtype=np.float32).reshape(m, n)
+
+
+def reference_matmat(mat, X):
+    """Distributive-law product in float64: v0 * sum(x) + sum over groups (v - v0) * sum(x[cols])."""
+    vals = [float(v) for v in mat.values]
+    v0 = vals[0] if vals else 0.0
+    X = np.asarray(X, dtype=np.float64)
+    out = np.zeros((mat.shape[0], X.shape[1]))
+    for r, groups in enumerate(reference_groups(mat)):
+        out[r] = v0 * X.sum(axis=0)
+        for rank, cols in groups:
+            s = np.zeros(X.shape[1])
+            for c in cols:
+                s += X[c]
+            out[r] += (vals[rank] - v0) * s
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# round trips
+# --------------------------------------------------------------------------------------------------
+
+
+@st.composite
+def level_matrices(draw):
+    m = draw(st.integers(0, 24))
+    n = draw(st.sampled_from([0, 1, 2, 7, 31, 200, 257, 300, 700]))
+    kind = draw(st.sampled_from(["laplace", "all_zero", "single", "offset", "binary", "wide"]))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    if kind == "all_zero":
+        lv = np.zeros((m, n), np.int32)
+    elif kind == "single":
+        lv = np.full((m, n), draw(st.integers(-5, 5)), np.int32)
+    elif kind == "offset":  # most frequent value is not zero
+        lv = random_levels(rng, m, n, zero_frac=0.6, spread=2, offset=draw(st.sampled_from([-3, 1, 7])))
+    elif kind == "binary":
+        lv = (rng.random((m, n)) < 0.5).astype(np.int32)
+    elif kind == "wide":  # many distinct values, tiny groups
+        lv = random_levels(rng, m, n, zero_frac=0.9, spread=60)
+    else:
+        lv = random_levels(rng, m, n, zero_frac=draw(st.sampled_from([0.0, 0.5, 0.95])), spread=3)
+    if m and n and draw(st.booleans()):  # empty rows and columns
+        lv[rng.random(m) < 0.3, :] = lv.flat[0] if kind in ("single", "offset") else 0
+        lv[:, rng.random(n) < 0.3] = lv.flat[0] if kind in ("single", "offset") else 0
+    return lv
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(lv=level_matrices(), qp=st.integers(-40, 4))
+def test_round_trip_exact(lv, qp):
+    step = step_from_qp(qp)
+    dense = reconstruct(lv, step, np.float32)
+    for cls in FORMATS:
+        for coding in CODINGS + ("auto",):
+            mat = cls.from_levels(lv, step, coding=coding)
+            assert mat.shape == lv.shape
+            assert np.array_equal(mat.to_dense(), dense)
+            assert np.array_equal(mat.to_levels(), lv)
+            expected_nnz = int(np.count_nonzero(lv != mat_most_frequent(lv))) if lv.size else 0
+            assert mat.nnz == expected_nnz
+            assert mat.nbytes == sum(a.nbytes for a in mat.arrays.values())
+    # the arrays read as documented by a plain-Python reader give the same matrix
+    mat = CSERMatrix.from_levels(lv, step, coding="delta4")
+    assert np.array_equal(reference_dense(mat), dense)
+
+
+def mat_most_frequent(lv):
+    vals, counts = np.unique(lv, return_counts=True)
+    best = counts.max()
+    return vals[counts == best].min()  # ties go to the smaller value
+
+
+@pytest.mark.parametrize("cls", FORMATS)
+def test_from_dense_and_codebook(cls):
+    rng = np.random.default_rng(1)
+    book = np.array([0.0, 0.5, -0.25, 3.0, 0.5], dtype=np.float32)  # a duplicate value is merged
+    idx = rng.choice(5, size=(13, 40), p=[0.6, 0.1, 0.1, 0.1, 0.1])
+    expected = book[idx]
+    for mat in (cls.from_codebook(idx, book), cls.from_dense(expected)):
+        assert np.array_equal(mat.to_dense(), expected)
+        assert mat.num_values == 4
+        with pytest.raises(ValueError, match="not built from levels"):
+            mat.to_levels()
+
+
+def test_values_ranked_by_frequency():
+    lv = np.array([[0, 0, 0, 5, 5, -1], [0, 5, 2, 2, 2, 0]], dtype=np.int32)
+    mat = CERMatrix.from_levels(lv, 1.0)
+    assert mat.values.tolist() == [0.0, 2.0, 5.0, -1.0]  # 2 and 5 tie (3 each): the smaller first
+    assert mat.implicit_value == 0.0
+    assert mat.nnz == 7
+
+
+def test_index_dtypes_are_the_narrowest():
+    rng = np.random.default_rng(2)
+    small = CSERMatrix.from_levels(random_levels(rng, 8, 256), 1.0, coding="absolute")
+    assert small.index_dtype == np.uint8 and small.meta_dtype == np.uint8
+    wide = CSERMatrix.from_levels(random_levels(rng, 8, 257), 1.0, coding="absolute")
+    assert wide.index_dtype == np.uint16
+    huge_rows = CERMatrix.from_levels(np.tile(np.arange(140_000, dtype=np.int32) % 2, (2, 1)), 1.0,
+                                      coding="absolute")  # 70,000 ones per row: one group > 65,535
+    assert huge_rows.index_dtype == np.uint32 and huge_rows.meta_dtype == np.uint32
+    for coding in ("delta8", "delta4"):
+        assert CSERMatrix.from_levels(random_levels(rng, 8, 300), 1.0, coding=coding).index_dtype == np.uint8
+
+
+def test_auto_coding_and_cer_vs_cser_sizes():
+    rng = np.random.default_rng(3)
+    dense_lv = rng.choice(np.array([-1, 0, 1, 2], np.int32), size=(64, 1000), p=[0.2, 0.5, 0.2, 0.1])
+    assert CSERMatrix.from_levels(dense_lv, 1.0).coding in ("delta8", "delta4")  # big groups, short gaps
+    high_entropy = random_levels(rng, 64, 1000, zero_frac=0.05, spread=40)  # long gaps in every group
+    assert CSERMatrix.from_levels(high_entropy, 1.0).coding == "absolute"
+    sparse_lv = random_levels(rng, 64, 1000, zero_frac=0.97, spread=80)  # tiny groups: absolute wins
+    cer, cser = CERMatrix.from_levels(sparse_lv, 1.0), CSERMatrix.from_levels(sparse_lv, 1.0)
+    assert cser.coding == "absolute"
+    assert cser.nbytes < cer.nbytes  # many values per matrix, few per row: CER pays for empty groups
+    for coding in CODINGS:
+        chosen = CSERMatrix.from_levels(dense_lv, 1.0, coding=coding)
+        assert chosen.coding == coding
+
+
+def test_csr_nbytes_matches_scipy():
+    sp = pytest.importorskip("scipy.sparse")
+    lv = random_levels(np.random.default_rng(4), 30, 50)
+    csr = sp.csr_matrix(lv.astype(np.float32))
+    assert csr_nbytes(lv) == csr.data.nbytes + csr.indices.nbytes + csr.indptr.nbytes
+
+
+def test_level_entropy_and_matrix_view():
+    assert level_entropy(np.array([0, 0, 1, 1])) == pytest.approx(1.0)
+    assert level_entropy(np.zeros(0)) == 0.0
+    assert matrix_view(np.zeros((4, 3, 2, 2))).shape == (4, 12)
+    with pytest.raises(ValueError, match="at least 2 dimensions"):
+        matrix_view(np.zeros(3))
+
+
+# --------------------------------------------------------------------------------------------------
+# products
+# --------------------------------------------------------------------------------------------------
+
+
+PRODUCT_CASES = [  # (m, n, zero_frac, spread, offset)
+    (37, 300, 0.7, 3, 0),      # moderate groups, n > 256
+    (50, 200, 0.95, 60, 0),    # tiny groups (flat path territory)
+    (20, 1200, 0.5, 1, 0),     # large groups, long gaps for nibbles
+    (33, 17, 0.6, 2, 4),       # most frequent value is not zero
+    (5, 3, 0.0, 2, 0),         # tiny
+]
+
+
+@pytest.mark.parametrize("case", PRODUCT_CASES)
+@pytest.mark.parametrize("cls", FORMATS)
+@pytest.mark.parametrize("path", ["absolute", "flat", "delta8", "delta4"])
+@pytest.mark.parametrize("parallel", [False, True])
+def test_products_match_numpy_and_reference(case, cls, path, parallel, force):
+    m, n, zf, spread, offset = case
+    rng = np.random.default_rng(hash(case) % 2**32)
+    lv = random_levels(rng, m, n, zero_frac=zf, spread=spread, offset=offset)
+    force(flat=(path == "flat"), parallel=parallel)
+    mat = cls.from_levels(lv, 0.125, coding="absolute" if path == "flat" else path)
+    assert mat._kind == KINDS[path]
+    W = mat.to_dense()
+    x = rng.standard_normal(n).astype(np.float32)
+    X = rng.standard_normal((n, 5)).astype(np.float32)
+    y = mat.matvec(x)
+    assert_close_product(y[:, None], W, x[:, None])
+    Y = mat.matmat(X)
+    assert_close_product(Y, W, X)
+    # the plain-Python reference reads the arrays independently of the kernels
+    ref = reference_matmat(mat, X)
+    assert np.allclose(Y, ref, rtol=1e-5, atol=1e-5 * (np.abs(W) @ np.abs(X)).max() + 1e-6)
+    assert np.allclose(y, reference_matmat(mat, x[:, None])[:, 0], rtol=1e-5,
+                       atol=1e-5 * (np.abs(W) @ np.abs(x)).max() + 1e-6)
+    assert np.array_equal(mat @ x, y) and np.array_equal(mat @ X, Y)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(lv=level_matrices(), batch=st.sampled_from([1, 2, 16]), seed=st.integers(0, 2**32 - 1))
+def test_products_property(lv, batch, seed):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(lv.shape[1]).astype(np.float32)
+    X = rng.standard_normal((lv.shape[1], batch)).astype(np.float32)
+    for cls in FORMATS:
+        mat = cls.from_levels(lv, 0.5)
+        W = mat.to_dense()
+        assert_close_product(mat.matvec(x)[:, None], W, x[:, None])
+        assert_close_product(mat.matmat(X), W, X)
+
+
+def test_results_do_not_depend_on_threads(force):
+    rng = np.random.default_rng(5)
+    lv = random_levels(rng, 300, 500, zero_frac=0.8)
+    x = rng.standard_normal(500).astype(np.float32)
+    X = rng.standard_normal((500, 4)).astype(np.float32)
+    force(parallel=False)
+    mat = CSERMatrix.from_levels(lv, 0.25)  # the serial/threaded choice is made once per matrix
+    y1, Y1 = mat.matvec(x), mat.matmat(X)
+    force(parallel=True)
+    mat = CSERMatrix.from_levels(lv, 0.25)
+    assert np.array_equal(mat.matvec(x), y1) and np.array_equal(mat.matmat(X), Y1)
+
+
+def test_inputs_are_converted():
+    lv = np.array([[1, 0, 2], [0, 0, 0]], dtype=np.int64)
+    mat = CERMatrix.from_levels(lv, 0.5)
+    assert mat.matvec([1, 2, 3]).tolist() == [3.5, 0.0]
+    assert mat.matvec(np.array([1.0, 2.0, 3.0])).dtype == np.float32
+    X = np.asfortranarray(np.arange(6, dtype=np.float64).reshape(3, 2))
+    assert mat.matmat(X).tolist() == [[4.0, 5.5], [0.0, 0.0]]
+    assert mat.matmat(np.zeros((3, 0))).shape == (2, 0)
+
+
+@pytest.mark.parametrize("shape", [(0, 5), (4, 0), (0, 0)])
+def test_empty_matrices(shape):
+    for cls in FORMATS:
+        mat = cls.from_levels(np.zeros(shape, np.int32), 1.0)
+        assert mat.to_dense().shape == shape
+        assert mat.matvec(np.ones(shape[1], np.float32)).tolist() == [0.0] * shape[0]
+        assert mat.matmat(np.ones((shape[1], 3), np.float32)).shape == (shape[0], 3)
+
+
+def test_bad_arguments():
+    ok = np.zeros((2, 3), np.int32)
+    with pytest.raises(ValueError, match="2-D"):
+        CERMatrix.from_levels(np.zeros((2, 3, 4), np.int32), 1.0)
+    with pytest.raises(ValueError, match="integers"):
+        CERMatrix.from_levels(np.zeros((2, 3)), 1.0)
+    with pytest.raises(ValueError, match="step"):
+        CERMatrix.from_levels(ok, 0.0)
+    with pytest.raises(ValueError, match="step"):
+        CERMatrix.from_levels(ok, float("nan"))
+    with pytest.raises(ValueError, match="int32"):
+        CERMatrix.from_levels(np.array([[2**40]]), 1.0)
+    with pytest.raises(ValueError, match="coding"):
+        CERMatrix.from_levels(ok, 1.0, coding="huffman")
+    with pytest.raises(ValueError, match="finite"):
+        CSERMatrix.from_dense(np.array([[np.nan, 0.0]]))
+    with pytest.raises(ValueError, match=r"lie in \[0, 2\)"):
+        CSERMatrix.from_codebook(np.array([[0, 2]]), np.array([0.0, 1.0]))
+    mat = CERMatrix.from_levels(ok, 1.0)
+    with pytest.raises(ValueError, match="length 3"):
+        mat.matvec(np.zeros(4))
+    with pytest.raises(ValueError, match=r"shape \(3, B\)"):
+        mat.matmat(np.zeros((4, 2)))
+    with pytest.raises(ValueError, match="numbers"):
+        mat.matvec(np.array(["a", "b", "c"]))
+    with pytest.raises(ValueError, match="formats"):
+        from_stream(b"", "csr")
+
+
+def test_docstring_examples():
+    result = doctest.testmod(mf, optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert result.attempted >= 3 and result.failed == 0
+
+
+# --------------------------------------------------------------------------------------------------
+# torch modules
+# --------------------------------------------------------------------------------------------------
+
+
+def quantized(weight: torch.Tensor, step: float):
+    lv = np.rint(weight.detach().numpy() / step).astype(np.int32)
+    return lv, torch.from_numpy(reconstruct(lv, step, np.float32))
+
+
+@pytest.mark.parametrize("batch_shape", [(1,), (4,), (2, 3)])
+def test_compressed_linear_matches_nn_linear(batch_shape):
+    torch.manual_seed(0)
+    lin = nn.Linear(40, 12)
+    lv, wq = quantized(lin.weight, 0.02)
+    with torch.no_grad():
+        lin.weight.copy_(wq)
+    comp = CompressedLinear.from_linear(lin, CSERMatrix.from_levels(lv, 0.02))
+    x = torch.randn(*batch_shape, 40)
+    torch.testing.assert_close(comp(x), lin(x).detach(), rtol=1e-5, atol=1e-5)
+    assert "CSER" in repr(comp)
+
+
+@pytest.mark.parametrize("kw", [dict(kernel_size=3, padding=1), dict(kernel_size=3, stride=2, padding=1, bias=False),
+                                dict(kernel_size=1), dict(kernel_size=(3, 1), dilation=2, padding="same"),
+                                dict(kernel_size=2, padding="valid")])
+@pytest.mark.parametrize("n", [1, 3])
+def test_compressed_conv_matches_nn_conv(kw, n):
+    torch.manual_seed(1)
+    conv = nn.Conv2d(5, 7, **kw)
+    lv, wq = quantized(conv.weight, 0.05)
+    with torch.no_grad():
+        conv.weight.copy_(wq)
+    comp = CompressedConv2d.from_conv(conv, CERMatrix.from_levels(matrix_view(lv), 0.05))
+    x = torch.randn(n, 5, 9, 8)
+    torch.testing.assert_close(comp(x), conv(x).detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_compressed_modules_reject_bad_layers():
+    conv = nn.Conv2d(4, 4, 3, groups=2)
+    mat = CERMatrix.from_levels(np.zeros((4, 18), np.int32), 1.0)
+    with pytest.raises(ValueError, match="groups=1"):
+        CompressedConv2d.from_conv(conv, mat)
+    with pytest.raises(ValueError, match="does not match"):
+        CompressedLinear.from_linear(nn.Linear(3, 4), mat)
+    with pytest.raises(TypeError, match="CERMatrix or CSERMatrix"):
+        CompressedLinear(np.zeros((2, 2)))
+
+
+# --------------------------------------------------------------------------------------------------
+# from a stored model
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def digits_stream():
+    ckpt = dc.load_checkpoint(DIGITS)
+    return ckpt, dc.encode_model(ckpt, qp=-24, threads=1)
+
+
+@pytest.mark.parametrize("formats", ["cer", "cser"])
+def test_from_stream_decodes_every_weight_matrix(digits_stream, formats):
+    ckpt, data = digits_stream
+    mats = from_stream(data, formats)
+    decoded = dc.decode_checkpoint(data).tensors
+    levels = dc.decode_levels(data)
+    expected = {k for k, q in levels.items() if q.step is not None and q.levels.ndim >= 2}
+    assert set(mats) == expected and expected
+    for name, mat in mats.items():
+        assert isinstance(mat, CERMatrix if formats == "cer" else CSERMatrix)
+        assert tuple(mat.tensor_shape) == tuple(levels[name].levels.shape)
+        want = np.asarray(decoded[name]).reshape(mat.shape)
+        assert np.array_equal(mat.to_dense(), want)
+    assert set(from_stream(data, formats, names=["classifier.weight"])) == {"classifier.weight"}
+
+
+def test_compress_module_runs_the_digits_model(digits_stream):
+    import sys
+    sys.path.insert(0, str(ROOT))
+    from models.digits_cnn import DigitsCNN, load_eval_set
+
+    _, data = digits_stream
+    decoded = {k: torch.as_tensor(np.asarray(v)) for k, v in dc.decode_checkpoint(data).tensors.items()}
+    reference = DigitsCNN()
+    reference.load_state_dict(decoded)
+    reference.eval()
+    model = DigitsCNN().eval()
+    replaced = compress_module(model, data, formats="cser")
+    assert sorted(replaced) == ["classifier", "features.0.0", "features.1.0", "features.3.0"]
+    x, y = load_eval_set()
+    with torch.no_grad():
+        want = reference(x[:64])
+        got = model(x[:64])
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert torch.equal(got.argmax(1), want.argmax(1))
+
+
+def test_cli_report_formats(digits_stream, tmp_path):
+    import json
+
+    from click.testing import CliRunner
+
+    from deepcabac_py.cli.main import main
+
+    _, data = digits_stream
+    stream = tmp_path / "digits.dcb"
+    stream.write_bytes(data)
+    runner = CliRunner()
+    plain = runner.invoke(main, ["report", str(stream)])
+    with_formats = runner.invoke(main, ["report", str(stream), "--formats"])
+    assert plain.exit_code == 0 and with_formats.exit_code == 0, with_formats.output
+    assert with_formats.output.startswith(plain.output)  # the usual report is unchanged
+    extra = with_formats.output[len(plain.output):]
+    assert "CSER B" in extra and "classifier.weight" in extra and "features.3.0.weight" in extra
+    assert "CER" not in plain.output
+    out = json.loads(runner.invoke(main, ["report", str(stream), "--formats", "--json"]).output)
+    rows = {r["name"]: r for r in out["formats"]}
+    lv = dc.decode_levels(data)["features.3.0.weight"]
+    row = rows["features.3.0.weight"]
+    assert row["matrix_shape"] == [32, 288] and row["dense"] == 4 * 32 * 288
+    assert row["cser"] == CSERMatrix.from_levels(matrix_view(lv.levels), lv.step).nbytes
+    assert row["csr"] == csr_nbytes(matrix_view(lv.levels))
