@@ -23,6 +23,8 @@ from deepcabac_py.fileio import write_atomic
 from deepcabac_py.quantize import QP_MAX, QP_MIN
 from deepcabac_py.report import build_report, format_report
 
+from ._io import read_input
+
 # The library's codec and checkpoint modules import torch, which takes most of a second: commands
 # import them when they need them, so that `info` stays fast. These mirror deepcabac_py.codec.
 KINDS = ("torch", "safetensors", "npz")
@@ -131,14 +133,6 @@ def _info(quiet: bool, message: str) -> None:
 
 # --- input and output --------------------------------------------------------------------------
 
-def _read_bytes(path: str) -> bytes:
-    if path == "-":
-        return sys.stdin.buffer.read()
-    try:
-        with open(path, "rb") as f:
-            return f.read()
-    except OSError as exc:
-        raise InputError(f"cannot read {path}: {exc.strerror or exc}") from None
 
 
 @contextmanager
@@ -281,7 +275,7 @@ def decode(input, output, kind, force, threads, no_progress, quiet, verbose):
         raise click.UsageError("the output would overwrite the input")
     _check_output(output, force)
     with _about(input):
-        data = _read_bytes(input)
+        data = read_input(input)
         header = read_stream_header(data)
         original_kind = header.metadata.get("kind")
         kind = kind or suffix_kind or (original_kind if original_kind in KINDS else "torch")
@@ -303,7 +297,7 @@ def info(input, as_json):
     if dispatch_if_update(input, as_json, "info"):  # an update stream (cli/update.py)
         return
     with _about(input):
-        header = read_header(memoryview(_read_bytes("-"))) if input == "-" else read_header_file(input)
+        header = read_header(memoryview(read_input("-"))) if input == "-" else read_header_file(input)
     rep = build_report(header)
     if as_json:
         out = {"format_version": header.version, "qp": header.qp, "qp_1d": header.qp_1d,
@@ -355,10 +349,10 @@ def report(input, as_json, input_format, show_formats, qp, qp_density, qp_1d, qp
     if dispatch_if_update(input, as_json, "report"):  # an update stream (cli/update.py)
         return
     with _about(input):
-        raw = _read_bytes(input) if input == "-" else None
+        raw = read_input(input) if input == "-" else None
         is_stream = (raw[:4] if raw is not None else _peek(input)) == b"\x89DCB"
         if is_stream:
-            data = raw if raw is not None else _read_bytes(input)
+            data = raw if raw is not None else read_input(input)
             header = read_stream_header(data)
             rep = build_report(header)
         else:
@@ -411,7 +405,7 @@ def test(inputs, threads, quiet, verbose):
     for path in inputs:
         try:
             with _about(path):
-                decode_checkpoint(_read_bytes(path), threads=threads)
+                decode_checkpoint(read_input(path), threads=threads)
         except DeepCabacError as exc:
             click.echo(f"deepcabac: error: {exc}", err=True)
             failed += 1

@@ -17,20 +17,10 @@ import click
 
 from deepcabac_py.errors import DeepCabacError, InputError
 
+from ._io import read_input
+
 UPDATE_MAGIC = b"\x89DCU\r\n\x1a\n"
 UPDATE_SUFFIX = ".dcu"
-
-
-def _read(path: str) -> bytes:
-    import sys
-
-    if path == "-":
-        return sys.stdin.buffer.read()
-    try:
-        with open(path, "rb") as f:
-            return f.read()
-    except OSError as exc:
-        raise InputError(f"cannot read {path}: {exc.strerror or exc}") from None
 
 
 def is_update_file(head: bytes) -> bool:
@@ -111,7 +101,7 @@ def apply_cmd(base, update, output, force, quiet):
     tensors = ckpt.tensors
     with _about(update):
         count = 0
-        for msg in iter_messages(_read(update)):
+        for msg in iter_messages(read_input(update)):
             tensors = apply_update(tensors, msg)
             count += 1
         if not count:
@@ -174,7 +164,7 @@ def info_update(path: str, as_json: bool) -> None:
     from deepcabac_py.updates import iter_messages, read_update_header
 
     with _about(path):
-        data = _read(path)
+        data = read_input(path)
         headers = [read_update_header(m) for m in iter_messages(data)]
     if as_json:
         out = []
@@ -203,7 +193,7 @@ def report_update(path: str, as_json: bool) -> None:
     from deepcabac_py.updates import iter_messages
 
     with _about(path):
-        reps = [update_report_dict(m) for m in iter_messages(_read(path))]
+        reps = [update_report_dict(m) for m in iter_messages(read_input(path))]
     if as_json:
         click.echo(json.dumps(reps, indent=1))
         return

@@ -557,7 +557,7 @@ def test_info_reads_only_the_header(model_dir, monkeypatch):
         raise AssertionError("info must not read or decode the payload")
 
     with monkeypatch.context() as m:
-        m.setattr(cli_main, "_read_bytes", forbidden)
+        m.setattr(cli_main, "read_input", forbidden)
         for name in ("decode_checkpoint", "decode_model"):
             if hasattr(cli_main, name):
                 m.setattr(cli_main, name, forbidden)
