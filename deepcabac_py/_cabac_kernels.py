@@ -190,6 +190,38 @@ def _shift_low(low, cache, cache_size, out, pos):
 
 
 @kernel
+def _finish_substream(low, rng, cache, cache_size, out, pos):
+    """Terminate bin, flush and trailing-zero stripping: the end of every substream (the level and
+    the update coders). Returns the byte count, or -1 if ``out`` was too small."""
+    # Terminate bin (1): lets the decoder check that it ends where the encoder ended.
+    bound = (rng >> PROB_BITS) * TERMINATE_P
+    rng = bound
+    while rng < TOP:
+        rng <<= 8
+        low, cache, cache_size, pos = _shift_low(low, cache, cache_size, out, pos)
+
+    # Flush: pick the value in [low, low + rng) with the most trailing zero bits, so that the
+    # trailing zero bytes can be dropped (the decoder reads zeros past the end).
+    for z in range(32, -1, -1):
+        m = (1 << z) - 1
+        val = (low + m) & ~m
+        if val < low + rng:
+            low = val
+            break
+    for _ in range(5):
+        low, cache, cache_size, pos = _shift_low(low, cache, cache_size, out, pos)
+    if pos > out.shape[0]:
+        return -1
+    # At most MAX_STRIPPED zero bytes go, so a decoder never needs to read more than
+    # OVERRUN_SLACK bytes past the end of a valid substream.
+    stripped = 0
+    while pos > 1 and out[pos - 1] == 0 and stripped < MAX_STRIPPED:
+        pos -= 1
+        stripped += 1
+    return pos
+
+
+@kernel
 def encode_levels_kernel(levels, ncols, col0, k_offset, predict, out):
     """Encode int32 ``levels`` into ``out``; returns the byte count, or -1 if ``out`` is too small.
 
@@ -311,32 +343,7 @@ def encode_levels_kernel(levels, ncols, col0, k_offset, predict, out):
             if col == ncols:
                 col = 0
 
-    # Terminate bin (1): lets the decoder check that it ends where the encoder ended.
-    bound = (rng >> PROB_BITS) * TERMINATE_P
-    rng = bound
-    while rng < TOP:
-        rng <<= 8
-        low, cache, cache_size, pos = _shift_low(low, cache, cache_size, out, pos)
-
-    # Flush: pick the value in [low, low + rng) with the most trailing zero bits, so that the
-    # trailing zero bytes can be dropped (the decoder reads zeros past the end).
-    for z in range(32, -1, -1):
-        m = (1 << z) - 1
-        val = (low + m) & ~m
-        if val < low + rng:
-            low = val
-            break
-    for _ in range(5):
-        low, cache, cache_size, pos = _shift_low(low, cache, cache_size, out, pos)
-    if pos > out.shape[0]:
-        return -1
-    # At most MAX_STRIPPED zero bytes go, so a decoder never needs to read more than
-    # OVERRUN_SLACK bytes past the end of a valid substream.
-    stripped = 0
-    while pos > 1 and out[pos - 1] == 0 and stripped < MAX_STRIPPED:
-        pos -= 1
-        stripped += 1
-    return pos
+    return _finish_substream(low, rng, cache, cache_size, out, pos)
 
 
 @kernel

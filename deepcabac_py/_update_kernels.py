@@ -33,7 +33,6 @@ import numpy as np
 
 from ._cabac_kernels import (
     MAX_BYPASS_GROUP,
-    MAX_STRIPPED,
     OVERRUN_SLACK,
     PROB_BITS,
     PROB_ONE,
@@ -42,6 +41,7 @@ from ._cabac_kernels import (
     TOP,
     _decode_bypass,
     _encode_bypass,
+    _finish_substream,
     _shift_low,
 )
 from ._jit import kernel, scalar_helper
@@ -399,26 +399,7 @@ def encode_update_kernel(levels, tinfo, parent, hist, ctx, out):
                 col[cc] = (cnt + 1 if cnt < 2 else 2) | (s << COL_SIGN_SHIFT)
 
     # Terminate bin (1), then the level coder's flush.
-    bound = (rng >> PROB_BITS) * TERMINATE_P
-    rng = bound
-    while rng < TOP:
-        rng <<= 8
-        low, cache, cache_size, pos = _shift_low(low, cache, cache_size, out, pos)
-    for z in range(32, -1, -1):
-        m = (1 << z) - 1
-        val = (low + m) & ~m
-        if val < low + rng:
-            low = val
-            break
-    for _ in range(5):
-        low, cache, cache_size, pos = _shift_low(low, cache, cache_size, out, pos)
-    if pos > out.shape[0]:
-        return -1
-    stripped = 0
-    while pos > 1 and out[pos - 1] == 0 and stripped < MAX_STRIPPED:
-        pos -= 1
-        stripped += 1
-    return pos
+    return _finish_substream(low, rng, cache, cache_size, out, pos)
 
 
 @kernel
