@@ -188,22 +188,31 @@ class _Reader:
         return st.unpack(self.take(st.size, what))
 
 
+def check_preamble(data, *, magic: bytes, version: int, known_flags: int, kind: str, noun: str,
+                   label: str, max_header_size: int = MAX_HEADER_SIZE) -> tuple[int, int]:
+    """Check the 16-byte preamble shared by the model and update formats (magic, version, flags,
+    header size); return (flags, header_size). ``kind``, ``noun`` and ``label`` word the errors."""
+    if len(data) < PREAMBLE.size:
+        if bytes(data[: len(magic)]) != magic[: len(data)]:
+            raise FormatError(f"not a deepcabac {kind} stream (wrong magic bytes)")
+        raise TruncatedStreamError(f"{noun} is {len(data)} bytes, shorter than the {PREAMBLE.size}-byte preamble")
+    found, found_version, flags, header_size = PREAMBLE.unpack(bytes(data[: PREAMBLE.size]))
+    if found != magic:
+        raise FormatError(f"not a deepcabac {kind} stream (wrong magic bytes)")
+    if found_version != version:
+        raise FormatError(f"unsupported {label}format version {found_version} (this library reads version {version})")
+    if flags & ~known_flags:
+        raise FormatError(f"unknown {label}header flags 0x{flags:04x}")
+    if not 4 <= header_size <= max_header_size:
+        raise CorruptStreamError(f"implausible {label}header size {header_size}")
+    return flags, header_size
+
+
 def read_preamble(data) -> tuple[int, int]:
     """Check magic and version; return (version, header_size including the CRC)."""
-    if len(data) < PREAMBLE.size:
-        if bytes(data[: len(MAGIC)]) != MAGIC[: len(data)]:
-            raise FormatError("not a deepcabac model stream (wrong magic bytes)")
-        raise TruncatedStreamError(f"stream is {len(data)} bytes, shorter than the {PREAMBLE.size}-byte preamble")
-    magic, version, flags, header_size = PREAMBLE.unpack(bytes(data[: PREAMBLE.size]))
-    if magic != MAGIC:
-        raise FormatError("not a deepcabac model stream (wrong magic bytes)")
-    if version != FORMAT_VERSION:
-        raise FormatError(f"unsupported format version {version} (this library reads version {FORMAT_VERSION})")
-    if flags != 0:
-        raise FormatError(f"unknown header flags 0x{flags:04x}")
-    if not 4 <= header_size <= MAX_HEADER_SIZE:
-        raise CorruptStreamError(f"implausible header size {header_size}")
-    return version, header_size
+    _, header_size = check_preamble(data, magic=MAGIC, version=FORMAT_VERSION, known_flags=0,
+                                    kind="model", noun="stream", label="")
+    return FORMAT_VERSION, header_size
 
 
 def read_header(data, *, total_size: int | None = None) -> StreamHeader:

@@ -32,6 +32,7 @@ import numpy as np
 
 from . import _update_kernels as _k
 from . import golomb
+from .container import check_preamble
 from .errors import CorruptStreamError, FormatError, TruncatedStreamError, UpdateMismatchError
 from .sparsify import ErrorFeedback, SparseTensor, reconstruct, sparsify
 
@@ -362,26 +363,18 @@ def is_update_stream(data) -> bool:
     return bytes(data[:len(MAGIC)]) == MAGIC
 
 
+def _check_preamble(data) -> tuple[int, int]:
+    return check_preamble(data, magic=MAGIC, version=FORMAT_VERSION, known_flags=_KNOWN_FLAGS,
+                          kind="update", noun="update", label="update ", max_header_size=MAX_HEADER_SIZE)
+
+
 def read_update_header(data, *, total_size: int | None = None) -> UpdateHeader:
     """Parse and validate the header of the message at the start of ``data`` (bytes-like).
 
     ``data`` may hold just the header (pass the message's ``total_size`` then), or more than one
     message (only the first is parsed).
     """
-    data = bytes(data[:PREAMBLE.size]) if len(data) < PREAMBLE.size else data
-    if len(data) < PREAMBLE.size:
-        if bytes(data[:len(MAGIC)]) != MAGIC[:len(data)]:
-            raise FormatError("not a deepcabac update stream (wrong magic bytes)")
-        raise TruncatedStreamError(f"update is {len(data)} bytes, shorter than the {PREAMBLE.size}-byte preamble")
-    magic, version, flags, header_size = PREAMBLE.unpack(bytes(data[:PREAMBLE.size]))
-    if magic != MAGIC:
-        raise FormatError("not a deepcabac update stream (wrong magic bytes)")
-    if version != FORMAT_VERSION:
-        raise FormatError(f"unsupported update format version {version} (this library reads version {FORMAT_VERSION})")
-    if flags & ~_KNOWN_FLAGS:
-        raise FormatError(f"unknown update header flags 0x{flags:04x}")
-    if not 4 <= header_size <= MAX_HEADER_SIZE:
-        raise CorruptStreamError(f"implausible update header size {header_size}")
+    flags, header_size = _check_preamble(data)
     end = PREAMBLE.size + header_size
     if len(data) < end:
         raise TruncatedStreamError(f"update ends inside its header ({len(data)} of {end} bytes)")
@@ -446,7 +439,7 @@ def read_update_header(data, *, total_size: int | None = None) -> UpdateHeader:
     payload_size = r.uvarint("payload size", 1 << 48)
     if r.pos != r.end:
         raise CorruptStreamError(f"{r.end - r.pos} unexplained bytes at the end of the update header")
-    header = UpdateHeader(version, round_index, parent_round, parent_hash, session_id, session_seq, coder, tensor_total,
+    header = UpdateHeader(FORMAT_VERSION, round_index, parent_round, parent_hash, session_id, session_seq, coder, tensor_total,
                           table, entries, end, payload_size)
     available = len(data) if total_size is None else total_size
     if available < header.total_size:
@@ -919,11 +912,7 @@ def read_message(f) -> bytes | None:
     pre = f.read(PREAMBLE.size)
     if not pre:
         return None
-    if len(pre) < PREAMBLE.size or not is_update_stream(pre):
-        read_update_header(pre)  # raises FormatError or TruncatedStreamError
-    _, _, _, header_size = PREAMBLE.unpack(pre)
-    if not 4 <= header_size <= MAX_HEADER_SIZE:
-        raise CorruptStreamError(f"implausible update header size {header_size}")
+    _, header_size = _check_preamble(pre)
     head = pre + f.read(header_size)
     header = read_update_header(head, total_size=1 << 62)
     rest = f.read(header.total_size - len(head))
