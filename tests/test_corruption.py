@@ -4,8 +4,6 @@ unchecked header field."""
 
 from __future__ import annotations
 
-import contextlib
-import signal
 import struct
 import tracemalloc
 import zlib
@@ -32,6 +30,7 @@ from deepcabac_py.container import (
 )
 from deepcabac_py.errors import CorruptStreamError, DeepCabacError, FormatError, TruncatedStreamError
 from deepcabac_py.levelcoder import DEFAULT_K_OFFSET
+from timeouts import no_hang
 
 ROOT = Path(__file__).resolve().parent.parent
 PEAK_LIMIT = 50 * 2**20
@@ -40,20 +39,6 @@ PEAK_LIMIT = 50 * 2**20
 # --------------------------------------------------------------------------------------------------
 # helpers
 # --------------------------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def no_hang(seconds: int = 60):
-    def boom(signum, frame):
-        raise TimeoutError("decoding did not terminate")
-
-    old = signal.signal(signal.SIGALRM, boom)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
 
 
 def fingerprint(obj):

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import signal
 
 import numpy as np
 import pytest
@@ -12,6 +10,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import reference_coder as ref
+from timeouts import no_hang
 from deepcabac_py import _cabac_kernels as _k
 from deepcabac_py import levelcoder as lc
 from deepcabac_py.errors import CorruptStreamError
@@ -68,21 +67,6 @@ def kernel_status(data: bytes, n, ncols, col0, k_offset, *, python=False) -> tup
     out = np.zeros(n, dtype=np.int32)
     fn = _k.decode_levels_kernel.py_func if python else _k.decode_levels_kernel
     return int(fn(buf, ncols, col0, k_offset & ~lc.PREDICT_BIT, bool(k_offset & lc.PREDICT_BIT), out)), out
-
-
-@contextlib.contextmanager
-def no_hang(seconds: int = 20):
-    """Fail instead of hanging forever (the kernels' loops must all be bounded)."""
-    def boom(signum, frame):
-        raise TimeoutError("decoder did not terminate")
-
-    old = signal.signal(signal.SIGALRM, boom)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
 
 
 def _clip(x) -> np.ndarray:
@@ -279,7 +263,7 @@ def _check_hostile(data: bytes, n: int, ncols: int, col0: int, k_offset: int, *,
 def test_garbage_bytes_never_crash():
     rng = np.random.default_rng(2024)
     statuses = set()
-    with no_hang():
+    with no_hang(20):
         for trial in range(300):
             data = rng.integers(0, 256, int(rng.integers(0, 48)), dtype=np.uint8).tobytes()
             if trial % 5 == 0:
@@ -304,7 +288,7 @@ def test_truncated_and_flipped_streams():
     data = numba_encode(levels, ncols, col0, k_offset)
     n = levels.shape[0]
     failures = 0
-    with no_hang():
+    with no_hang(20):
         for length in range(len(data)):
             python = length in (0, len(data) // 2, len(data) - 1)
             failures += _check_hostile(data[:length], n, ncols, col0, k_offset, python=python) != _k.OK
