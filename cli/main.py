@@ -20,7 +20,7 @@ from deepcabac_py import __version__
 from deepcabac_py.container import read_header_file
 from deepcabac_py.errors import DeepCabacError, InputError, OutputError, OutputExistsError
 from deepcabac_py.fileio import write_atomic
-from deepcabac_py.quantize import QP_MAX, QP_MIN
+from deepcabac_py.quantize import QP_MAX, QP_MIN, QUANTIZERS
 from deepcabac_py.report import build_report, format_report
 
 from ._io import read_input
@@ -29,6 +29,7 @@ from ._io import read_input
 # import them when they need them, so that `info` stays fast. These mirror deepcabac_py.codec.
 KINDS = ("torch", "safetensors", "npz")
 DEFAULT_QP, DEFAULT_QP_1D, DEFAULT_QP_DENSITY = -32, -75, 2
+DEFAULT_QUANTIZER = "trellis"
 STREAM_SUFFIX = ".dcb"
 _DEFAULT_SUFFIX = {"torch": ".pt", "safetensors": ".safetensors", "npz": ".npz"}
 
@@ -90,6 +91,12 @@ def _quant_options(f):
     f = click.option("--exact", "exact", multiple=True, metavar="PATTERN",
                      help="Store float tensors matching PATTERN bit-exactly. Repeatable.")(f)
     f = click.option("--exact-all", is_flag=True, help="Store every float tensor bit-exactly (lossless).")(f)
+    f = click.option("--quantizer", type=click.Choice(QUANTIZERS), default=DEFAULT_QUANTIZER, show_default=True,
+                     help="trellis: dependent quantization (fewest bytes at a given fidelity; its effective "
+                          "step is about twice qp's); rdoq: rate-distortion optimised rounding; nearest: "
+                          "plain rounding.")(f)
+    f = click.option("--lambda-scale", type=click.FloatRange(0.0, 1e6), default=1.0, show_default=True,
+                     help="Scale of the rate-distortion trade-off of trellis and rdoq (larger: fewer bytes).")(f)
     return f
 
 
@@ -108,9 +115,9 @@ def _parse_overrides(items) -> dict[str, int]:
     return out
 
 
-def _encode_settings(qp, qp_density, qp_1d, qp_tensor, exact, exact_all) -> dict:
+def _encode_settings(qp, qp_density, qp_1d, qp_tensor, exact, exact_all, quantizer, lambda_scale) -> dict:
     return dict(qp=qp, qp_density=qp_density, qp_1d=qp_1d, qp_overrides=_parse_overrides(qp_tensor),
-                keep_exact=True if exact_all else list(exact))
+                keep_exact=True if exact_all else list(exact), quantizer=quantizer, lambda_scale=lambda_scale)
 
 
 @contextmanager
@@ -214,16 +221,26 @@ def _same_file(a: str, b: str) -> bool:
               help="Checkpoint kind when it cannot be told from the suffix (e.g. on stdin).")
 @click.option("-f", "--force", is_flag=True, help="Overwrite an existing output file.")
 @_quant_options
+@click.option("--target-bpw", type=click.FloatRange(0.0, 64.0, min_open=True), default=None,
+              help="Rate control: choose qp (and lambda) for this many bits per parameter.")
+@click.option("--target-size", type=click.IntRange(1), default=None, metavar="BYTES",
+              help="Rate control: the largest stream that fits in BYTES.")
 @_threads
 @_progress_option
 @_verbosity
-def encode(input, output, input_format, force, qp, qp_density, qp_1d, qp_tensor, exact, exact_all,
-           threads, no_progress, quiet, verbose):
+@click.pass_context
+def encode(ctx, input, output, input_format, force, qp, qp_density, qp_1d, qp_tensor, exact, exact_all,
+           quantizer, lambda_scale, target_bpw, target_size, threads, no_progress, quiet, verbose):
     """Compress a checkpoint (.pt/.pth/.bin, .safetensors, .npz) into a model stream."""
     from deepcabac_py.checkpoint import load_checkpoint
     from deepcabac_py.codec import encode_model, read_stream_header
 
-    settings = _encode_settings(qp, qp_density, qp_1d, qp_tensor, exact, exact_all)
+    settings = _encode_settings(qp, qp_density, qp_1d, qp_tensor, exact, exact_all, quantizer, lambda_scale)
+    targeted = target_bpw is not None or target_size is not None
+    if target_bpw is not None and target_size is not None:
+        raise click.UsageError("give --target-bpw or --target-size, not both")
+    if targeted and ctx.get_parameter_source("qp") != click.core.ParameterSource.DEFAULT:
+        raise click.UsageError("--qp cannot be combined with --target-bpw/--target-size (rate control picks it)")
     if output is None:
         output = "-" if input == "-" else input + STREAM_SUFFIX
     if _same_file(input, output):
@@ -232,11 +249,21 @@ def encode(input, output, input_format, force, qp, qp_density, qp_1d, qp_tensor,
     with _about(input):
         with _checkpoint_path(input, input_format) as path:
             ckpt = load_checkpoint(path, input_format)
-        with _progress(_param_count(ckpt), "encode", not (quiet or no_progress)) as update:
-            try:
-                data = encode_model(ckpt, threads=threads, progress=update, **settings)
-            except TypeError as exc:  # an unsupported tensor type inside the checkpoint
-                raise InputError(str(exc)) from None
+        try:
+            if targeted:
+                from deepcabac_py.rd import encode_to_size
+
+                del settings["qp"]
+                try:
+                    data = encode_to_size(ckpt, target_bytes=target_size, target_bpw=target_bpw,
+                                          threads=threads, **settings)
+                except ValueError as exc:  # the budget cannot be met
+                    raise InputError(str(exc)) from None
+            else:
+                with _progress(_param_count(ckpt), "encode", not (quiet or no_progress)) as update:
+                    data = encode_model(ckpt, threads=threads, progress=update, **settings)
+        except TypeError as exc:  # an unsupported tensor type inside the checkpoint
+            raise InputError(str(exc)) from None
     _write_output(output, data, force, _input_mode(input))
     rep = build_report(read_stream_header(data))
     _info(quiet, f"{input}: {rep.original_bytes:,} bytes of tensors -> {len(data):,} bytes "
@@ -335,7 +362,7 @@ def info(input, as_json):
 @_progress_option
 @_verbosity
 def report(input, as_json, input_format, show_formats, qp, qp_density, qp_1d, qp_tensor, exact, exact_all,
-           threads, no_progress, quiet, verbose):
+           quantizer, lambda_scale, threads, no_progress, quiet, verbose):
     """Per-tensor and total figures: params, bits/param, ratio vs fp32, SNR and max error.
 
     INPUT is a checkpoint (encoded in memory with the given settings, then decoded to measure the
@@ -356,7 +383,8 @@ def report(input, as_json, input_format, show_formats, qp, qp_density, qp_1d, qp
             header = read_stream_header(data)
             rep = build_report(header)
         else:
-            settings = _encode_settings(qp, qp_density, qp_1d, qp_tensor, exact, exact_all)
+            settings = _encode_settings(qp, qp_density, qp_1d, qp_tensor, exact, exact_all, quantizer,
+                                        lambda_scale)
             if raw is not None:
                 with tempfile.TemporaryDirectory(prefix="deepcabac-") as tmp:
                     spooled = os.path.join(tmp, "stdin" + _DEFAULT_SUFFIX.get(input_format or "", ""))

@@ -39,6 +39,7 @@ from .errors import CorruptStreamError, TruncatedStreamError
 DEFAULT_QP = -32
 DEFAULT_QP_1D = -75  # near lossless for biases and norms, as NNC's nonweight_qp
 DEFAULT_QP_DENSITY = 2
+DEFAULT_QUANTIZER = "trellis"
 
 _NUMPY_CARRIER = {
     DType.FLOAT32: np.float32, DType.FLOAT16: np.float16, DType.BFLOAT16: np.uint16,
@@ -87,6 +88,22 @@ class _Plan:
     entry: TensorEntry
     array: np.ndarray | None  # the values (numpy carrier), None for aliases
     layout: levelcoder.ChunkLayout | None = None
+    quantizer: str = "nearest"
+    lam: float = 0.0
+    importance: np.ndarray | None = None  # flat float32 relative importance, mean ~1
+
+
+@dataclass(frozen=True)
+class _Quantizer:
+    """How float tensors are quantized: the method, its lambda and the per-weight importance."""
+
+    method: str
+    lambda_scale: float
+    importance: Mapping[str, Any]
+
+    @property
+    def lam(self) -> float:
+        return quantize.DEFAULT_LAMBDA[self.method] * self.lambda_scale
 
 
 def _matches(name: str, patterns) -> bool:
@@ -139,7 +156,8 @@ def _as_float_for_quantizer(arr: np.ndarray, dtype: DType) -> np.ndarray:
     return flat
 
 
-def _plan_tensor(name: str, tensor, *, qp: int, qp_1d: int, qp_density: int, overrides, exact) -> _Plan:
+def _plan_tensor(name: str, tensor, *, qp: int, qp_1d: int, qp_density: int, overrides, exact,
+                 quantizer: _Quantizer) -> _Plan:
     arr, dtype_name, is_torch = tensor_to_numpy(tensor)
     dtype = _DTYPE_BY_NAME[dtype_name]
     entry = TensorEntry(name=name, dtype=dtype, shape=tuple(int(d) for d in arr.shape), mode=Mode.RAW,
@@ -162,8 +180,17 @@ def _plan_tensor(name: str, tensor, *, qp: int, qp_1d: int, qp_density: int, ove
                           f"{qp_density}; stored exactly (raw)", stacklevel=3)
             return _Plan(entry, arr)
         entry.qp_density = qp_density
-        entry.mode, entry.coder = Mode.UNIFORM, Coder.ADAPTIVE_SCALE
+        dependent = quantizer.method == "trellis"
+        entry.mode = Mode.DEPENDENT if dependent else Mode.UNIFORM
+        entry.coder = Coder.ADAPTIVE_SCALE
         max_level = int(float(top) / quantize.step_from_qp(entry.qp, qp_density) + 0.5)
+        if dependent:
+            max_level = max_level // 2 + 1
+        layout = levelcoder.layout_for_shape(entry.shape, max_abs_level=max_level)
+        entry.chunk_elements = layout.chunk_elements
+        entry.coder_param = layout.coder_param
+        return _Plan(entry, arr, layout, quantizer.method, quantizer.lam,
+                     _relative_importance(name, quantizer.importance.get(name), arr.shape))
     elif not dtype.is_float and dtype not in (DType.COMPLEX64, DType.COMPLEX128):
         if dtype in (DType.UINT64,) and int(arr.max()) > levelcoder.LEVEL_MAX:
             return _Plan(entry, arr)
@@ -180,19 +207,56 @@ def _plan_tensor(name: str, tensor, *, qp: int, qp_1d: int, qp_density: int, ove
     return _Plan(entry, arr, layout)
 
 
+# Importance is smoothed towards its tensor mean: a weight the calibration data never exercised
+# (an embedding row of a token it did not contain) has zero measured importance, but other data
+# will need it.
+IMPORTANCE_FLOOR = 0.1
+
+
+def _importance_array(importance) -> np.ndarray:
+    if not isinstance(importance, np.ndarray) and hasattr(importance, "detach"):
+        importance = importance.detach().cpu().numpy()
+    return np.asarray(importance, dtype=np.float64)
+
+
+def _relative_importance(name: str, importance, shape: tuple[int, ...]) -> np.ndarray | None:
+    if importance is None:
+        return None
+    imp = _importance_array(importance)
+    if imp.shape != tuple(shape):
+        raise ValueError(f"importance of {name!r} has shape {imp.shape}, the tensor has {tuple(shape)}")
+    if not np.all(np.isfinite(imp)) or (imp.size and imp.min() < 0):
+        raise ValueError(f"importance of {name!r} must be finite and non-negative")
+    mean = float(imp.mean()) if imp.size else 0.0
+    if mean <= 0.0:
+        return None
+    rel = (imp.reshape(-1) / mean + IMPORTANCE_FLOOR) / (1.0 + IMPORTANCE_FLOOR)
+    return rel.astype(np.float32)
+
+
 def _chunk_levels(plan: _Plan, start: int, stop: int) -> np.ndarray:
     entry = plan.entry
     flat = plan.array.reshape(-1)[start:stop]
-    if entry.mode == Mode.UNIFORM:
+    if entry.mode.is_quantized:
         values = _as_float_for_quantizer(flat, entry.dtype)
-        return quantize.quantize_nearest(values, quantize.step_from_qp(entry.qp, entry.qp_density))
+        step = quantize.step_from_qp(entry.qp, entry.qp_density)
+        layout = plan.layout
+        if plan.quantizer == "nearest":
+            return quantize.quantize_nearest(values, step)
+        imp = plan.importance[start:stop] if plan.importance is not None else None
+        return quantize.quantize_rd(values, step, method=plan.quantizer, lam=plan.lam, ncols=layout.ncols,
+                                    col0=layout.first_column(start), k_offset=layout.k_offset,
+                                    predict=layout.predict, importance=imp)
     if entry.dtype == DType.BOOL:
         return flat.view(np.uint8).astype(np.int32)
     return flat.astype(np.int32)
 
 
 def _values_from_levels(e: TensorEntry, levels: np.ndarray) -> np.ndarray:
-    if e.mode == Mode.UNIFORM:
+    """Values of one chunk's decoded levels (trellis levels are still the transmitted ones)."""
+    if e.mode == Mode.DEPENDENT:
+        levels = quantize.dq_indices(levels)
+    if e.mode.is_quantized:
         return _reconstruct(levels, e.step, e.dtype)
     if e.dtype == DType.BOOL:
         if levels.size and (int(levels.min()) < 0 or int(levels.max()) > 1):
@@ -237,16 +301,40 @@ def _exact_predicate(keep_exact) -> Callable[[str], bool]:
     return lambda name: _matches(name, patterns)
 
 
-def _plan_model(model, qp, qp_1d, qp_density, qp_overrides, keep_exact) -> tuple[Checkpoint, list[_Plan]]:
+def _make_quantizer(quantizer: str, lambda_scale: float, importance) -> _Quantizer:
+    if quantizer not in quantize.QUANTIZERS:
+        raise ValueError(f"quantizer must be one of {', '.join(quantize.QUANTIZERS)}, got {quantizer!r}")
+    if isinstance(lambda_scale, bool) or not isinstance(lambda_scale, (int, float)) or not (
+            0.0 <= float(lambda_scale) < float("inf")):
+        raise ValueError(f"lambda_scale must be a finite number >= 0, got {lambda_scale!r}")
+    if importance is not None and not isinstance(importance, Mapping):
+        raise TypeError("importance must map tensor names to arrays of their shape")
+    return _Quantizer(quantizer, float(lambda_scale), dict(importance or {}))
+
+
+def _plan_model(model, qp, qp_1d, qp_density, qp_overrides, keep_exact,
+                quantizer: _Quantizer) -> tuple[Checkpoint, list[_Plan]]:
     ckpt = model if isinstance(model, Checkpoint) else flatten(model)
+    unknown = sorted(set(quantizer.importance) - set(ckpt.tensors))
+    if unknown:
+        raise ValueError(f"importance names tensors the model does not have: {', '.join(unknown[:5])}")
     for value in (qp, qp_1d):
         quantize.step_from_qp(value, qp_density)  # validates both
     overrides = dict(qp_overrides or {})
     for key, value in overrides.items():
         quantize.step_from_qp(value, qp_density)
+    if quantizer.importance:
+        # Importance also allocates the bits across tensors; explicit overrides still win.
+        from .rd import allocate_qps
+
+        shapes = {name: tuple(int(d) for d in t.shape) for name, t in ckpt.tensors.items()}
+        allocated = allocate_qps({n: _importance_array(v) for n, v in quantizer.importance.items()}, shapes,
+                                 qp, qp_density=qp_density, qp_1d=qp_1d)
+        overrides = {**{n: q for n, q in allocated.items() if _lookup_qp(n, overrides) is None}, **overrides}
     exact = _exact_predicate(keep_exact)
     plans = [
-        _plan_tensor(name, t, qp=qp, qp_1d=qp_1d, qp_density=qp_density, overrides=overrides, exact=exact)
+        _plan_tensor(name, t, qp=qp, qp_1d=qp_1d, qp_density=qp_density, overrides=overrides, exact=exact,
+                     quantizer=quantizer)
         for name, t in ckpt.tensors.items()
     ]
     index = {p.entry.name: i for i, p in enumerate(plans)}
@@ -266,6 +354,9 @@ def encode_model(
     qp_1d: int = DEFAULT_QP_1D,
     qp_overrides: Mapping[str, int] | None = None,
     keep_exact: bool | str | Iterable[str] = False,
+    quantizer: str = DEFAULT_QUANTIZER,
+    lambda_scale: float = 1.0,
+    importance: Mapping[str, Any] | None = None,
     threads: int | None = None,
     progress: Progress | None = None,
 ) -> bytes:
@@ -273,12 +364,18 @@ def encode_model(
 
     Float tensors are quantized with the step of ``qp`` (``qp_1d`` for tensors with at most one
     dimension: biases, norms); ``qp_overrides`` maps tensor names or glob patterns to their own qp.
-    ``keep_exact`` (``True`` or names/patterns) stores float tensors bit-exactly instead. Integer and
-    boolean tensors are always lossless; non-tensor entries are kept. The output is deterministic
-    for the same input and settings, whatever ``threads`` is.
+    ``quantizer`` is ``"trellis"`` (dependent quantization, the default: fewest bytes at a given
+    fidelity; its effective step is about twice the step of ``qp``, as in NNC), ``"rdoq"``
+    (rate-distortion optimised rounding) or ``"nearest"`` (plain rounding); ``lambda_scale`` scales
+    the rate-distortion trade-off of the first two. ``importance`` maps tensor names to non-negative
+    per-weight importances of the tensor's shape (e.g. :func:`deepcabac_py.rd.diagonal_fisher`):
+    errors cost more where it is high. ``keep_exact`` (``True`` or names/patterns) stores float
+    tensors bit-exactly instead. Integer and boolean tensors are always lossless; non-tensor entries
+    are kept. The output is deterministic for the same input and settings, whatever ``threads`` is.
     """
     threads = _resolve_threads(threads)
-    ckpt, plans = _plan_model(model, qp, qp_1d, qp_density, qp_overrides, keep_exact)
+    ckpt, plans = _plan_model(model, qp, qp_1d, qp_density, qp_overrides, keep_exact,
+                              _make_quantizer(quantizer, lambda_scale, importance))
 
     jobs = [(p, k) for p in plans if p.layout is not None for k in range(p.layout.count)]
     # Largest chunks first keeps both cores busy to the end; results are put back in table order.
@@ -342,24 +439,35 @@ def quantize_model(
     qp_1d: int = DEFAULT_QP_1D,
     qp_overrides: Mapping[str, int] | None = None,
     keep_exact: bool | str | Iterable[str] = False,
+    quantizer: str = DEFAULT_QUANTIZER,
+    lambda_scale: float = 1.0,
+    importance: Mapping[str, Any] | None = None,
 ) -> dict[str, QuantizedTensor]:
-    """The levels and steps :func:`encode_model` would code, without entropy coding.
+    """The levels and steps :func:`encode_model` would code, without entropy coding (same
+    arguments). ``levels * step`` are the decoded values (for trellis tensors the levels are the
+    reconstruction indices, not the transmitted ones).
 
     Tensors stored raw (kept exact, non-finite, complex) are left out.
     """
-    _, plans = _plan_model(model, qp, qp_1d, qp_density, qp_overrides, keep_exact)
+    _, plans = _plan_model(model, qp, qp_1d, qp_density, qp_overrides, keep_exact,
+                           _make_quantizer(quantizer, lambda_scale, importance))
     out = {}
     for plan in plans:
         e = plan.entry
         if plan.layout is None:
             continue
-        levels = _chunk_levels(plan, 0, e.numel).reshape(e.shape)
-        out[e.name] = _quantized(e, levels)
+        # chunk by chunk: the RD quantizers and the trellis state restart with every substream
+        parts = []
+        for k in range(plan.layout.count):
+            part = _chunk_levels(plan, *plan.layout.bounds(k))
+            parts.append(quantize.dq_indices(part) if e.mode == Mode.DEPENDENT else part)
+        levels = np.concatenate(parts) if len(parts) != 1 else parts[0]
+        out[e.name] = _quantized(e, levels.reshape(e.shape))
     return out
 
 
 def _quantized(e: TensorEntry, levels: np.ndarray) -> QuantizedTensor:
-    uniform = e.mode == Mode.UNIFORM
+    uniform = e.mode.is_quantized
     return QuantizedTensor(e.name, levels, e.step, e.dtype.name.lower(),
                            e.qp if uniform else None, e.qp_density if uniform else None)
 
@@ -417,11 +525,16 @@ def _decode_entries(data, header: StreamHeader, *, want_levels: bool, threads: i
         start, stop = layout.bounds(k)
         if want_levels:
             levelcoder.decode_chunk(view, layout, k, out[start:stop])
-        elif e.mode == Mode.UNIFORM and e.dtype == DType.FLOAT32:
+            if e.mode == Mode.DEPENDENT:
+                out[start:stop] = quantize.dq_indices(out[start:stop])
+        elif e.mode.is_quantized and e.dtype == DType.FLOAT32:
             # Levels and float32 values have the same size: decode into the output, convert in place.
             window = out[start:stop].view(np.int32)
             levelcoder.decode_chunk(view, layout, k, window)
-            quantize.reconstruct_f32_inplace(window, e.step)
+            if e.mode == Mode.DEPENDENT:
+                quantize.dq_reconstruct_f32_inplace(window, e.step)
+            else:
+                quantize.reconstruct_f32_inplace(window, e.step)
         else:
             levels = np.empty(stop - start, dtype=np.int32)
             levelcoder.decode_chunk(view, layout, k, levels)

@@ -22,7 +22,10 @@ from dataclasses import dataclass, field
 from .errors import CorruptStreamError, FormatError, InputError, TruncatedStreamError
 
 MAGIC = b"\x89DCB\r\n\x1a\n"
-FORMAT_VERSION = 1
+# Version 2 added Mode.DEPENDENT. A writer stamps the lowest version that describes its stream, so
+# streams without the trellis stay readable by version-1 readers; this reader reads both.
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 PREAMBLE = struct.Struct("<8sHHI")
 MAX_HEADER_SIZE = 1 << 30
 MAX_NDIM = 32
@@ -72,6 +75,15 @@ class Mode(enum.IntEnum):
     RAW = 0  # the little-endian bytes of the elements, unchanged
     UNIFORM = 1  # levels (level coder) times the step of (qp, qp_density)
     INTEGER = 2  # the integer values themselves through the level coder: lossless
+    DEPENDENT = 3  # transmitted levels of the 4-state trellis (format version 2); see docs/format.md
+
+    @property
+    def is_quantized(self) -> bool:
+        return self in (Mode.UNIFORM, Mode.DEPENDENT)
+
+    @property
+    def min_version(self) -> int:
+        return 2 if self == Mode.DEPENDENT else 1
 
 
 class Coder(enum.IntEnum):
@@ -119,7 +131,8 @@ class TensorEntry:
 
     @property
     def step(self) -> float | None:
-        if self.mode != Mode.UNIFORM:
+        """The (fine) quantization step of a quantized tensor, else None."""
+        if not self.mode.is_quantized:
             return None
         from .quantize import step_from_qp
 
@@ -167,7 +180,8 @@ def write_header(qp: int, qp_1d: int, qp_density: int, metadata: dict, tensors: 
     # The body is deflated: names and the skeleton repeat themselves, and for small models the
     # header would otherwise be a large share of the stream.
     packed = struct.pack("<I", len(body)) + zlib.compress(body, 9)
-    head = PREAMBLE.pack(MAGIC, FORMAT_VERSION, 0, len(packed) + 4) + packed
+    version = max([1] + [t.mode.min_version for t in tensors])
+    head = PREAMBLE.pack(MAGIC, version, 0, len(packed) + 4) + packed
     return head + struct.pack("<I", zlib.crc32(head))
 
 
@@ -188,10 +202,11 @@ class _Reader:
         return st.unpack(self.take(st.size, what))
 
 
-def check_preamble(data, *, magic: bytes, version: int, known_flags: int, kind: str, noun: str,
-                   label: str, max_header_size: int = MAX_HEADER_SIZE) -> tuple[int, int]:
+def check_preamble(data, *, magic: bytes, versions: tuple[int, ...], known_flags: int, kind: str, noun: str,
+                   label: str, max_header_size: int = MAX_HEADER_SIZE) -> tuple[int, int, int]:
     """Check the 16-byte preamble shared by the model and update formats (magic, version, flags,
-    header size); return (flags, header_size). ``kind``, ``noun`` and ``label`` word the errors."""
+    header size); return (version, flags, header_size). ``kind``, ``noun`` and ``label`` word the
+    errors."""
     if len(data) < PREAMBLE.size:
         if bytes(data[: len(magic)]) != magic[: len(data)]:
             raise FormatError(f"not a deepcabac {kind} stream (wrong magic bytes)")
@@ -199,20 +214,21 @@ def check_preamble(data, *, magic: bytes, version: int, known_flags: int, kind: 
     found, found_version, flags, header_size = PREAMBLE.unpack(bytes(data[: PREAMBLE.size]))
     if found != magic:
         raise FormatError(f"not a deepcabac {kind} stream (wrong magic bytes)")
-    if found_version != version:
-        raise FormatError(f"unsupported {label}format version {found_version} (this library reads version {version})")
+    if found_version not in versions:
+        readable = " and ".join(map(str, versions))
+        raise FormatError(f"unsupported {label}format version {found_version} (this library reads version {readable})")
     if flags & ~known_flags:
         raise FormatError(f"unknown {label}header flags 0x{flags:04x}")
     if not 4 <= header_size <= max_header_size:
         raise CorruptStreamError(f"implausible {label}header size {header_size}")
-    return flags, header_size
+    return found_version, flags, header_size
 
 
 def read_preamble(data) -> tuple[int, int]:
     """Check magic and version; return (version, header_size including the CRC)."""
-    _, header_size = check_preamble(data, magic=MAGIC, version=FORMAT_VERSION, known_flags=0,
-                                    kind="model", noun="stream", label="")
-    return FORMAT_VERSION, header_size
+    version, _, header_size = check_preamble(data, magic=MAGIC, versions=READABLE_VERSIONS, known_flags=0,
+                                             kind="model", noun="stream", label="")
+    return version, header_size
 
 
 def read_header(data, *, total_size: int | None = None) -> StreamHeader:
@@ -278,6 +294,9 @@ def read_header(data, *, total_size: int | None = None) -> StreamHeader:
         offset, size, crc = r.unpack(_ENTRY_TAIL, "payload location")
         entry = TensorEntry(name, dtype, tuple(shape), mode, coder, flags, t_qp, t_density, alias_of,
                             coder_param, chunk_elements, chunk_sizes, offset, size, crc)
+        if mode.min_version > version:
+            raise CorruptStreamError(f"{where}: coding mode {mode.name} needs format version {mode.min_version}, "
+                                     f"the stream says {version}")
         _validate_entry(entry, i, where, tensors, next_offset)
         next_offset += entry.size
         tensors.append(entry)
@@ -378,9 +397,9 @@ def _validate_entry(e: TensorEntry, index: int, where: str, earlier: list[Tensor
         return
     if e.coder != Coder.ADAPTIVE_SCALE:
         raise FormatError(f"{where}: coding mode {e.mode.name} needs a level coder")
-    if e.mode == Mode.UNIFORM:
+    if e.mode.is_quantized:
         if not e.dtype.is_float:
-            raise CorruptStreamError(f"{where}: uniform quantization of a {e.dtype.name} tensor")
+            raise CorruptStreamError(f"{where}: quantization of a {e.dtype.name} tensor")
         _check_qp_pair(e.qp, e.qp_density, f"{where}: qp")
     elif e.dtype.is_float or e.dtype in (DType.COMPLEX64, DType.COMPLEX128):
         raise CorruptStreamError(f"{where}: integer coding of a {e.dtype.name} tensor")

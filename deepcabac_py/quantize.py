@@ -6,8 +6,20 @@ is ``level * step``, computed in float64 (exact: the mantissa of the step has at
 |level| < 2**31) and rounded once, to nearest even, to the tensor's dtype, so the encoder and the
 decoder produce the same bits.
 
-This module is the seam the rate-distortion quantizers (RDOQ, trellis) plug into: they produce
-levels for a given step; everything downstream only sees levels and a step.
+Three quantizers produce the levels of a chunk (the unit the level coder codes):
+
+* ``nearest``: plain rounding, half away from zero (NNC's URQ).
+* ``rdoq``: rate-distortion optimised rounding; each weight takes the nearest level, the next one
+  towards zero or zero, whichever minimises importance * error**2 + lambda * bits, with the bits
+  taken from the level coder's live contexts.
+* ``trellis``: dependent quantization. Two interleaved grids at the fine step (even and odd
+  multiples) selected by a 4-state machine driven by the parity of each transmitted level, chosen by
+  a Viterbi search with the same cost. The stream marks such tensors ``Mode.DEPENDENT`` and the
+  decoder runs the state machine (:func:`dq_indices`). The effective step is about twice the fine
+  one, as in NNC (qp keeps NNC's meaning: the fine step).
+
+Lambda is in units of step**2 per bit (of the fine step for the trellis); ``lambda_scale``
+multiplies the default of each quantizer.
 """
 
 from __future__ import annotations
@@ -16,12 +28,21 @@ import math
 
 import numpy as np
 
+from . import _rd_kernels
 from ._jit import kernel
+from .errors import CorruptStreamError
 
 MAX_LEVEL = (1 << 31) - 1
 QP_MIN, QP_MAX = -(1 << 12), (1 << 12) - 1
 QP_DENSITY_MAX = 6
 _STEP_MIN = 2.0**-1022  # smallest normal float64
+
+QUANTIZERS = ("nearest", "rdoq", "trellis")
+# Default lambdas (units: step**2 per bit), set by the rate-distortion sweeps of
+# benchmarks/bench_rd.py. High-rate theory gives ln(2)/6 ~ 0.116 for a uniform quantizer; the
+# trellis works on a grid half as fine, hence about four times that, as in NNC.
+DEFAULT_LAMBDA = {"nearest": 0.0, "rdoq": 0.116, "trellis": 0.46}
+MAX_DQ_LEVEL = _rd_kernels.MAX_DQ_LEVEL
 
 
 def step_from_qp(qp: int, qp_density: int = 2) -> float:
@@ -138,3 +159,61 @@ def reconstruct(levels: np.ndarray, step: float, dtype) -> np.ndarray:
     else:
         out = (flat.astype(np.float64) * step).astype(dtype)
     return out.reshape(levels.shape)
+
+
+def _check_importance(importance, n: int) -> np.ndarray:
+    if importance is None:
+        return np.empty(0, dtype=np.float32)
+    imp = np.ascontiguousarray(importance, dtype=np.float32).reshape(-1)
+    if imp.shape[0] != n:
+        raise ValueError(f"importance has {imp.shape[0]} values for {n} weights")
+    return imp
+
+
+def quantize_rd(values: np.ndarray, step: float, *, method: str, lam: float, ncols: int = 0, col0: int = 0,
+                k_offset: int = 0, predict: bool = False, importance: np.ndarray | None = None) -> np.ndarray:
+    """Levels of the flat float ``values`` (one chunk of the level coder) by ``method``.
+
+    ``ncols``, ``col0``, ``k_offset`` and ``predict`` describe the chunk as the level coder will
+    code it (:class:`deepcabac_py.levelcoder.ChunkLayout`), so the rates are the coder's own.
+    ``importance`` (one non-negative float per value) weights the squared error. For ``trellis``
+    the result are transmitted levels: their values are :func:`dq_indices` times ``step``.
+    """
+    flat = np.ascontiguousarray(values).reshape(-1)
+    if flat.dtype not in (np.float32, np.float64):
+        flat = flat.astype(np.float64)
+    if method not in QUANTIZERS:
+        raise ValueError(f"quantizer must be one of {', '.join(QUANTIZERS)}, got {method!r}")
+    if not (lam >= 0.0 and math.isfinite(lam)):
+        raise ValueError(f"lambda must be finite and >= 0, got {lam}")
+    imp = _check_importance(importance, flat.shape[0])
+    out = np.empty(flat.shape[0], dtype=np.int32)
+    if method == "nearest":
+        _round_kernel(flat, float(step), out)
+    elif method == "rdoq":
+        _rd_kernels.rdoq_kernel(flat, imp, float(step), float(lam), int(ncols), int(col0), int(k_offset),
+                                bool(predict), MAX_LEVEL if not predict else MAX_DQ_LEVEL, out)
+    else:
+        _rd_kernels.trellis_kernel(flat, imp, float(step), float(lam), int(ncols), int(col0), int(k_offset),
+                                   bool(predict), out)
+    return out
+
+
+def dq_indices(levels: np.ndarray) -> np.ndarray:
+    """Reconstruction indices of a chunk of trellis-coded (transmitted) levels: value = index * step.
+
+    Raises :class:`CorruptStreamError` if a level is outside the trellis range (a damaged stream).
+    """
+    flat = np.ascontiguousarray(levels, dtype=np.int32).reshape(-1)
+    out = np.empty_like(flat)
+    if not _rd_kernels.dq_reconstruct_kernel(flat, out):
+        raise CorruptStreamError(f"a trellis level exceeds {MAX_DQ_LEVEL} in magnitude")
+    return out.reshape(np.shape(levels))
+
+
+def dq_reconstruct_f32_inplace(levels: np.ndarray, step: float) -> None:
+    """Overwrite a chunk of flat int32 transmitted trellis levels with their float32 values."""
+    if levels.dtype != np.int32 or levels.ndim != 1 or not levels.flags.c_contiguous:
+        raise ValueError("levels must be a flat contiguous int32 array")
+    if not _rd_kernels.dq_reconstruct_f32_kernel(levels, float(step)):
+        raise CorruptStreamError(f"a trellis level exceeds {MAX_DQ_LEVEL} in magnitude")

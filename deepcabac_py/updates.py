@@ -364,8 +364,10 @@ def is_update_stream(data) -> bool:
 
 
 def _check_preamble(data) -> tuple[int, int]:
-    return check_preamble(data, magic=MAGIC, version=FORMAT_VERSION, known_flags=_KNOWN_FLAGS,
-                          kind="update", noun="update", label="update ", max_header_size=MAX_HEADER_SIZE)
+    _, flags, header_size = check_preamble(data, magic=MAGIC, versions=(FORMAT_VERSION,),
+                                           known_flags=_KNOWN_FLAGS, kind="update", noun="update",
+                                           label="update ", max_header_size=MAX_HEADER_SIZE)
+    return flags, header_size
 
 
 def read_update_header(data, *, total_size: int | None = None) -> UpdateHeader:

@@ -526,6 +526,12 @@ def test_not_a_checkpoint(model_dir):
     (["-T", "-1"], ["--threads"]),
     (["--input-format", "onnx"], ["--input-format"]),
     (["--no-such-option"], ["no such option"]),
+    (["--quantizer", "fancy"], ["--quantizer"]),
+    (["--lambda-scale", "-1"], ["--lambda-scale"]),
+    (["--target-bpw", "0"], ["--target-bpw"]),
+    (["--target-size", "0"], ["--target-size"]),
+    (["--target-bpw", "3", "--target-size", "1000"], ["not both"]),
+    (["--target-bpw", "3", "--qp", "-30"], ["--qp"]),
 ])
 def test_bad_encode_options(model_dir, args, words):
     assert_usage_error(run(["encode", model_dir / "model.safetensors", *args]), words)
@@ -697,7 +703,8 @@ def test_qp_tensor_and_exact_options(model_dir):
         "--qp-tensor", "classifier.weight=-20", "--qp-tensor", "features.1.*.weight=-24"])
     h = _header_of(out)
     assert read_stream_header(out.read_bytes()).qp == -30
-    assert h["classifier.weight"].mode == Mode.UNIFORM and h["classifier.weight"].qp == -20
+    # the default quantizer is the trellis
+    assert h["classifier.weight"].mode == Mode.DEPENDENT and h["classifier.weight"].qp == -20
     assert h["features.1.0.weight"].qp == -24
     assert h["features.1.1.weight"].qp == -24  # the glob also matches the 1-D BatchNorm weight
     assert h["features.0.0.weight"].qp == -30
@@ -836,3 +843,35 @@ def test_subprocess_round_trip_and_errors(model_dir):
     assert len(lines) == 2 and "Traceback" not in err
     assert "cut.dcb" in lines[0] and "truncated" in lines[0] and "missing.dcb" in lines[1]
     no_temp_files(model_dir)
+
+
+def test_quantizer_and_lambda_options(model_dir):
+    src = model_dir / "model.safetensors"
+    sizes = {}
+    for name, args in {"nearest": ["--quantizer", "nearest"], "rdoq": ["--quantizer", "rdoq"],
+                       "trellis": [], "coarse": ["--lambda-scale", "8"]}.items():
+        out = model_dir / f"{name}.dcb"
+        ok(["encode", src, "-o", out, "-q", *args])
+        modes = {e.mode for e in _header_of(out).values() if e.mode.is_quantized}
+        assert modes == {Mode.UNIFORM if name in ("nearest", "rdoq") else Mode.DEPENDENT}, name
+        sizes[name] = out.stat().st_size
+        decoded = ok(["decode", out, "-o", model_dir / f"{name}.safetensors", "-q"])
+        assert decoded.exit_code == 0
+    assert sizes["coarse"] < sizes["trellis"]
+
+
+@pytest.mark.parametrize("option, value", [("--target-size", 8000), ("--target-bpw", 3.0)])
+def test_rate_control_options(model_dir, option, value):
+    src = model_dir / "model.safetensors"
+    out = model_dir / "rc.dcb"
+    ok(["encode", src, "-o", out, "-q", option, str(value)])
+    params = sum(int(np.prod(t.shape)) for t in load_checkpoint(src).tensors.values())
+    budget = value if option == "--target-size" else value * params / 8
+    assert 0.9 * budget <= out.stat().st_size <= budget
+
+
+def test_rate_control_that_cannot_be_met_is_an_error(model_dir):
+    out = model_dir / "rc.dcb"
+    assert_error(run(["encode", model_dir / "model.safetensors", "-o", out, "--target-size", "100"]),
+                 ["budget"])
+    assert not out.exists()

@@ -37,6 +37,10 @@ def _floats(seed: int, shape, scale_log2: int) -> np.ndarray:
     return np.ldexp(x.astype(np.float64), scale_log2 - 10)
 
 
+def _importance(seed: int, shape) -> np.ndarray:
+    return _ints(seed, shape, 1, 17).astype(np.float32)
+
+
 def golden_cases() -> dict[str, tuple[object, dict]]:
     """name -> (input object, encode_model settings)."""
     weight = _floats(1, (16, 12), -3).astype(np.float32)
@@ -64,9 +68,14 @@ def golden_cases() -> dict[str, tuple[object, dict]]:
         "betas": (0.9, 0.999),
     }
     return {
-        "state_dict": (state_dict, {"qp": -36}),
-        "mixed_dtypes": (mixed, {"qp": -30, "qp_overrides": {"proj": -44}}),
-        "nested": (nested, {"qp": -32, "qp_density": 3, "keep_exact": ["model.b"]}),
+        # format version 1 (plain rounding)
+        "state_dict": (state_dict, {"qp": -36, "quantizer": "nearest"}),
+        "mixed_dtypes": (mixed, {"qp": -30, "qp_overrides": {"proj": -44}, "quantizer": "nearest"}),
+        "nested": (nested, {"qp": -32, "qp_density": 3, "keep_exact": ["model.b"], "quantizer": "nearest"}),
+        # format version 2: trellis tensors (the default), and RDOQ with importance
+        "trellis": (mixed, {"qp": -28, "qp_overrides": {"proj": -40}}),
+        "rdoq": (state_dict, {"qp": -34, "quantizer": "rdoq", "lambda_scale": 2.0,
+                              "importance": {"layer.weight": _importance(11, (16, 12))}}),
     }
 
 

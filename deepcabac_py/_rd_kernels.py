@@ -1,0 +1,516 @@
+"""Numba kernels of the rate-distortion quantizers: RDOQ and the 4-state trellis (dependent
+quantization).
+
+Private: call them through :mod:`deepcabac_py.quantize`. Both quantizers run the level coder's own
+modelling (``_cabac_kernels``: the context estimators, the row and column scales, column
+prediction) alongside their decisions, so the rate of a candidate level is what the coder would
+spend on it there:
+
+* RDOQ decides weight by weight with the live contexts, exactly: the modelling state after each
+  decision is the state the encoder will reach.
+* The trellis needs the rate of a level on each of its four survivor paths. NNCodec copies a whole
+  context set per state per weight; here the paths share one snapshot of the context estimators,
+  taken at the start of a block of rows and turned into per-bucket bit tables, while each path keeps
+  its own row scale (which picks the bucket and the Rice parameter, and moves fastest). At the end
+  of a block the best path is traced back, its levels are committed and the modelling state is
+  advanced over them, so the next block starts from the exact live state. The snapshot is at most a
+  block old, and the estimators move slowly: the rates are near-exact (measured in
+  ``benchmarks/bench_rd.py``).
+
+Distortion is ``importance * (x - r)**2`` with ``x`` the value in units of the (fine) step and ``r``
+the reconstruction index; the cost is distortion + ``lam`` * bits.
+"""
+
+import numpy as np
+
+from ._cabac_kernels import (
+    COL_SHIFT,
+    CTX_PER_BUCKET,
+    N_BUCKETS,
+    N_CTX,
+    N_UNARY_CTX,
+    PRED_SHIFT,
+    PREDICT_MAX_LEVEL,
+    PROB_BITS,
+    PROB_ONE,
+    Q_MAX,
+    ROW_SHIFT,
+    SCALE_FRAC,
+    SEL_NUM,
+    SEL_SHIFT,
+    _adapt,
+    _bitlen,
+    _bucket_and_k,
+    _prob,
+)
+from ._jit import kernel, scalar_helper
+
+# -log2(p / PROB_ONE) for every 15-bit probability: the cost in bits of a bin whose coded value had
+# probability p.
+BIT_COST = np.concatenate(([0.0], -np.log2(np.arange(1, PROB_ONE + 1, dtype=np.float64) / PROB_ONE)))
+
+# The 4-state machine of dependent quantization (as in VVC): the parity of each transmitted level
+# moves the state; states 0 and 1 use the even grid Q0 = {2k}, states 2 and 3 the odd grid
+# Q1 = {0, +-1, +-3, ...} (a level k != 0 is 2k - sgn(k)).
+N_STATES = 4
+NEXT_STATE = np.array([[0, 2], [2, 0], [1, 3], [3, 1]], dtype=np.int64)
+MAX_DQ_LEVEL = PREDICT_MAX_LEVEL  # |k| <= 2**30 - 1, so |2k| fits in int32
+
+# A trellis block is a run of whole rows at least this long (or this many elements without the
+# column model): long enough that the decision forced at its end costs nothing measurable, short
+# enough that the context snapshot stays fresh.
+BLOCK_MIN = 256
+
+
+@scalar_helper
+def _zigzag(x):
+    return 2 * x - 1 if x > 0 else -2 * x
+
+
+@scalar_helper
+def dq_value(k, state):
+    """Reconstruction index of transmitted level ``k`` in ``state``."""
+    if state < 2 or k == 0:
+        return 2 * k
+    return 2 * k - 1 if k > 0 else 2 * k + 1
+
+
+@kernel
+def dq_reconstruct_kernel(levels, out):
+    """Map transmitted levels to reconstruction indices through the state machine (state 0 at the
+    start). ``out`` may alias ``levels``. Returns False if a level is too large for the grid."""
+    state = 0
+    for i in range(levels.shape[0]):
+        k = np.int64(levels[i])
+        if k > MAX_DQ_LEVEL or k < -MAX_DQ_LEVEL:
+            return False
+        out[i] = dq_value(k, state)
+        state = NEXT_STATE[state, k & 1]
+    return True
+
+
+@kernel
+def dq_reconstruct_f32_kernel(levels, step):
+    """In place: transmitted int32 levels to float32 values ``index * step`` (same buffer)."""
+    values = levels.view(np.float32)
+    state = 0
+    for i in range(levels.shape[0]):
+        k = np.int64(levels[i])
+        if k > MAX_DQ_LEVEL or k < -MAX_DQ_LEVEL:
+            return False
+        values[i] = np.float32(np.float64(dq_value(k, state)) * step)
+        state = NEXT_STATE[state, k & 1]
+    return True
+
+
+# --------------------------------------------------------------------------------------------------
+# the coder's modelling, without the arithmetic coding
+# --------------------------------------------------------------------------------------------------
+
+
+@scalar_helper
+def _escape_bits(q):
+    # Exp-Golomb order 0 of q - Q_MAX + 1 in bypass bins
+    return 2 * _bitlen(q - Q_MAX + 1) - 1
+
+
+@kernel
+def _live_bits(state, base, u, k):
+    """Bits the coder spends on ``u`` in bucket ``base`` with Rice parameter ``k``, from the live
+    estimators."""
+    q = u >> k
+    bits = 0.0
+    steps = q if q < Q_MAX else Q_MAX
+    for j in range(steps + 1):
+        if j == Q_MAX:
+            break
+        c = base + (j if j < N_UNARY_CTX - 1 else N_UNARY_CTX - 1)
+        p = _prob(state[c, 0])
+        bits += BIT_COST[p] if j < q else BIT_COST[PROB_ONE - p]
+    if q >= Q_MAX:
+        bits += _escape_bits(q)
+    if k >= 2:
+        c = base + N_UNARY_CTX + (1 if q > 0 else 0)
+        p = _prob(state[c, 0])
+        bits += BIT_COST[p] if (u >> (k - 1)) & 1 else BIT_COST[PROB_ONE - p]
+        bits += k - 1
+    else:
+        bits += k
+    return bits
+
+
+@kernel
+def _adapt_element(state, base, u, k):
+    """Move the estimators exactly as coding ``u`` would."""
+    q = u >> k
+    steps = q if q < Q_MAX else Q_MAX
+    for j in range(steps + 1):
+        if j == Q_MAX:
+            break
+        bit = 1 if j < q else 0
+        c = base + (j if j < N_UNARY_CTX - 1 else N_UNARY_CTX - 1)
+        state[c, 0], state[c, 1] = _adapt(state[c, 0], state[c, 1], bit)
+    if k >= 2:
+        c = base + N_UNARY_CTX + (1 if q > 0 else 0)
+        state[c, 0], state[c, 1] = _adapt(state[c, 0], state[c, 1], (u >> (k - 1)) & 1)
+
+
+@kernel
+def _fresh_state():
+    state = np.empty((N_CTX, 2), dtype=np.int64)
+    for c in range(N_CTX):
+        state[c, 0] = 1 << 15
+        state[c, 1] = 0
+    return state
+
+
+# --------------------------------------------------------------------------------------------------
+# RDOQ
+# --------------------------------------------------------------------------------------------------
+
+
+@kernel
+def rdoq_kernel(values, importance, step, lam, ncols, col0, k_offset, predict, max_level, out):
+    """Levels of ``values`` at ``step`` minimising importance * (x - level)**2 + lam * bits, one
+    weight at a time among the nearest level, the next one towards zero, and zero.
+
+    ``importance`` is empty (all ones) or one float per value; |level| <= ``max_level``. ``out``
+    receives int32 levels.
+    """
+    n = values.shape[0]
+    weighted = importance.shape[0] == n
+    state = _fresh_state()
+    use_cols = ncols > 0
+    col_scale = np.zeros(max(ncols, 1), dtype=np.int64)
+    col = col0
+    pred_on = use_cols and predict
+    col_pred = np.zeros(max(ncols, 1) if pred_on else 1, dtype=np.int64)
+    cost_plain = 0
+    cost_pred = 0
+    use_pred = False
+    row_scale = 0
+    inv_step = 1.0 / step
+    total = 0.0
+
+    for i in range(n):
+        w = np.float64(values[i]) * inv_step
+        a = abs(w)
+        sign = -1 if w < 0 else 1
+        imp = np.float64(importance[i]) if weighted else 1.0
+        nearest = np.int64(a + 0.5)
+        if nearest > max_level:
+            nearest = max_level
+        pred = 0
+        if pred_on:
+            pred = (col_pred[col] + 128) >> 8
+        if use_cols and i >= ncols:
+            s = (row_scale + col_scale[col]) >> 1
+        else:
+            s = row_scale
+        bucket, k = _bucket_and_k(s, k_offset)
+        base = bucket * CTX_PER_BUCKET
+
+        best_v = 0
+        best_cost = 1e300
+        # nearest, one towards zero, zero (the last two may coincide)
+        for m in range(3):
+            if m == 0:
+                mag = nearest
+            elif m == 1:
+                mag = nearest - 1
+                if mag <= 0:
+                    continue
+            else:
+                mag = 0
+            v = sign * mag
+            d = a - mag
+            x = v - pred if use_pred else v
+            cost = imp * d * d + lam * _live_bits(state, base, _zigzag(x), k)
+            if cost < best_cost:
+                best_cost = cost
+                best_v = v
+        v = best_v
+        out[i] = v
+        total += best_cost
+
+        x = v - pred if use_pred else v
+        u = _zigzag(x)
+        _adapt_element(state, base, u, k)
+        row_scale += ((u << SCALE_FRAC) - row_scale) >> ROW_SHIFT
+        if use_cols:
+            col_scale[col] += ((u << SCALE_FRAC) - col_scale[col]) >> COL_SHIFT
+            if pred_on:
+                up = _zigzag(v - pred)
+                uv = _zigzag(v)
+                cost_plain += ((uv << SCALE_FRAC) - cost_plain) >> SEL_SHIFT
+                cost_pred += ((up << SCALE_FRAC) - cost_pred) >> SEL_SHIFT
+                col_pred[col] += ((v << 8) - col_pred[col]) >> PRED_SHIFT
+            col += 1
+            if col == ncols and pred_on:
+                use_pred = cost_pred * 16 < cost_plain * SEL_NUM
+            if col == ncols:
+                col = 0
+
+    # Greedy decisions move the adaptive contexts for the weights after them, so in rare cases the
+    # whole chunk costs more than plain rounding would: then rounding it is.
+    rounded = np.empty(n, dtype=np.int32)
+    for i in range(n):
+        level = np.int64(abs(np.float64(values[i]) * inv_step) + 0.5)
+        if level > max_level:
+            level = max_level
+        rounded[i] = -level if values[i] < 0 else level
+    if sequence_cost(rounded, values, importance, step, lam, ncols, col0, k_offset, predict) < total:
+        out[:] = rounded
+
+
+@kernel
+def sequence_cost(levels, values, importance, step, lam, ncols, col0, k_offset, predict):
+    """importance * (x - level)**2 + lam * bits summed over a chunk of plain levels, with the bits of
+    the live contexts (the coder's code length, without its final flush)."""
+    n = levels.shape[0]
+    weighted = importance.shape[0] == n
+    state = _fresh_state()
+    use_cols = ncols > 0
+    col_scale = np.zeros(max(ncols, 1), dtype=np.int64)
+    col = col0
+    pred_on = use_cols and predict
+    col_pred = np.zeros(max(ncols, 1) if pred_on else 1, dtype=np.int64)
+    cost_plain = 0
+    cost_pred = 0
+    use_pred = False
+    row_scale = 0
+    inv_step = 1.0 / step
+    total = 0.0
+    for i in range(n):
+        v = np.int64(levels[i])
+        d = np.float64(values[i]) * inv_step - v
+        imp = np.float64(importance[i]) if weighted else 1.0
+        pred = 0
+        if pred_on:
+            pred = (col_pred[col] + 128) >> 8
+        if use_cols and i >= ncols:
+            s = (row_scale + col_scale[col]) >> 1
+        else:
+            s = row_scale
+        bucket, k = _bucket_and_k(s, k_offset)
+        base = bucket * CTX_PER_BUCKET
+        x = v - pred if use_pred else v
+        u = _zigzag(x)
+        total += imp * d * d + lam * _live_bits(state, base, u, k)
+        _adapt_element(state, base, u, k)
+        row_scale += ((u << SCALE_FRAC) - row_scale) >> ROW_SHIFT
+        if use_cols:
+            col_scale[col] += ((u << SCALE_FRAC) - col_scale[col]) >> COL_SHIFT
+            if pred_on:
+                up = _zigzag(v - pred)
+                uv = _zigzag(v)
+                cost_plain += ((uv << SCALE_FRAC) - cost_plain) >> SEL_SHIFT
+                cost_pred += ((up << SCALE_FRAC) - cost_pred) >> SEL_SHIFT
+                col_pred[col] += ((v << 8) - col_pred[col]) >> PRED_SHIFT
+            col += 1
+            if col == ncols and pred_on:
+                use_pred = cost_pred * 16 < cost_plain * SEL_NUM
+            if col == ncols:
+                col = 0
+    return total
+
+
+# --------------------------------------------------------------------------------------------------
+# trellis (dependent quantization)
+# --------------------------------------------------------------------------------------------------
+
+
+@kernel
+def _fill_bucket_table(state, bucket, unary, suffix):
+    # unary[bucket, q]: bits of the unary part for q < Q_MAX (ones then the closing zero), and of
+    # Q_MAX ones for q = Q_MAX (the escape is added separately). suffix[bucket, j, bit]: the
+    # context-coded suffix bin after q == 0 (j = 0) or q > 0 (j = 1).
+    base = bucket * CTX_PER_BUCKET
+    ones = 0.0
+    for q in range(Q_MAX + 1):
+        if q == Q_MAX:
+            unary[bucket, q] = ones
+            break
+        c = base + (q if q < N_UNARY_CTX - 1 else N_UNARY_CTX - 1)
+        p = _prob(state[c, 0])
+        unary[bucket, q] = ones + BIT_COST[PROB_ONE - p]
+        ones += BIT_COST[p]
+    for j in range(2):
+        p = _prob(state[base + N_UNARY_CTX + j, 0])
+        suffix[bucket, j, 0] = BIT_COST[PROB_ONE - p]
+        suffix[bucket, j, 1] = BIT_COST[p]
+
+
+@scalar_helper
+def _table_bits(unary, suffix, bucket, u, k):
+    q = u >> k
+    if q >= Q_MAX:
+        bits = unary[bucket, Q_MAX] + _escape_bits(q)
+    else:
+        bits = unary[bucket, q]
+    if k >= 2:
+        bits += suffix[bucket, 1 if q > 0 else 0, (u >> (k - 1)) & 1] + (k - 1)
+    else:
+        bits += k
+    return bits
+
+
+@kernel
+def trellis_kernel(values, importance, step, lam, ncols, col0, k_offset, predict, out):
+    """Transmitted levels of ``values`` for dependent quantization with fine step ``step``
+    (reconstruction ``dq_value(level, state) * step``), by a Viterbi search over the 4-state machine
+    minimising importance * (x - r)**2 + lam * bits. ``out`` receives int32 levels."""
+    n = values.shape[0]
+    weighted = importance.shape[0] == n
+    state = _fresh_state()
+    use_cols = ncols > 0
+    col_scale = np.zeros(max(ncols, 1), dtype=np.int64)
+    pred_on = use_cols and predict
+    col_pred = np.zeros(max(ncols, 1) if pred_on else 1, dtype=np.int64)
+    cost_plain = 0
+    cost_pred = 0
+    use_pred = False
+    row_scale = 0
+    inv_step = 1.0 / step
+
+    if use_cols:
+        rows_per_block = max(1, -(-BLOCK_MIN // ncols))
+        # the first block ends at the end of a row
+        block = ncols * rows_per_block
+    else:
+        block = BLOCK_MIN * 4
+    first_len = block - col0 if use_cols else block
+    max_len = max(block, first_len)
+
+    unary = np.zeros((N_BUCKETS, Q_MAX + 1), dtype=np.float64)
+    suffix = np.zeros((N_BUCKETS, 2, 2), dtype=np.float64)
+    stamp = np.full(N_BUCKETS, -1, dtype=np.int64)
+    back_state = np.zeros((max_len, N_STATES), dtype=np.int8)
+    back_level = np.zeros((max_len, N_STATES), dtype=np.int32)
+    cost = np.zeros(N_STATES, dtype=np.float64)
+    new_cost = np.zeros(N_STATES, dtype=np.float64)
+    rs = np.zeros(N_STATES, dtype=np.int64)
+    new_rs = np.zeros(N_STATES, dtype=np.int64)
+    alive = np.zeros(N_STATES, dtype=np.bool_)
+    new_alive = np.zeros(N_STATES, dtype=np.bool_)
+    path = np.zeros(max_len, dtype=np.int64)
+
+    dq_state = 0
+    col_start = col0
+    start = 0
+    block_id = 0
+    while start < n:
+        length = first_len if start == 0 else block
+        if start + length > n:
+            length = n - start
+        for s in range(N_STATES):
+            alive[s] = s == dq_state
+            cost[s] = 0.0
+            rs[s] = row_scale
+
+        col = col_start
+        for t in range(length):
+            i = start + t
+            w = np.float64(values[i]) * inv_step
+            a = abs(w)
+            sign = -1 if w < 0 else 1
+            imp = np.float64(importance[i]) if weighted else 1.0
+            pred = 0
+            if pred_on:
+                pred = (col_pred[col] + 128) >> 8
+            cs = 0
+            two = use_cols and i >= ncols
+            if two:
+                cs = col_scale[col]
+            # candidate magnitudes on each grid: the two around a, and zero
+            k0 = np.int64(a * 0.5)  # Q0: r = 2k <= a
+            k1 = np.int64((a + 1.0) * 0.5)  # Q1: r = 2k - 1 <= a (k1 = 0: r = 0)
+            if k0 > MAX_DQ_LEVEL - 1:
+                k0 = MAX_DQ_LEVEL - 1
+            if k1 > MAX_DQ_LEVEL - 1:
+                k1 = MAX_DQ_LEVEL - 1
+            for s in range(N_STATES):
+                new_alive[s] = False
+                new_cost[s] = 1e300
+            for s in range(N_STATES):
+                if not alive[s]:
+                    continue
+                sc = (rs[s] + cs) >> 1 if two else rs[s]
+                bucket, kr = _bucket_and_k(sc, k_offset)
+                if stamp[bucket] != block_id:
+                    _fill_bucket_table(state, bucket, unary, suffix)
+                    stamp[bucket] = block_id
+                odd = s >= 2
+                kb = k1 if odd else k0
+                for m in range(3):
+                    if m == 2:
+                        mag = np.int64(0)
+                        if kb == 0:
+                            continue  # already evaluated as the first candidate
+                    else:
+                        mag = kb + m
+                    r = (2 * mag - 1 if odd else 2 * mag) if mag > 0 else np.int64(0)
+                    d = a - r
+                    v = sign * mag
+                    x = v - pred if use_pred else v
+                    u = _zigzag(x)
+                    c = cost[s] + imp * d * d + lam * _table_bits(unary, suffix, bucket, u, kr)
+                    ns = NEXT_STATE[s, mag & 1]
+                    if c < new_cost[ns]:
+                        new_cost[ns] = c
+                        new_alive[ns] = True
+                        new_rs[ns] = rs[s] + (((u << SCALE_FRAC) - rs[s]) >> ROW_SHIFT)
+                        back_state[t, ns] = s
+                        back_level[t, ns] = v
+            for s in range(N_STATES):
+                alive[s] = new_alive[s]
+                cost[s] = new_cost[s]
+                rs[s] = new_rs[s]
+            if use_cols:
+                col += 1
+                if col == ncols:
+                    col = 0
+
+        # trace back the best path of the block and commit it
+        best = -1
+        for s in range(N_STATES):
+            if alive[s] and (best < 0 or cost[s] < cost[best]):
+                best = s
+        dq_state = best
+        s = best
+        for t in range(length - 1, -1, -1):
+            path[t] = back_level[t, s]
+            s = back_state[t, s]
+        col = col_start
+        for t in range(length):
+            i = start + t
+            v = path[t]
+            out[i] = v
+            pred = 0
+            if pred_on:
+                pred = (col_pred[col] + 128) >> 8
+            if use_cols and i >= ncols:
+                sc = (row_scale + col_scale[col]) >> 1
+            else:
+                sc = row_scale
+            bucket, kr = _bucket_and_k(sc, k_offset)
+            x = v - pred if use_pred else v
+            u = _zigzag(x)
+            _adapt_element(state, bucket * CTX_PER_BUCKET, u, kr)
+            row_scale += ((u << SCALE_FRAC) - row_scale) >> ROW_SHIFT
+            if use_cols:
+                col_scale[col] += ((u << SCALE_FRAC) - col_scale[col]) >> COL_SHIFT
+                if pred_on:
+                    up = _zigzag(v - pred)
+                    uv = _zigzag(v)
+                    cost_plain += ((uv << SCALE_FRAC) - cost_plain) >> SEL_SHIFT
+                    cost_pred += ((up << SCALE_FRAC) - cost_pred) >> SEL_SHIFT
+                    col_pred[col] += ((v << 8) - col_pred[col]) >> PRED_SHIFT
+                col += 1
+                if col == ncols and pred_on:
+                    use_pred = cost_pred * 16 < cost_plain * SEL_NUM
+                if col == ncols:
+                    col = 0
+        col_start = col
+        start += length
+        block_id += 1

@@ -1,0 +1,287 @@
+"""Rate-distortion quantizers (RDOQ, trellis), importance, bit allocation and rate control."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import deepcabac_py as dc
+import reference_rd
+from deepcabac_py import levelcoder, quantize, rd
+from deepcabac_py.container import Mode
+from deepcabac_py.errors import CorruptStreamError
+
+
+def _weights(seed: int, shape, scale: float = 0.05, sparse: float = 0.0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    w = (rng.laplace(size=shape) * scale).astype(np.float32)
+    if sparse:
+        w[rng.random(shape) < sparse] = 0.0
+    return w
+
+
+def _layout_args(shape, max_level=1000):
+    layout = levelcoder.layout_for_shape(shape, max_abs_level=max_level)
+    return dict(ncols=layout.ncols, col0=0, k_offset=layout.k_offset, predict=layout.predict)
+
+
+# --- kernels against the plain-Python reference --------------------------------------------------
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**31), rows=st.integers(1, 12), cols=st.integers(1, 70),
+       lam_scale=st.sampled_from([0.0, 0.5, 1.0, 4.0]), weighted=st.booleans(), predict=st.booleans(),
+       scale=st.sampled_from([0.002, 0.05, 3.0]))
+def test_kernels_match_reference(seed, rows, cols, lam_scale, weighted, predict, scale):
+    values = _weights(seed, (rows * cols,), scale, sparse=0.3)
+    rng = np.random.default_rng(seed + 1)
+    imp = rng.gamma(0.5, 2.0, values.shape).astype(np.float32) if weighted else np.empty(0, np.float32)
+    step = 2.0**-7
+    ncols = cols if rows > 1 else 0
+    for method in ("rdoq", "trellis"):
+        lam = quantize.DEFAULT_LAMBDA[method] * lam_scale
+        got = quantize.quantize_rd(values, step, method=method, lam=lam, ncols=ncols, col0=0, k_offset=0,
+                                   predict=predict and ncols > 0, importance=imp if weighted else None)
+        if method == "rdoq":
+            want = reference_rd.rdoq(values, imp, step, lam, ncols, 0, 0, predict and ncols > 0,
+                                     quantize.MAX_DQ_LEVEL if predict and ncols > 0 else reference_rd.LEVEL_MAX)
+        else:
+            want = reference_rd.trellis(values, imp, step, lam, ncols, 0, 0, predict and ncols > 0)
+        assert got.tolist() == want, method
+
+
+def test_trellis_reference_spans_several_blocks():
+    # rows of 40: blocks of 7 rows (>= 256 elements), so the commit-and-snapshot path is exercised
+    values = _weights(3, (20 * 40,), 0.05)
+    got = quantize.quantize_rd(values, 2.0**-6, method="trellis", lam=0.46, ncols=40, predict=True)
+    want = reference_rd.trellis(values, np.empty(0), 2.0**-6, 0.46, 40, 0, 0, True)
+    assert got.tolist() == want
+
+
+def test_dq_indices_follow_the_state_machine():
+    levels = np.array([0, 1, -1, 2, 3, 0, -4, 5, 1, 1, 0, -2], dtype=np.int32)
+    assert quantize.dq_indices(levels).tolist() == reference_rd.dq_indices(levels.tolist())
+    # state 0 uses the even grid, the first odd level moves to an odd-grid state
+    assert quantize.dq_indices(np.array([1, 1], dtype=np.int32)).tolist() == [2, 1]
+
+
+def test_dq_indices_refuse_levels_beyond_the_grid():
+    with pytest.raises(CorruptStreamError, match="trellis level"):
+        quantize.dq_indices(np.array([0, 1 << 30], dtype=np.int32))
+
+
+# --- properties of the quantizers ------------------------------------------------------------
+
+
+def _chunk_bits(levels: np.ndarray, layout_kw) -> int:
+    layout = levelcoder.ChunkLayout(numel=levels.size, ncols=layout_kw["ncols"], chunk_elements=max(1, levels.size),
+                                    k_offset=layout_kw["k_offset"], predict=layout_kw["predict"])
+    return 8 * len(levelcoder.encode_chunk(levels, layout, 0))
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**31), lam_scale=st.sampled_from([0.5, 1.0, 2.0, 4.0]),
+       scale=st.sampled_from([0.01, 0.05, 0.3]))
+def test_rdoq_never_costs_more_than_rounding(seed, lam_scale, scale):
+    shape = (24, 48)
+    values = _weights(seed, shape, scale).reshape(-1)
+    step = 2.0**-6
+    kw = _layout_args(shape)
+    lam = quantize.DEFAULT_LAMBDA["rdoq"] * lam_scale
+    nearest = quantize.quantize_nearest(values, step)
+    chosen = quantize.quantize_rd(values, step, method="rdoq", lam=lam, **kw)
+
+    def cost(levels):
+        err = values / step - levels
+        return float(np.sum(err.astype(np.float64) ** 2)) + lam * _chunk_bits(levels, kw)
+
+    # The real coded size is the rate. RDOQ guarantees its cost with the coder's ideal code length;
+    # the range coder adds at most a few bytes to either (terminate bin, flush).
+    assert cost(chosen) <= cost(nearest) + lam * 32
+    exact = quantize._rd_kernels.sequence_cost
+    args = (values, np.empty(0, np.float32), step, lam, kw["ncols"], 0, kw["k_offset"], kw["predict"])
+    assert exact(chosen, *args) <= exact(nearest, *args)
+
+
+def test_trellis_beats_rounding_at_equal_error():
+    # at the same squared error, the trellis needs fewer bits than plain rounding
+    shape = (64, 256)
+    values = _weights(5, shape, 0.05).reshape(-1)
+    kw = _layout_args(shape)
+    points = []
+    for method, qps in (("nearest", range(-36, -19, 2)), ("trellis", range(-32, -15, 2))):
+        curve = []
+        for qp in qps:
+            step = quantize.step_from_qp(qp)
+            if method == "nearest":
+                levels = quantize.quantize_nearest(values, step)
+                recon = levels
+            else:
+                levels = quantize.quantize_rd(values, step, method="trellis", lam=0.46, **kw)
+                recon = quantize.dq_indices(levels)
+            sse = float(np.sum((values - recon * step).astype(np.float64) ** 2))
+            curve.append((np.log(sse), np.log(_chunk_bits(levels, kw))))
+        points.append(sorted(curve))
+    (x0, y0), (x1, y1) = (np.array(c).T for c in points)
+    grid = np.linspace(max(x0[0], x1[0]), min(x0[-1], x1[-1]), 5)
+    saving = np.exp(np.interp(grid, x1, y1) - np.interp(grid, x0, y0))
+    assert np.all(saving < 0.985), saving
+
+
+def test_importance_moves_the_error_to_unimportant_weights():
+    shape = (32, 128)
+    w = _weights(7, shape, 0.05)
+    imp = np.ones(shape, dtype=np.float32)
+    imp[:16] = 50.0  # the first half of the rows matters far more
+    for method, gain in (("rdoq", 0.99), ("trellis", 0.9)):
+        kw = dict(qp=-28, quantizer=method, lambda_scale=4.0)
+        plain = dc.quantize_model({"w": w}, **kw)["w"].dequantize()
+        # the same step for both (no allocation), so only the weighting differs
+        weighted = dc.quantize_model({"w": w}, importance={"w": imp}, qp_overrides={"w": -28},
+                                     **kw)["w"].dequantize()
+        err_plain = (plain - w) ** 2
+        err_weighted = (weighted - w) ** 2
+        # (RDOQ cannot go below the rounding error, so the important half gains less there)
+        assert err_weighted[:16].mean() < gain * err_plain[:16].mean(), method
+        assert err_weighted[16:].mean() > 1.1 * err_plain[16:].mean(), method
+
+
+# --- the codec with the RD quantizers -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("quantizer", ["nearest", "rdoq", "trellis"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_decoder_reconstructs_what_the_quantizer_chose(quantizer, dtype):
+    model = {"w": torch.from_numpy(_weights(11, (40, 33), 0.1)).to(dtype),
+             "b": torch.from_numpy(_weights(12, (33,), 0.01)).to(dtype)}
+    data = dc.encode_model(model, qp=-30, quantizer=quantizer)
+    decoded = dc.decode_model(data, threads=2)
+    quantized = dc.quantize_model(model, qp=-30, quantizer=quantizer)
+    levels = dc.decode_levels(data)
+    for name in model:
+        assert decoded[name].dtype == dtype
+        expected = quantized[name].dequantize()
+        expected = expected if isinstance(expected, torch.Tensor) else torch.from_numpy(expected)
+        assert torch.equal(decoded[name], expected), name
+        np.testing.assert_array_equal(levels[name].levels, quantized[name].levels)
+    header = dc.read_stream_header(data)
+    mode = Mode.DEPENDENT if quantizer == "trellis" else Mode.UNIFORM
+    assert {e.mode for e in header.tensors} == {mode}
+    assert header.version == (2 if quantizer == "trellis" else 1)
+
+
+def test_trellis_over_several_chunks_and_threads():
+    shape = (1100, 1000)  # two substreams, each with its own trellis
+    assert levelcoder.layout_for_shape(shape).count == 2
+    w = _weights(13, shape, 0.05)
+    one = dc.encode_model({"w": w}, qp=-28, threads=1)
+    assert dc.encode_model({"w": w}, qp=-28, threads=2) == one
+    expected = dc.quantize_model({"w": w}, qp=-28)["w"].dequantize()
+    np.testing.assert_array_equal(dc.decode_model(one)["w"], expected)
+
+
+def test_default_is_the_trellis_and_rd_settings_are_validated():
+    w = {"w": _weights(14, (16, 16))}
+    assert dc.encode_model(w) == dc.encode_model(w, quantizer="trellis")
+    with pytest.raises(ValueError, match="quantizer"):
+        dc.encode_model(w, quantizer="fancy")
+    with pytest.raises(ValueError, match="lambda_scale"):
+        dc.encode_model(w, lambda_scale=-1.0)
+    with pytest.raises(ValueError, match="importance"):
+        dc.encode_model(w, importance={"w": np.ones((3, 3))})
+    with pytest.raises(ValueError, match="does not have"):
+        dc.encode_model(w, importance={"v": np.ones((16, 16))})
+    with pytest.raises(ValueError, match="non-negative"):
+        dc.encode_model(w, importance={"w": -np.ones((16, 16))})
+
+
+def test_larger_lambda_gives_fewer_bytes():
+    w = {"w": _weights(15, (64, 64))}
+    sizes = [len(dc.encode_model(w, qp=-30, lambda_scale=s)) for s in (0.0, 1.0, 8.0)]
+    assert sizes[0] >= sizes[1] > sizes[2]
+
+
+# --- bit allocation, importance, rate control -------------------------------------------------------
+
+
+def test_allocation_gives_four_times_the_importance_half_the_step():
+    imp = {"a": np.full((8, 8), 1.0), "b": np.full((8, 8), 4.0), "c": np.full((8, 8), 0.25)}
+    shapes = {k: v.shape for k, v in imp.items()}
+    qps = rd.allocate_qps(imp, shapes, -30)
+    # reference: geometric mean of the means (1): a keeps qp, b one octave finer, c one coarser
+    assert qps == {"a": -30, "b": -34, "c": -26}
+    steps = {k: quantize.step_from_qp(q) for k, q in qps.items()}
+    assert steps["b"] == steps["a"] / 2 and steps["c"] == steps["a"] * 2
+
+
+def test_allocation_is_bounded():
+    imp = {"a": np.full((4, 4), 1.0), "huge": np.full((4, 4), 1e12), "bias": np.full((4,), 1e-12)}
+    qps = rd.allocate_qps(imp, {k: v.shape for k, v in imp.items()}, -30, qp_1d=-40)
+    assert qps["huge"] >= -30 - 4 * rd.MAX_OCTAVES
+    assert qps["bias"] <= -30 + 4 * rd.MAX_OCTAVES
+
+
+def test_diagonal_fisher_is_the_mean_squared_gradient():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 3))
+    batches = [torch.randn(6, 5) for _ in range(3)]
+
+    def loss_fn(m, x):
+        return (m(x) ** 2).sum()
+
+    fisher = rd.diagonal_fisher(model, batches, loss_fn)
+    assert set(fisher) == {n for n, _ in model.named_parameters()}
+    for name, p in model.named_parameters():
+        want = torch.zeros_like(p)
+        for x in batches:
+            g, = torch.autograd.grad(loss_fn(model, x), [p])
+            want += g**2
+        np.testing.assert_allclose(fisher[name], (want / 3).numpy(), rtol=1e-5)
+    with pytest.raises(ValueError, match="no calibration"):
+        rd.diagonal_fisher(model, [], loss_fn)
+
+
+@pytest.mark.parametrize("quantizer", ["trellis", "nearest"])
+def test_rate_control_hits_the_budget(quantizer):
+    model = {"a": _weights(16, (96, 128), 0.05), "b": _weights(17, (64, 64), 0.02)}
+    reference = len(dc.encode_model(model, qp=-28, quantizer=quantizer))
+    target = int(reference * 0.9)
+    data = rd.encode_to_size(model, target_bytes=target, quantizer=quantizer)
+    assert len(data) <= target
+    header = dc.read_stream_header(data)
+    qp = header.qp
+    if quantizer == "nearest":
+        # within one qp step: the next finer qp would not fit
+        assert len(dc.encode_model(model, qp=qp - 1, quantizer=quantizer)) > target
+    else:
+        assert len(data) >= 0.99 * target
+    n = sum(v.size for v in model.values())
+    bpw = 3.0
+    data = rd.encode_to_size(model, target_bpw=bpw, quantizer=quantizer)
+    assert 8 * len(data) / n <= bpw
+
+
+def test_rate_control_refuses_impossible_budgets():
+    model = {"a": _weights(18, (16, 16))}
+    with pytest.raises(ValueError, match="budget"):
+        rd.encode_to_size(model, target_bytes=10)
+    with pytest.raises(ValueError, match="exactly one"):
+        rd.encode_to_size(model)
+
+
+def test_fidelity_search_finds_the_coarsest_qp_that_keeps_it():
+    w = _weights(19, (64, 64), 0.05)
+
+    def snr(decoded):
+        err = decoded["w"] - w
+        return float(10 * np.log10(np.sum(w.astype(np.float64) ** 2) / np.sum(err.astype(np.float64) ** 2)))
+
+    data = rd.encode_for_fidelity({"w": w}, snr, 30.0)
+    qp = dc.read_stream_header(data).qp
+    assert snr(dc.decode_model(data)) >= 30.0
+    assert snr(dc.decode_model(dc.encode_model({"w": w}, qp=qp + 1))) < 30.0
+    with pytest.raises(ValueError, match="threshold"):
+        rd.encode_for_fidelity({"w": w}, snr, 1e9)
