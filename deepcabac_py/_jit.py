@@ -15,4 +15,7 @@ import numba
 
 kernel = numba.njit(cache=True, nogil=True)
 scalar_helper = numba.njit(cache=True, inline="always")
+# Helpers that take arrays and run once per weight inside a kernel's loop: inlined at the IR level,
+# so no call (and no reference counting of the arrays) remains.
+inline_helper = numba.njit(cache=True, inline="always")
 parallel_kernel = numba.njit(parallel=True, cache=True, nogil=True)

@@ -43,7 +43,7 @@ from ._cabac_kernels import (
     _bucket_and_k,
     _prob,
 )
-from ._jit import kernel, scalar_helper
+from ._jit import inline_helper, kernel, scalar_helper
 
 # -log2(p / PROB_ONE) for every 15-bit probability: the cost in bits of a bin whose coded value had
 # probability p.
@@ -54,6 +54,9 @@ BIT_COST = np.concatenate(([0.0], -np.log2(np.arange(1, PROB_ONE + 1, dtype=np.f
 # Q1 = {0, +-1, +-3, ...} (a level k != 0 is 2k - sgn(k)).
 N_STATES = 4
 NEXT_STATE = np.array([[0, 2], [2, 0], [1, 3], [3, 1]], dtype=np.int64)
+# The two ways into each state, as (state, parity, state, parity), in increasing state order.
+PREDECESSORS = np.array([[0, 0, 1, 1], [2, 0, 3, 1], [0, 1, 1, 0], [2, 1, 3, 0]], dtype=np.int64)
+DEAD = 1e300
 MAX_DQ_LEVEL = PREDICT_MAX_LEVEL  # |k| <= 2**30 - 1, so |2k| fits in int32
 
 # A trellis block is a run of whole rows at least this long (or this many elements without the
@@ -114,7 +117,7 @@ def _escape_bits(q):
     return 2 * _bitlen(q - Q_MAX + 1) - 1
 
 
-@kernel
+@inline_helper
 def _live_bits(state, base, u, k):
     """Bits the coder spends on ``u`` in bucket ``base`` with Rice parameter ``k``, from the live
     estimators."""
@@ -139,7 +142,7 @@ def _live_bits(state, base, u, k):
     return bits
 
 
-@kernel
+@inline_helper
 def _adapt_element(state, base, u, k):
     """Move the estimators exactly as coding ``u`` would."""
     q = u >> k
@@ -320,7 +323,7 @@ def sequence_cost(levels, values, importance, step, lam, ncols, col0, k_offset, 
 # --------------------------------------------------------------------------------------------------
 
 
-@kernel
+@inline_helper
 def _fill_bucket_table(state, bucket, unary, suffix):
     # unary[bucket, q]: bits of the unary part for q < Q_MAX (ones then the closing zero), and of
     # Q_MAX ones for q = Q_MAX (the escape is added separately). suffix[bucket, j, bit]: the
@@ -388,12 +391,19 @@ def trellis_kernel(values, importance, step, lam, ncols, col0, k_offset, predict
     back_state = np.zeros((max_len, N_STATES), dtype=np.int8)
     back_level = np.zeros((max_len, N_STATES), dtype=np.int32)
     cost = np.zeros(N_STATES, dtype=np.float64)
-    new_cost = np.zeros(N_STATES, dtype=np.float64)
     rs = np.zeros(N_STATES, dtype=np.int64)
-    new_rs = np.zeros(N_STATES, dtype=np.int64)
-    alive = np.zeros(N_STATES, dtype=np.bool_)
-    new_alive = np.zeros(N_STATES, dtype=np.bool_)
     path = np.zeros(max_len, dtype=np.int64)
+    # per grid g and option o (0: the even magnitude, 1: the odd one, 2: zero when distinct)
+    opt_dist = np.zeros((2, 3), dtype=np.float64)
+    opt_rate = np.zeros((2, 3), dtype=np.float64)
+    opt_level = np.zeros((2, 3), dtype=np.int64)
+    opt_u = np.zeros((2, 3), dtype=np.int64)
+    has_zero = np.zeros(2, dtype=np.bool_)
+    cached_bucket = np.zeros(2, dtype=np.int64)
+    # best way into each next state from each state: by parity p of the level
+    via_cost = np.zeros((N_STATES, 2), dtype=np.float64)
+    via_level = np.zeros((N_STATES, 2), dtype=np.int64)
+    via_rs = np.zeros((N_STATES, 2), dtype=np.int64)
 
     dq_state = 0
     col_start = col0
@@ -404,8 +414,8 @@ def trellis_kernel(values, importance, step, lam, ncols, col0, k_offset, predict
         if start + length > n:
             length = n - start
         for s in range(N_STATES):
-            alive[s] = s == dq_state
-            cost[s] = 0.0
+            # a dead state carries an enormous cost, so it never wins against a live one
+            cost[s] = 0.0 if s == dq_state else DEAD
             rs[s] = row_scale
 
         col = col_start
@@ -422,59 +432,71 @@ def trellis_kernel(values, importance, step, lam, ncols, col0, k_offset, predict
             two = use_cols and i >= ncols
             if two:
                 cs = col_scale[col]
-            # candidate magnitudes on each grid: the two around a, and zero
-            k0 = np.int64(a * 0.5)  # Q0: r = 2k <= a
-            k1 = np.int64((a + 1.0) * 0.5)  # Q1: r = 2k - 1 <= a (k1 = 0: r = 0)
-            if k0 > MAX_DQ_LEVEL - 1:
-                k0 = MAX_DQ_LEVEL - 1
-            if k1 > MAX_DQ_LEVEL - 1:
-                k1 = MAX_DQ_LEVEL - 1
-            for s in range(N_STATES):
-                new_alive[s] = False
-                new_cost[s] = 1e300
-            for s in range(N_STATES):
-                if not alive[s]:
-                    continue
-                sc = (rs[s] + cs) >> 1 if two else rs[s]
-                bucket, kr = _bucket_and_k(sc, k_offset)
-                if stamp[bucket] != block_id:
-                    _fill_bucket_table(state, bucket, unary, suffix)
-                    stamp[bucket] = block_id
-                odd = s >= 2
-                kb = k1 if odd else k0
-                for m in range(3):
-                    if m == 2:
+            # Options on each grid g (0: even multiples, 1: odd ones): the two magnitudes around a,
+            # one of each parity, and zero. Distortion and zigzag value do not depend on the state;
+            # the bits depend on it only through the bucket of its row scale.
+            for g in range(2):
+                kb = np.int64((a + g) * 0.5)  # g = 0: 2k <= a; g = 1: 2k - 1 <= a (k = 0: r = 0)
+                if kb > MAX_DQ_LEVEL - 1:
+                    kb = MAX_DQ_LEVEL - 1
+                has_zero[g] = kb != 0
+                for o in range(3):
+                    if o == 2:
                         mag = np.int64(0)
-                        if kb == 0:
-                            continue  # already evaluated as the first candidate
                     else:
-                        mag = kb + m
-                    r = (2 * mag - 1 if odd else 2 * mag) if mag > 0 else np.int64(0)
+                        mag = kb if (kb & 1) == o else kb + 1
+                    r = (2 * mag - g) if mag > 0 else np.int64(0)
                     d = a - r
                     v = sign * mag
-                    x = v - pred if use_pred else v
-                    u = _zigzag(x)
-                    c = cost[s] + imp * d * d + lam * _table_bits(unary, suffix, bucket, u, kr)
-                    ns = NEXT_STATE[s, mag & 1]
-                    if c < new_cost[ns]:
-                        new_cost[ns] = c
-                        new_alive[ns] = True
-                        new_rs[ns] = rs[s] + (((u << SCALE_FRAC) - rs[s]) >> ROW_SHIFT)
-                        back_state[t, ns] = s
-                        back_level[t, ns] = v
+                    opt_dist[g, o] = imp * d * d
+                    opt_level[g, o] = v
+                    opt_u[g, o] = _zigzag(v - pred if use_pred else v)
+                cached_bucket[g] = -1
             for s in range(N_STATES):
-                alive[s] = new_alive[s]
-                cost[s] = new_cost[s]
-                rs[s] = new_rs[s]
+                g = s >> 1
+                sc = (rs[s] + cs) >> 1 if two else rs[s]
+                bucket, kr = _bucket_and_k(sc, k_offset)
+                if cached_bucket[g] != bucket:
+                    if stamp[bucket] != block_id:
+                        _fill_bucket_table(state, bucket, unary, suffix)
+                        stamp[bucket] = block_id
+                    for o in range(3):
+                        opt_rate[g, o] = lam * _table_bits(unary, suffix, bucket, opt_u[g, o], kr)
+                    cached_bucket[g] = bucket
+                base = cost[s]
+                for p in range(2):
+                    o = p
+                    c = base + opt_dist[g, p] + opt_rate[g, p]
+                    if p == 0 and has_zero[g]:
+                        cz = base + opt_dist[g, 2] + opt_rate[g, 2]
+                        if cz < c:
+                            c = cz
+                            o = 2
+                    via_cost[s, p] = c
+                    via_level[s, p] = opt_level[g, o]
+                    via_rs[s, p] = rs[s] + (((opt_u[g, o] << SCALE_FRAC) - rs[s]) >> ROW_SHIFT)
+            for ns in range(N_STATES):
+                # the two ways into ns, in the order (state, parity) of PREDECESSORS
+                s0 = PREDECESSORS[ns, 0]
+                p0 = PREDECESSORS[ns, 1]
+                s1 = PREDECESSORS[ns, 2]
+                p1 = PREDECESSORS[ns, 3]
+                if via_cost[s1, p1] < via_cost[s0, p0]:
+                    s0 = s1
+                    p0 = p1
+                cost[ns] = via_cost[s0, p0]
+                rs[ns] = via_rs[s0, p0]
+                back_state[t, ns] = s0
+                back_level[t, ns] = via_level[s0, p0]
             if use_cols:
                 col += 1
                 if col == ncols:
                     col = 0
 
         # trace back the best path of the block and commit it
-        best = -1
-        for s in range(N_STATES):
-            if alive[s] and (best < 0 or cost[s] < cost[best]):
+        best = 0
+        for s in range(1, N_STATES):
+            if cost[s] < cost[best]:
                 best = s
         dq_state = best
         s = best
