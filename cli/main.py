@@ -28,7 +28,7 @@ from ._io import read_input
 # The library's codec and checkpoint modules import torch, which takes most of a second: commands
 # import them when they need them, so that `info` stays fast. These mirror deepcabac_py.codec.
 KINDS = ("torch", "safetensors", "npz")
-DEFAULT_QP, DEFAULT_QP_1D, DEFAULT_QP_DENSITY = -32, -75, 2
+DEFAULT_QP, DEFAULT_QP_DENSITY = -32, 2
 DEFAULT_QUANTIZER = "trellis"
 STREAM_SUFFIX = ".dcb"
 _DEFAULT_SUFFIX = {"torch": ".pt", "safetensors": ".safetensors", "npz": ".npz"}
@@ -84,8 +84,9 @@ def _quant_options(f):
                      help="Quantization parameter: step = (4 + qp mod 4) * 2**(qp // 4 - 2) at density 2.")(f)
     f = click.option("--qp-density", type=click.IntRange(0, 6), default=DEFAULT_QP_DENSITY, show_default=True,
                      help="Steps per octave = 2**qp_density.")(f)
-    f = click.option("--qp-1d", type=click.IntRange(QP_MIN, QP_MAX), default=DEFAULT_QP_1D, show_default=True,
-                     help="qp of tensors with at most one dimension (biases, norms).")(f)
+    f = click.option("--qp-1d", type=click.IntRange(QP_MIN, QP_MAX), default=None,
+                     help="qp of tensors with at most one dimension (biases, norms) "
+                          "[default: qp - 6 octaves, i.e. qp - 6 * 2**qp_density].")(f)
     f = click.option("--qp-tensor", "qp_tensor", multiple=True, metavar="NAME=QP",
                      help="Per-tensor qp; NAME may be a glob pattern. Repeatable.")(f)
     f = click.option("--exact", "exact", multiple=True, metavar="PATTERN",

@@ -158,5 +158,5 @@ def test_cli_mirrors_library_defaults():
     from deepcabac_py.cli import main as cli
 
     assert cli.KINDS == checkpoint.KINDS
-    assert (cli.DEFAULT_QP, cli.DEFAULT_QP_1D, cli.DEFAULT_QP_DENSITY) == (
-        codec.DEFAULT_QP, codec.DEFAULT_QP_1D, codec.DEFAULT_QP_DENSITY)
+    assert (cli.DEFAULT_QP, cli.DEFAULT_QP_DENSITY, cli.DEFAULT_QUANTIZER) == (
+        codec.DEFAULT_QP, codec.DEFAULT_QP_DENSITY, codec.DEFAULT_QUANTIZER)

@@ -68,13 +68,13 @@ def golden_cases() -> dict[str, tuple[object, dict]]:
         "betas": (0.9, 0.999),
     }
     return {
-        # format version 1 (plain rounding)
-        "state_dict": (state_dict, {"qp": -36, "quantizer": "nearest"}),
-        "mixed_dtypes": (mixed, {"qp": -30, "qp_overrides": {"proj": -44}, "quantizer": "nearest"}),
-        "nested": (nested, {"qp": -32, "qp_density": 3, "keep_exact": ["model.b"], "quantizer": "nearest"}),
+        # format version 1 (plain rounding); qp_1d -75 was the default when they were written
+        "state_dict": (state_dict, {"qp": -36, "qp_1d": -75, "quantizer": "nearest"}),
+        "mixed_dtypes": (mixed, {"qp": -30, "qp_1d": -75, "qp_overrides": {"proj": -44}, "quantizer": "nearest"}),
+        "nested": (nested, {"qp": -32, "qp_1d": -75, "qp_density": 3, "keep_exact": ["model.b"], "quantizer": "nearest"}),
         # format version 2: trellis tensors (the default), and RDOQ with importance
-        "trellis": (mixed, {"qp": -28, "qp_overrides": {"proj": -40}}),
-        "rdoq": (state_dict, {"qp": -34, "quantizer": "rdoq", "lambda_scale": 2.0,
+        "trellis": (mixed, {"qp": -28, "qp_1d": -75, "qp_overrides": {"proj": -40}}),
+        "rdoq": (state_dict, {"qp": -34, "qp_1d": -75, "quantizer": "rdoq", "lambda_scale": 2.0,
                               "importance": {"layer.weight": _importance(11, (16, 12))}}),
     }
 
