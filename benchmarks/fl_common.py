@@ -54,6 +54,13 @@ def load_state(model: nn.Module, state: dict[str, np.ndarray]) -> None:
     model.load_state_dict({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in state.items()})
 
 
+def client_batch_seed(seed: int, round_index: int, client: int) -> int:
+    """The seed of one client's batch generator in one round (0-based). A Flower client keeps no
+    generator between rounds, so the Flower benchmark and the home simulator it is checked against
+    both draw batches from this."""
+    return int(np.random.SeedSequence([seed, round_index, client]).generate_state(1)[0])
+
+
 def local_train(model: nn.Module, X, y, *, steps: int, batch: int, lr: float, gen: torch.Generator) -> None:
     """``steps`` SGD steps on random batches of (X, y) (communication delay = steps)."""
     opt = torch.optim.SGD(model.parameters(), lr=lr)

@@ -61,7 +61,11 @@ def non_iid_split(y: torch.Tensor, clients: int, seed: int) -> list[np.ndarray]:
     return [np.array(sorted(p)) for p in parts]
 
 
-def run(method: str, rounds: int, density: float, seed: int, data, log_every: int = 0):
+def run(method: str, rounds: int, density: float, seed: int, data, log_every: int = 0, *,
+        per_client_batches: bool = False):
+    """One method for ``rounds`` rounds. Batches come from one generator for the whole run (the
+    published figures) or, with ``per_client_batches``, from one per round and client
+    (``fl_common.client_batch_seed``), as in ``fl_flower.py``."""
     (Xtr, ytr), (Xte, yte) = data
     parts = non_iid_split(ytr, CLIENTS, seed)
     model = fc.make_model(seed)
@@ -99,7 +103,8 @@ def run(method: str, rounds: int, density: float, seed: int, data, log_every: in
                 start = global_state
             fc.load_state(model, start)
             idx = torch.from_numpy(parts[c])
-            fc.local_train(model, Xtr[idx], ytr[idx], steps=LOCAL_STEPS, batch=BATCH, lr=LR, gen=gen)
+            g = torch.Generator().manual_seed(fc.client_batch_seed(seed, r, c)) if per_client_batches else gen
+            fc.local_train(model, Xtr[idx], ytr[idx], steps=LOCAL_STEPS, batch=BATCH, lr=LR, gen=g)
             local = fc.state_numpy(model)
             if sparse:
                 msg = cl.upstream(local)

@@ -99,10 +99,11 @@ class FedServer:
         if not self._pending:
             raise ValueError("no client update was received this round")
         names = [n for n in self.model if self.model[n].dtype.kind == "f"]
-        mean = {n: sum(d[n].astype(np.float64) for d in self._pending if n in d) / len(self._pending) for n in names}
-        for n in mean:
-            if np.ndim(mean[n]) == 0 and not isinstance(mean[n], np.ndarray):
-                mean[n] = np.zeros(self.model[n].shape)
+        mean = {}
+        for n in names:
+            parts = [d[n].astype(np.float64) for d in self._pending if n in d]
+            # (0-d tensors: arithmetic on 0-d arrays gives numpy scalars, hence asarray)
+            mean[n] = np.asarray(sum(parts) / len(self._pending)) if parts else np.zeros(self.model[n].shape)
 
         def compress(name: str, acc: np.ndarray) -> SparseTensor:
             return sparsify(acc, self.method, self.density)

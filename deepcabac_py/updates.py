@@ -663,9 +663,10 @@ def update_difference(new, base) -> dict[str, np.ndarray]:
         if t.dtype != b.dtype or t.array.shape != b.array.shape:
             raise ValueError(f"{name}: {t.dtype}{list(t.array.shape)} vs base {b.dtype}{list(b.array.shape)}")
         if t.dtype in _FLOATS:
-            out[name] = t.array.astype(np.float64) - b.array.astype(np.float64)
+            # (arithmetic on 0-d arrays gives numpy scalars: keep them arrays)
+            out[name] = np.asarray(t.array.astype(np.float64) - b.array.astype(np.float64))
         elif t.dtype in _INTS:
-            out[name] = t.array.astype(np.int64) - b.array.astype(np.int64)
+            out[name] = np.asarray(t.array.astype(np.int64) - b.array.astype(np.int64))
         elif not np.array_equal(t.array, b.array):
             raise ValueError(f"{name}: {t.dtype} tensors cannot be updated (they must not change)")
     return out
@@ -876,7 +877,8 @@ def apply_delta(base, update: Update) -> dict[str, Any]:
                 arr = wide.astype(arr.dtype)
         else:
             arr = arr.copy()
-        out[name] = numpy_to_tensor(np.ascontiguousarray(arr), t.dtype, t.is_torch)
+        # (np.ascontiguousarray would turn a 0-d tensor, e.g. a step counter, into a 1-d one)
+        out[name] = numpy_to_tensor(np.require(arr, requirements="C"), t.dtype, t.is_torch)
     return out
 
 

@@ -101,3 +101,16 @@ def test_federated_rounds_keep_everyone_in_sync():
     server.aggregate()
     fresh.sync(server.catch_up(fresh.round))
     assert crc_of_model(fresh.model) == crc_of_model(server.model)
+
+
+def test_zero_dimensional_tensors_keep_their_shape_through_rounds():
+    init = {"w": np.ones((8, 4), np.float32), "steps": np.array(0, np.int64), "scale": np.array(1.5, np.float32)}
+    server, client = FedServer(init, density=0.25), FedClient(0, init, density=0.25)
+    client.sync(server.catch_up(0))
+    local = {"w": init["w"] + 0.1, "steps": np.array(5, np.int64), "scale": np.array(2.0, np.float32)}
+    server.receive(0, client.upstream(local))
+    server.aggregate()
+    client.sync(server.catch_up(client.round))
+    for model in (server.model, client.model):
+        assert {k: v.shape for k, v in model.items()} == {"w": (8, 4), "steps": (), "scale": ()}
+        assert int(model["steps"]) == 5
