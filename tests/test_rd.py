@@ -207,14 +207,21 @@ def test_larger_lambda_gives_fewer_bytes():
 # --- bit allocation, importance, rate control -------------------------------------------------------
 
 
-def test_allocation_gives_four_times_the_importance_half_the_step():
+def test_allocation_follows_the_importance(monkeypatch):
     imp = {"a": np.full((8, 8), 1.0), "b": np.full((8, 8), 4.0), "c": np.full((8, 8), 0.25)}
     shapes = {k: v.shape for k, v in imp.items()}
+    # the high-rate optimum: four times the importance, half the step (4 qp at density 2)
+    monkeypatch.setattr(rd, "ALLOCATION_EXPONENT", 0.5)
     qps = rd.allocate_qps(imp, shapes, -30)
     # reference: geometric mean of the means (1): a keeps qp, b one octave finer, c one coarser
     assert qps == {"a": -30, "b": -34, "c": -26}
     steps = {k: quantize.step_from_qp(q) for k, q in qps.items()}
     assert steps["b"] == steps["a"] / 2 and steps["c"] == steps["a"] * 2
+    # the default exponent is milder (measured on real models: noisy importance, low rates)
+    monkeypatch.undo()
+    qps = rd.allocate_qps(imp, shapes, -30)
+    offset = round(4 * rd.ALLOCATION_EXPONENT * 2)
+    assert qps == {"a": -30, "b": -30 - offset, "c": -30 + offset}
 
 
 def test_allocation_is_bounded():
