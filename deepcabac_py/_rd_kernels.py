@@ -72,23 +72,30 @@ def _zigzag(x):
 
 @scalar_helper
 def dq_value(k, state):
-    """Reconstruction index of transmitted level ``k`` in ``state``."""
-    if state < 2 or k == 0:
-        return 2 * k
-    return 2 * k - 1 if k > 0 else 2 * k + 1
+    """Reconstruction index of transmitted level ``k`` in ``state`` (branch-free: the state is
+    unpredictable, so a branch here would be mispredicted half the time)."""
+    sgn = np.int64(k > 0) - np.int64(k < 0)
+    return 2 * k - (state >> 1) * sgn
+
+
+@scalar_helper
+def dq_next(state, k):
+    """NEXT_STATE[state, k & 1] without the table: the high bit moves down, the low bit's parity
+    with k's picks the new high bit."""
+    return (state >> 1) | (((state & 1) ^ (k & 1)) << 1)
 
 
 @kernel
 def dq_reconstruct_kernel(levels, out):
     """Map transmitted levels to reconstruction indices through the state machine (state 0 at the
     start). ``out`` may alias ``levels``. Returns False if a level is too large for the grid."""
-    state = 0
+    state = np.int64(0)
     for i in range(levels.shape[0]):
         k = np.int64(levels[i])
-        if k > MAX_DQ_LEVEL or k < -MAX_DQ_LEVEL:
+        if abs(k) > MAX_DQ_LEVEL:
             return False
         out[i] = dq_value(k, state)
-        state = NEXT_STATE[state, k & 1]
+        state = dq_next(state, k)
     return True
 
 
@@ -96,13 +103,13 @@ def dq_reconstruct_kernel(levels, out):
 def dq_reconstruct_f32_kernel(levels, step):
     """In place: transmitted int32 levels to float32 values ``index * step`` (same buffer)."""
     values = levels.view(np.float32)
-    state = 0
+    state = np.int64(0)
     for i in range(levels.shape[0]):
         k = np.int64(levels[i])
-        if k > MAX_DQ_LEVEL or k < -MAX_DQ_LEVEL:
+        if abs(k) > MAX_DQ_LEVEL:
             return False
         values[i] = np.float32(np.float64(dq_value(k, state)) * step)
-        state = NEXT_STATE[state, k & 1]
+        state = dq_next(state, k)
     return True
 
 
