@@ -51,6 +51,16 @@ VARIANTS = {
         ("SHIFT_FOR_COUNT = np.array([min(RATE, int(np.log2(n + 2)))",
          "SHIFT_FOR_COUNT = np.array([min(9, int(np.log2(n + 2)))"),
     ], 0, True, True),
+    # The count-driven warm-up replaces NNC's search over preset initial states per tensor: a young
+    # context learns at ~1/(n+2). Without it every context starts at 1/2 with the mature window.
+    "no warm-up (window 2**8 from the first bin)": ([
+        ("SHIFT_FOR_COUNT = np.array([min(RATE, int(np.log2(n + 2)))",
+         "SHIFT_FOR_COUNT = np.array([RATE + 0 * int(np.log2(n + 2))"),
+    ], 0, True, True),
+    "no warm-up, window 2**5": ([
+        ("SHIFT_FOR_COUNT = np.array([min(RATE, int(np.log2(n + 2)))",
+         "SHIFT_FOR_COUNT = np.array([5 + 0 * int(np.log2(n + 2))"),
+    ], 0, True, True),
     "suffix top bit as bypass": ([("        if k >= 2:\n", "        if k >= 99:\n")], 0, True, True),
 }
 
