@@ -424,22 +424,32 @@ def report(input, as_json, input_format, show_formats, qp, qp_density, qp_1d, qp
 @main.command()
 @click.argument("inputs", metavar="INPUT...", nargs=-1, required=True,
                 type=click.Path(allow_dash=True, dir_okay=False))
+@click.option("--base", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="For update files: the parent model, to apply every message in order.")
 @_threads
 @_verbosity
-def test(inputs, threads, quiet, verbose):
-    """Decode streams and discard the result: checks that they are intact (all are checked)."""
+def test(inputs, base, threads, quiet, verbose):
+    """Decode streams and discard the result: checks that they are intact (all are checked).
+
+    Update files are checked message by message: decoded in full with --base (or when a message
+    carries its tensor table), else by their checksums.
+    """
     from deepcabac_py.codec import decode_checkpoint
 
     failed = 0
     for path in inputs:
+        summary = ""
         try:
             with _about(path):
-                decode_checkpoint(read_input(path), threads=threads)
+                if path != "-" and is_update_file(_peek(path)):
+                    summary = " (" + test_update_file(path, base) + ")"
+                else:
+                    decode_checkpoint(read_input(path), threads=threads)
         except DeepCabacError as exc:
             click.echo(f"deepcabac: error: {exc}", err=True)
             failed += 1
             continue
-        _info(quiet, f"{path}: OK")
+        _info(quiet, f"{path}: OK{summary}")
     if failed:
         raise SystemExit(1)
 
@@ -468,7 +478,7 @@ def _peek(path: str) -> bytes:
         raise InputError(f"cannot read {path}: {exc.strerror or exc}") from None
 
 
-from .update import dispatch_if_update, update_group  # noqa: E402
+from .update import dispatch_if_update, is_update_file, test_update_file, update_group  # noqa: E402
 main.add_command(update_group, "update")
 
 if __name__ == "__main__":

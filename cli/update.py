@@ -12,6 +12,7 @@ file may hold several messages (a stream of rounds), ``info`` lists them all.
 from __future__ import annotations
 
 import json
+import struct
 
 import click
 
@@ -93,17 +94,14 @@ def apply_cmd(base, update, output, force, quiet):
     """Apply UPDATE (every message in it, in order) to BASE; refuses a base that is not the parent."""
     from .main import _check_output, _write_output
     from deepcabac_py.checkpoint import Checkpoint, checkpoint_writer, kind_from_suffix, load_checkpoint
-    from deepcabac_py.updates import apply_update, iter_messages
+    from deepcabac_py.updates import iter_messages
 
     _check_output(output, force)
     with _about(base):
         ckpt = load_checkpoint(base)
     tensors = ckpt.tensors
     with _about(update):
-        count = 0
-        for msg in iter_messages(read_input(update)):
-            tensors = apply_update(tensors, msg)
-            count += 1
+        tensors, count = apply_messages(tensors, iter_messages(read_input(update)))
         if not count:
             raise InputError("the update file holds no message")
     out = Checkpoint(tensors=tensors, skeleton=ckpt.skeleton, kind=ckpt.kind, metadata=ckpt.metadata,
@@ -226,4 +224,63 @@ def dispatch_if_update(path: str, as_json: bool, what: str) -> bool:
     return True
 
 
-__all__ = ["update_group", "dispatch_if_update", "is_update_file"]
+def apply_messages(tensors, messages):
+    """Apply update messages in order, following their sessions as a receiver would; returns the
+    model and the number of messages."""
+    from deepcabac_py.updates import UpdateSession, apply_update, read_update_header
+
+    sessions: dict[int, UpdateSession] = {}
+    count = 0
+    for msg in messages:
+        header = read_update_header(msg)
+        session = None
+        if header.session_id:
+            session = sessions.setdefault(header.session_id, UpdateSession(header.session_id))
+        tensors = apply_update(tensors, msg, session=session)
+        count += 1
+    return tensors, count
+
+
+def test_update_file(path: str, base_path: str | None = None) -> str:
+    """Check every message of an update file; returns a one-line summary.
+
+    With the base model, the messages are applied in order (parents checked, sessions followed).
+    Without it, messages that carry their tensor table are decoded in full; the others need the base
+    for their shapes, so only their header and payload checksums are checked.
+    """
+    import zlib
+
+    from deepcabac_py.checkpoint import load_checkpoint
+    from deepcabac_py.errors import CorruptStreamError
+    from deepcabac_py.updates import UpdateSession, decode_update, iter_messages, read_update_header
+
+    if base_path is not None:
+        with _about(base_path):
+            tensors = load_checkpoint(base_path).tensors
+        with open(path, "rb") as f:
+            _, count = apply_messages(tensors, iter_messages(f))
+        return f"{count} update message(s) applied to {base_path}"
+    sessions: dict[int, UpdateSession] = {}
+    decoded = checked = 0
+    with open(path, "rb") as f:
+        for msg in iter_messages(f):
+            header = read_update_header(msg)
+            if header.table is not None:
+                session = None
+                if header.session_id:
+                    session = sessions.setdefault(header.session_id, UpdateSession(header.session_id))
+                decode_update(msg, None, session=session)
+                decoded += 1
+            else:
+                end = header.header_size + header.payload_size
+                (crc,) = struct.unpack("<I", msg[end:end + 4])
+                if zlib.crc32(msg[header.header_size:end]) != crc:
+                    raise CorruptStreamError(f"update of round {header.round}: payload checksum mismatch")
+                checked += 1
+    parts = [f"{decoded + checked} update message(s)"]
+    if checked:
+        parts.append(f"{checked} checked by checksum only (no tensor table: decode them with --base)")
+    return ", ".join(parts)
+
+
+__all__ = ["update_group", "dispatch_if_update", "is_update_file", "test_update_file"]

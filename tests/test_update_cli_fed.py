@@ -114,3 +114,42 @@ def test_zero_dimensional_tensors_keep_their_shape_through_rounds():
     for model in (server.model, client.model):
         assert {k: v.shape for k, v in model.items()} == {"w": (8, 4), "steps": (), "scale": ()}
         assert int(model["steps"]) == 5
+
+
+def test_cli_test_checks_update_files(models):
+    from deepcabac_py.updates import UpdateSession, apply_update, encode_update
+
+    r = _runner()
+    out = models / "r1.dcu"
+    res = r.invoke(main, ["update", "encode", "--base", str(models / "base.pt"), str(models / "new.pt"),
+                          "-o", str(out), "--density", "0.05"])
+    assert res.exit_code == 0, res.output
+    res = r.invoke(main, ["test", str(out)])
+    assert res.exit_code == 0 and "OK (1 update message(s)" in (res.stderr if hasattr(res, "stderr") else res.output)
+
+    # a stream of rounds in one session, each message decoded as a receiver would
+    base = torch.load(models / "base.pt")
+    session, mirror, messages, model = UpdateSession(3), UpdateSession(3), [], base
+    for step in range(3):
+        new = {k: (v + 0.01 * torch.randn_like(v) if v.is_floating_point() else v) for k, v in model.items()}
+        messages.append(encode_update(new, model, density=0.1, session=session, round_index=step + 1,
+                                      parent_round=step))
+        model = apply_update(model, messages[-1], session=mirror)  # the next parent is what receivers hold
+    stream = models / "rounds.dcu"
+    stream.write_bytes(b"".join(messages))
+    res = r.invoke(main, ["test", str(stream)])
+    assert res.exit_code == 0, res.output
+    assert "3 update message(s)" in (res.stderr if hasattr(res, "stderr") else res.output)
+
+    res = r.invoke(main, ["test", "--base", str(models / "base.pt"), str(stream)])
+    assert res.exit_code == 0, res.output
+    assert "3 update message(s) applied" in (res.stderr if hasattr(res, "stderr") else res.output)
+    res = r.invoke(main, ["test", "--base", str(models / "new.pt"), str(stream)])  # not the parent
+    assert res.exit_code == 1 and "wrong parent" in (res.stderr if hasattr(res, "stderr") else res.output)
+
+    for damaged_at in (len(messages[0]) + 40, -6):
+        bad = bytearray(stream.read_bytes())
+        bad[damaged_at] ^= 0xFF
+        (models / "bad.dcu").write_bytes(bytes(bad))
+        res = r.invoke(main, ["test", str(models / "bad.dcu")])
+        assert res.exit_code == 1 and "Traceback" not in res.output
