@@ -35,9 +35,11 @@ import math
 import os
 import pickle
 import zipfile
+import zlib
 from collections import Counter, OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from tokenize import TokenError
 from typing import Any, Callable, Optional, Union
 
 import numpy as np
@@ -618,7 +620,7 @@ def _sniff_kind(path: str) -> str:
         try:
             with zipfile.ZipFile(path) as zf:
                 names = zf.namelist()
-        except (zipfile.BadZipFile, OSError, ValueError):
+        except (zipfile.BadZipFile, OSError, ValueError, NotImplementedError, RuntimeError):
             return "torch"
         if names and all(n.endswith(".npy") for n in names):
             return "npz"
@@ -896,7 +898,8 @@ def _load_npz(path: str) -> Checkpoint:
                 with zf.open(info) as m:
                     try:
                         hdr = _npy_header(m)
-                    except (ValueError, EOFError) as exc:
+                    except (ValueError, EOFError, SyntaxError, TokenError) as exc:
+                        # numpy tokenizes the header dict: an unbalanced one raises tokenize.TokenError
                         raise CheckpointError(f"{path}: array {key!r:.80} has an invalid header "
                                               f"({_first_line(exc)})") from None
                     if hdr is None:
@@ -910,10 +913,12 @@ def _load_npz(path: str) -> Checkpoint:
                     if need != have:
                         raise CheckpointError(f"{path}: array {key!r:.80} declares {need} bytes of data "
                                               f"but holds {have}")
-    except zipfile.BadZipFile as exc:
-        raise CheckpointError(f"{path}: not a valid npz archive ({_first_line(exc)})") from None
     except OSError as exc:
         raise CheckpointError(f"cannot read {path}: {exc.strerror or _first_line(exc)}") from None
+    except (zipfile.BadZipFile, NotImplementedError, RuntimeError, zlib.error, EOFError, ValueError) as exc:
+        # zipfile raises NotImplementedError for an unknown zip version or compression method and
+        # RuntimeError for an encrypted member; a damaged deflate stream raises zlib.error
+        raise CheckpointError(f"{path}: not a valid npz archive ({_first_line(exc)})") from None
 
     arrays: dict[str, np.ndarray] = {}
     try:

@@ -747,15 +747,33 @@ def _shapes(header: UpdateHeader, flat_base: dict[str, _Tensor] | None) -> list[
     return header.table
 
 
-def decode_update(data, base=None, *, session: UpdateSession | None = None, check_parent: bool = True) -> Update:
+# Without the base model, the shapes come from the message's own tensor table, and a sparse update
+# of a huge tensor is legitimately tiny: the payload cannot bound the allocation, so a limit does.
+DEFAULT_MAX_ELEMENTS = 1 << 28  # 1 GiB of int32 levels
+
+
+def decode_update(data, base=None, *, session: UpdateSession | None = None, check_parent: bool = True,
+                  max_elements: int = DEFAULT_MAX_ELEMENTS) -> Update:
     """Decode one update message (the first in ``data``).
 
     ``base`` (the parent model) supplies names and shapes when the message has no tensor table and
     is checked against the message's parent hash (``UpdateMismatchError`` if it differs). A message
     that continues a session needs that ``session``, at the message's position; it is advanced.
+    Without ``base``, the tensors the message codes may hold at most ``max_elements`` elements in
+    all (their shapes come from the message itself).
     """
     header = read_update_header(data)
     flat_base = _flat_model(base) if base is not None else None
+    if flat_base is None and header.table is not None:
+        claimed = 0
+        for e in header.entries:
+            if 0 <= e.index < len(header.table):
+                rows, cols = _rows_cols(header.table[e.index][2])
+                claimed += rows * cols
+        if claimed > max_elements:
+            raise CorruptStreamError(
+                f"the update's own tensor table claims {claimed:,} elements, more than max_elements="
+                f"{max_elements:,}: pass the base model (or a larger max_elements) to decode it")
     if flat_base is not None and check_parent:
         h = _hash_flat(flat_base)
         if h != header.parent_hash:

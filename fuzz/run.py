@@ -1,0 +1,88 @@
+"""Run one fuzz target under atheris (libFuzzer), seeded from fuzz/corpus/<target>/.
+
+    .venv/bin/python fuzz/run.py TARGET -runs=100000 [more libFuzzer flags]
+    .venv/bin/python fuzz/run.py --list
+    NUMBA_BOUNDSCHECK=1 NUMBA_CACHE_DIR=/tmp/dc-numba-bc .venv/bin/python fuzz/run.py model_sealed -runs=20000
+
+New coverage-increasing inputs go to a work directory (``--work DIR``, default
+/tmp/deepcabac-fuzz/<target>), never into the committed seed corpus. Crashing inputs (a target
+raising ``fuzz_targets.Finding``) and timeouts are written to ``fuzz/artifacts/<target>/``. Defaults
+added unless given: ``-timeout=10 -rss_limit_mb=4096 -max_len=65536``.
+
+The numba kernels are compiled, not Python, so atheris sees the coverage of the Python parsers and
+validators only; set NUMBA_DISABLE_JIT=1 to run the kernels as (slow, instrumented) Python.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def main(argv: list[str]) -> int:
+    args = argv[1:]
+    work = None
+    if "--work" in args:
+        i = args.index("--work")
+        work = args[i + 1]
+        del args[i:i + 2]
+    sys.path.insert(0, str(HERE))
+    if not args or args[0] in ("-h", "--help", "--list"):
+        from fuzz_targets import TARGETS
+        print(__doc__)
+        print("targets:", " ".join(TARGETS))
+        return 0
+    target, flags = args[0], args[1:]
+
+    try:
+        import atheris
+    except ImportError:
+        print("atheris is not installed: .venv/bin/pip install atheris (or '.[fuzz]')", file=sys.stderr)
+        return 2
+
+    # Modules holding numba kernels (incl. codec, golomb, quantize) are not instrumented: numba cannot
+    # compile instrumented bytecode. They are imported in dependency order so that the instrumented
+    # modules (container, levelcoder, checkpoint, updates, sparsify, fuzz_targets) are instrumented.
+    import deepcabac_py._jit, deepcabac_py._cabac_kernels, deepcabac_py._matrix_kernels  # noqa: E401,F401
+    import deepcabac_py._rd_kernels, deepcabac_py._update_kernels  # noqa: E401,F401
+    import deepcabac_py.golomb, deepcabac_py.quantize  # noqa: E401,F401
+    with atheris.instrument_imports(include=["deepcabac_py"]):
+        import deepcabac_py.errors, deepcabac_py.container, deepcabac_py.levelcoder  # noqa: E401,F401
+        import deepcabac_py.checkpoint, deepcabac_py.sparsify, deepcabac_py.updates  # noqa: E401,F401
+    import deepcabac_py.codec  # noqa: F401
+    with atheris.instrument_imports(include=["fuzz_targets"]):
+        import fuzz_targets
+
+    if target not in fuzz_targets.TARGETS:
+        print(f"unknown target {target!r}; targets: {' '.join(fuzz_targets.TARGETS)}", file=sys.stderr)
+        return 2
+    fn = fuzz_targets.TARGETS[target]
+
+    seeds = HERE / "corpus" / target
+    work = Path(work or Path(os.environ.get("TMPDIR", "/tmp")) / "deepcabac-fuzz" / target)
+    work.mkdir(parents=True, exist_ok=True)
+    artifacts = HERE / "artifacts" / target
+    artifacts.mkdir(parents=True, exist_ok=True)
+    defaults = {"-timeout": "10", "-rss_limit_mb": "4096", "-max_len": "65536",
+                "-artifact_prefix": f"{artifacts}/"}
+    for key, value in defaults.items():
+        if not any(f.startswith(key + "=") for f in flags):
+            flags.append(f"{key}={value}")
+
+    # warm the numba kernels (and their cache) before libFuzzer starts timing inputs
+    for p in sorted(seeds.iterdir()):
+        fn(p.read_bytes())
+
+    def one_input(data: bytes) -> None:
+        fn(data)
+
+    atheris.Setup([sys.argv[0], *flags, str(work), str(seeds)], one_input)
+    atheris.Fuzz()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

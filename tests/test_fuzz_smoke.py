@@ -1,0 +1,77 @@
+"""A short, deterministic fuzz smoke run of every decoder entry point (no atheris needed).
+
+Each target of ``fuzz/fuzz_targets.py`` gets a few hundred inputs made from its seed corpus
+(``fuzz/corpus/<target>/``) by pure-Python mutations: bit flips, byte overwrites, truncations,
+insertions, deletions, duplicated ranges and splices of two seeds. The contract: every call returns
+or raises a DeepCabacError (a target raises ``Finding`` otherwise) and nothing hangs.
+The long coverage-guided runs are ``fuzz/run.py`` (atheris); see docs/reliability.md.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+from timeouts import no_hang
+
+FUZZ = Path(__file__).resolve().parent.parent / "fuzz"
+sys.path.insert(0, str(FUZZ))
+
+import fuzz_targets  # noqa: E402
+
+CASES = {
+    "model": 400,
+    "model_sealed": 400,
+    "update": 400,
+    "update_sealed": 400,
+    "ckpt_safetensors": 300,
+    "ckpt_npz": 200,
+    "ckpt_pt": 200,
+}
+
+
+def mutate(rng: random.Random, data: bytes, other: bytes) -> bytes:
+    buf = bytearray(data)
+    for _ in range(rng.choice((1, 1, 1, 2, 3, 8))):
+        op = rng.randrange(8)
+        n = len(buf)
+        if op == 0 and n:  # flip one bit
+            buf[rng.randrange(n)] ^= 1 << rng.randrange(8)
+        elif op == 1 and n:  # overwrite a byte with an interesting value
+            buf[rng.randrange(n)] = rng.choice((0, 1, 0x7F, 0x80, 0xFE, 0xFF, rng.randrange(256)))
+        elif op == 2:  # truncate
+            del buf[rng.randrange(n + 1):]
+        elif op == 3:  # insert random bytes
+            pos = rng.randrange(n + 1)
+            buf[pos:pos] = bytes(rng.randrange(256) for _ in range(rng.randint(1, 8)))
+        elif op == 4 and n:  # delete a range
+            pos = rng.randrange(n)
+            del buf[pos:pos + rng.randint(1, 16)]
+        elif op == 5 and n:  # duplicate a range
+            pos = rng.randrange(n)
+            chunk = buf[pos:pos + rng.randint(1, 32)]
+            at = rng.randrange(n + 1)
+            buf[at:at] = chunk
+        elif op == 6 and n >= 4:  # overwrite a 32-bit little-endian integer
+            pos = rng.randrange(n - 3)
+            buf[pos:pos + 4] = rng.choice((0, 1, 0xFFFFFFFF, 0x7FFFFFFF, 1 << 30, rng.randrange(1 << 32))).to_bytes(4, "little")
+        elif op == 7 and other:  # splice with another seed
+            cut = rng.randrange(n + 1)
+            buf = buf[:cut] + bytearray(other[rng.randrange(len(other)):])
+    return bytes(buf)
+
+
+@pytest.mark.parametrize("target", list(CASES))
+def test_fuzz_smoke(target):
+    seeds = [p.read_bytes() for p in sorted((FUZZ / "corpus" / target).iterdir())]
+    assert seeds, f"no seeds for {target}: run fuzz/make_corpus.py"
+    fn = fuzz_targets.TARGETS[target]
+    rng = random.Random(f"deepcabac-fuzz-smoke-{target}")
+    with no_hang(60):
+        for seed in seeds:  # the seeds themselves are valid inputs
+            fn(seed)
+        for _ in range(CASES[target]):
+            fn(mutate(rng, rng.choice(seeds), rng.choice(seeds)))
