@@ -7,7 +7,6 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
-import socket
 
 import numpy as np
 import pytest
@@ -244,10 +243,12 @@ def _digest(model) -> str:
     return h.hexdigest()
 
 
-def _worker(rank: int, world: int, port: int, data, runs: list[dict], out_dir: str) -> None:
+def _worker(rank: int, world: int, rendezvous: str, data, runs: list[dict], out_dir: str) -> None:
     torch.set_num_threads(1)
-    # A collective that never matches fails the test within a minute instead of hanging it.
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+    # A collective that never matches fails the test within a minute instead of hanging it. The
+    # rendezvous is a file, not a TCP port: a port found free can be taken by another process before
+    # the workers bind it.
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
     # Count what the hooks hand to the collectives (DDP's own parameter broadcast does not go through these).
     counted = {"all_gather": 0, "all_reduce": 0}
@@ -309,12 +310,6 @@ def _digits():
     return X[train], y[train], X[test], y[test]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawn(world: int, runs: list[dict], tmp_path) -> list[list[dict]]:
     """Train every run in ``world`` fresh processes; per rank, per run: the worker's results."""
     import torch.multiprocessing as mp
@@ -324,7 +319,8 @@ def _spawn(world: int, runs: list[dict], tmp_path) -> list[list[dict]]:
     sparse = sparsify_bucket(np.ones(layout.numel, np.float32), layout)
     decode_bucket(encode_bucket(sparse, layout, session=UpdateSession(1)), layout, session=UpdateSession(1))
     decode_bucket(encode_bucket(sparse, layout, coder="golomb"), layout)
-    mp.spawn(_worker, args=(world, _free_port(), _digits(), runs, str(tmp_path)), nprocs=world, join=True)
+    rendezvous = tmp_path / f"rendezvous-{world}-{len(list(tmp_path.glob('rendezvous-*')))}"
+    mp.spawn(_worker, args=(world, str(rendezvous), _digits(), runs, str(tmp_path)), nprocs=world, join=True)
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
 
 
