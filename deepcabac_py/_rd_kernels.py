@@ -149,6 +149,12 @@ def _live_bits(state, base, u, k):
     return bits
 
 
+# The scale and prediction bookkeeping after each level (row_scale, col_scale, col_pred, the
+# prediction switch) is written out in each kernel below, as in _cabac_kernels: moved into one
+# inlined helper returning the five scalars, the trellis ran 57 -> 68 ns per weight and RDOQ
+# 46 -> 62 (measured on 2M MiniLM-like weights), so the copies stay.
+
+
 @inline_helper
 def _adapt_element(state, base, u, k):
     """Move the estimators exactly as coding ``u`` would."""
