@@ -135,6 +135,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, configs: 
                         "compressed_steps": state.stats()["compressed_steps"] if state else 0})
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
+    dist.barrier()  # tear down together (a peer's gloo threads may still be talking to this rank)
     dist.destroy_process_group()
 
 

@@ -296,6 +296,9 @@ def _worker(rank: int, world: int, rendezvous: str, data, runs: list[dict], out_
         })
     with open(f"{out_dir}/rank{rank}.json", "w") as f:
         json.dump(results, f)
+    # Tear down together: a rank that destroys its process group while a peer's gloo threads still
+    # talk to it can abort that peer ("terminate called without an active exception").
+    dist.barrier()
     dist.destroy_process_group()
 
 
