@@ -12,7 +12,6 @@ file may hold several messages (a stream of rounds), ``info`` lists them all.
 from __future__ import annotations
 
 import json
-import struct
 
 import click
 
@@ -224,19 +223,24 @@ def dispatch_if_update(path: str, as_json: bool, what: str) -> bool:
     return True
 
 
+def _receiver_session(sessions: dict, header):
+    """The session a receiver keeps for the message's session id (None for a sessionless one)."""
+    from deepcabac_py.updates import UpdateSession
+
+    if not header.session_id:
+        return None
+    return sessions.setdefault(header.session_id, UpdateSession(header.session_id))
+
+
 def apply_messages(tensors, messages):
     """Apply update messages in order, following their sessions as a receiver would; returns the
     model and the number of messages."""
-    from deepcabac_py.updates import UpdateSession, apply_update, read_update_header
+    from deepcabac_py.updates import apply_update, read_update_header
 
-    sessions: dict[int, UpdateSession] = {}
+    sessions: dict = {}
     count = 0
     for msg in messages:
-        header = read_update_header(msg)
-        session = None
-        if header.session_id:
-            session = sessions.setdefault(header.session_id, UpdateSession(header.session_id))
-        tensors = apply_update(tensors, msg, session=session)
+        tensors = apply_update(tensors, msg, session=_receiver_session(sessions, read_update_header(msg)))
         count += 1
     return tensors, count
 
@@ -248,11 +252,8 @@ def test_update_file(path: str, base_path: str | None = None) -> str:
     Without it, messages that carry their tensor table are decoded in full; the others need the base
     for their shapes, so only their header and payload checksums are checked.
     """
-    import zlib
-
     from deepcabac_py.checkpoint import load_checkpoint
-    from deepcabac_py.errors import CorruptStreamError
-    from deepcabac_py.updates import UpdateSession, decode_update, iter_messages, read_update_header
+    from deepcabac_py.updates import checked_payload, decode_update, iter_messages, read_update_header
 
     if base_path is not None:
         with _about(base_path):
@@ -260,22 +261,16 @@ def test_update_file(path: str, base_path: str | None = None) -> str:
         with open(path, "rb") as f:
             _, count = apply_messages(tensors, iter_messages(f))
         return f"{count} update message(s) applied to {base_path}"
-    sessions: dict[int, UpdateSession] = {}
+    sessions: dict = {}
     decoded = checked = 0
     with open(path, "rb") as f:
         for msg in iter_messages(f):
             header = read_update_header(msg)
             if header.table is not None:
-                session = None
-                if header.session_id:
-                    session = sessions.setdefault(header.session_id, UpdateSession(header.session_id))
-                decode_update(msg, None, session=session)
+                decode_update(msg, None, session=_receiver_session(sessions, header))
                 decoded += 1
             else:
-                end = header.header_size + header.payload_size
-                (crc,) = struct.unpack("<I", msg[end:end + 4])
-                if zlib.crc32(msg[header.header_size:end]) != crc:
-                    raise CorruptStreamError(f"update of round {header.round}: payload checksum mismatch")
+                checked_payload(msg, header)
                 checked += 1
     parts = [f"{decoded + checked} update message(s)"]
     if checked:

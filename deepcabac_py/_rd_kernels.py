@@ -31,7 +31,6 @@ from ._cabac_kernels import (
     N_UNARY_CTX,
     PRED_SHIFT,
     PREDICT_MAX_LEVEL,
-    PROB_BITS,
     PROB_ONE,
     Q_MAX,
     ROW_SHIFT,
@@ -193,6 +192,29 @@ def rdoq_kernel(values, importance, step, lam, ncols, col0, k_offset, predict, m
     ``importance`` is empty (all ones) or one float per value; |level| <= ``max_level``. ``out``
     receives int32 levels.
     """
+    total = _rd_pass(values, importance, step, lam, ncols, col0, k_offset, predict, max_level, 3, out)
+    # Greedy decisions move the adaptive contexts for the weights after them, so in rare cases the
+    # whole chunk costs more than plain rounding would: then rounding it is.
+    rounded = np.empty(values.shape[0], dtype=np.int32)
+    if _rd_pass(values, importance, step, lam, ncols, col0, k_offset, predict, max_level, 1, rounded) < total:
+        out[:] = rounded
+
+
+@kernel
+def sequence_cost(levels, values, importance, step, lam, ncols, col0, k_offset, predict):
+    """importance * (x - level)**2 + lam * bits summed over a chunk of plain levels, with the bits of
+    the live contexts (the coder's code length, without its final flush)."""
+    return _rd_pass(values, importance, step, lam, ncols, col0, k_offset, predict, 0, 0, levels)
+
+
+@kernel
+def _rd_pass(values, importance, step, lam, ncols, col0, k_offset, predict, max_level, candidates, levels):
+    """One pass of the coder's modelling over a chunk; returns the RD cost of its levels.
+
+    ``candidates`` 0: the levels are given in ``levels``; 1: plain rounding; 3: RDOQ's choice among
+    the nearest level, the next one towards zero and zero. Chosen levels (|level| <= ``max_level``)
+    are written to ``levels``.
+    """
     n = values.shape[0]
     weighted = importance.shape[0] == n
     state = _fresh_state()
@@ -210,12 +232,7 @@ def rdoq_kernel(values, importance, step, lam, ncols, col0, k_offset, predict, m
 
     for i in range(n):
         w = np.float64(values[i]) * inv_step
-        a = abs(w)
-        sign = -1 if w < 0 else 1
         imp = np.float64(importance[i]) if weighted else 1.0
-        nearest = np.int64(a + 0.5)
-        if nearest > max_level:
-            nearest = max_level
         pred = 0
         if pred_on:
             pred = (col_pred[col] + 128) >> 8
@@ -226,93 +243,42 @@ def rdoq_kernel(values, importance, step, lam, ncols, col0, k_offset, predict, m
         bucket, k = _bucket_and_k(s, k_offset)
         base = bucket * CTX_PER_BUCKET
 
-        best_v = 0
-        best_cost = 1e300
-        # nearest, one towards zero, zero (the last two may coincide)
-        for m in range(3):
-            if m == 0:
-                mag = nearest
-            elif m == 1:
-                mag = nearest - 1
-                if mag <= 0:
-                    continue
-            else:
-                mag = 0
-            v = sign * mag
-            d = a - mag
+        if candidates == 0:
+            v = np.int64(levels[i])
+            d = w - v
             x = v - pred if use_pred else v
-            cost = imp * d * d + lam * _live_bits(state, base, _zigzag(x), k)
-            if cost < best_cost:
-                best_cost = cost
-                best_v = v
-        v = best_v
-        out[i] = v
-        total += best_cost
-
-        x = v - pred if use_pred else v
-        u = _zigzag(x)
-        _adapt_element(state, base, u, k)
-        row_scale += ((u << SCALE_FRAC) - row_scale) >> ROW_SHIFT
-        if use_cols:
-            col_scale[col] += ((u << SCALE_FRAC) - col_scale[col]) >> COL_SHIFT
-            if pred_on:
-                up = _zigzag(v - pred)
-                uv = _zigzag(v)
-                cost_plain += ((uv << SCALE_FRAC) - cost_plain) >> SEL_SHIFT
-                cost_pred += ((up << SCALE_FRAC) - cost_pred) >> SEL_SHIFT
-                col_pred[col] += ((v << 8) - col_pred[col]) >> PRED_SHIFT
-            col += 1
-            if col == ncols and pred_on:
-                use_pred = cost_pred * 16 < cost_plain * SEL_NUM
-            if col == ncols:
-                col = 0
-
-    # Greedy decisions move the adaptive contexts for the weights after them, so in rare cases the
-    # whole chunk costs more than plain rounding would: then rounding it is.
-    rounded = np.empty(n, dtype=np.int32)
-    for i in range(n):
-        level = np.int64(abs(np.float64(values[i]) * inv_step) + 0.5)
-        if level > max_level:
-            level = max_level
-        rounded[i] = -level if values[i] < 0 else level
-    if sequence_cost(rounded, values, importance, step, lam, ncols, col0, k_offset, predict) < total:
-        out[:] = rounded
-
-
-@kernel
-def sequence_cost(levels, values, importance, step, lam, ncols, col0, k_offset, predict):
-    """importance * (x - level)**2 + lam * bits summed over a chunk of plain levels, with the bits of
-    the live contexts (the coder's code length, without its final flush)."""
-    n = levels.shape[0]
-    weighted = importance.shape[0] == n
-    state = _fresh_state()
-    use_cols = ncols > 0
-    col_scale = np.zeros(max(ncols, 1), dtype=np.int64)
-    col = col0
-    pred_on = use_cols and predict
-    col_pred = np.zeros(max(ncols, 1) if pred_on else 1, dtype=np.int64)
-    cost_plain = 0
-    cost_pred = 0
-    use_pred = False
-    row_scale = 0
-    inv_step = 1.0 / step
-    total = 0.0
-    for i in range(n):
-        v = np.int64(levels[i])
-        d = np.float64(values[i]) * inv_step - v
-        imp = np.float64(importance[i]) if weighted else 1.0
-        pred = 0
-        if pred_on:
-            pred = (col_pred[col] + 128) >> 8
-        if use_cols and i >= ncols:
-            s = (row_scale + col_scale[col]) >> 1
+            total += imp * d * d + lam * _live_bits(state, base, _zigzag(x), k)
         else:
-            s = row_scale
-        bucket, k = _bucket_and_k(s, k_offset)
-        base = bucket * CTX_PER_BUCKET
+            a = abs(w)
+            sign = -1 if w < 0 else 1
+            nearest = np.int64(a + 0.5)
+            if nearest > max_level:
+                nearest = max_level
+            best_v = 0
+            best_cost = 1e300
+            # nearest, one towards zero, zero (the last two may coincide)
+            for m in range(candidates):
+                if m == 0:
+                    mag = nearest
+                elif m == 1:
+                    mag = nearest - 1
+                    if mag <= 0:
+                        continue
+                else:
+                    mag = 0
+                v = sign * mag
+                d = a - mag
+                x = v - pred if use_pred else v
+                cost = imp * d * d + lam * _live_bits(state, base, _zigzag(x), k)
+                if cost < best_cost:
+                    best_cost = cost
+                    best_v = v
+            v = best_v
+            levels[i] = v
+            total += best_cost
+
         x = v - pred if use_pred else v
         u = _zigzag(x)
-        total += imp * d * d + lam * _live_bits(state, base, u, k)
         _adapt_element(state, base, u, k)
         row_scale += ((u << SCALE_FRAC) - row_scale) >> ROW_SHIFT
         if use_cols:

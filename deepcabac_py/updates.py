@@ -752,6 +752,17 @@ def _shapes(header: UpdateHeader, flat_base: dict[str, _Tensor] | None) -> list[
 DEFAULT_MAX_ELEMENTS = 1 << 28  # 1 GiB of int32 levels
 
 
+def checked_payload(data, header: UpdateHeader) -> memoryview:
+    """The payload of the message at the start of ``data`` (whose header is ``header``), after
+    checking its CRC: this and :func:`read_update_header` verify a message without decoding it."""
+    view = memoryview(data)  # read_update_header has checked that it holds the whole message
+    end = header.header_size + header.payload_size
+    (crc,) = struct.unpack("<I", bytes(view[end:header.total_size]))
+    if zlib.crc32(view[header.header_size:end]) != crc:
+        raise CorruptStreamError("update payload checksum mismatch (the update is damaged)")
+    return view[header.header_size:end]
+
+
 def decode_update(data, base=None, *, session: UpdateSession | None = None, check_parent: bool = True,
                   max_elements: int = DEFAULT_MAX_ELEMENTS) -> Update:
     """Decode one update message (the first in ``data``).
@@ -800,11 +811,7 @@ def _decode(data, header: UpdateHeader, flat_base, session: UpdateSession | None
                 f"this update continues session {header.session_id} at message {header.session_seq}; the session "
                 f"given is {session.session_id} at message {session.seq} (were messages skipped or reordered?)")
     shapes = _shapes(header, flat_base)
-    view = memoryview(data)
-    payload = view[header.header_size:header.header_size + header.payload_size]
-    (crc,) = struct.unpack("<I", bytes(view[header.header_size + header.payload_size:header.total_size]))
-    if zlib.crc32(payload) != crc:
-        raise CorruptStreamError("update payload checksum mismatch (the update is damaged)")
+    payload = checked_payload(data, header)
     items = []
     for j, e in enumerate(header.entries):
         name, dtype, shape = shapes[e.index]
