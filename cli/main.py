@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import signal
 import sys
 import tempfile
 from contextlib import contextmanager
@@ -19,7 +20,7 @@ import click
 from deepcabac_py import __version__
 from deepcabac_py.container import read_header_file
 from deepcabac_py.errors import DeepCabacError, InputError, OutputError, OutputExistsError
-from deepcabac_py.fileio import write_atomic
+from deepcabac_py.fileio import os_reason, write_atomic
 from deepcabac_py.quantize import QP_MAX, QP_MIN, QUANTIZERS
 from deepcabac_py.report import build_report, format_report
 
@@ -34,18 +35,45 @@ STREAM_SUFFIX = ".dcb"
 _DEFAULT_SUFFIX = {"torch": ".pt", "safetensors": ".safetensors", "npz": ".npz"}
 
 
+class _Terminated(BaseException):
+    """SIGTERM, raised in the main thread so that cleanup (temporary output files) runs as for ^C."""
+
+
+def _raise_terminated(signum, frame):
+    raise _Terminated()
+
+
+@contextmanager
+def _sigterm_unwinds():
+    """Python's default SIGTERM action kills the process without unwinding, which would leave the
+    temporary file of an interrupted atomic write behind."""
+    try:
+        previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    except ValueError:  # not the main thread: leave signals alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 class _Group(click.Group):
-    """Turns library errors into one line on stderr and exit status 1."""
+    """Turns library errors into one line on stderr and exit status 1, ^C into 130, SIGTERM into 143."""
 
     def invoke(self, ctx):
         try:
-            return super().invoke(ctx)
+            with _sigterm_unwinds():
+                return super().invoke(ctx)
         except DeepCabacError as exc:
             click.echo(f"deepcabac: error: {exc}", err=True)
             ctx.exit(1)
         except KeyboardInterrupt:
             click.echo("deepcabac: interrupted", err=True)
             ctx.exit(130)
+        except _Terminated:
+            click.echo("deepcabac: terminated", err=True)
+            ctx.exit(128 + signal.SIGTERM)
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
@@ -158,6 +186,17 @@ def _checkpoint_path(path: str, kind: str | None):
         yield spooled
 
 
+def _abandon_stdout() -> None:
+    """After a failed write, point stdout at /dev/null: the interpreter's final flush would otherwise
+    fail again and print a traceback of its own."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
+
+
 def _write_output(path: str, data_or_writer, force: bool, mode: int | None = None) -> None:
     if path == "-":
         if sys.stdout.isatty():
@@ -166,8 +205,14 @@ def _write_output(path: str, data_or_writer, force: bool, mode: int | None = Non
             buf = io.BytesIO()
             data_or_writer(buf)
             data_or_writer = buf.getvalue()
-        sys.stdout.buffer.write(data_or_writer)
-        sys.stdout.buffer.flush()
+        try:
+            sys.stdout.buffer.write(data_or_writer)
+            sys.stdout.buffer.flush()
+        except OSError as exc:
+            _abandon_stdout()
+            if isinstance(exc, BrokenPipeError):
+                raise OutputError("cannot write to stdout: the reading end of the pipe was closed") from None
+            raise OutputError(f"cannot write to stdout: {os_reason(exc)}") from None
         return
     if os.path.isdir(path):
         raise OutputError(f"cannot write {path}: it is a directory")

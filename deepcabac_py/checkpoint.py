@@ -271,12 +271,26 @@ def _alias_key(t: TensorLike) -> Any:
     return ("numpy", t.__array_interface__["data"][0], t.shape, t.strides, t.dtype.str)
 
 
+# A pickle can reference one container many times over (a list holding the same list twice, 40 levels
+# deep, is 2 KB of pickle and 2**40 entries when expanded). Flattening copies every reference, so the
+# copies made of containers already seen are bounded.
+MAX_SHARED_ENTRIES = 100_000
+
+
 class _Flattener:
     def __init__(self) -> None:
         self.leaves: list[tuple[list[str], TensorLike, dict]] = []
         self.active: set[int] = set()
+        self.seen: set[int] = set()  # containers already flattened once (all alive: reachable from the root)
+        self.inside_repeat = 0
+        self.copied = 0
 
     def encode(self, obj: Any, path: list[str], tensors_ok: bool = True) -> Any:
+        if self.inside_repeat:
+            self.copied += 1
+            if self.copied > MAX_SHARED_ENTRIES:
+                raise TypeError(f"containers shared by reference expand to more than {MAX_SHARED_ENTRIES:,} "
+                                f"copied entries (at {'.'.join(path[:8]) or '<root>'})")
         t = type(obj)
         if obj is None or t is bool or t is str:
             return obj
@@ -326,11 +340,15 @@ class _Flattener:
             oid = id(obj)
             if oid in self.active:
                 raise TypeError(f"the structure contains a reference cycle (at {'.'.join(path) or '<root>'})")
+            repeat = oid in self.seen
+            self.seen.add(oid)
             self.active.add(oid)
+            self.inside_repeat += repeat
             try:
                 return self._encode_container(obj, path, tensors_ok)
             finally:
                 self.active.discard(oid)
+                self.inside_repeat -= repeat
         raise TypeError(f"unsupported object of type {t.__name__} at {'.'.join(path) or '<root>'}")
 
     def _encode_container(self, obj: Any, path: list[str], tensors_ok: bool) -> Any:
@@ -640,11 +658,18 @@ def _check_kind(kind: Optional[str]) -> None:
 # --------------------------------------------------------------------------------------------------
 
 
-def load_checkpoint(path: PathLike, kind: Optional[str] = None) -> Checkpoint:
+def load_checkpoint(path: PathLike, kind: Optional[str] = None, *, max_bytes: Optional[int] = None) -> Checkpoint:
     """Load a checkpoint file. ``kind`` defaults to the one implied by the suffix (``.pt``, ``.pth``,
     ``.bin``, ``.ckpt`` → torch; ``.safetensors``; ``.npz``); unknown suffixes are sniffed from content.
-    Every problem with the file raises :class:`CheckpointError` with a one-line reason."""
+    Every problem with the file raises :class:`CheckpointError` with a one-line reason.
+
+    Zip-based files (``.npz`` and torch's own format) may not expand to more than ``max_bytes`` of
+    uncompressed members; the default, ``64 MiB + 100 x the file size``, refuses zip bombs while no
+    checkpoint of real weights comes near it (weights hardly compress). Formats without compression
+    are bounded by the file size itself."""
     _check_kind(kind)
+    if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0):
+        raise ValueError(f"max_bytes must be a non-negative int or None, not {max_bytes!r}")
     path = os.fspath(path)
     if kind is None:
         kind = kind_from_suffix(path) or _sniff_kind(path)
@@ -653,10 +678,39 @@ def load_checkpoint(path: PathLike, kind: Optional[str] = None) -> Checkpoint:
     if os.path.isdir(path):
         raise CheckpointError(f"cannot read {path}: it is a directory")
     if kind == "torch":
-        return _load_torch(path)
+        return _load_torch(path, max_bytes)
     if kind == "safetensors":
         return _load_safetensors(path)
-    return _load_npz(path)
+    return _load_npz(path, max_bytes)
+
+
+ZIP_EXPANSION = 100
+ZIP_SLACK = 64 << 20
+
+
+def _check_zip_sizes(path: str, zf: zipfile.ZipFile, max_bytes: Optional[int]) -> None:
+    """Refuse, before anything is extracted, members that reach past the end of the file and archives
+    that would expand beyond ``max_bytes`` (see :func:`load_checkpoint`). Readers allocate what a
+    member's directory entry declares, so these numbers are what bounds their memory."""
+    try:
+        file_size = os.path.getsize(path)
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {path}: {exc.strerror or exc}") from None
+    total = 0
+    for info in zf.infolist():
+        name = f"{info.filename!r:.80}"
+        if info.header_offset + info.compress_size > file_size:
+            raise CheckpointError(f"{path}: zip member {name} claims {info.compress_size:,} bytes that "
+                                  f"reach past the end of the {file_size:,}-byte file")
+        if info.compress_type == zipfile.ZIP_STORED and info.file_size != info.compress_size:
+            raise CheckpointError(f"{path}: stored zip member {name} declares {info.file_size:,} bytes but "
+                                  f"holds {info.compress_size:,}")
+        total += info.file_size
+    limit = ZIP_SLACK + ZIP_EXPANSION * file_size if max_bytes is None else max_bytes
+    if total > limit:
+        why = (f"more than {ZIP_EXPANSION}x its size: a zip bomb? pass a larger max_bytes to load it anyway"
+               if max_bytes is None else f"more than max_bytes={max_bytes:,}")
+        raise CheckpointError(f"{path}: the {file_size:,}-byte archive expands to {total:,} bytes ({why})")
 
 
 def _first_line(exc: BaseException) -> str:
@@ -664,7 +718,19 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0][:300]
 
 
-def _load_torch(path: str) -> Checkpoint:
+def _load_torch(path: str, max_bytes: Optional[int] = None) -> Checkpoint:
+    try:
+        is_zip = zipfile.is_zipfile(path)
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {path}: {exc.strerror or _first_line(exc)}") from None
+    if is_zip:
+        try:
+            with zipfile.ZipFile(path) as zf:
+                _check_zip_sizes(path, zf, max_bytes)
+        except (zipfile.BadZipFile, NotImplementedError, RuntimeError, ValueError, EOFError):
+            pass  # torch's reader has its own view of a damaged archive and says what it finds
+        except OSError as exc:
+            raise CheckpointError(f"cannot read {path}: {exc.strerror or _first_line(exc)}") from None
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
@@ -886,11 +952,12 @@ def _npy_header(m) -> Optional[tuple[tuple, bool, np.dtype]]:
     return None  # version 3.0: left to np.load
 
 
-def _load_npz(path: str) -> Checkpoint:
+def _load_npz(path: str, max_bytes: Optional[int] = None) -> Checkpoint:
     # Pre-flight with zipfile: refuse object arrays and sizes that disagree with the member sizes before
     # numpy allocates anything.
     try:
         with zipfile.ZipFile(path) as zf:
+            _check_zip_sizes(path, zf, max_bytes)
             for info in zf.infolist():
                 if not info.filename.endswith(".npy"):
                     continue

@@ -16,7 +16,7 @@ from typing import BinaryIO, Callable, Union
 
 from .errors import OutputError, OutputExistsError
 
-__all__ = ["write_atomic"]
+__all__ = ["write_atomic", "os_reason"]
 
 Writer = Callable[[BinaryIO], None]
 
@@ -25,13 +25,17 @@ def _exists_error(path: str) -> OutputExistsError:
     return OutputExistsError(f"output file {path} already exists; use --force to overwrite it")
 
 
-def _os_error(path: str, exc: OSError) -> OutputError:
-    reason = exc.strerror or str(exc) or type(exc).__name__
+def os_reason(exc: OSError) -> str:
+    """A short, lower-case reason for an operating-system error on output."""
     if exc.errno == errno.ENOSPC:
-        reason = "no space left on device"
-    elif exc.errno in (errno.EACCES, errno.EPERM):
-        reason = "permission denied"
-    return OutputError(f"cannot write {path}: {reason}")
+        return "no space left on device"
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return "permission denied"
+    return exc.strerror or str(exc) or type(exc).__name__
+
+
+def _os_error(path: str, exc: OSError) -> OutputError:
+    return OutputError(f"cannot write {path}: {os_reason(exc)}")
 
 
 def _open_temp(directory: str, base: str) -> tuple[str, int]:
