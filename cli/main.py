@@ -326,10 +326,13 @@ def encode(ctx, input, output, input_format, force, qp, qp_density, qp_1d, qp_te
 @click.option("--format", "kind", type=click.Choice(KINDS), default=None,
               help="Checkpoint kind to write (default: from the output suffix, else the original kind).")
 @click.option("-f", "--force", is_flag=True, help="Overwrite an existing output file.")
+@click.option("--max-elements", type=click.IntRange(min=0), default=None, metavar="N",
+              help="Refuse a stream whose tensors hold more than N elements (for untrusted input; "
+                   "without it, memory is bounded by what the payload can code).")
 @_threads
 @_progress_option
 @_verbosity
-def decode(input, output, kind, force, threads, no_progress, quiet, verbose):
+def decode(input, output, kind, force, max_elements, threads, no_progress, quiet, verbose):
     """Decompress a model stream into a checkpoint."""
     from deepcabac_py.checkpoint import checkpoint_writer, kind_from_suffix
     from deepcabac_py.codec import decode_checkpoint, read_stream_header
@@ -354,7 +357,7 @@ def decode(input, output, kind, force, threads, no_progress, quiet, verbose):
         kind = kind or suffix_kind or (original_kind if original_kind in KINDS else "torch")
         params = sum(e.numel for e in header.tensors if not e.is_alias)
         with _progress(params, "decode", not (quiet or no_progress)) as update:
-            ckpt = decode_checkpoint(data, threads=threads, progress=update)
+            ckpt = decode_checkpoint(data, threads=threads, progress=update, max_elements=max_elements)
     _write_output(output, checkpoint_writer(ckpt, kind), force, _input_mode(input))
     _info(quiet, f"{input}: {len(data):,} bytes -> {params:,} params ({kind})"
                  + (f" -> {output}" if verbose else ""))

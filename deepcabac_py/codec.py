@@ -34,7 +34,7 @@ from .container import (
     read_header,
     write_header,
 )
-from .errors import CorruptStreamError, TruncatedStreamError
+from .errors import CorruptStreamError, LimitExceededError, TruncatedStreamError
 
 DEFAULT_QP = -32
 # Tensors with at most one dimension (biases, norms) are few but sensitive: by default their step is
@@ -511,9 +511,22 @@ def _payload_views(data, header: StreamHeader, e: TensorEntry) -> list[memoryvie
     return views
 
 
+def _check_max_elements(header: StreamHeader, max_elements: int | None) -> None:
+    """The header parser already bounds every tensor by its payload (docs/format.md §6.5); this is the
+    caller's own, usually much smaller, bound on what one stream may make us allocate."""
+    if max_elements is None:
+        return
+    if isinstance(max_elements, bool) or not isinstance(max_elements, int) or max_elements < 0:
+        raise ValueError(f"max_elements must be a non-negative int or None, not {max_elements!r}")
+    claimed = sum(e.numel for e in header.tensors if not e.is_alias)
+    if claimed > max_elements:
+        raise LimitExceededError(f"the stream holds {claimed:,} elements, more than max_elements={max_elements:,}")
+
+
 def _decode_entries(data, header: StreamHeader, *, want_levels: bool, threads: int,
-                    progress: Progress | None) -> dict[str, np.ndarray]:
+                    progress: Progress | None, max_elements: int | None = None) -> dict[str, np.ndarray]:
     """Decode every non-alias tensor: levels (int32) if ``want_levels`` else values (carrier dtype)."""
+    _check_max_elements(header, max_elements)
     outputs: dict[str, np.ndarray] = {}
     jobs = []
     for e in header.tensors:
@@ -570,11 +583,14 @@ def _decode_entries(data, header: StreamHeader, *, want_levels: bool, threads: i
     return outputs
 
 
-def decode_checkpoint(data, *, threads: int | None = None, progress: Progress | None = None) -> Checkpoint:
-    """Decode a model stream into a :class:`Checkpoint` (flat tensors plus the original structure)."""
+def decode_checkpoint(data, *, threads: int | None = None, progress: Progress | None = None,
+                      max_elements: int | None = None) -> Checkpoint:
+    """Decode a model stream into a :class:`Checkpoint` (flat tensors plus the original structure).
+    ``max_elements`` refuses (:class:`LimitExceededError`) a stream whose tensors hold more elements."""
     threads = _resolve_threads(threads)
     header = read_stream_header(data)
-    values = _decode_entries(data, header, want_levels=False, threads=threads, progress=progress)
+    values = _decode_entries(data, header, want_levels=False, threads=threads, progress=progress,
+                             max_elements=max_elements)
     tensors, aliases = {}, {}
     for e in header.tensors:
         if e.is_alias:
@@ -593,18 +609,22 @@ def decode_checkpoint(data, *, threads: int | None = None, progress: Progress | 
                       metadata=st_meta if isinstance(st_meta, dict) else None, aliases=aliases)
 
 
-def decode_model(data, *, threads: int | None = None, progress: Progress | None = None) -> Any:
+def decode_model(data, *, threads: int | None = None, progress: Progress | None = None,
+                 max_elements: int | None = None) -> Any:
     """Decode a stream made by :func:`encode_model` back into the structure that was encoded.
 
     Tensors come back as the type they were given in (torch tensors or numpy arrays), with their
-    dtypes and shapes; quantized floats hold ``level * step`` rounded to their dtype.
+    dtypes and shapes; quantized floats hold ``level * step`` rounded to their dtype. Memory is
+    bounded by the payload (a header cannot claim more elements than its bytes can code); for
+    untrusted input, ``max_elements`` sets a tighter bound of your own.
     """
-    return unflatten(decode_checkpoint(data, threads=threads, progress=progress))
+    return unflatten(decode_checkpoint(data, threads=threads, progress=progress, max_elements=max_elements))
 
 
-def decode_levels(data, *, threads: int | None = None) -> dict[str, QuantizedTensor]:
+def decode_levels(data, *, threads: int | None = None, max_elements: int | None = None) -> dict[str, QuantizedTensor]:
     """The integer levels and steps of every level-coded tensor (for integer inference)."""
     threads = _resolve_threads(threads)
     header = read_stream_header(data)
-    levels = _decode_entries(data, header, want_levels=True, threads=threads, progress=None)
+    levels = _decode_entries(data, header, want_levels=True, threads=threads, progress=None,
+                             max_elements=max_elements)
     return {e.name: _quantized(e, levels[e.name]) for e in header.tensors if e.name in levels}

@@ -40,3 +40,7 @@ class InputError(DeepCabacError):
 
 class UpdateMismatchError(DeepCabacError):
     """An update does not belong here: its parent model or its coding session is not the one given."""
+
+
+class LimitExceededError(DeepCabacError):
+    """The input asks for more memory than a limit the caller set (``max_elements``, ``max_bytes``)."""

@@ -33,7 +33,7 @@ import numpy as np
 from . import _update_kernels as _k
 from . import golomb
 from .container import check_preamble
-from .errors import CorruptStreamError, FormatError, TruncatedStreamError, UpdateMismatchError
+from .errors import CorruptStreamError, FormatError, LimitExceededError, TruncatedStreamError, UpdateMismatchError
 from .sparsify import ErrorFeedback, SparseTensor, reconstruct, sparsify
 
 MAGIC = b"\x89DCU\r\n\x1a\n"
@@ -782,7 +782,7 @@ def decode_update(data, base=None, *, session: UpdateSession | None = None, chec
                 rows, cols = _rows_cols(header.table[e.index][2])
                 claimed += rows * cols
         if claimed > max_elements:
-            raise CorruptStreamError(
+            raise LimitExceededError(
                 f"the update's own tensor table claims {claimed:,} elements, more than max_elements="
                 f"{max_elements:,}: pass the base model (or a larger max_elements) to decode it")
     if flat_base is not None and check_parent:

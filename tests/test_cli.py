@@ -875,3 +875,16 @@ def test_rate_control_that_cannot_be_met_is_an_error(model_dir):
     assert_error(run(["encode", model_dir / "model.safetensors", "-o", out, "--target-size", "100"]),
                  ["budget"])
     assert not out.exists()
+
+
+def test_decode_max_elements(model_dir):
+    r = _runner().invoke(main, ["encode", str(model_dir / "model.npz"), "-o", str(model_dir / "m.dcb"), "-q"])
+    assert r.exit_code == 0, r.output
+    params = read_stream_header((model_dir / "m.dcb").read_bytes())
+    total = sum(e.numel for e in params.tensors if not e.is_alias)
+    r = _runner().invoke(main, ["decode", str(model_dir / "m.dcb"), "-o", str(model_dir / "a.npz"),
+                                "--max-elements", str(total - 1)])
+    assert r.exit_code == 1 and "max_elements" in r.stderr and not (model_dir / "a.npz").exists()
+    r = _runner().invoke(main, ["decode", str(model_dir / "m.dcb"), "-o", str(model_dir / "a.npz"),
+                                "--max-elements", str(total), "-q"])
+    assert r.exit_code == 0 and (model_dir / "a.npz").exists()

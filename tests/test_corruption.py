@@ -504,3 +504,16 @@ def test_trellis_entry_in_a_version_1_stream_is_refused(small_stream):
     struct.pack_into("<H", data, 8, 1)
     with pytest.raises(CorruptStreamError, match="needs format version 2"):
         dc.read_stream_header(reseal_header(data))
+
+
+def test_max_elements_is_the_callers_own_bound():
+    model = {"a": np.ones((30, 40), np.float32), "b": np.arange(7, dtype=np.int64), "tied": None}
+    model["tied"] = model["a"]
+    data = dc.encode_model(model, qp=-20)
+    total = 30 * 40 + 7  # an alias adds nothing
+    for decode in (dc.decode_model, dc.decode_checkpoint, dc.decode_levels):
+        decode(data, max_elements=total)
+        with pytest.raises(dc.LimitExceededError, match=f"1,207 elements, more than max_elements={total - 1:,}"):
+            decode(data, max_elements=total - 1)
+    with pytest.raises(ValueError):
+        dc.decode_model(data, max_elements=-1)
