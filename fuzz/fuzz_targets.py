@@ -17,6 +17,18 @@ Targets (``TARGETS`` maps the CLI names to functions):
 * ``update_sealed``  -- the same after recomputing the header and payload CRCs of the first message.
 * ``ckpt_safetensors``, ``ckpt_npz``, ``ckpt_pt`` -- ``load_checkpoint`` on the bytes written to a
                         temporary file with that suffix (``CheckpointError``/``DeepCabacError`` allowed).
+* ``ckpt_pt_pickle`` -- structure-aware ``.pt``: the input is the pickle (``data.pkl``) of a torch
+                        archive whose other records (storages, version, byte order) are valid, so
+                        mutations reach the weights-only unpickler and our flattening instead of
+                        stopping at the zip framing.
+* ``model_threads``  -- differential: a sealed stream decoded with 1 and with 2 threads must give the
+                        same levels or the same error.
+* ``matrix``         -- a sealed stream through ``matrix_formats.from_stream`` (CER and CSER); each
+                        matrix must hold exactly the levels ``decode_levels`` gives.
+* ``zarr``           -- the numcodecs codec's ``decode`` on raw and on sealed chunk streams.
+* ``encode``         -- the encoder: the input chooses a tensor (dtype, shape, raw values including
+                        NaN/inf) and settings; the stream must be the same bytes with 1 and 2 threads
+                        and decode to exactly ``quantize_model``'s levels.
 """
 
 from __future__ import annotations
@@ -25,6 +37,7 @@ import os
 import struct
 import tempfile
 import traceback
+import warnings
 import zlib
 
 import numpy as np
@@ -178,12 +191,107 @@ def target_update_sealed(data: bytes) -> None:
     target_update(seal_update_message(data))
 
 
+def _outcome(fn, *args, **kwargs):
+    """``("ok", result)`` or ``("error", type name, message)`` for a DeepCabacError; else Finding."""
+    try:
+        return ("ok", fn(*args, **kwargs))
+    except DeepCabacError as exc:
+        return ("error", type(exc).__name__, str(exc))
+    except BaseException:  # noqa: BLE001 -- let _check describe it
+        _check(fn, *args, **kwargs)
+        raise
+
+
+def _same_levels(a: dict, b: dict) -> bool:
+    return list(a) == list(b) and all(
+        x.dtype == y.dtype and x.step == y.step and x.levels.dtype == y.levels.dtype
+        and np.array_equal(x.levels, y.levels) for x, y in zip(a.values(), b.values()))
+
+
+def target_model_threads(data: bytes) -> None:
+    stream = seal_model_stream(data)
+    one = _outcome(dc.decode_levels, stream, threads=1)
+    two = _outcome(dc.decode_levels, stream, threads=2)
+    if one[0] != two[0] or (one[0] == "error" and one != two) or (one[0] == "ok" and not _same_levels(one[1], two[1])):
+        raise Finding(f"1 and 2 threads disagree: {str(one)[:200]} vs {str(two)[:200]}")
+
+
+def target_matrix(data: bytes) -> None:
+    from deepcabac_py.matrix_formats import from_stream, matrix_view
+
+    stream = seal_model_stream(data)
+    levels = _outcome(dc.decode_levels, stream, threads=1)
+    for fmt in ("cer", "cser"):
+        mats = _outcome(from_stream, stream, fmt, threads=1)
+        if mats[0] != levels[0]:
+            raise Finding(f"from_stream({fmt}) and decode_levels disagree: {str(mats)[:200]} vs {str(levels)[:200]}")
+        if mats[0] == "ok":
+            for name, mat in mats[1].items():
+                if not np.array_equal(mat.to_levels(), matrix_view(levels[1][name].levels)):
+                    raise Finding(f"{fmt} matrix {name!r} does not hold the stream's levels")
+
+
+def target_zarr(data: bytes) -> None:
+    from deepcabac_py.integrations.zarr_codec import DeepCabac
+
+    codec = DeepCabac()
+    _check(codec.decode, data)
+    _check(codec.decode, seal_model_stream(data))
+
+
+_ENCODE_DTYPES = ("float32", "float16", "float64", "int8", "int32", "uint8", "bool", "bfloat16")
+
+
+def target_encode(data: bytes) -> None:
+    """Layout of the input: dtype, ndim, quantizer, qp offset, flags, up to 4 dims, then the raw values."""
+    import torch
+
+    if len(data) < 5:
+        return
+    dtype = _ENCODE_DTYPES[data[0] % len(_ENCODE_DTYPES)]
+    ndim = data[1] % 5
+    quantizer = ("nearest", "rdoq", "trellis")[data[2] % 3]
+    qp = -48 + data[3] % 40
+    flags = data[4]
+    dims = [1 + b % 24 for b in data[5:5 + ndim]]
+    if len(dims) < ndim:
+        return
+    raw = data[5 + ndim:]
+    itemsize = 2 if dtype == "bfloat16" else np.dtype(dtype).itemsize
+    count = int(np.prod(dims)) if ndim else 1
+    raw = (raw * (1 + (count * itemsize) // max(len(raw), 1)))[:count * itemsize] if raw else bytes(count * itemsize)
+    if dtype == "bfloat16":
+        tensor = torch.frombuffer(bytearray(raw), dtype=torch.bfloat16).reshape(dims)
+    elif dtype == "bool":
+        tensor = (np.frombuffer(raw, dtype=np.uint8) & 1).astype(bool).reshape(dims)
+    else:
+        tensor = np.frombuffer(raw, dtype=dtype).reshape(dims).copy()
+    model = {"t": tensor, "u": tensor} if flags & 1 else {"t": tensor}
+    settings = dict(qp=qp, quantizer=quantizer, keep_exact=bool(flags & 2), lambda_scale=(flags >> 2) % 4 * 0.5)
+    with warnings.catch_warnings():  # "stored exactly (raw)" for NaN/inf input
+        warnings.simplefilter("ignore")
+        one = _outcome(dc.encode_model, model, threads=1, **settings)
+        two = _outcome(dc.encode_model, model, threads=2, **settings)
+    if one != two:
+        raise Finding(f"encode differs between 1 and 2 threads: {str(one)[:200]} vs {str(two)[:200]}")
+    if one[0] == "error":
+        return
+    decoded = _check(dc.decode_levels, one[1], threads=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected = _check(dc.quantize_model, model, **settings)
+    if decoded is None or expected is None or not _same_levels(decoded, expected):
+        raise Finding("the decoded levels differ from quantize_model's")
+
+
 def _load(data: bytes, suffix: str):
     fd, path = tempfile.mkstemp(suffix=suffix, prefix="dcfuzz-")
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
-        return _check(load_checkpoint, path)
+        with warnings.catch_warnings():  # torch warns about odd pickle protocols before refusing them
+            warnings.simplefilter("ignore")
+            return _check(load_checkpoint, path)
     finally:
         os.unlink(path)
 
@@ -200,6 +308,36 @@ def target_ckpt_pt(data: bytes) -> None:
     _load(data, ".pt")
 
 
+def _torch_archive(pickle_bytes: bytes) -> bytes:
+    """The template archive of ``ckpt_pt_pickle`` with ``pickle_bytes`` as its data.pkl."""
+    import io
+    import zipfile
+
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(_PT_TEMPLATE)) as src, zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as dst:
+        for info in src.infolist():
+            dst.writestr(info, pickle_bytes if info.filename.endswith("/data.pkl") else src.read(info))
+    return out.getvalue()
+
+
+def pt_template() -> bytes:
+    """A torch archive with two storages (float32 of 6 and int64 of 3 elements) the pickles can use."""
+    import io
+
+    import torch
+
+    buf = io.BytesIO()
+    torch.save({"a": torch.arange(6, dtype=torch.float32), "b": torch.arange(3)}, buf)
+    return buf.getvalue()
+
+
+_PT_TEMPLATE = pt_template()
+
+
+def target_ckpt_pt_pickle(data: bytes) -> None:
+    _load(_torch_archive(data), ".pt")
+
+
 TARGETS = {
     "model": target_model,
     "model_sealed": target_model_sealed,
@@ -208,4 +346,9 @@ TARGETS = {
     "ckpt_safetensors": target_ckpt_safetensors,
     "ckpt_npz": target_ckpt_npz,
     "ckpt_pt": target_ckpt_pt,
+    "ckpt_pt_pickle": target_ckpt_pt_pickle,
+    "model_threads": target_model_threads,
+    "matrix": target_matrix,
+    "zarr": target_zarr,
+    "encode": target_encode,
 }

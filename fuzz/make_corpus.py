@@ -89,6 +89,59 @@ def checkpoints() -> dict[str, bytes]:
     return out
 
 
+def pt_pickles() -> dict[str, bytes]:
+    """data.pkl of structures over the template's two tensors (first seen: the float one), so the
+    storages they name exist in the ckpt_pt_pickle template archive."""
+    import zipfile
+    from collections import OrderedDict
+
+    a, b = torch.arange(6, dtype=torch.float32), torch.arange(3)
+    structures = {
+        "flat": {"a": a, "b": b},
+        "views": {"w": a.view(2, 3), "row": a[3:], "t": a.view(3, 2).t(), "b": b},
+        "nested": {"model": OrderedDict(fc=torch.nn.Parameter(a, requires_grad=False), n=b), "epoch": 3,
+                   "lr": 1e-3, "names": ["x", "y"], "shape": torch.Size([2, 3]), "dt": torch.float16,
+                   "pair": (1, "two", None, True), "big": 2 ** 70, "nan": float("nan")},
+        "list": [a, [b, {"k": a}], (a, b)],
+        "tied": {"x": a, "y": a, "z": b},
+    }
+    out = {}
+    for name, obj in structures.items():
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        with zipfile.ZipFile(io.BytesIO(buf.getvalue())) as zf:
+            out[name] = zf.read(next(n for n in zf.namelist() if n.endswith("/data.pkl")))
+    return out
+
+
+def zarr_chunks() -> dict[str, bytes]:
+    from deepcabac_py.integrations.zarr_codec import DeepCabac
+
+    rng = np.random.default_rng(5)
+    return {
+        "float": DeepCabac(step=0.01).encode(rng.standard_normal((8, 9)).astype(np.float32)),
+        "int": DeepCabac().encode(np.arange(-20, 20, dtype=np.int16)),
+        "exact": DeepCabac(keep_exact=True).encode(rng.standard_normal(11)),
+    }
+
+
+def encode_inputs() -> dict[str, bytes]:
+    """Inputs of the encode target: dtype, ndim, quantizer, qp offset, flags, dims, raw values."""
+    rng = np.random.default_rng(9)
+    normal = (rng.standard_normal(96) * 0.3).astype(np.float32).tobytes()
+    return {
+        "f32_trellis": bytes([0, 2, 2, 8, 0, 8, 12]) + normal,
+        "f16_rdoq_tied": bytes([1, 3, 1, 12, 1, 2, 4, 6]) + (rng.standard_normal(48) * 2).astype(np.float16).tobytes(),
+        "f64_nearest": bytes([2, 1, 0, 20, 0, 40]) + rng.standard_normal(40).tobytes(),
+        "int8": bytes([3, 2, 0, 0, 0, 5, 7]) + rng.integers(-128, 128, 35, dtype=np.int8).tobytes(),
+        "bool": bytes([6, 1, 0, 0, 0, 17]) + rng.integers(0, 2, 17, dtype=np.uint8).tobytes(),
+        "bf16_exact": bytes([7, 2, 2, 4, 2, 3, 3]) + normal[:18],
+        "nan_inf": bytes([0, 1, 2, 8, 4, 6]) + np.array([np.nan, np.inf, -np.inf, 1e30, -0.0, 1.5],
+                                                         dtype=np.float32).tobytes(),
+        "scalar": bytes([0, 0, 1, 8, 0]) + np.float32(0.7).tobytes(),
+    }
+
+
 def write(target: str, name: str, data: bytes) -> None:
     d = CORPUS / target
     d.mkdir(parents=True, exist_ok=True)
@@ -102,6 +155,19 @@ def main() -> None:
     for name, data in update_messages().items():
         write("update", f"{name}.dcu", data)
         write("update_sealed", f"{name}.dcu", data)
+    for name, data in model_streams().items():
+        for target in ("model_threads", "matrix"):
+            write(target, f"{name}.bin", unpack_model_stream(data))
+    sparse = np.zeros((1100, 2000), np.float32)  # three chunks of rows, a small payload
+    sparse[::97, ::89] = np.random.default_rng(2).standard_normal(sparse[::97, ::89].shape)
+    big = dc.encode_model({"w": sparse}, qp=-30, threads=1)
+    write("model_threads", "chunks.bin", unpack_model_stream(big))
+    for name, data in pt_pickles().items():
+        write("ckpt_pt_pickle", f"{name}.pkl", data)
+    for name, data in zarr_chunks().items():
+        write("zarr", f"{name}.dcb", data)
+    for name, data in encode_inputs().items():
+        write("encode", name, data)
     suffix = {"safetensors": "ckpt_safetensors", "npz": "ckpt_npz", "torch": "ckpt_pt"}
     for name, data in checkpoints().items():
         kind = name.split("_")[0]

@@ -53,6 +53,14 @@ def main(argv: list[str]) -> int:
         import deepcabac_py.errors, deepcabac_py.container, deepcabac_py.levelcoder  # noqa: E401,F401
         import deepcabac_py.checkpoint, deepcabac_py.sparsify, deepcabac_py.updates  # noqa: E401,F401
     import deepcabac_py.codec  # noqa: F401
+    with atheris.instrument_imports(include=["deepcabac_py"]):
+        import deepcabac_py.matrix_formats, deepcabac_py.integrations.zarr_codec  # noqa: E401,F401
+    if target.startswith("ckpt_pt"):
+        # torch's weights-only unpickler is pure Python: instrumenting its opcode loop lets the
+        # fuzzer steer through pickle opcodes instead of guessing blindly behind the zip framing.
+        import torch._weights_only_unpickler as wou
+        wou.Unpickler.load = atheris.instrument_func(wou.Unpickler.load)
+        wou._read_global_instruction = atheris.instrument_func(wou._read_global_instruction)
     with atheris.instrument_imports(include=["fuzz_targets"]):
         import fuzz_targets
 

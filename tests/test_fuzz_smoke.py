@@ -30,6 +30,11 @@ CASES = {
     "ckpt_safetensors": 300,
     "ckpt_npz": 200,
     "ckpt_pt": 200,
+    "ckpt_pt_pickle": 300,
+    "model_threads": 150,
+    "matrix": 200,
+    "zarr": 300,
+    "encode": 200,
 }
 
 
