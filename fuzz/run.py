@@ -43,18 +43,25 @@ def main(argv: list[str]) -> int:
         print("atheris is not installed: .venv/bin/pip install atheris (or '.[fuzz]')", file=sys.stderr)
         return 2
 
-    # Modules holding numba kernels (incl. codec, golomb, quantize) are not instrumented: numba cannot
-    # compile instrumented bytecode. They are imported in dependency order so that the instrumented
-    # modules (container, levelcoder, checkpoint, updates, sparsify, fuzz_targets) are instrumented.
-    import deepcabac_py._jit, deepcabac_py._cabac_kernels, deepcabac_py._matrix_kernels  # noqa: E401,F401
-    import deepcabac_py._rd_kernels, deepcabac_py._update_kernels  # noqa: E401,F401
-    import deepcabac_py.golomb, deepcabac_py.quantize  # noqa: E401,F401
-    with atheris.instrument_imports(include=["deepcabac_py"]):
-        import deepcabac_py.errors, deepcabac_py.container, deepcabac_py.levelcoder  # noqa: E401,F401
-        import deepcabac_py.checkpoint, deepcabac_py.sparsify, deepcabac_py.updates  # noqa: E401,F401
-    import deepcabac_py.codec  # noqa: F401
-    with atheris.instrument_imports(include=["deepcabac_py"]):
-        import deepcabac_py.matrix_formats, deepcabac_py.integrations.zarr_codec  # noqa: E401,F401
+    if os.environ.get("NUMBA_DISABLE_JIT") == "1":
+        # The kernels run as plain Python: instrument them too, so that the fuzzer is guided by the
+        # branches of the arithmetic decoders themselves (slow, but it sees inside the kernels).
+        with atheris.instrument_imports(include=["deepcabac_py"]):
+            import deepcabac_py.codec, deepcabac_py.updates, deepcabac_py.matrix_formats  # noqa: E401,F401
+            import deepcabac_py.integrations.zarr_codec  # noqa: F401
+    else:
+        # Modules holding numba kernels (incl. codec, golomb, quantize) are not instrumented: numba
+        # cannot compile instrumented bytecode. They are imported in dependency order so that the
+        # Python parsers and validators around them are instrumented.
+        import deepcabac_py._jit, deepcabac_py._cabac_kernels, deepcabac_py._matrix_kernels  # noqa: E401,F401
+        import deepcabac_py._rd_kernels, deepcabac_py._update_kernels  # noqa: E401,F401
+        import deepcabac_py.golomb, deepcabac_py.quantize  # noqa: E401,F401
+        with atheris.instrument_imports(include=["deepcabac_py"]):
+            import deepcabac_py.errors, deepcabac_py.container, deepcabac_py.levelcoder  # noqa: E401,F401
+            import deepcabac_py.checkpoint, deepcabac_py.sparsify, deepcabac_py.updates  # noqa: E401,F401
+        import deepcabac_py.codec  # noqa: F401
+        with atheris.instrument_imports(include=["deepcabac_py"]):
+            import deepcabac_py.matrix_formats, deepcabac_py.integrations.zarr_codec  # noqa: E401,F401
     if target.startswith("ckpt_pt"):
         # torch's weights-only unpickler is pure Python: instrumenting its opcode loop lets the
         # fuzzer steer through pickle opcodes instead of guessing blindly behind the zip framing.
