@@ -48,7 +48,7 @@ def main(argv: list[str]) -> int:
         # branches of the arithmetic decoders themselves (slow, but it sees inside the kernels).
         with atheris.instrument_imports(include=["deepcabac_py"]):
             import deepcabac_py.codec, deepcabac_py.updates, deepcabac_py.matrix_formats  # noqa: E401,F401
-            import deepcabac_py.integrations.zarr_codec  # noqa: F401
+            import deepcabac_py.integrations.zarr_codec  # noqa: F401,F811
     else:
         # Modules holding numba kernels (incl. codec, golomb, quantize) are not instrumented: numba
         # cannot compile instrumented bytecode. They are imported in dependency order so that the
