@@ -19,6 +19,7 @@ EXPECTED_ALL = [
     "ErrorFeedback",
     "FormatError",
     "InputError",
+    "LimitExceededError",
     "OutputError",
     "OutputExistsError",
     "QuantizedTensor",
@@ -62,7 +63,8 @@ def test_star_import_exports_exactly_all():
 
 def test_exception_hierarchy():
     assert issubclass(dc.DeepCabacError, Exception)
-    for cls in (dc.FormatError, dc.CheckpointError, dc.InputError, dc.OutputError, dc.OutputExistsError):
+    for cls in (dc.FormatError, dc.CheckpointError, dc.InputError, dc.OutputError, dc.OutputExistsError,
+                dc.LimitExceededError):
         assert issubclass(cls, dc.DeepCabacError)
     assert issubclass(dc.CorruptStreamError, dc.FormatError)
     assert issubclass(dc.TruncatedStreamError, dc.CorruptStreamError)
