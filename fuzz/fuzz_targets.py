@@ -26,6 +26,9 @@ Targets (``TARGETS`` maps the CLI names to functions):
 * ``matrix``         -- a sealed stream through ``matrix_formats.from_stream`` (CER and CSER); each
                         matrix must hold exactly the levels ``decode_levels`` gives.
 * ``zarr``           -- the numcodecs codec's ``decode`` on raw and on sealed chunk streams.
+* ``info``           -- ``deepcabac info [--json] FILE`` through click's runner on the bytes as a file
+                        (the header-only file reader, the report, the update-file dispatch): exit 0,
+                        or exit 1 with one ``deepcabac: error:`` line; a traceback is a finding.
 * ``encode``         -- the encoder: the input chooses a tensor (dtype, shape, raw values including
                         NaN/inf) and settings; the stream must be the same bytes with 1 and 2 threads
                         and decode to exactly ``quantize_model``'s levels.
@@ -333,6 +336,29 @@ def target_ckpt_pt(data: bytes) -> None:
     _load(data, ".pt")
 
 
+def target_info(data: bytes) -> None:
+    from click.testing import CliRunner
+
+    from deepcabac_py.cli.main import main
+
+    fd, path = tempfile.mkstemp(suffix=".dcb", prefix="dcfuzz-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        for args in (["info", path], ["info", "--json", path]):
+            result = CliRunner().invoke(main, args)
+            if result.exit_code == 1:
+                lines = result.stderr.strip().splitlines()
+                if len(lines) != 1 or not lines[0].startswith("deepcabac: error: "):
+                    raise Finding(f"info exit 1 without a one-line error: {result.stderr[-500:]!r}")
+            elif result.exit_code != 0 or (result.exception and not isinstance(result.exception, SystemExit)):
+                exc = result.exception
+                where = "".join(traceback.format_tb(exc.__traceback__, limit=-4)) if exc else ""
+                raise Finding(f"info exit {result.exit_code}: {type(exc).__name__}: {exc}\n{where}")
+    finally:
+        os.unlink(path)
+
+
 def _torch_archive(pickle_bytes: bytes) -> bytes:
     """The template archive of ``ckpt_pt_pickle`` with ``pickle_bytes`` as its data.pkl."""
     import io
@@ -376,4 +402,5 @@ TARGETS = {
     "matrix": target_matrix,
     "zarr": target_zarr,
     "encode": target_encode,
+    "info": target_info,
 }

@@ -152,7 +152,10 @@ def main() -> None:
     for name, data in model_streams().items():
         write("model", f"{name}.dcb", data)
         write("model_sealed", f"{name}.bin", unpack_model_stream(data))
+    for name, data in model_streams().items():
+        write("info", f"{name}.dcb", data)
     for name, data in update_messages().items():
+        write("info", f"{name}.dcu", data)
         write("update", f"{name}.dcu", data)
         write("update_sealed", f"{name}.dcu", data)
     for name, data in model_streams().items():

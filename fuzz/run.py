@@ -49,6 +49,7 @@ def main(argv: list[str]) -> int:
         with atheris.instrument_imports(include=["deepcabac_py"]):
             import deepcabac_py.codec, deepcabac_py.updates, deepcabac_py.matrix_formats  # noqa: E401,F401
             import deepcabac_py.integrations.zarr_codec  # noqa: F401,F811
+            import deepcabac_py.report, deepcabac_py.cli.main, deepcabac_py.cli.update  # noqa: E401,F401
     else:
         # Modules holding numba kernels (incl. codec, golomb, quantize) are not instrumented: numba
         # cannot compile instrumented bytecode. They are imported in dependency order so that the
@@ -62,6 +63,7 @@ def main(argv: list[str]) -> int:
         import deepcabac_py.codec  # noqa: F401
         with atheris.instrument_imports(include=["deepcabac_py"]):
             import deepcabac_py.matrix_formats, deepcabac_py.integrations.zarr_codec  # noqa: E401,F401
+            import deepcabac_py.report, deepcabac_py.cli.main, deepcabac_py.cli.update  # noqa: E401,F401
     if target.startswith("ckpt_pt"):
         # torch's weights-only unpickler is pure Python: instrumenting its opcode loop lets the
         # fuzzer steer through pickle opcodes instead of guessing blindly behind the zip framing.

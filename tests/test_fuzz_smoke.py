@@ -35,6 +35,7 @@ CASES = {
     "matrix": 200,
     "zarr": 300,
     "encode": 200,
+    "info": 150,
 }
 
 
