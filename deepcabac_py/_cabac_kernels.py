@@ -25,7 +25,7 @@ Design, in short (the reasons are measured in ``benchmarks/bench_contexts.py``):
 
 import numpy as np
 
-from ._jit import kernel, scalar_helper
+from ._jit import inline_helper, kernel, scalar_helper
 
 # --- arithmetic coder ---------------------------------------------------------------------------
 PROB_BITS = 15
@@ -171,9 +171,11 @@ def _decode_bypass(code, rng, g):
     return code, rng, bits
 
 
-@kernel
+@inline_helper
 def _shift_low(low, cache, cache_size, out, pos):
-    # Emits the byte above the 24-bit window once it can no longer change by a carry.
+    # Emits the byte above the 24-bit window once it can no longer change by a carry. Inlined: as a
+    # called kernel, the array argument was reference-counted on every output byte (measured on
+    # all-MiniLM-L6-v2: 1.5 ns per weight, 6% of the encoder's time).
     if low < 0xFF000000 or low >= (1 << 32):
         carry = low >> 32
         byte = cache
