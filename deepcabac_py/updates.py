@@ -37,7 +37,8 @@ from .errors import CorruptStreamError, FormatError, LimitExceededError, Truncat
 from .sparsify import ErrorFeedback, SparseTensor, reconstruct, sparsify
 
 MAGIC = b"\x89DCU\r\n\x1a\n"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the MIX feature (mixed context models); version 1 messages stay readable
+READABLE_VERSIONS = (1, 2)
 PREAMBLE = struct.Struct("<8sHHI")  # magic, version, flags, header_size
 FLAG_TABLE = 1  # the header lists the parent's tensors (names, dtypes, shapes)
 _KNOWN_FLAGS = FLAG_TABLE
@@ -169,9 +170,7 @@ def _next_hist(hist: np.ndarray, levels: np.ndarray | None) -> np.ndarray:
 
 
 def _fresh_ctx() -> np.ndarray:
-    ctx = np.zeros((_k.N_CTX_U, _k.CTX_COLS), dtype=np.int64)
-    ctx[:, 0] = _k.EST_HALF
-    return ctx
+    return _k.fresh_contexts(1)
 
 
 class UpdateSession:
@@ -238,6 +237,9 @@ class UpdateSession:
                 i = 0
                 while f"n{i}" in z:
                     st = _TensorState(z[f"c{i}"].copy(), z[f"p{i}"].copy(), z[f"h{i}"].copy())
+                    if st.ctx.dtype == np.int64 and st.ctx.shape == (_k.N_CTX_V1, _k.CTX_COLS):
+                        # a snapshot of update format 1: the contexts of the mixed models start fresh
+                        st.ctx = np.concatenate([st.ctx, _fresh_ctx()[_k.N_CTX_V1:]])
                     if (st.ctx.dtype != np.int64 or st.ctx.shape != (_k.N_CTX_U, _k.CTX_COLS)
                             or st.parent.dtype != np.int8 or st.hist.dtype != np.uint16
                             or st.parent.shape != st.hist.shape or st.parent.ndim != 1):
@@ -353,7 +355,9 @@ def _write_message(*, round_index: int, parent_round: int, parent_hash: bytes, s
     body.append(_uvarint(len(payload)))
     body = b"".join(body)
     flags = FLAG_TABLE if table is not None else 0
-    head = PREAMBLE.pack(MAGIC, FORMAT_VERSION, flags, len(body) + 4) + body
+    # A message that uses no format-2 feature is written as format 1 (readable by older decoders).
+    version = FORMAT_VERSION if any(e.features & ~_k.F_ALL_V1 for e in entries) else 1
+    head = PREAMBLE.pack(MAGIC, version, flags, len(body) + 4) + body
     head += struct.pack("<I", zlib.crc32(head))
     return head + payload + struct.pack("<I", zlib.crc32(payload))
 
@@ -363,11 +367,11 @@ def is_update_stream(data) -> bool:
     return bytes(data[:len(MAGIC)]) == MAGIC
 
 
-def _check_preamble(data) -> tuple[int, int]:
-    _, flags, header_size = check_preamble(data, magic=MAGIC, versions=(FORMAT_VERSION,),
-                                           known_flags=_KNOWN_FLAGS, kind="update", noun="update",
-                                           label="update ", max_header_size=MAX_HEADER_SIZE)
-    return flags, header_size
+def _check_preamble(data) -> tuple[int, int, int]:
+    version, flags, header_size = check_preamble(data, magic=MAGIC, versions=READABLE_VERSIONS,
+                                                 known_flags=_KNOWN_FLAGS, kind="update", noun="update",
+                                                 label="update ", max_header_size=MAX_HEADER_SIZE)
+    return version, flags, header_size
 
 
 def read_update_header(data, *, total_size: int | None = None) -> UpdateHeader:
@@ -376,7 +380,7 @@ def read_update_header(data, *, total_size: int | None = None) -> UpdateHeader:
     ``data`` may hold just the header (pass the message's ``total_size`` then), or more than one
     message (only the first is parsed).
     """
-    flags, header_size = _check_preamble(data)
+    version, flags, header_size = _check_preamble(data)
     end = PREAMBLE.size + header_size
     if len(data) < end:
         raise TruncatedStreamError(f"update ends inside its header ({len(data)} of {end} bytes)")
@@ -436,12 +440,12 @@ def read_update_header(data, *, total_size: int | None = None) -> UpdateHeader:
             raise FormatError(f"update entry {j}: {exc}") from None
         features = r.u8("features")
         e = UpdateEntry(index, method, step, nnz, maxabs, sign_mode, features)
-        _validate_entry(e, j, coder, table)
+        _validate_entry(e, j, coder, table, version)
         entries.append(e)
     payload_size = r.uvarint("payload size", 1 << 48)
     if r.pos != r.end:
         raise CorruptStreamError(f"{r.end - r.pos} unexplained bytes at the end of the update header")
-    header = UpdateHeader(FORMAT_VERSION, round_index, parent_round, parent_hash, session_id, session_seq, coder, tensor_total,
+    header = UpdateHeader(version, round_index, parent_round, parent_hash, session_id, session_seq, coder, tensor_total,
                           table, entries, end, payload_size)
     available = len(data) if total_size is None else total_size
     if available < header.total_size:
@@ -449,9 +453,9 @@ def read_update_header(data, *, total_size: int | None = None) -> UpdateHeader:
     return header
 
 
-def _validate_entry(e: UpdateEntry, j: int, coder: UpdateCoder, table) -> None:
+def _validate_entry(e: UpdateEntry, j: int, coder: UpdateCoder, table, version: int = FORMAT_VERSION) -> None:
     where = f"update entry {j}"
-    if e.features & ~_k.F_ALL:
+    if e.features & ~(_k.F_ALL if version >= 2 else _k.F_ALL_V1):
         raise FormatError(f"{where}: unknown feature bits 0x{e.features:02x}")
     if e.nnz < 1 or e.maxabs < 1:
         raise CorruptStreamError(f"{where}: a listed tensor has nonzeros")
@@ -941,7 +945,7 @@ def read_message(f) -> bytes | None:
     pre = f.read(PREAMBLE.size)
     if not pre:
         return None
-    _, header_size = _check_preamble(pre)
+    _, _, header_size = _check_preamble(pre)
     head = pre + f.read(header_size)
     header = read_update_header(head, total_size=1 << 62)
     rest = f.read(header.total_size - len(head))

@@ -66,31 +66,73 @@ def area_of(rc: int, cc: int) -> int:
     return 2 + min(6, max(0, rc + cc + 3))
 
 
-def sig_context(f, parent, hist, colstate, rcount, prev_nz, area) -> int:
-    t = 0
+def tstate(f, parent, hist) -> int:
+    """History state 0..20 (HISTORY), else 1 for a nonzero parent level (TEMPORAL), else 0."""
     age, count = hist_age(hist), hist_count(hist)
     if f & K.F_HISTORY:
         if age > 0:  # age classes 1, 2, 3-4, 5-8, 9+; count classes 1, 2-3, 4-7, 8+
-            t = 1 + 4 * min((age - 1).bit_length(), 4) + min(count.bit_length() - 1, 3)
-    elif f & K.F_TEMPORAL and parent != 0:
-        t = 1
+            return 1 + 4 * min((age - 1).bit_length(), 4) + min(count.bit_length() - 1, 3)
+        return 0
+    return 1 if f & K.F_TEMPORAL and parent != 0 else 0
+
+
+def sig_context(f, t, colstate, rcount, prev_nz, area) -> int:
     cs = min(colstate & K.COL_COUNT_MAX, 2) if f & K.F_COLUMN else 0
     rs = (2 if prev_nz else 1) if (f & K.F_ROW and rcount > 0) else 0
     return K.CTX_SIG + ((t * K.N_COLCLS + cs) * K.N_ROWCLS + rs) * K.N_AREA + area
 
 
-def sign_context(f, parent, hist, rsign, colstate) -> int | None:
-    if not f & K.F_SIGNCTX:
-        return None
-    ps = 0
+def density_q(nnz: int, numel: int) -> int:
+    return (nnz << 20) // numel if nnz < (1 << 42) else nnz // (numel >> 20)
+
+
+def crel(count: int, expected4: int) -> int:
+    """Within-message density class: 0/1 nothing yet (fewer / at least one expected), 2..6 by octave."""
+    if count == 0:
+        return 0 if expected4 < 4 else 1
+    return 2 + min(max((count * 4).bit_length() - (expected4 + 1).bit_length() + 2, 0), 4)
+
+
+def m1_context(f, t, r, c, ccount, rcount, dq) -> int:
+    cr = crel(ccount, (min(r, 1 << 40) * dq) >> 18) if f & K.F_COLUMN else 0
+    rr = crel(rcount, (min(c, 1 << 40) * dq) >> 18) if f & K.F_ROW else 0
+    return K.CTX_M1 + (t * K.N_CREL + cr) * K.N_CREL + rr
+
+
+def hist_class(x: int) -> int:
+    return 0 if x < -50 else 1 + min(max(x + 3, 0), 6)
+
+
+def m2_context(f, hist, rc, cl, prev_nz) -> int:
+    tc = 0
+    age = hist_age(hist)
+    if f & K.F_HISTORY and age > 0:
+        tc = 1 if age == 1 else (2 if age <= 4 else 3)
+    rcl, ccl = (hist_class(rc), hist_class(cl)) if f & K.F_AREA else (0, 0)
+    pn = 1 if (f & K.F_ROW and prev_nz) else 0
+    return K.CTX_M2 + ((tc * 8 + rcl) * 8 + ccl) * 2 + pn
+
+
+def sign_state(f, parent, hist) -> int:
     if f & K.F_HISTORY:
         last = hist & 3
         if last:  # with the age class 1-2, 3-8, 9+
             a = (hist_age(hist) - 1).bit_length()
-            ps = 1 + 3 * (last - 1) + (2 if a >= 4 else a >> 1)
-    elif f & K.F_TEMPORAL:
-        ps = 1 if parent > 0 else (4 if parent < 0 else 0)
+            return 1 + 3 * (last - 1) + (2 if a >= 4 else a >> 1)
+        return 0
+    if f & K.F_TEMPORAL:
+        return 1 if parent > 0 else (4 if parent < 0 else 0)
+    return 0
+
+
+def sign_context(ps, rsign, colstate) -> int:
     return K.CTX_SIGN + 9 * ps + 3 * rsign + (colstate >> K.COL_SIGN_SHIFT)
+
+
+def s2_context(rsum: int, csum: int) -> int:
+    m = abs(rsum)
+    v = 0 if m == 0 else (1 if m == 1 else (2 if m < 4 else 3)) + (3 if rsum < 0 else 0)
+    return K.CTX_S2 + 3 * v + (0 if csum == 0 else (1 if csum > 0 else 2))
 
 
 class _Bins:
@@ -114,6 +156,24 @@ class _Bins:
             return value
         return self.dec.decode_bypass(nbits)
 
+    def mixbin(self, cs: list[int], wb: int, bit: int | None = None) -> int:
+        """One bin whose probability mixes the contexts ``cs`` with the weights at ``wb``."""
+        ctx = self.ctx
+        st = [int(K.STRETCH[p15(ctx[c][0])]) for c in cs] + [K.MIX_BIAS]
+        dot = sum(ctx[wb + j][0] * x for j, x in enumerate(st))
+        d = min(max(dot >> 16, -K.ST_MAX), K.ST_MAX)
+        p = min(max(int(K.SQUASH[d + K.ST_MAX]), K.P_FLOOR), K.PROB_ONE - K.P_FLOOR)
+        if self.enc is not None:
+            self.enc.encode_bit(bit, p)
+        else:
+            bit = self.dec.decode_bit(p)
+        err = (bit << K.PROB_BITS) - p
+        for j, x in enumerate(st):
+            w = ctx[wb + j][0] + ((err * x + K.MIX_LR_ROUND) >> K.MIX_LR_SHIFT)
+            ctx[wb + j] = [min(max(w, -K.MIX_W_MAX), K.MIX_W_MAX), ctx[wb + j][1]]
+        for c in cs:
+            adapt(ctx, c, bit, self.rate)
+        return bit
 
 def _code_tensor(t: dict, io: _Bins, decode: bool) -> list:
     rows, cols, nnz, maxabs = t["rows"], t["cols"], t["nnz"], t["maxabs"]
@@ -124,6 +184,10 @@ def _code_tensor(t: dict, io: _Bins, decode: bool) -> list:
         rowcls, colcls = area_classes(hist, rows, cols)
     else:
         rowcls, colcls = [0] * rows, [0] * cols
+    mix = bool(f & K.F_MIX)
+    colcnt = [0] * cols
+    csum = [0] * cols
+    dq = density_q(nnz, rows * cols)
     coded = 0
     prev_row_nz = 0
     for r in range(rows):
@@ -137,7 +201,7 @@ def _code_tensor(t: dict, io: _Bins, decode: bool) -> list:
             prev_row_nz = row_nz
             if not row_nz:
                 continue
-        rcount = prev_nz = rsign = 0
+        rcount = prev_nz = rsign = rsum = 0
         for c in range(cols):
             if coded == nnz:
                 break
@@ -148,18 +212,32 @@ def _code_tensor(t: dict, io: _Bins, decode: bool) -> list:
                 nz = 1
             else:
                 area = area_of(rowcls[r], colcls[c]) if f & K.F_AREA else 0
-                ctxi = sig_context(f, parent[i], hist[i], col[c], rcount, prev_nz, area)
-                nz = io.bin(ctxi, None if decode else int(v != 0))
+                t_ = tstate(f, parent[i], hist[i])
+                ctxi = sig_context(f, t_, col[c], rcount, prev_nz, area)
+                want = None if decode else int(v != 0)
+                if mix:
+                    cs = [ctxi, m1_context(f, t_, r, c, colcnt[c], rcount, dq),
+                          m2_context(f, hist[i], rowcls[r], colcls[c], prev_nz),
+                          K.CTX_COLID + (c & (K.N_COLID - 1)), K.CTX_ROWID + (r & (K.N_ROWID - 1))]
+                    nz = io.mixbin(cs, K.CTX_WSIG + t_ * (K.N_SIG_MODELS + 1), want)
+                else:
+                    nz = io.bin(ctxi, want)
             prev_nz = nz
             if not nz:
                 continue
             neg = 0 if decode else int(v < 0)
             if mode == K.SIGN_CODED:
-                sc = sign_context(f, parent[i], hist[i], rsign, col[c])
-                if sc is None:
+                if not f & K.F_SIGNCTX:
                     neg = io.bypass(None if decode else neg, 1)
                 else:
-                    neg = io.bin(sc, None if decode else neg)
+                    ps = sign_state(f, parent[i], hist[i])
+                    sc = sign_context(ps, rsign, col[c])
+                    if mix:
+                        cs = [sc, K.CTX_S1 + 3 * ps + (col[c] >> K.COL_SIGN_SHIFT), s2_context(rsum, csum[c]),
+                              K.CTX_SROW + (r & (K.N_SROW - 1))]
+                        neg = io.mixbin(cs, K.CTX_WSIGN + ps * (K.N_SIGN_MODELS + 1), None if decode else neg)
+                    else:
+                        neg = io.bin(sc, None if decode else neg)
             elif mode == K.SIGN_ALL_NEGATIVE:
                 neg = 1
             a = 1 if decode else abs(v)
@@ -190,6 +268,9 @@ def _code_tensor(t: dict, io: _Bins, decode: bool) -> list:
             s = 2 if neg else 1
             rsign = s
             col[c] = min((col[c] & K.COL_COUNT_MAX) + 1, 2) | (s << K.COL_SIGN_SHIFT)
+            colcnt[c] += 1
+            rsum += -1 if neg else 1
+            csum[c] += -1 if neg else 1
     if decode and coded != nnz:
         raise ReferenceDecodeError(K.ERR_BAD_COUNT)
     return levels

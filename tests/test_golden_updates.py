@@ -1,5 +1,6 @@
-"""Golden update streams: committed messages (update format version 1) that must keep decoding to the
-committed deltas, applied to the committed base, and that today's encoder must reproduce exactly.
+"""Golden update streams: committed messages (update format versions 1 and 2) that must keep decoding to
+the committed deltas, applied to the committed base, and that today's encoder must reproduce exactly
+(version 1 with the format-1 features named explicitly).
 
 Inputs are built like the model goldens (``test_golden._floats``: dyadic values, so every sum and mean
 the sparsifiers take is exact on any platform). Regenerate only after an intended change of the update
@@ -16,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from deepcabac_py import _update_kernels as _k
 from deepcabac_py import updates as up
 from test_golden import _floats, _ints
 
@@ -43,17 +45,36 @@ def rounds(n: int) -> list[dict[str, np.ndarray]]:
     return models
 
 
+# The default features of update format 1 (today's default adds MIX, a format-2 feature).
+V1 = up.DEFAULT_FEATURES & _k.F_ALL_V1
+
+
 def golden_cases() -> dict[str, list[dict]]:
-    """name -> the encode_update settings of each message of the stream (one per round)."""
+    """name -> the encode_update settings of each message of the stream (one per round). The
+    version-1 streams name format-1 features explicitly; the ``*_v2`` streams use the defaults."""
     return {
-        "stc": [dict(density=0.2)],
-        "sbc": [dict(density=0.2, method="sbc")],
+        "stc": [dict(density=0.2, features=V1)],
+        "sbc": [dict(density=0.2, method="sbc", features=V1)],
         "golomb": [dict(density=0.15, coder="golomb")],
-        "topk_table": [dict(density=0.3, method="topk", value_levels=5, table=True)],
-        "rows": [dict(density=0.25, rows=0.5)],
-        "session": [dict(density=0.2, session=True), dict(density=0.1, session=True),
-                    dict(density=0.3, method="sbc", session=True)],
+        "topk_table": [dict(density=0.3, method="topk", value_levels=5, table=True, features=V1)],
+        "rows": [dict(density=0.25, rows=0.5, features=V1 | _k.F_ROWSKIP)],
+        "session": [dict(density=0.2, session=True, features=V1), dict(density=0.1, session=True, features=V1),
+                    dict(density=0.3, method="sbc", session=True, features=V1)],
+        "stc_v2": [dict(density=0.2)],
+        "topk_table_v2": [dict(density=0.3, method="topk", value_levels=5, table=True)],
+        "rows_v2": [dict(density=0.25, rows=0.5)],
+        "session_v2": [dict(density=0.2, session=True), dict(density=0.1, session=True),
+                       dict(density=0.3, method="sbc", session=True)],
     }
+
+
+def format_version(name: str) -> int:
+    return 2 if name.endswith("_v2") else 1
+
+
+def npz_name(name: str) -> str:
+    """A ``*_v2`` stream codes the same levels as its version-1 twin: it shares the twin's deltas."""
+    return name.removesuffix("_v2")
 
 
 CASES = sorted(golden_cases())
@@ -93,27 +114,28 @@ def _regenerate() -> None:
         data = encode_stream(name)
         deltas, model = decode_stream(data)
         (GOLDEN / f"{name}.dcu").write_bytes(data)
-        np.savez_compressed(GOLDEN / f"{name}.npz", **deltas, **{f"model/{k}": v for k, v in model.items()})
+        if npz_name(name) == name:
+            np.savez_compressed(GOLDEN / f"{name}.npz", **deltas, **{f"model/{k}": v for k, v in model.items()})
 
 
 @pytest.fixture(scope="module", autouse=True)
 def golden_files():
     if REGEN:
         _regenerate()
-    missing = [f"{n}{ext}" for n in CASES for ext in (".dcu", ".npz") if not (GOLDEN / f"{n}{ext}").exists()]
+    missing = [f for n in CASES for f in (f"{n}.dcu", f"{npz_name(n)}.npz") if not (GOLDEN / f).exists()]
     if missing:
         pytest.fail(f"golden files missing: {missing}; run with DEEPCABAC_REGEN_GOLDEN=1 to create them")
 
 
 def _committed(name: str) -> tuple[bytes, dict[str, np.ndarray]]:
-    with np.load(GOLDEN / f"{name}.npz", allow_pickle=False) as npz:
+    with np.load(GOLDEN / f"{npz_name(name)}.npz", allow_pickle=False) as npz:
         return (GOLDEN / f"{name}.dcu").read_bytes(), {k: npz[k] for k in npz.files}
 
 
 @pytest.mark.parametrize("name", CASES)
 def test_committed_update_stream_decodes_exactly(name):
     data, expected = _committed(name)
-    assert {up.read_update_header(m).version for m in up.iter_messages(data)} == {1}
+    assert {up.read_update_header(m).version for m in up.iter_messages(data)} == {format_version(name)}
     deltas, model = decode_stream(data)
     got = {**deltas, **{f"model/{k}": v for k, v in model.items()}}
     assert sorted(got) == sorted(expected)

@@ -163,18 +163,20 @@ def _kernel_encode(tensors, ctx):
     return out[1:size].tobytes(), args
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(11))
 def test_kernel_matches_reference_byte_for_byte(seed):
     g = np.random.default_rng(seed)
     feats = [K.F_ALL, 0, K.F_ALL & ~K.F_ROWSKIP, K.F_ROWSKIP | K.F_COLUMN, K.F_SIGNCTX | K.F_TEMPORAL,
-             K.F_AREA | K.F_HISTORY | K.F_ROW][seed]
-    ctx = np.zeros((3 * K.N_CTX_U, 2), np.int64)
-    ctx[:, 0] = K.EST_HALF
+             K.F_AREA | K.F_HISTORY | K.F_ROW, K.F_ALL_V1, K.F_MIX, K.F_MIX | K.F_SIGNCTX | K.F_TEMPORAL,
+             K.F_MIX | K.F_AREA | K.F_HISTORY | K.F_ROW | K.F_SIGNCTX, K.F_MIX | K.F_COLUMN | K.F_ROWSKIP][seed]
+    ctx = K.fresh_contexts(3)
     ref_ctx = [[[int(p), int(c)] for p, c in ctx[t * K.N_CTX_U:(t + 1) * K.N_CTX_U]] for t in range(3)]
     dctx = ctx.copy()  # the decoder's contexts, carried like the encoder's
     ref_dctx = [[list(r) for r in rc] for rc in ref_ctx]
     for rnd in range(3):  # contexts carried from round to round on both sides
-        tensors = [_random_tensor(g, 6, 17, [0.15, 0.01, 0.5][rnd], 1, K.SIGN_CODED, feats),
+        # (the second and third shapes of the first tensor wrap the per-column and per-row contexts)
+        tensors = [_random_tensor(g, *[(6, 17), (2, 1100), (520, 3)][rnd], [0.15, 0.01, 0.5][rnd], 1, K.SIGN_CODED,
+                                  feats),
                    _random_tensor(g, 1, 40, 0.05, 1, [K.SIGN_ALL_POSITIVE, K.SIGN_ALL_NEGATIVE][rnd % 2], feats),
                    _random_tensor(g, 9, 5, 0.4, [3, 70000, 1][rnd], K.SIGN_CODED, feats)]
         data, (tinfo, pa, hi, _) = _kernel_encode(tensors, ctx)
