@@ -30,11 +30,11 @@ The range coder (``_shift_low``, bypass bins, terminate bin, flush) is the level
 * **Mixing** (feature MIX, update format 2): the significance bin mixes, in the logistic domain
   with weights learned online (one set per history state), the context above with four more: the
   history state x the density of this column and of this row so far against the tensor's known
-  density, recency x the row and column history classes, one context per column and one per row
-  (adaptive across messages). The sign bin mixes its context with three more: last sign x column
-  sign, the sign sums of the row and column so far, one context per row. On the MNIST benchmark
-  (``benchmarks/bench_updates.py``) this took ours/Golomb from 0.715 / 0.699 / 0.692 to 0.668 / 0.658
-  / 0.651 at densities 0.1 / 0.01 / 0.001.
+  density, recency x the row and column classes of recent activity (nonzeros in the last 4
+  messages), one context per column and one per row (adaptive across messages). The sign bin mixes
+  its context with three more: last sign x column sign, the sign sums of the row and column so far,
+  one context per row. On the MNIST benchmark (``benchmarks/bench_updates.py``) this took
+  ours/Golomb from 0.715 / 0.699 / 0.692 to 0.667 / 0.654 / 0.649 at densities 0.1 / 0.01 / 0.001.
 """
 
 import math
@@ -102,7 +102,7 @@ N_CTX_V1 = CTX_EG + N_EG_CTX  # 1787: the contexts of update format 1
 N_CREL = 7  # within-message density class of the column (and of the row), see _crel
 CTX_M1 = N_CTX_V1  # 21 history states x 7 column x 7 row density classes = 1029
 N_M1 = N_TSTATE * N_CREL * N_CREL
-CTX_M2 = CTX_M1 + N_M1  # 4 ages x 8 row x 8 column history classes x previous position nonzero = 512
+CTX_M2 = CTX_M1 + N_M1  # 4 ages x 8 row x 8 column recent-activity classes x previous position nonzero = 512
 N_M2 = 4 * 8 * 8 * 2
 CTX_COLID = CTX_M2 + N_M2  # one context per column (index mod 1024)
 N_COLID = 1024
@@ -156,6 +156,27 @@ if zlib.crc32(STRETCH.tobytes() + SQUASH.tobytes()) != _TABLES_CRC:  # pragma: n
     raise ImportError("the mixing tables of the update coder differ from the specified ones on this platform")
 
 
+def _hist_tables() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    # Over the 12 bits of a hist value: the history state (t of the significance contexts, with
+    # HISTORY), the recency class of M2 and the last-sign state (ps, with HISTORY); the kernels look
+    # them up instead of taking the fields apart at every position.
+    t = np.zeros(1 << 12, dtype=np.int64)
+    tc = np.zeros(1 << 12, dtype=np.int64)
+    ps = np.zeros(1 << 12, dtype=np.int64)
+    for h in range(1 << 12):
+        age = (h >> HIST_AGE_SHIFT) & HIST_AGE_MAX
+        count = (h >> HIST_COUNT_SHIFT) & HIST_COUNT_MAX
+        last = h & 3
+        if age > 0:
+            t[h] = 1 + 4 * min((age - 1).bit_length(), 4) + min(count.bit_length() - 1, 3)
+            tc[h] = 1 if age == 1 else (2 if age <= 4 else 3)
+        if last:
+            a = (age - 1).bit_length() if age > 0 else 0
+            ps[h] = 1 + 3 * (last - 1) + (2 if a >= 4 else a >> 1)
+    return t, tc, ps
+
+
+
 def fresh_contexts(n_tensors: int = 1) -> np.ndarray:
     """The contexts (int64 [n_tensors * N_CTX_U, 2]) of tensors never coded: p = 1/2, count 0,
     initial mixing weights."""
@@ -175,6 +196,10 @@ HIST_COUNT_SHIFT = 2
 HIST_COUNT_MAX = 15
 HIST_AGE_SHIFT = 6
 HIST_AGE_MAX = 63
+RECENT_AGE = 4  # M2's row and column classes count the positions nonzero in the last 4 messages
+HIST_T, HIST_TC, HIST_PS = _hist_tables()
+HIST_MASK = (1 << 12) - 1
+BITLEN8 = np.array([n.bit_length() for n in range(256)], dtype=np.int64)
 
 # --- column state bits (scratch per tensor) -----------------------------------------------------
 # col[c] = count (0..2, saturating) | last sign << 2 (0 none, 1 +, 2 -)
@@ -221,18 +246,23 @@ def _bitlen_u(x):
 
 
 @kernel
-def _area_classes(hist, off, rows, cols, rowcls, colcls):
+def _area_classes(hist, off, rows, cols, rowcls, colcls, recent):
     # A rank-1 model of where nonzeros fall: history sums of the position's row and column
-    # (per-position counts of earlier nonzeros), each relative to the tensor's average, in octaves.
+    # (per-position counts of earlier nonzeros; with ``recent``, whether the position was nonzero
+    # in the last RECENT_AGE messages), each relative to the tensor's average, in octaves.
     # rowcls/colcls hold bitlen(sum) - bitlen(total) + bitlen(count) (or -100 for a zero sum);
-    # the class of a position is derived from their sum (see _area_of).
+    # the class of a position is derived from their sum (see _area_of, _hist_class).
     rowsum = np.zeros(rows, dtype=np.int64)
     colsum = np.zeros(cols, dtype=np.int64)
     total = 0
     for r in range(rows):
         base = off + r * cols
         for c in range(cols):
-            h = (np.int64(hist[base + c]) >> HIST_COUNT_SHIFT) & HIST_COUNT_MAX
+            if recent:
+                a = (np.int64(hist[base + c]) >> HIST_AGE_SHIFT) & HIST_AGE_MAX
+                h = 1 if 0 < a <= RECENT_AGE else 0
+            else:
+                h = (np.int64(hist[base + c]) >> HIST_COUNT_SHIFT) & HIST_COUNT_MAX
             rowsum[r] += h
             colsum[c] += h
             total += h
@@ -264,17 +294,11 @@ def _tstate(features, parent, hist):
     # The position's history state (0..20): with HISTORY, 0 if never nonzero, else 5 age classes
     # (1, 2, 3-4, 5-8, 9+) x 4 count classes (1, 2-3, 4-7, 8+); else 1 if TEMPORAL and the parent
     # level is nonzero, 0 otherwise.
-    t = 0
     if features & F_HISTORY:
-        age = (np.int64(hist) >> HIST_AGE_SHIFT) & HIST_AGE_MAX
-        if age > 0:
-            a = _bitlen_u(age - 1)
-            n = _bitlen_u((np.int64(hist) >> HIST_COUNT_SHIFT) & HIST_COUNT_MAX) - 1
-            t = 1 + 4 * (a if a < 4 else 4) + (n if n < 3 else 3)
-    elif features & F_TEMPORAL:
-        if parent != 0:
-            t = 1
-    return t
+        return HIST_T[np.int64(hist) & HIST_MASK]
+    if features & F_TEMPORAL and parent != 0:
+        return 1
+    return 0
 
 
 @scalar_helper
@@ -294,31 +318,26 @@ def _sig_context(features, t, colstate, rcount, prev_nz, area):
 
 
 @scalar_helper
-def _crel(count, expected4):
-    # Nonzeros seen so far in this column (row) of this message against 4x the expected number:
-    # 0/1 none (fewer / at least one expected), 2..6 the ratio by octave.
+def _expect(k, dq):
+    # 4x the nonzeros expected in the first k positions of a row or column, e = (k * dq) >> 18, as
+    # bitlen(e + 1) * 2 + (e >= 4): what _crel compares a count with
+    kq = k if k < (1 << 40) else (1 << 40)
+    e = (kq * dq) >> 18
+    return _bitlen_u(e + 1) * 2 + (1 if e >= 4 else 0)
+
+
+@scalar_helper
+def _crel(count, ex):
+    # Nonzeros seen so far in this column (row) of this message against 4x the expected number e
+    # (ex from _expect): 0/1 none (e < 4 / e >= 4), else 2 + clamp(bitlen(4 count) - bitlen(e + 1) + 2, 0, 4).
     if count == 0:
-        return 0 if expected4 < 4 else 1
-    k = _bitlen_u(count * 4) - _bitlen_u(expected4 + 1) + 2
+        return ex & 1
+    k = (BITLEN8[count] if count < 256 else _bitlen_u(count)) + 4 - (ex >> 1)
     if k < 0:
         k = 0
     elif k > 4:
         k = 4
     return 2 + k
-
-
-@scalar_helper
-def _m1_context(features, t, r, cc, ccount, rcount, dq):
-    # history state x within-message density of the column and of the row so far
-    cr = 0
-    if features & F_COLUMN:
-        rq = r if r < (1 << 40) else (1 << 40)
-        cr = _crel(ccount, (rq * dq) >> 18)
-    rr = 0
-    if features & F_ROW:
-        cq = cc if cc < (1 << 40) else (1 << 40)
-        rr = _crel(rcount, (cq * dq) >> 18)
-    return CTX_M1 + (t * N_CREL + cr) * N_CREL + rr
 
 
 @scalar_helper
@@ -335,35 +354,23 @@ def _hist_class(x):
 
 
 @scalar_helper
-def _m2_context(features, hist, rc, cl, prev_nz):
-    # recency (never / 1 / 2-4 / 5+ messages ago) x row x column history classes x previous position
-    tc = 0
-    if features & F_HISTORY:
-        age = (np.int64(hist) >> HIST_AGE_SHIFT) & HIST_AGE_MAX
-        if age > 0:
-            tc = 1 if age == 1 else (2 if age <= 4 else 3)
-    rcl = 0
-    ccl = 0
-    if features & F_AREA:
-        rcl = _hist_class(rc)
-        ccl = _hist_class(cl)
+def _m2_context(features, hist, hr, hc, prev_nz):
+    # recency (never / 1 / 2-4 / 5+ messages ago) x row x column classes of recent activity
+    # (_hist_class of _area_classes(recent), 0 without AREA) x previous position nonzero
+    tc = HIST_TC[np.int64(hist) & HIST_MASK] if features & F_HISTORY else 0
     pn = 1 if (features & F_ROW) and prev_nz else 0
-    return CTX_M2 + ((tc * 8 + rcl) * 8 + ccl) * 2 + pn
+    return CTX_M2 + ((tc * 8 + hr) * 8 + hc) * 2 + pn
 
 
 @scalar_helper
 def _sign_state(features, parent, hist):
     # 0..6: with HISTORY, 0 if never nonzero, else 1 + 3 * (last sign - 1) + age class (1-2, 3-8,
     # 9+); without, 1 / 4 / 0 if TEMPORAL and the parent is positive / negative / zero
-    ps = 0
     if features & F_HISTORY:
-        last = hist & 3  # the sign of the last nonzero at this position (sticky)
-        if last:
-            a = _bitlen_u(((hist >> HIST_AGE_SHIFT) & HIST_AGE_MAX) - 1)  # 0-1: age 1-2, 2-3: 3-8, 4+: 9+
-            ps = 1 + 3 * (last - 1) + (2 if a >= 4 else a >> 1)
-    elif features & F_TEMPORAL:
-        ps = 1 if parent > 0 else (4 if parent < 0 else 0)
-    return ps
+        return HIST_PS[np.int64(hist) & HIST_MASK]
+    if features & F_TEMPORAL:
+        return 1 if parent > 0 else (4 if parent < 0 else 0)
+    return 0
 
 
 @scalar_helper
@@ -393,6 +400,11 @@ def _mix_prob(ctx, cs, nm, wb, st):
         dot += ctx[wb + j, 0] * x
     st[nm] = MIX_BIAS
     dot += ctx[wb + nm, 0] * MIX_BIAS
+    smax = MIX_BIAS
+    for j in range(nm):
+        a = st[j] if st[j] >= 0 else -st[j]
+        if a > smax:
+            smax = a
     d = dot >> 16
     if d < -ST_MAX:
         d = -ST_MAX
@@ -403,13 +415,15 @@ def _mix_prob(ctx, cs, nm, wb, st):
         p = P_FLOOR
     elif p > PROB_ONE - P_FLOOR:
         p = PROB_ONE - P_FLOOR
-    return p
+    return p, smax
 
 
 @inline_helper
-def _mix_update(ctx, cs, nm, wb, st, bit, p, rate):
+def _mix_update(ctx, cs, nm, wb, st, smax, bit, p, rate):
     err = (bit << PROB_BITS) - p
-    for j in range(nm + 1):
+    # every weight step is (err * x + 2**14) >> 15: all are zero while |err * x| < 2**14
+    ae = err if err >= 0 else -err
+    for j in range(nm + 1 if ae * smax >= MIX_LR_ROUND else 0):
         w = ctx[wb + j, 0] + ((err * st[j] + MIX_LR_ROUND) >> MIX_LR_SHIFT)
         if w > MIX_W_MAX:
             w = MIX_W_MAX
@@ -421,6 +435,72 @@ def _mix_update(ctx, cs, nm, wb, st, bit, p, rate):
         ctx[c, 0] += ((bit << EST_BITS) - ctx[c, 0]) >> min(SHIFT_U[ctx[c, 1]], rate)
         if ctx[c, 1] < COUNT_MAX:
             ctx[c, 1] += 1
+
+
+@scalar_helper
+def _adapt(ctx, c, bit, rate):
+    ctx[c, 0] += ((bit << EST_BITS) - ctx[c, 0]) >> min(SHIFT_U[ctx[c, 1]], rate)
+    if ctx[c, 1] < COUNT_MAX:
+        ctx[c, 1] += 1
+
+
+@scalar_helper
+def _wstep(ctx, k, err, x):
+    w = ctx[k, 0] + ((err * x + MIX_LR_ROUND) >> MIX_LR_SHIFT)
+    if w > MIX_W_MAX:
+        w = MIX_W_MAX
+    elif w < -MIX_W_MAX:
+        w = -MIX_W_MAX
+    ctx[k, 0] = w
+
+
+@scalar_helper
+def _abs_max(smax, x):
+    a = x if x >= 0 else -x
+    return a if a > smax else smax
+
+
+@inline_helper
+def _mix5_prob(ctx, c0, c1, c2, c3, c4, wb):
+    # _mix_prob for the five significance models, unrolled into scalars (measured ~2x faster than
+    # the loop over small arrays, which LLVM cannot keep in registers)
+    x0 = np.int64(STRETCH[_p15(ctx[c0, 0])])
+    x1 = np.int64(STRETCH[_p15(ctx[c1, 0])])
+    x2 = np.int64(STRETCH[_p15(ctx[c2, 0])])
+    x3 = np.int64(STRETCH[_p15(ctx[c3, 0])])
+    x4 = np.int64(STRETCH[_p15(ctx[c4, 0])])
+    dot = (ctx[wb, 0] * x0 + ctx[wb + 1, 0] * x1 + ctx[wb + 2, 0] * x2 + ctx[wb + 3, 0] * x3
+           + ctx[wb + 4, 0] * x4 + ctx[wb + 5, 0] * MIX_BIAS)
+    d = dot >> 16
+    if d < -ST_MAX:
+        d = -ST_MAX
+    elif d > ST_MAX:
+        d = ST_MAX
+    p = np.int64(SQUASH[d + ST_MAX])
+    if p < P_FLOOR:
+        p = P_FLOOR
+    elif p > PROB_ONE - P_FLOOR:
+        p = PROB_ONE - P_FLOOR
+    smax = _abs_max(_abs_max(_abs_max(_abs_max(_abs_max(MIX_BIAS, x0), x1), x2), x3), x4)
+    return p, x0, x1, x2, x3, x4, smax
+
+
+@inline_helper
+def _mix5_update(ctx, c0, c1, c2, c3, c4, x0, x1, x2, x3, x4, smax, wb, bit, p, rate):
+    err = (bit << PROB_BITS) - p
+    ae = err if err >= 0 else -err
+    if ae * smax >= MIX_LR_ROUND:  # else every weight step is zero
+        _wstep(ctx, wb, err, x0)
+        _wstep(ctx, wb + 1, err, x1)
+        _wstep(ctx, wb + 2, err, x2)
+        _wstep(ctx, wb + 3, err, x3)
+        _wstep(ctx, wb + 4, err, x4)
+        _wstep(ctx, wb + 5, err, MIX_BIAS)
+    _adapt(ctx, c0, bit, rate)
+    _adapt(ctx, c1, bit, rate)
+    _adapt(ctx, c2, bit, rate)
+    _adapt(ctx, c3, bit, rate)
+    _adapt(ctx, c4, bit, rate)
 
 
 @scalar_helper
@@ -469,12 +549,27 @@ def encode_update_kernel(levels, tinfo, parent, hist, ctx, out):
         rowcls = np.zeros(rows, dtype=np.int64)
         colcls = np.zeros(cols, dtype=np.int64)
         if features & F_AREA:
-            _area_classes(hist, off, rows, cols, rowcls, colcls)
+            _area_classes(hist, off, rows, cols, rowcls, colcls, False)
         mix = (features & F_MIX) != 0
         colcnt = np.zeros(cols, dtype=np.int64)  # nonzeros in the column so far (unsaturated)
         csum = np.zeros(cols, dtype=np.int64)  # the sum of their signs (+1 / -1)
         dq = _density_q(nnz, rows * cols)
         wb = 0
+        smax = 0
+        c1 = c2 = c3 = c4 = 0
+        x0 = x1 = x2 = x3 = x4 = 0
+        hr = np.zeros(rows if mix else 0, dtype=np.int64)  # M2's row / column history classes
+        hc = np.zeros(cols if mix else 0, dtype=np.int64)
+        rex = np.zeros(cols if mix else 0, dtype=np.int64)  # _expect of the row count at each column
+        if mix:
+            if features & F_AREA:
+                _area_classes(hist, off, rows, cols, hr, hc, True)
+                for j in range(rows):
+                    hr[j] = _hist_class(hr[j])
+                for j in range(cols):
+                    hc[j] = _hist_class(hc[j])
+            for j in range(cols):
+                rex[j] = _expect(j, dq)
         coded = 0
         prev_row_nz = 0
         for r in range(rows):
@@ -510,6 +605,7 @@ def encode_update_kernel(levels, tinfo, parent, hist, ctx, out):
             prev_nz = 0
             rsign = 0
             rsum = 0
+            cex = _expect(r, dq) if mix else 0  # of the column counts in this row
             for cc in range(cols):
                 if coded == nnz:
                     break
@@ -521,13 +617,14 @@ def encode_update_kernel(levels, tinfo, parent, hist, ctx, out):
                     ts = _tstate(features, parent[i], hist[i])
                     c = cbase + _sig_context(features, ts, col[cc], rcount, prev_nz, _area_of(rowcls[r], colcls[cc]))
                     if mix:
-                        cs[0] = c
-                        cs[1] = cbase + _m1_context(features, ts, r, cc, colcnt[cc], rcount, dq)
-                        cs[2] = cbase + _m2_context(features, hist[i], rowcls[r], colcls[cc], prev_nz)
-                        cs[3] = cbase + CTX_COLID + (cc & (N_COLID - 1))
-                        cs[4] = cbase + CTX_ROWID + (r & (N_ROWID - 1))
+                        cr = _crel(colcnt[cc], cex) if features & F_COLUMN else 0
+                        rr = _crel(rcount, rex[cc]) if features & F_ROW else 0
+                        c1 = cbase + CTX_M1 + (ts * N_CREL + cr) * N_CREL + rr
+                        c2 = cbase + _m2_context(features, hist[i], hr[r], hc[cc], prev_nz)
+                        c3 = cbase + CTX_COLID + (cc & (N_COLID - 1))
+                        c4 = cbase + CTX_ROWID + (r & (N_ROWID - 1))
                         wb = cbase + CTX_WSIG + ts * (N_SIG_MODELS + 1)
-                        p = _mix_prob(ctx, cs, N_SIG_MODELS, wb, st)
+                        p, x0, x1, x2, x3, x4, smax = _mix5_prob(ctx, c, c1, c2, c3, c4, wb)
                     else:
                         p = _p15(ctx[c, 0])
                     bound = (rng >> PROB_BITS) * p
@@ -537,7 +634,7 @@ def encode_update_kernel(levels, tinfo, parent, hist, ctx, out):
                         low += bound
                         rng -= bound
                     if mix:
-                        _mix_update(ctx, cs, N_SIG_MODELS, wb, st, nz, p, rate)
+                        _mix5_update(ctx, c, c1, c2, c3, c4, x0, x1, x2, x3, x4, smax, wb, nz, p, rate)
                     else:
                         ctx[c, 0] += ((nz << EST_BITS) - ctx[c, 0]) >> min(SHIFT_U[ctx[c, 1]], rate)
                         if ctx[c, 1] < COUNT_MAX:
@@ -557,11 +654,11 @@ def encode_update_kernel(levels, tinfo, parent, hist, ctx, out):
                         c = cbase + _sign_context(ps, rsign, col[cc])
                         if mix:
                             cs[0] = c
-                            cs[1] = cbase + CTX_S1 + 3 * ps + (col[cc] >> COL_SIGN_SHIFT)
+                            cs[1] = cbase + CTX_S1 + 3 * (ps if ps < 7 else 6) + (col[cc] >> COL_SIGN_SHIFT)
                             cs[2] = cbase + _s2_context(rsum, csum[cc])
                             cs[3] = cbase + CTX_SROW + (r & (N_SROW - 1))
-                            wb = cbase + CTX_WSIGN + ps * (N_SIGN_MODELS + 1)
-                            p = _mix_prob(ctx, cs, N_SIGN_MODELS, wb, st)
+                            wb = cbase + CTX_WSIGN + (ps if ps < 7 else 6) * (N_SIGN_MODELS + 1)
+                            p, smax = _mix_prob(ctx, cs, N_SIGN_MODELS, wb, st)
                         else:
                             p = _p15(ctx[c, 0])
                         bound = (rng >> PROB_BITS) * p
@@ -571,7 +668,7 @@ def encode_update_kernel(levels, tinfo, parent, hist, ctx, out):
                             low += bound
                             rng -= bound
                         if mix:
-                            _mix_update(ctx, cs, N_SIGN_MODELS, wb, st, neg, p, rate)
+                            _mix_update(ctx, cs, N_SIGN_MODELS, wb, st, smax, neg, p, rate)
                         else:
                             ctx[c, 0] += ((neg << EST_BITS) - ctx[c, 0]) >> min(SHIFT_U[ctx[c, 1]], rate)
                             if ctx[c, 1] < COUNT_MAX:
@@ -675,12 +772,27 @@ def decode_update_kernel(buf, tinfo, parent, hist, ctx, out):
         rowcls = np.zeros(rows, dtype=np.int64)
         colcls = np.zeros(cols, dtype=np.int64)
         if features & F_AREA:
-            _area_classes(hist, off, rows, cols, rowcls, colcls)
+            _area_classes(hist, off, rows, cols, rowcls, colcls, False)
         mix = (features & F_MIX) != 0
         colcnt = np.zeros(cols, dtype=np.int64)  # nonzeros in the column so far (unsaturated)
         csum = np.zeros(cols, dtype=np.int64)  # the sum of their signs (+1 / -1)
         dq = _density_q(nnz, rows * cols)
         wb = 0
+        smax = 0
+        c1 = c2 = c3 = c4 = 0
+        x0 = x1 = x2 = x3 = x4 = 0
+        hr = np.zeros(rows if mix else 0, dtype=np.int64)  # M2's row / column history classes
+        hc = np.zeros(cols if mix else 0, dtype=np.int64)
+        rex = np.zeros(cols if mix else 0, dtype=np.int64)  # _expect of the row count at each column
+        if mix:
+            if features & F_AREA:
+                _area_classes(hist, off, rows, cols, hr, hc, True)
+                for j in range(rows):
+                    hr[j] = _hist_class(hr[j])
+                for j in range(cols):
+                    hc[j] = _hist_class(hc[j])
+            for j in range(cols):
+                rex[j] = _expect(j, dq)
         coded = 0
         prev_row_nz = 0
         for r in range(rows):
@@ -713,6 +825,7 @@ def decode_update_kernel(buf, tinfo, parent, hist, ctx, out):
             prev_nz = 0
             rsign = 0
             rsum = 0
+            cex = _expect(r, dq) if mix else 0  # of the column counts in this row
             for cc in range(cols):
                 if coded == nnz:
                     break
@@ -724,13 +837,14 @@ def decode_update_kernel(buf, tinfo, parent, hist, ctx, out):
                     ts = _tstate(features, parent[i], hist[i])
                     c = cbase + _sig_context(features, ts, col[cc], rcount, prev_nz, _area_of(rowcls[r], colcls[cc]))
                     if mix:
-                        cs[0] = c
-                        cs[1] = cbase + _m1_context(features, ts, r, cc, colcnt[cc], rcount, dq)
-                        cs[2] = cbase + _m2_context(features, hist[i], rowcls[r], colcls[cc], prev_nz)
-                        cs[3] = cbase + CTX_COLID + (cc & (N_COLID - 1))
-                        cs[4] = cbase + CTX_ROWID + (r & (N_ROWID - 1))
+                        cr = _crel(colcnt[cc], cex) if features & F_COLUMN else 0
+                        rr = _crel(rcount, rex[cc]) if features & F_ROW else 0
+                        c1 = cbase + CTX_M1 + (ts * N_CREL + cr) * N_CREL + rr
+                        c2 = cbase + _m2_context(features, hist[i], hr[r], hc[cc], prev_nz)
+                        c3 = cbase + CTX_COLID + (cc & (N_COLID - 1))
+                        c4 = cbase + CTX_ROWID + (r & (N_ROWID - 1))
                         wb = cbase + CTX_WSIG + ts * (N_SIG_MODELS + 1)
-                        p = _mix_prob(ctx, cs, N_SIG_MODELS, wb, st)
+                        p, x0, x1, x2, x3, x4, smax = _mix5_prob(ctx, c, c1, c2, c3, c4, wb)
                     else:
                         p = _p15(ctx[c, 0])
                     bound = (rng >> PROB_BITS) * p
@@ -742,7 +856,7 @@ def decode_update_kernel(buf, tinfo, parent, hist, ctx, out):
                         code -= bound
                         rng -= bound
                     if mix:
-                        _mix_update(ctx, cs, N_SIG_MODELS, wb, st, nz, p, rate)
+                        _mix5_update(ctx, c, c1, c2, c3, c4, x0, x1, x2, x3, x4, smax, wb, nz, p, rate)
                     else:
                         ctx[c, 0] += ((nz << EST_BITS) - ctx[c, 0]) >> min(SHIFT_U[ctx[c, 1]], rate)
                         if ctx[c, 1] < COUNT_MAX:
@@ -765,11 +879,11 @@ def decode_update_kernel(buf, tinfo, parent, hist, ctx, out):
                         c = cbase + _sign_context(ps, rsign, col[cc])
                         if mix:
                             cs[0] = c
-                            cs[1] = cbase + CTX_S1 + 3 * ps + (col[cc] >> COL_SIGN_SHIFT)
+                            cs[1] = cbase + CTX_S1 + 3 * (ps if ps < 7 else 6) + (col[cc] >> COL_SIGN_SHIFT)
                             cs[2] = cbase + _s2_context(rsum, csum[cc])
                             cs[3] = cbase + CTX_SROW + (r & (N_SROW - 1))
-                            wb = cbase + CTX_WSIGN + ps * (N_SIGN_MODELS + 1)
-                            p = _mix_prob(ctx, cs, N_SIGN_MODELS, wb, st)
+                            wb = cbase + CTX_WSIGN + (ps if ps < 7 else 6) * (N_SIGN_MODELS + 1)
+                            p, smax = _mix_prob(ctx, cs, N_SIGN_MODELS, wb, st)
                         else:
                             p = _p15(ctx[c, 0])
                         bound = (rng >> PROB_BITS) * p
@@ -781,7 +895,7 @@ def decode_update_kernel(buf, tinfo, parent, hist, ctx, out):
                             code -= bound
                             rng -= bound
                         if mix:
-                            _mix_update(ctx, cs, N_SIGN_MODELS, wb, st, neg, p, rate)
+                            _mix_update(ctx, cs, N_SIGN_MODELS, wb, st, smax, neg, p, rate)
                         else:
                             ctx[c, 0] += ((neg << EST_BITS) - ctx[c, 0]) >> min(SHIFT_U[ctx[c, 1]], rate)
                             if ctx[c, 1] < COUNT_MAX:

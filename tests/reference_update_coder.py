@@ -49,9 +49,15 @@ def hist_age(h: int) -> int:
     return (h >> K.HIST_AGE_SHIFT) & K.HIST_AGE_MAX
 
 
-def area_classes(hist, rows, cols):
-    rowsum = [sum(hist_count(hist[r * cols + c]) for c in range(cols)) for r in range(rows)]
-    colsum = [sum(hist_count(hist[r * cols + c]) for r in range(rows)) for c in range(cols)]
+def area_classes(hist, rows, cols, recent=False):
+    """Row and column classes from the history counts, or (recent) from the positions nonzero in the
+    last RECENT_AGE messages."""
+    if recent:
+        w = [1 if 0 < hist_age(h) <= K.RECENT_AGE else 0 for h in hist]
+    else:
+        w = [hist_count(h) for h in hist]
+    rowsum = [sum(w[r * cols + c] for c in range(cols)) for r in range(rows)]
+    colsum = [sum(w[r * cols + c] for r in range(rows)) for c in range(cols)]
     lt = sum(rowsum).bit_length()
     rc = [-100 if s == 0 else s.bit_length() + rows.bit_length() - lt for s in rowsum]
     cc = [-100 if s == 0 else s.bit_length() + cols.bit_length() - lt for s in colsum]
@@ -185,6 +191,10 @@ def _code_tensor(t: dict, io: _Bins, decode: bool) -> list:
     else:
         rowcls, colcls = [0] * rows, [0] * cols
     mix = bool(f & K.F_MIX)
+    if mix and f & K.F_AREA:
+        rrec, crec = area_classes(hist, rows, cols, recent=True)
+    else:
+        rrec, crec = [0] * rows, [0] * cols
     colcnt = [0] * cols
     csum = [0] * cols
     dq = density_q(nnz, rows * cols)
@@ -217,7 +227,7 @@ def _code_tensor(t: dict, io: _Bins, decode: bool) -> list:
                 want = None if decode else int(v != 0)
                 if mix:
                     cs = [ctxi, m1_context(f, t_, r, c, colcnt[c], rcount, dq),
-                          m2_context(f, hist[i], rowcls[r], colcls[c], prev_nz),
+                          m2_context(f, hist[i], rrec[r], crec[c], prev_nz),
                           K.CTX_COLID + (c & (K.N_COLID - 1)), K.CTX_ROWID + (r & (K.N_ROWID - 1))]
                     nz = io.mixbin(cs, K.CTX_WSIG + t_ * (K.N_SIG_MODELS + 1), want)
                 else:
