@@ -520,6 +520,31 @@ def _row_parent_nonzero(parent, start, cols):
 
 
 @kernel
+def advance_session_kernel(hist, parent, levels, listed):
+    """One more message in a tensor's session memory, in place: ``hist`` (uint16) ages and, where
+    ``levels`` (listed tensors only) is nonzero, takes the sign, one more count and age 1; ``parent``
+    (int8) becomes the levels clipped to [-PARENT_MAX, PARENT_MAX] (0 if not listed). One pass; the
+    plain-numpy statement of the same is ``updates._next_hist``."""
+    for i in range(hist.shape[0]):
+        h = np.int64(hist[i])
+        sign = h & 3
+        count = (h >> HIST_COUNT_SHIFT) & HIST_COUNT_MAX
+        age = (h >> HIST_AGE_SHIFT) & HIST_AGE_MAX
+        if age > 0 and age < HIST_AGE_MAX:
+            age += 1
+        pv = 0
+        if listed:
+            v = np.int64(levels[i])
+            if v != 0:
+                sign = 1 if v > 0 else 2
+                if count < HIST_COUNT_MAX:
+                    count += 1
+                age = 1
+                pv = v if -PARENT_MAX <= v <= PARENT_MAX else (PARENT_MAX if v > 0 else -PARENT_MAX)
+        parent[i] = pv
+        hist[i] = sign | (count << HIST_COUNT_SHIFT) | (age << HIST_AGE_SHIFT)
+
+@kernel
 def encode_update_kernel(levels, tinfo, parent, hist, ctx, out):
     """Encode the tensors described by ``tinfo`` (int64 [T, 9]: offset, rows, cols, nnz, maxabs,
     sign_mode, features, context offset, adaptation rate from :func:`rate_for`) whose flat int32 levels are concatenated in ``levels``.

@@ -353,3 +353,18 @@ def test_session_history_tracks_age_count_and_sign():
     h = np.full(1, 2 | (K.HIST_COUNT_MAX << K.HIST_COUNT_SHIFT) | (K.HIST_AGE_MAX << K.HIST_AGE_SHIFT), np.uint16)
     assert _next_hist(h, None)[0] == h[0]  # both saturate
     assert _next_hist(h, np.array([3]))[0] == 1 | (K.HIST_COUNT_MAX << K.HIST_COUNT_SHIFT) | (1 << K.HIST_AGE_SHIFT)
+
+
+def test_session_advance_kernel_matches_next_hist():
+    from deepcabac_py.updates import _next_hist
+
+    g = np.random.default_rng(5)
+    for listed in (True, False):
+        hist = g.integers(0, 1 << 12, size=500).astype(np.uint16)
+        hist[:3] = [0, K.HIST_AGE_MAX << K.HIST_AGE_SHIFT, (1 << 12) - 1]
+        levels = (g.integers(-4, 5, size=500) * (g.random(500) < 0.3)).astype(np.int32)
+        parent = g.integers(-2, 3, size=500).astype(np.int8)
+        want_h = _next_hist(hist, levels if listed else None)
+        want_p = np.clip(levels, -K.PARENT_MAX, K.PARENT_MAX) if listed else np.zeros(500, np.int8)
+        K.advance_session_kernel(hist, parent, levels if listed else np.zeros(0, np.int32), listed)
+        assert np.array_equal(hist, want_h) and np.array_equal(parent, want_p)
