@@ -14,7 +14,7 @@ stripped as the level coder does); :func:`decode` returns the levels per tensor.
 from __future__ import annotations
 
 from deepcabac_py import _update_kernels as K
-from reference_coder import RangeDecoder, RangeEncoder, ReferenceDecodeError
+from reference_coder import OVERRUN_SLACK, RangeDecoder, RangeEncoder, ReferenceDecodeError
 
 MAX_STRIPPED = 4
 
@@ -290,7 +290,8 @@ def encode(tensors: list[dict]) -> bytes:
     enc = RangeEncoder()
     for t in tensors:
         _code_tensor(t, _Bins(t["ctx"], rate_for(t["nnz"], t["rows"] * t["cols"]), enc=enc), decode=False)
-    enc.encode_terminate()
+    if not any(t["features"] & K.F_MIX for t in tensors):  # format 2 payloads have no terminate bin
+        enc.encode_terminate()
     out = enc.finish()
     assert out[0] == 0
     out = out[1:]
@@ -305,5 +306,9 @@ def decode(data: bytes, tensors: list[dict]) -> list[list]:
     dec = RangeDecoder(data)
     out = [_code_tensor(t, _Bins(t["ctx"], rate_for(t["nnz"], t["rows"] * t["cols"]), dec=dec), decode=True)
            for t in tensors]
-    dec.decode_terminate()
+    if any(t["features"] & K.F_MIX for t in tensors):
+        if dec.pos > len(data) + OVERRUN_SLACK:
+            raise ReferenceDecodeError(K.ERR_OVERRUN)
+    else:
+        dec.decode_terminate()
     return out
