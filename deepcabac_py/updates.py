@@ -52,7 +52,7 @@ LEVEL_MAX = (1 << 31) - 1
 DEFAULT_FEATURES = _k.F_ALL & ~_k.F_ROWSKIP
 FEATURE_NAMES = {
     "temporal": _k.F_TEMPORAL, "history": _k.F_HISTORY, "column": _k.F_COLUMN, "row": _k.F_ROW,
-    "rowskip": _k.F_ROWSKIP, "sign": _k.F_SIGNCTX, "area": _k.F_AREA,
+    "rowskip": _k.F_ROWSKIP, "sign": _k.F_SIGNCTX, "area": _k.F_AREA, "mix": _k.F_MIX,
 }
 _SESSION_FEATURES = _k.F_TEMPORAL | _k.F_HISTORY | _k.F_AREA  # need an UpdateSession's memory
 
@@ -173,6 +173,21 @@ def _fresh_ctx() -> np.ndarray:
     return _k.fresh_contexts(1)
 
 
+def _check_state_values(st: _TensorState, i: int) -> None:
+    """Refuse session arrays no coder could have produced (the kernels index tables with them)."""
+    p, n, w = st.ctx[:_k.CTX_WSIG, 0], st.ctx[:, 1], st.ctx[_k.CTX_WSIG:, 0]
+    if p.size and (p.min() < 0 or p.max() > (1 << _k.EST_BITS)):
+        raise ValueError(f"tensor {i}: a context probability out of range")
+    if n.min() < 0 or n.max() > _k.COUNT_MAX:
+        raise ValueError(f"tensor {i}: a context count out of range")
+    if np.abs(w).max() > _k.MIX_W_MAX:
+        raise ValueError(f"tensor {i}: a mixing weight out of range")
+    if st.hist.size and (st.hist.max() >> 12 or ((st.hist & 3) == 3).any()):
+        raise ValueError(f"tensor {i}: a history value out of range")
+    if st.parent.size and np.abs(st.parent.astype(np.int64)).max() > _k.PARENT_MAX:
+        raise ValueError(f"tensor {i}: a previous level out of range")
+
+
 class UpdateSession:
     """What one end remembers of a stream of updates: contexts, previous levels, history.
 
@@ -243,6 +258,7 @@ class UpdateSession:
                             or st.parent.dtype != np.int8 or st.hist.dtype != np.uint16
                             or st.parent.shape != st.hist.shape or st.parent.ndim != 1):
                         raise ValueError(f"tensor {i}: arrays of the wrong type or shape")
+                    _check_state_values(st, i)
                     s.states[bytes(z[f"n{i}"]).decode("utf-8")] = st
                     i += 1
         except (zlib.error, ValueError, KeyError, OSError) as exc:

@@ -368,3 +368,27 @@ def test_session_advance_kernel_matches_next_hist():
         want_p = np.clip(levels, -K.PARENT_MAX, K.PARENT_MAX) if listed else np.zeros(500, np.int8)
         K.advance_session_kernel(hist, parent, levels if listed else np.zeros(0, np.int32), listed)
         assert np.array_equal(hist, want_h) and np.array_equal(parent, want_p)
+
+
+def test_session_snapshot_round_trip_format1_upgrade_and_hostile_values():
+    base, new = _model(0), _step(_model(0), 1)
+    enc = UpdateSession(4)
+    encode_update(new, base, density=0.2, session=enc)
+    snap = UpdateSession.from_snapshot(enc.snapshot())
+    assert snap.seq == 1 and all(np.array_equal(snap.states[n].ctx, st.ctx) and np.array_equal(snap.states[n].hist, st.hist)
+                                 for n, st in enc.states.items())
+    # a format-1 snapshot (contexts without the mixed models) continues with fresh mixed models
+    old = enc.copy()
+    for st in old.states.values():
+        st.ctx = st.ctx[:K.N_CTX_V1].copy()
+    up = UpdateSession.from_snapshot(old.snapshot())
+    for n, st in up.states.items():
+        assert np.array_equal(st.ctx[:K.N_CTX_V1], enc.states[n].ctx[:K.N_CTX_V1])
+        assert np.array_equal(st.ctx[K.N_CTX_V1:], K.fresh_contexts(1)[K.N_CTX_V1:])
+    name = sorted(enc.states)[0]
+    for field, index, value in (("ctx", (0, 1), K.COUNT_MAX + 1), ("ctx", (5, 0), -1), ("ctx", (K.CTX_WSIG, 0), 1 << 40),
+                                ("hist", 0, 3), ("hist", 0, 1 << 12), ("parent", 0, 3)):
+        bad = enc.copy()
+        getattr(bad.states[name], field)[index] = value
+        with pytest.raises(CorruptStreamError):
+            UpdateSession.from_snapshot(bad.snapshot())
