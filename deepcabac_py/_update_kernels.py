@@ -28,13 +28,14 @@ The range coder (``_shift_low``, bypass bins, terminate bin, flush) is the level
   last sign at the position (with its age, 1-2 / 3-8 / 9+), the last sign in the row and the last
   sign in the column.
 * **Mixing** (feature MIX, update format 2): the significance bin mixes, in the logistic domain
-  with weights learned online (one set per history state), the context above with four more: the
+  with weights learned online, the context above with four more (two mixers, one with a weight set
+  per history state, one per column x row density class, averaged): the
   history state x the density of this column and of this row so far against the tensor's known
   density, recency x the row and column classes of recent activity (nonzeros in the last 4
   messages), one context per column and one per row (adaptive across messages). The sign bin mixes
   its context with three more: last sign x column sign, the sign sums of the row and column so far,
   one context per row. On the MNIST benchmark (``benchmarks/bench_updates.py``) this took
-  ours/Golomb from 0.715 / 0.699 / 0.692 to 0.667 / 0.653 / 0.642 at densities 0.1 / 0.01 / 0.001
+  ours/Golomb from 0.715 / 0.699 / 0.692 to 0.664 / 0.649 / 0.635 at densities 0.1 / 0.01 / 0.001
   (with the unterminated flush of format-2 payloads).
 """
 
@@ -118,7 +119,10 @@ N_SIG_MODELS = 5
 N_SIGN_MODELS = 4
 CTX_WSIG = CTX_SROW + N_SROW  # mixing weights of the significance bin: 21 sets (history state) x 6
 CTX_WSIGN = CTX_WSIG + N_TSTATE * (N_SIG_MODELS + 1)  # of the sign bin: 7 sets (last sign state) x 5
-N_CTX_U = CTX_WSIGN + 7 * (N_SIGN_MODELS + 1)
+# The significance bin has a second mixer of the same inputs, its weight set chosen by the column and
+# row density classes (cr, rr) of M1; the bin is coded with the average of the two in the stretch domain.
+CTX_WSIG2 = CTX_WSIGN + 7 * (N_SIGN_MODELS + 1)  # 49 sets x 6
+N_CTX_U = CTX_WSIG2 + N_CREL * N_CREL * (N_SIG_MODELS + 1)
 MAX_EG_LENGTH = 32
 
 # --- logistic mixing (F_MIX) ----------------------------------------------------------------------
@@ -188,6 +192,8 @@ def fresh_contexts(n_tensors: int = 1) -> np.ndarray:
         block[CTX_WSIG + k * (N_SIG_MODELS + 1):CTX_WSIG + (k + 1) * (N_SIG_MODELS + 1), 0] = W0_SIG
     for k in range(7):
         block[CTX_WSIGN + k * (N_SIGN_MODELS + 1):CTX_WSIGN + (k + 1) * (N_SIGN_MODELS + 1), 0] = W0_SIGN
+    for k in range(N_CREL * N_CREL):
+        block[CTX_WSIG2 + k * (N_SIG_MODELS + 1):CTX_WSIG2 + (k + 1) * (N_SIG_MODELS + 1), 0] = W0_SIG
     return np.tile(block, (n_tensors, 1))
 
 PARENT_MAX = 2  # parent levels are stored clipped to [-2, 2]
@@ -462,34 +468,42 @@ def _abs_max(smax, x):
     return a if a > smax else smax
 
 
+@scalar_helper
+def _dot_stretch(ctx, wb, x0, x1, x2, x3, x4):
+    d = (ctx[wb, 0] * x0 + ctx[wb + 1, 0] * x1 + ctx[wb + 2, 0] * x2 + ctx[wb + 3, 0] * x3
+         + ctx[wb + 4, 0] * x4 + ctx[wb + 5, 0] * MIX_BIAS) >> 16
+    if d < -ST_MAX:
+        d = -ST_MAX
+    elif d > ST_MAX:
+        d = ST_MAX
+    return d
+
+
 @inline_helper
-def _mix5_prob(ctx, c0, c1, c2, c3, c4, wb):
-    # _mix_prob for the five significance models, unrolled into scalars (measured ~2x faster than
-    # the loop over small arrays, which LLVM cannot keep in registers)
+def _mix5_prob(ctx, c0, c1, c2, c3, c4, wb, wb2):
+    # The five significance models through two mixers (weight sets wb, wb2), unrolled into scalars
+    # (measured ~2x faster than a loop over small arrays, which LLVM cannot keep in registers).
+    # Returns the coding probability, each mixer's own probability and the inputs.
     x0 = np.int64(STRETCH[_p15(ctx[c0, 0])])
     x1 = np.int64(STRETCH[_p15(ctx[c1, 0])])
     x2 = np.int64(STRETCH[_p15(ctx[c2, 0])])
     x3 = np.int64(STRETCH[_p15(ctx[c3, 0])])
     x4 = np.int64(STRETCH[_p15(ctx[c4, 0])])
-    dot = (ctx[wb, 0] * x0 + ctx[wb + 1, 0] * x1 + ctx[wb + 2, 0] * x2 + ctx[wb + 3, 0] * x3
-           + ctx[wb + 4, 0] * x4 + ctx[wb + 5, 0] * MIX_BIAS)
-    d = dot >> 16
-    if d < -ST_MAX:
-        d = -ST_MAX
-    elif d > ST_MAX:
-        d = ST_MAX
-    p = np.int64(SQUASH[d + ST_MAX])
+    d1 = _dot_stretch(ctx, wb, x0, x1, x2, x3, x4)
+    d2 = _dot_stretch(ctx, wb2, x0, x1, x2, x3, x4)
+    p = np.int64(SQUASH[((d1 + d2) >> 1) + ST_MAX])
     if p < P_FLOOR:
         p = P_FLOOR
     elif p > PROB_ONE - P_FLOOR:
         p = PROB_ONE - P_FLOOR
+    p1 = np.int64(SQUASH[d1 + ST_MAX])
+    p2 = np.int64(SQUASH[d2 + ST_MAX])
     smax = _abs_max(_abs_max(_abs_max(_abs_max(_abs_max(MIX_BIAS, x0), x1), x2), x3), x4)
-    return p, x0, x1, x2, x3, x4, smax
+    return p, p1, p2, x0, x1, x2, x3, x4, smax
 
 
-@inline_helper
-def _mix5_update(ctx, c0, c1, c2, c3, c4, x0, x1, x2, x3, x4, smax, wb, bit, p, rate):
-    err = (bit << PROB_BITS) - p
+@scalar_helper
+def _wsteps(ctx, wb, err, smax, x0, x1, x2, x3, x4):
     ae = err if err >= 0 else -err
     if ae * smax >= MIX_LR_ROUND:  # else every weight step is zero
         _wstep(ctx, wb, err, x0)
@@ -498,6 +512,13 @@ def _mix5_update(ctx, c0, c1, c2, c3, c4, x0, x1, x2, x3, x4, smax, wb, bit, p, 
         _wstep(ctx, wb + 3, err, x3)
         _wstep(ctx, wb + 4, err, x4)
         _wstep(ctx, wb + 5, err, MIX_BIAS)
+
+
+@inline_helper
+def _mix5_update(ctx, c0, c1, c2, c3, c4, x0, x1, x2, x3, x4, smax, wb, wb2, bit, p1, p2, rate):
+    # each mixer learns from its own error
+    _wsteps(ctx, wb, (bit << PROB_BITS) - p1, smax, x0, x1, x2, x3, x4)
+    _wsteps(ctx, wb2, (bit << PROB_BITS) - p2, smax, x0, x1, x2, x3, x4)
     _adapt(ctx, c0, bit, rate)
     _adapt(ctx, c1, bit, rate)
     _adapt(ctx, c2, bit, rate)
@@ -612,8 +633,8 @@ def encode_update_kernel(levels, tinfo, parent, hist, ctx, out):
         dq = _density_q(nnz, rows * cols)
         wb = 0
         smax = 0
-        c1 = c2 = c3 = c4 = 0
-        x0 = x1 = x2 = x3 = x4 = 0
+        c1 = c2 = c3 = c4 = wb2 = 0
+        x0 = x1 = x2 = x3 = x4 = p1 = p2 = 0
         hr = np.zeros(rows if mix else 0, dtype=np.int64)  # M2's row / column history classes
         hc = np.zeros(cols if mix else 0, dtype=np.int64)
         rex = np.zeros(cols if mix else 0, dtype=np.int64)  # _expect of the row count at each column
@@ -680,7 +701,8 @@ def encode_update_kernel(levels, tinfo, parent, hist, ctx, out):
                         c3 = cbase + CTX_COLID + (cc & (N_COLID - 1))
                         c4 = cbase + CTX_ROWID + (r & (N_ROWID - 1))
                         wb = cbase + CTX_WSIG + ts * (N_SIG_MODELS + 1)
-                        p, x0, x1, x2, x3, x4, smax = _mix5_prob(ctx, c, c1, c2, c3, c4, wb)
+                        wb2 = cbase + CTX_WSIG2 + (cr * N_CREL + rr) * (N_SIG_MODELS + 1)
+                        p, p1, p2, x0, x1, x2, x3, x4, smax = _mix5_prob(ctx, c, c1, c2, c3, c4, wb, wb2)
                     else:
                         p = _p15(ctx[c, 0])
                     bound = (rng >> PROB_BITS) * p
@@ -690,7 +712,7 @@ def encode_update_kernel(levels, tinfo, parent, hist, ctx, out):
                         low += bound
                         rng -= bound
                     if mix:
-                        _mix5_update(ctx, c, c1, c2, c3, c4, x0, x1, x2, x3, x4, smax, wb, nz, p, rate)
+                        _mix5_update(ctx, c, c1, c2, c3, c4, x0, x1, x2, x3, x4, smax, wb, wb2, nz, p1, p2, rate)
                     else:
                         ctx[c, 0] += ((nz << EST_BITS) - ctx[c, 0]) >> min(SHIFT_U[ctx[c, 1]], rate)
                         if ctx[c, 1] < COUNT_MAX:
@@ -837,8 +859,8 @@ def decode_update_kernel(buf, tinfo, parent, hist, ctx, out):
         dq = _density_q(nnz, rows * cols)
         wb = 0
         smax = 0
-        c1 = c2 = c3 = c4 = 0
-        x0 = x1 = x2 = x3 = x4 = 0
+        c1 = c2 = c3 = c4 = wb2 = 0
+        x0 = x1 = x2 = x3 = x4 = p1 = p2 = 0
         hr = np.zeros(rows if mix else 0, dtype=np.int64)  # M2's row / column history classes
         hc = np.zeros(cols if mix else 0, dtype=np.int64)
         rex = np.zeros(cols if mix else 0, dtype=np.int64)  # _expect of the row count at each column
@@ -902,7 +924,8 @@ def decode_update_kernel(buf, tinfo, parent, hist, ctx, out):
                         c3 = cbase + CTX_COLID + (cc & (N_COLID - 1))
                         c4 = cbase + CTX_ROWID + (r & (N_ROWID - 1))
                         wb = cbase + CTX_WSIG + ts * (N_SIG_MODELS + 1)
-                        p, x0, x1, x2, x3, x4, smax = _mix5_prob(ctx, c, c1, c2, c3, c4, wb)
+                        wb2 = cbase + CTX_WSIG2 + (cr * N_CREL + rr) * (N_SIG_MODELS + 1)
+                        p, p1, p2, x0, x1, x2, x3, x4, smax = _mix5_prob(ctx, c, c1, c2, c3, c4, wb, wb2)
                     else:
                         p = _p15(ctx[c, 0])
                     bound = (rng >> PROB_BITS) * p
@@ -914,7 +937,7 @@ def decode_update_kernel(buf, tinfo, parent, hist, ctx, out):
                         code -= bound
                         rng -= bound
                     if mix:
-                        _mix5_update(ctx, c, c1, c2, c3, c4, x0, x1, x2, x3, x4, smax, wb, nz, p, rate)
+                        _mix5_update(ctx, c, c1, c2, c3, c4, x0, x1, x2, x3, x4, smax, wb, wb2, nz, p1, p2, rate)
                     else:
                         ctx[c, 0] += ((nz << EST_BITS) - ctx[c, 0]) >> min(SHIFT_U[ctx[c, 1]], rate)
                         if ctx[c, 1] < COUNT_MAX:

@@ -102,7 +102,7 @@ def crel(count: int, expected4: int) -> int:
 def m1_context(f, t, r, c, ccount, rcount, dq) -> int:
     cr = crel(ccount, (min(r, 1 << 40) * dq) >> 18) if f & K.F_COLUMN else 0
     rr = crel(rcount, (min(c, 1 << 40) * dq) >> 18) if f & K.F_ROW else 0
-    return K.CTX_M1 + (t * K.N_CREL + cr) * K.N_CREL + rr
+    return K.CTX_M1 + (t * K.N_CREL + cr) * K.N_CREL + rr, cr, rr
 
 
 def hist_class(x: int) -> int:
@@ -162,24 +162,30 @@ class _Bins:
             return value
         return self.dec.decode_bypass(nbits)
 
-    def mixbin(self, cs: list[int], wb: int, bit: int | None = None) -> int:
-        """One bin whose probability mixes the contexts ``cs`` with the weights at ``wb``."""
+    def mixbin(self, cs: list[int], wb: int, bit: int | None = None, wb2: int | None = None) -> int:
+        """One bin whose probability mixes the contexts ``cs`` with the weights at ``wb`` (and, given
+        ``wb2``, with a second weight set: the bin takes the average of the two in the stretch
+        domain, each set learns from its own error)."""
         ctx = self.ctx
         st = [int(K.STRETCH[p15(ctx[c][0])]) for c in cs] + [K.MIX_BIAS]
-        dot = sum(ctx[wb + j][0] * x for j, x in enumerate(st))
-        d = min(max(dot >> 16, -K.ST_MAX), K.ST_MAX)
+        sets = [wb] if wb2 is None else [wb, wb2]
+        ds = [min(max(sum(ctx[w + j][0] * x for j, x in enumerate(st)) >> 16, -K.ST_MAX), K.ST_MAX) for w in sets]
+        d = ds[0] if wb2 is None else (ds[0] + ds[1]) >> 1
         p = min(max(int(K.SQUASH[d + K.ST_MAX]), K.P_FLOOR), K.PROB_ONE - K.P_FLOOR)
         if self.enc is not None:
             self.enc.encode_bit(bit, p)
         else:
             bit = self.dec.decode_bit(p)
-        err = (bit << K.PROB_BITS) - p
-        for j, x in enumerate(st):
-            w = ctx[wb + j][0] + ((err * x + K.MIX_LR_ROUND) >> K.MIX_LR_SHIFT)
-            ctx[wb + j] = [min(max(w, -K.MIX_W_MAX), K.MIX_W_MAX), ctx[wb + j][1]]
+        for w, dw in zip(sets, ds):
+            own = p if wb2 is None else int(K.SQUASH[dw + K.ST_MAX])
+            err = (bit << K.PROB_BITS) - own
+            for j, x in enumerate(st):
+                v = ctx[w + j][0] + ((err * x + K.MIX_LR_ROUND) >> K.MIX_LR_SHIFT)
+                ctx[w + j] = [min(max(v, -K.MIX_W_MAX), K.MIX_W_MAX), ctx[w + j][1]]
         for c in cs:
             adapt(ctx, c, bit, self.rate)
         return bit
+
 
 def _code_tensor(t: dict, io: _Bins, decode: bool) -> list:
     rows, cols, nnz, maxabs = t["rows"], t["cols"], t["nnz"], t["maxabs"]
@@ -226,10 +232,11 @@ def _code_tensor(t: dict, io: _Bins, decode: bool) -> list:
                 ctxi = sig_context(f, t_, col[c], rcount, prev_nz, area)
                 want = None if decode else int(v != 0)
                 if mix:
-                    cs = [ctxi, m1_context(f, t_, r, c, colcnt[c], rcount, dq),
-                          m2_context(f, hist[i], rrec[r], crec[c], prev_nz),
+                    m1, cr, rr = m1_context(f, t_, r, c, colcnt[c], rcount, dq)
+                    cs = [ctxi, m1, m2_context(f, hist[i], rrec[r], crec[c], prev_nz),
                           K.CTX_COLID + (c & (K.N_COLID - 1)), K.CTX_ROWID + (r & (K.N_ROWID - 1))]
-                    nz = io.mixbin(cs, K.CTX_WSIG + t_ * (K.N_SIG_MODELS + 1), want)
+                    nz = io.mixbin(cs, K.CTX_WSIG + t_ * (K.N_SIG_MODELS + 1), want,
+                                   K.CTX_WSIG2 + (cr * K.N_CREL + rr) * (K.N_SIG_MODELS + 1))
                 else:
                     nz = io.bin(ctxi, want)
             prev_nz = nz
