@@ -250,9 +250,10 @@ def _code_tensor(t: dict, io: _Bins, decode: bool) -> list:
                     ps = sign_state(f, parent[i], hist[i])
                     sc = sign_context(ps, rsign, col[c])
                     if mix:
-                        cs = [sc, K.CTX_S1 + 3 * ps + (col[c] >> K.COL_SIGN_SHIFT), s2_context(rsum, csum[c]),
+                        pm = min(ps, 6)  # (a last-sign field of 3, which no session holds, stays in range)
+                        cs = [sc, K.CTX_S1 + 3 * pm + (col[c] >> K.COL_SIGN_SHIFT), s2_context(rsum, csum[c]),
                               K.CTX_SROW + (r & (K.N_SROW - 1))]
-                        neg = io.mixbin(cs, K.CTX_WSIGN + ps * (K.N_SIGN_MODELS + 1), None if decode else neg)
+                        neg = io.mixbin(cs, K.CTX_WSIGN + pm * (K.N_SIGN_MODELS + 1), None if decode else neg)
                     else:
                         neg = io.bin(sc, None if decode else neg)
             elif mode == K.SIGN_ALL_NEGATIVE:

@@ -375,8 +375,9 @@ def test_session_snapshot_round_trip_format1_upgrade_and_hostile_values():
     enc = UpdateSession(4)
     encode_update(new, base, density=0.2, session=enc)
     snap = UpdateSession.from_snapshot(enc.snapshot())
-    assert snap.seq == 1 and all(np.array_equal(snap.states[n].ctx, st.ctx) and np.array_equal(snap.states[n].hist, st.hist)
-                                 for n, st in enc.states.items())
+    assert snap.seq == 1
+    assert all(np.array_equal(snap.states[n].ctx, st.ctx) and np.array_equal(snap.states[n].hist, st.hist)
+               for n, st in enc.states.items())
     # a format-1 snapshot (contexts without the mixed models) continues with fresh mixed models
     old = enc.copy()
     for st in old.states.values():
@@ -386,8 +387,9 @@ def test_session_snapshot_round_trip_format1_upgrade_and_hostile_values():
         assert np.array_equal(st.ctx[:K.N_CTX_V1], enc.states[n].ctx[:K.N_CTX_V1])
         assert np.array_equal(st.ctx[K.N_CTX_V1:], K.fresh_contexts(1)[K.N_CTX_V1:])
     name = sorted(enc.states)[0]
-    for field, index, value in (("ctx", (0, 1), K.COUNT_MAX + 1), ("ctx", (5, 0), -1), ("ctx", (K.CTX_WSIG, 0), 1 << 40),
-                                ("hist", 0, 3), ("hist", 0, 1 << 12), ("parent", 0, 3)):
+    hostile = (("ctx", (0, 1), K.COUNT_MAX + 1), ("ctx", (5, 0), -1), ("ctx", (K.CTX_WSIG, 0), 1 << 40),
+               ("hist", 0, 3), ("hist", 0, 1 << 12), ("parent", 0, 3))
+    for field, index, value in hostile:
         bad = enc.copy()
         getattr(bad.states[name], field)[index] = value
         with pytest.raises(CorruptStreamError):
