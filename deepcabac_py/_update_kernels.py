@@ -403,11 +403,11 @@ def _s2_context(rsum, csum):
 def _mix_prob(ctx, cs, nm, wb, st):
     dot = 0
     for j in range(nm):
-        x = np.int64(STRETCH[_p15(ctx[cs[j], 0])])
+        x = np.int64(STRETCH[_p15(ctx[2 * cs[j]])])
         st[j] = x
-        dot += ctx[wb + j, 0] * x
+        dot += ctx[2 * (wb + j)] * x
     st[nm] = MIX_BIAS
-    dot += ctx[wb + nm, 0] * MIX_BIAS
+    dot += ctx[2 * (wb + nm)] * MIX_BIAS
     smax = MIX_BIAS
     for j in range(nm):
         a = st[j] if st[j] >= 0 else -st[j]
@@ -432,34 +432,34 @@ def _mix_update(ctx, cs, nm, wb, st, smax, bit, p, rate):
     # every weight step is (err * x + 2**14) >> 15: all are zero while |err * x| < 2**14
     ae = err if err >= 0 else -err
     for j in range(nm + 1 if ae * smax >= MIX_LR_ROUND else 0):
-        w = ctx[wb + j, 0] + ((err * st[j] + MIX_LR_ROUND) >> MIX_LR_SHIFT)
+        w = ctx[2 * (wb + j)] + ((err * st[j] + MIX_LR_ROUND) >> MIX_LR_SHIFT)
         if w > MIX_W_MAX:
             w = MIX_W_MAX
         elif w < -MIX_W_MAX:
             w = -MIX_W_MAX
-        ctx[wb + j, 0] = w
+        ctx[2 * (wb + j)] = w
     for j in range(nm):
         c = cs[j]
-        ctx[c, 0] += ((bit << EST_BITS) - ctx[c, 0]) >> min(SHIFT_U[ctx[c, 1]], rate)
-        if ctx[c, 1] < COUNT_MAX:
-            ctx[c, 1] += 1
+        ctx[2 * c] += ((bit << EST_BITS) - ctx[2 * c]) >> min(SHIFT_U[ctx[2 * c + 1]], rate)
+        if ctx[2 * c + 1] < COUNT_MAX:
+            ctx[2 * c + 1] += 1
 
 
 @scalar_helper
 def _adapt(ctx, c, bit, rate):
-    ctx[c, 0] += ((bit << EST_BITS) - ctx[c, 0]) >> min(SHIFT_U[ctx[c, 1]], rate)
-    if ctx[c, 1] < COUNT_MAX:
-        ctx[c, 1] += 1
+    ctx[2 * c] += ((bit << EST_BITS) - ctx[2 * c]) >> min(SHIFT_U[ctx[2 * c + 1]], rate)
+    if ctx[2 * c + 1] < COUNT_MAX:
+        ctx[2 * c + 1] += 1
 
 
 @scalar_helper
 def _wstep(ctx, k, err, x):
-    w = ctx[k, 0] + ((err * x + MIX_LR_ROUND) >> MIX_LR_SHIFT)
+    w = ctx[2 * k] + ((err * x + MIX_LR_ROUND) >> MIX_LR_SHIFT)
     if w > MIX_W_MAX:
         w = MIX_W_MAX
     elif w < -MIX_W_MAX:
         w = -MIX_W_MAX
-    ctx[k, 0] = w
+    ctx[2 * k] = w
 
 
 @scalar_helper
@@ -470,8 +470,8 @@ def _abs_max(smax, x):
 
 @scalar_helper
 def _dot_stretch(ctx, wb, x0, x1, x2, x3, x4):
-    d = (ctx[wb, 0] * x0 + ctx[wb + 1, 0] * x1 + ctx[wb + 2, 0] * x2 + ctx[wb + 3, 0] * x3
-         + ctx[wb + 4, 0] * x4 + ctx[wb + 5, 0] * MIX_BIAS) >> 16
+    d = (ctx[2 * wb] * x0 + ctx[2 * (wb + 1)] * x1 + ctx[2 * (wb + 2)] * x2 + ctx[2 * (wb + 3)] * x3
+         + ctx[2 * (wb + 4)] * x4 + ctx[2 * (wb + 5)] * MIX_BIAS) >> 16
     if d < -ST_MAX:
         d = -ST_MAX
     elif d > ST_MAX:
@@ -484,11 +484,11 @@ def _mix5_prob(ctx, c0, c1, c2, c3, c4, wb, wb2):
     # The five significance models through two mixers (weight sets wb, wb2), unrolled into scalars
     # (measured ~2x faster than a loop over small arrays, which LLVM cannot keep in registers).
     # Returns the coding probability, each mixer's own probability and the inputs.
-    x0 = np.int64(STRETCH[_p15(ctx[c0, 0])])
-    x1 = np.int64(STRETCH[_p15(ctx[c1, 0])])
-    x2 = np.int64(STRETCH[_p15(ctx[c2, 0])])
-    x3 = np.int64(STRETCH[_p15(ctx[c3, 0])])
-    x4 = np.int64(STRETCH[_p15(ctx[c4, 0])])
+    x0 = np.int64(STRETCH[_p15(ctx[2 * c0])])
+    x1 = np.int64(STRETCH[_p15(ctx[2 * c1])])
+    x2 = np.int64(STRETCH[_p15(ctx[2 * c2])])
+    x3 = np.int64(STRETCH[_p15(ctx[2 * c3])])
+    x4 = np.int64(STRETCH[_p15(ctx[2 * c4])])
     d1 = _dot_stretch(ctx, wb, x0, x1, x2, x3, x4)
     d2 = _dot_stretch(ctx, wb2, x0, x1, x2, x3, x4)
     p = np.int64(SQUASH[((d1 + d2) >> 1) + ST_MAX])
@@ -607,6 +607,9 @@ def encode_update_kernel(levels, tinfo, parent, hist, ctx, out):
     24-bit probability, count) is updated in place. Returns the byte count (the first, always-zero
     byte included), or -1 if ``out`` is too small.
     """
+    # ctx as one flat array: context c at [2c] (probability) and [2c + 1] (count); a constant stride
+    # (measured 5-10% faster than the 2-d view)
+    ctx = ctx.reshape(ctx.shape[0] * CTX_COLS)
     low = 0
     rng = RANGE_INIT
     cache = 0
@@ -664,16 +667,16 @@ def encode_update_kernel(levels, tinfo, parent, hist, ctx, out):
                         break
                 pr = _row_parent_nonzero(parent, start, cols) if features & F_TEMPORAL else 0
                 c = cbase + CTX_ROW + 2 * pr + prev_row_nz
-                p = _p15(ctx[c, 0])
+                p = _p15(ctx[2 * c])
                 bound = (rng >> PROB_BITS) * p
                 if row_nz:
                     rng = bound
                 else:
                     low += bound
                     rng -= bound
-                ctx[c, 0] += ((row_nz << EST_BITS) - ctx[c, 0]) >> min(SHIFT_U[ctx[c, 1]], rate)
-                if ctx[c, 1] < COUNT_MAX:
-                    ctx[c, 1] += 1
+                ctx[2 * c] += ((row_nz << EST_BITS) - ctx[2 * c]) >> min(SHIFT_U[ctx[2 * c + 1]], rate)
+                if ctx[2 * c + 1] < COUNT_MAX:
+                    ctx[2 * c + 1] += 1
                 while rng < TOP:
                     rng <<= 8
                     low, cache, cache_size, pos = _shift_low(low, cache, cache_size, out, pos)
@@ -706,7 +709,7 @@ def encode_update_kernel(levels, tinfo, parent, hist, ctx, out):
                         wb2 = cbase + CTX_WSIG2 + (cr * N_CREL + rr) * (N_SIG_MODELS + 1)
                         p, p1, p2, x0, x1, x2, x3, x4, smax = _mix5_prob(ctx, c, c1, c2, c3, c4, wb, wb2)
                     else:
-                        p = _p15(ctx[c, 0])
+                        p = _p15(ctx[2 * c])
                     bound = (rng >> PROB_BITS) * p
                     if nz:
                         rng = bound
@@ -716,9 +719,9 @@ def encode_update_kernel(levels, tinfo, parent, hist, ctx, out):
                     if mix:
                         _mix5_update(ctx, c, c1, c2, c3, c4, x0, x1, x2, x3, x4, smax, wb, wb2, nz, p1, p2, rate)
                     else:
-                        ctx[c, 0] += ((nz << EST_BITS) - ctx[c, 0]) >> min(SHIFT_U[ctx[c, 1]], rate)
-                        if ctx[c, 1] < COUNT_MAX:
-                            ctx[c, 1] += 1
+                        ctx[2 * c] += ((nz << EST_BITS) - ctx[2 * c]) >> min(SHIFT_U[ctx[2 * c + 1]], rate)
+                        if ctx[2 * c + 1] < COUNT_MAX:
+                            ctx[2 * c + 1] += 1
                     while rng < TOP:
                         rng <<= 8
                         low, cache, cache_size, pos = _shift_low(low, cache, cache_size, out, pos)
@@ -740,7 +743,7 @@ def encode_update_kernel(levels, tinfo, parent, hist, ctx, out):
                             wb = cbase + CTX_WSIGN + (ps if ps < 7 else 6) * (N_SIGN_MODELS + 1)
                             p, smax = _mix_prob(ctx, cs, N_SIGN_MODELS, wb, st)
                         else:
-                            p = _p15(ctx[c, 0])
+                            p = _p15(ctx[2 * c])
                         bound = (rng >> PROB_BITS) * p
                         if neg:
                             rng = bound
@@ -750,9 +753,9 @@ def encode_update_kernel(levels, tinfo, parent, hist, ctx, out):
                         if mix:
                             _mix_update(ctx, cs, N_SIGN_MODELS, wb, st, smax, neg, p, rate)
                         else:
-                            ctx[c, 0] += ((neg << EST_BITS) - ctx[c, 0]) >> min(SHIFT_U[ctx[c, 1]], rate)
-                            if ctx[c, 1] < COUNT_MAX:
-                                ctx[c, 1] += 1
+                            ctx[2 * c] += ((neg << EST_BITS) - ctx[2 * c]) >> min(SHIFT_U[ctx[2 * c + 1]], rate)
+                            if ctx[2 * c + 1] < COUNT_MAX:
+                                ctx[2 * c + 1] += 1
                     while rng < TOP:
                         rng <<= 8
                         low, cache, cache_size, pos = _shift_low(low, cache, cache_size, out, pos)
@@ -765,16 +768,16 @@ def encode_update_kernel(levels, tinfo, parent, hist, ctx, out):
                         pa = 0
                     gt1 = 1 if a > 1 else 0
                     c = cbase + CTX_GT1 + pa
-                    p = _p15(ctx[c, 0])
+                    p = _p15(ctx[2 * c])
                     bound = (rng >> PROB_BITS) * p
                     if gt1:
                         rng = bound
                     else:
                         low += bound
                         rng -= bound
-                    ctx[c, 0] += ((gt1 << EST_BITS) - ctx[c, 0]) >> min(SHIFT_U[ctx[c, 1]], rate)
-                    if ctx[c, 1] < COUNT_MAX:
-                        ctx[c, 1] += 1
+                    ctx[2 * c] += ((gt1 << EST_BITS) - ctx[2 * c]) >> min(SHIFT_U[ctx[2 * c + 1]], rate)
+                    if ctx[2 * c + 1] < COUNT_MAX:
+                        ctx[2 * c + 1] += 1
                     while rng < TOP:
                         rng <<= 8
                         low, cache, cache_size, pos = _shift_low(low, cache, cache_size, out, pos)
@@ -788,16 +791,16 @@ def encode_update_kernel(levels, tinfo, parent, hist, ctx, out):
                         for j in range(length):
                             bit = 1 if j < length - 1 else 0
                             c = cbase + CTX_EG + (j if j < N_EG_CTX else N_EG_CTX - 1)
-                            p = _p15(ctx[c, 0])
+                            p = _p15(ctx[2 * c])
                             bound = (rng >> PROB_BITS) * p
                             if bit:
                                 rng = bound
                             else:
                                 low += bound
                                 rng -= bound
-                            ctx[c, 0] += ((bit << EST_BITS) - ctx[c, 0]) >> min(SHIFT_U[ctx[c, 1]], rate)
-                            if ctx[c, 1] < COUNT_MAX:
-                                ctx[c, 1] += 1
+                            ctx[2 * c] += ((bit << EST_BITS) - ctx[2 * c]) >> min(SHIFT_U[ctx[2 * c + 1]], rate)
+                            if ctx[2 * c + 1] < COUNT_MAX:
+                                ctx[2 * c + 1] += 1
                             while rng < TOP:
                                 rng <<= 8
                                 low, cache, cache_size, pos = _shift_low(low, cache, cache_size, out, pos)
@@ -829,6 +832,7 @@ def encode_update_kernel(levels, tinfo, parent, hist, ctx, out):
 def decode_update_kernel(buf, tinfo, parent, hist, ctx, out):
     """Decode into the zeroed flat int32 ``out`` (same layout as the encoder's ``levels``); ``buf``
     starts at the encoder's second byte. ``ctx`` is updated in place. Returns a status code."""
+    ctx = ctx.reshape(ctx.shape[0] * CTX_COLS)  # flat, as in the encoder
     size = buf.shape[0]
     rng = RANGE_INIT
     code = 0
@@ -884,7 +888,7 @@ def decode_update_kernel(buf, tinfo, parent, hist, ctx, out):
             if features & F_ROWSKIP:
                 pr = _row_parent_nonzero(parent, start, cols) if features & F_TEMPORAL else 0
                 c = cbase + CTX_ROW + 2 * pr + prev_row_nz
-                p = _p15(ctx[c, 0])
+                p = _p15(ctx[2 * c])
                 bound = (rng >> PROB_BITS) * p
                 if code < bound:
                     row_nz = 1
@@ -893,9 +897,9 @@ def decode_update_kernel(buf, tinfo, parent, hist, ctx, out):
                     row_nz = 0
                     code -= bound
                     rng -= bound
-                ctx[c, 0] += ((row_nz << EST_BITS) - ctx[c, 0]) >> min(SHIFT_U[ctx[c, 1]], rate)
-                if ctx[c, 1] < COUNT_MAX:
-                    ctx[c, 1] += 1
+                ctx[2 * c] += ((row_nz << EST_BITS) - ctx[2 * c]) >> min(SHIFT_U[ctx[2 * c + 1]], rate)
+                if ctx[2 * c + 1] < COUNT_MAX:
+                    ctx[2 * c + 1] += 1
                 while rng < TOP:
                     rng <<= 8
                     code = (code << 8) | (np.int64(buf[pos]) if pos < size else 0)
@@ -929,7 +933,7 @@ def decode_update_kernel(buf, tinfo, parent, hist, ctx, out):
                         wb2 = cbase + CTX_WSIG2 + (cr * N_CREL + rr) * (N_SIG_MODELS + 1)
                         p, p1, p2, x0, x1, x2, x3, x4, smax = _mix5_prob(ctx, c, c1, c2, c3, c4, wb, wb2)
                     else:
-                        p = _p15(ctx[c, 0])
+                        p = _p15(ctx[2 * c])
                     bound = (rng >> PROB_BITS) * p
                     if code < bound:
                         nz = 1
@@ -941,9 +945,9 @@ def decode_update_kernel(buf, tinfo, parent, hist, ctx, out):
                     if mix:
                         _mix5_update(ctx, c, c1, c2, c3, c4, x0, x1, x2, x3, x4, smax, wb, wb2, nz, p1, p2, rate)
                     else:
-                        ctx[c, 0] += ((nz << EST_BITS) - ctx[c, 0]) >> min(SHIFT_U[ctx[c, 1]], rate)
-                        if ctx[c, 1] < COUNT_MAX:
-                            ctx[c, 1] += 1
+                        ctx[2 * c] += ((nz << EST_BITS) - ctx[2 * c]) >> min(SHIFT_U[ctx[2 * c + 1]], rate)
+                        if ctx[2 * c + 1] < COUNT_MAX:
+                            ctx[2 * c + 1] += 1
                     while rng < TOP:
                         rng <<= 8
                         code = (code << 8) | (np.int64(buf[pos]) if pos < size else 0)
@@ -968,7 +972,7 @@ def decode_update_kernel(buf, tinfo, parent, hist, ctx, out):
                             wb = cbase + CTX_WSIGN + (ps if ps < 7 else 6) * (N_SIGN_MODELS + 1)
                             p, smax = _mix_prob(ctx, cs, N_SIGN_MODELS, wb, st)
                         else:
-                            p = _p15(ctx[c, 0])
+                            p = _p15(ctx[2 * c])
                         bound = (rng >> PROB_BITS) * p
                         if code < bound:
                             neg = 1
@@ -980,9 +984,9 @@ def decode_update_kernel(buf, tinfo, parent, hist, ctx, out):
                         if mix:
                             _mix_update(ctx, cs, N_SIGN_MODELS, wb, st, smax, neg, p, rate)
                         else:
-                            ctx[c, 0] += ((neg << EST_BITS) - ctx[c, 0]) >> min(SHIFT_U[ctx[c, 1]], rate)
-                            if ctx[c, 1] < COUNT_MAX:
-                                ctx[c, 1] += 1
+                            ctx[2 * c] += ((neg << EST_BITS) - ctx[2 * c]) >> min(SHIFT_U[ctx[2 * c + 1]], rate)
+                            if ctx[2 * c + 1] < COUNT_MAX:
+                                ctx[2 * c + 1] += 1
                     while rng < TOP:
                         rng <<= 8
                         code = (code << 8) | (np.int64(buf[pos]) if pos < size else 0)
@@ -997,7 +1001,7 @@ def decode_update_kernel(buf, tinfo, parent, hist, ctx, out):
                     if not (features & F_TEMPORAL):
                         pa = 0
                     c = cbase + CTX_GT1 + pa
-                    p = _p15(ctx[c, 0])
+                    p = _p15(ctx[2 * c])
                     bound = (rng >> PROB_BITS) * p
                     if code < bound:
                         gt1 = 1
@@ -1006,9 +1010,9 @@ def decode_update_kernel(buf, tinfo, parent, hist, ctx, out):
                         gt1 = 0
                         code -= bound
                         rng -= bound
-                    ctx[c, 0] += ((gt1 << EST_BITS) - ctx[c, 0]) >> min(SHIFT_U[ctx[c, 1]], rate)
-                    if ctx[c, 1] < COUNT_MAX:
-                        ctx[c, 1] += 1
+                    ctx[2 * c] += ((gt1 << EST_BITS) - ctx[2 * c]) >> min(SHIFT_U[ctx[2 * c + 1]], rate)
+                    if ctx[2 * c + 1] < COUNT_MAX:
+                        ctx[2 * c + 1] += 1
                     while rng < TOP:
                         rng <<= 8
                         code = (code << 8) | (np.int64(buf[pos]) if pos < size else 0)
@@ -1018,7 +1022,7 @@ def decode_update_kernel(buf, tinfo, parent, hist, ctx, out):
                         while True:
                             j = length - 1
                             c = cbase + CTX_EG + (j if j < N_EG_CTX else N_EG_CTX - 1)
-                            p = _p15(ctx[c, 0])
+                            p = _p15(ctx[2 * c])
                             bound = (rng >> PROB_BITS) * p
                             if code < bound:
                                 bit = 1
@@ -1027,9 +1031,9 @@ def decode_update_kernel(buf, tinfo, parent, hist, ctx, out):
                                 bit = 0
                                 code -= bound
                                 rng -= bound
-                            ctx[c, 0] += ((bit << EST_BITS) - ctx[c, 0]) >> min(SHIFT_U[ctx[c, 1]], rate)
-                            if ctx[c, 1] < COUNT_MAX:
-                                ctx[c, 1] += 1
+                            ctx[2 * c] += ((bit << EST_BITS) - ctx[2 * c]) >> min(SHIFT_U[ctx[2 * c + 1]], rate)
+                            if ctx[2 * c + 1] < COUNT_MAX:
+                                ctx[2 * c + 1] += 1
                             while rng < TOP:
                                 rng <<= 8
                                 code = (code << 8) | (np.int64(buf[pos]) if pos < size else 0)
