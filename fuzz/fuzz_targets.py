@@ -25,7 +25,8 @@ Targets (``TARGETS`` maps the CLI names to functions):
                         same levels or the same error.
 * ``matrix``         -- a sealed stream through ``matrix_formats.from_stream`` (CER and CSER); each
                         matrix must hold exactly the levels ``decode_levels`` gives.
-* ``zarr``           -- the numcodecs codec's ``decode`` on raw and on sealed chunk streams.
+* ``zarr``           -- the numcodecs codec's ``decode`` on the sealed input (an unpacked chunk
+                        stream, as for ``model_sealed``) and on the raw bytes.
 * ``info``           -- ``deepcabac info [--json] FILE`` through click's runner on the bytes as a file
                         (the header-only file reader, the report, the update-file dispatch): exit 0,
                         or exit 1 with one ``deepcabac: error:`` line; a traceback is a finding.

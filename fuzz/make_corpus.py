@@ -167,8 +167,8 @@ def main() -> None:
     write("model_threads", "chunks.bin", unpack_model_stream(big))
     for name, data in pt_pickles().items():
         write("ckpt_pt_pickle", f"{name}.pkl", data)
-    for name, data in zarr_chunks().items():
-        write("zarr", f"{name}.dcb", data)
+    for name, data in zarr_chunks().items():  # unpacked: the target seals them (and tries them raw)
+        write("zarr", f"{name}.bin", unpack_model_stream(data))
     for name, data in encode_inputs().items():
         write("encode", name, data)
     suffix = {"safetensors": "ckpt_safetensors", "npz": "ckpt_npz", "torch": "ckpt_pt"}
