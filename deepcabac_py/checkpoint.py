@@ -720,17 +720,14 @@ def _first_line(exc: BaseException) -> str:
 
 def _load_torch(path: str, max_bytes: Optional[int] = None) -> Checkpoint:
     try:
-        is_zip = zipfile.is_zipfile(path)
+        with zipfile.ZipFile(path) as zf:
+            _check_zip_sizes(path, zf, max_bytes)
+    except (zipfile.BadZipFile, NotImplementedError, RuntimeError, ValueError, EOFError):
+        # Not a zip (torch's legacy pickle format), or a damaged one: torch's reader says what it finds.
+        # (zipfile.is_zipfile is no shortcut: it raises BadZipFile itself for some damaged archives.)
+        pass
     except OSError as exc:
         raise CheckpointError(f"cannot read {path}: {exc.strerror or _first_line(exc)}") from None
-    if is_zip:
-        try:
-            with zipfile.ZipFile(path) as zf:
-                _check_zip_sizes(path, zf, max_bytes)
-        except (zipfile.BadZipFile, NotImplementedError, RuntimeError, ValueError, EOFError):
-            pass  # torch's reader has its own view of a damaged archive and says what it finds
-        except OSError as exc:
-            raise CheckpointError(f"cannot read {path}: {exc.strerror or _first_line(exc)}") from None
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:

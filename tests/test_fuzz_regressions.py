@@ -128,3 +128,18 @@ def test_update_table_without_base_claims_a_huge_tensor():
     # larger; the point is that the limit, not the allocator, decides)
     with pytest.raises(dc.LimitExceededError, match="max_elements"):
         up.decode_update(msg, max_elements=1 << 30)
+
+
+def test_pt_whose_zip64_locator_claims_several_disks(tmp_path):
+    """Found by the fuzzer (ckpt_pt, after the zip pre-flight was added): zipfile.is_zipfile raises
+    BadZipFile ("span multiple disks") instead of returning False. The pre-flight now opens the
+    archive itself and leaves a damaged one to torch's reader, which refuses it."""
+    import torch
+
+    buf = io.BytesIO()
+    torch.save({"w": torch.ones(2)}, buf)
+    data = bytearray(buf.getvalue())
+    locator = data.rindex(b"PK\x06\x07")
+    struct.pack_into("<I", data, locator + 16, 2)  # total number of disks
+    with pytest.raises(CheckpointError):
+        _load(tmp_path, bytes(data), ".pt")
