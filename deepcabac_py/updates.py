@@ -23,6 +23,7 @@ import enum
 import hashlib
 import io
 import struct
+import zipfile
 import zlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -188,6 +189,21 @@ def _check_state_values(st: _TensorState, i: int) -> None:
         raise ValueError(f"tensor {i}: a previous level out of range")
 
 
+SNAPSHOT_MAX_BYTES = 1 << 30
+
+
+def _inflate_snapshot(data, max_bytes: int) -> bytes:
+    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
+        raise TypeError(f"max_bytes must be a non-negative int, not {max_bytes!r}")
+    inflater = zlib.decompressobj()
+    raw = inflater.decompress(bytes(data), max_bytes + 1)
+    if len(raw) > max_bytes:
+        raise LimitExceededError(f"the session snapshot inflates to more than max_bytes={max_bytes:,}")
+    if not inflater.eof:
+        raise ValueError("the compressed snapshot is truncated")
+    return raw
+
+
 class UpdateSession:
     """What one end remembers of a stream of updates: contexts, previous levels, history.
 
@@ -242,9 +258,19 @@ class UpdateSession:
         return zlib.compress(buf.getvalue(), 6)
 
     @classmethod
-    def from_snapshot(cls, data: bytes) -> "UpdateSession":
+    def from_snapshot(cls, data: bytes, *, max_bytes: int = SNAPSHOT_MAX_BYTES) -> "UpdateSession":
+        """The session :meth:`snapshot` wrote. Snapshots travel (a server hands one to a client that
+        resyncs), so one is read as hostile input: at most ``max_bytes`` are inflated
+        (:class:`LimitExceededError` beyond), and every array must lie, uncompressed, inside them."""
         try:
-            with np.load(io.BytesIO(zlib.decompress(data)), allow_pickle=False) as z:
+            raw = _inflate_snapshot(data, max_bytes)
+            with zipfile.ZipFile(io.BytesIO(raw)) as zf:
+                for info in zf.infolist():
+                    # np.savez stores its members: a deflated one could expand again (a zip bomb)
+                    if (info.compress_type != zipfile.ZIP_STORED or info.file_size != info.compress_size
+                            or info.header_offset + info.compress_size > len(raw)):
+                        raise ValueError(f"member {info.filename!r:.40} is compressed or reaches past the end")
+            with np.load(io.BytesIO(raw), allow_pickle=False) as z:
                 sid, seq = (int(v) for v in z["meta"])
                 s = cls(sid)
                 s.seq = seq
@@ -261,9 +287,11 @@ class UpdateSession:
                     _check_state_values(st, i)
                     s.states[bytes(z[f"n{i}"]).decode("utf-8")] = st
                     i += 1
-        except (zlib.error, ValueError, KeyError, OSError) as exc:
-            raise CorruptStreamError(f"not a session snapshot: {exc}") from None
+        except (zlib.error, ValueError, KeyError, OSError, EOFError, zipfile.BadZipFile, NotImplementedError,
+                RuntimeError) as exc:
+            raise CorruptStreamError(f"not a session snapshot: {str(exc)[:200]}") from None
         return s
+
 
 
 # --------------------------------------------------------------------------------------------------

@@ -30,6 +30,10 @@ Targets (``TARGETS`` maps the CLI names to functions):
 * ``info``           -- ``deepcabac info [--json] FILE`` through click's runner on the bytes as a file
                         (the header-only file reader, the report, the update-file dispatch): exit 0,
                         or exit 1 with one ``deepcabac: error:`` line; a traceback is a finding.
+* ``session``        -- ``UpdateSession.from_snapshot`` (snapshots travel: catch-up, Flower; at most
+                        64 MiB inflated), then the session decodes a fixed message of the ``BASE``
+                        model. Seeds are real snapshots (zlib-compressed, so most mutations stop at
+                        zlib's checksum; the arrays' values are checked by test_updates).
 * ``encode``         -- the encoder: the input chooses a tensor (dtype, shape, raw values including
                         NaN/inf) and settings; the stream must be the same bytes with 1 and 2 threads
                         and decode to exactly ``quantize_model``'s levels.
@@ -360,6 +364,16 @@ def target_info(data: bytes) -> None:
         os.unlink(path)
 
 
+def _session_then_decode(data: bytes):
+    session = up.UpdateSession.from_snapshot(data, max_bytes=64 << 20)
+    session.seq = 0  # the message below is its session's first
+    return up.decode_update(_SESSION_MESSAGE, BASE, session=session, check_parent=False)
+
+
+def target_session(data: bytes) -> None:
+    _check(_session_then_decode, data)
+
+
 def _torch_archive(pickle_bytes: bytes) -> bytes:
     """The template archive of ``ckpt_pt_pickle`` with ``pickle_bytes`` as its data.pkl."""
     import io
@@ -390,6 +404,16 @@ def target_ckpt_pt_pickle(data: bytes) -> None:
     _load(_torch_archive(data), ".pt")
 
 
+def _session_message() -> bytes:
+    rng = np.random.default_rng(1)
+    new = {k: (v + (rng.standard_normal(v.shape) * 0.05).astype(v.dtype)) if v.dtype.kind == "f" else v + 1
+           for k, v in BASE.items()}
+    return up.encode_update(new, BASE, density=0.3, session=up.UpdateSession(9))
+
+
+_SESSION_MESSAGE = _session_message()
+
+
 TARGETS = {
     "model": target_model,
     "model_sealed": target_model_sealed,
@@ -404,4 +428,5 @@ TARGETS = {
     "zarr": target_zarr,
     "encode": target_encode,
     "info": target_info,
+    "session": target_session,
 }

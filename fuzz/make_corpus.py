@@ -142,6 +142,19 @@ def encode_inputs() -> dict[str, bytes]:
     }
 
 
+def session_snapshots() -> dict[str, bytes]:
+    rng = np.random.default_rng(13)
+    out = {"fresh": up.UpdateSession(9).snapshot()}
+    session, model = up.UpdateSession(9), BASE
+    for r in range(3):
+        new = {k: (v + (rng.standard_normal(v.shape) * 0.05).astype(v.dtype)) if v.dtype.kind == "f" else v + 1
+               for k, v in model.items()}
+        up.encode_update(new, model, density=0.3, session=session)
+        model = new
+        out[f"after{r + 1}"] = session.snapshot()
+    return out
+
+
 def write(target: str, name: str, data: bytes) -> None:
     d = CORPUS / target
     d.mkdir(parents=True, exist_ok=True)
@@ -169,6 +182,8 @@ def main() -> None:
         write("ckpt_pt_pickle", f"{name}.pkl", data)
     for name, data in zarr_chunks().items():  # unpacked: the target seals them (and tries them raw)
         write("zarr", f"{name}.bin", unpack_model_stream(data))
+    for name, data in session_snapshots().items():
+        write("session", name, data)
     for name, data in encode_inputs().items():
         write("encode", name, data)
     suffix = {"safetensors": "ckpt_safetensors", "npz": "ckpt_npz", "torch": "ckpt_pt"}

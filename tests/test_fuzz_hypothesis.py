@@ -21,7 +21,7 @@ sys.path.insert(0, str(FUZZ))
 import fuzz_targets  # noqa: E402
 
 TARGETS = ["model_sealed", "model_threads", "matrix", "zarr", "update_sealed", "ckpt_safetensors", "ckpt_npz",
-           "ckpt_pt_pickle", "info", "encode"]
+           "ckpt_pt_pickle", "info", "encode", "session"]
 
 _edit = st.one_of(
     st.tuples(st.just("flip"), st.integers(0, 1 << 20), st.integers(0, 7)),

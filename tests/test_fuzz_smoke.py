@@ -36,6 +36,7 @@ CASES = {
     "zarr": 300,
     "encode": 200,
     "info": 150,
+    "session": 200,
 }
 
 

@@ -1,5 +1,5 @@
-"""Checkpoints built to hurt the loader: zip bombs, zip members that lie about their size, and pickles
-whose shared references expand exponentially. Each is refused with a CheckpointError, quickly and
+"""Checkpoints (and session snapshots) built to hurt the loader: zip bombs, zip members that lie about
+their size, and pickles whose shared references expand exponentially. Each is refused with a CheckpointError, quickly and
 without allocating what it claims. (Pickles with code, lying safetensors headers and npz object arrays
 are in test_checkpoint.py.)"""
 
@@ -9,6 +9,7 @@ import io
 import struct
 import tracemalloc
 import zipfile
+import zlib
 
 import numpy as np
 import pytest
@@ -173,3 +174,46 @@ def test_deeply_nested_pickle_is_refused(tmp_path):
     with no_hang(60), pytest.raises(CheckpointError) as ei:
         load_checkpoint(path)
     assert "\n" not in str(ei.value)
+
+
+# --------------------------------------------------------------------------------------------------
+# session snapshots travel too (a server hands one to a client that resyncs; Flower carries them)
+# --------------------------------------------------------------------------------------------------
+
+
+def _snapshot_of(npz_bytes: bytes) -> bytes:
+    return zlib.compress(npz_bytes, 6)
+
+
+def test_snapshot_zlib_bomb_stops_at_max_bytes():
+    from deepcabac_py.errors import LimitExceededError
+    from deepcabac_py.updates import UpdateSession
+
+    bomb = zlib.compressobj(9)
+    blob = b"".join(bomb.compress(bytes(1 << 22)) for _ in range(16)) + bomb.flush()  # 64 MiB of zeros
+    assert len(blob) < 100_000
+    tracemalloc.start()
+    try:
+        with pytest.raises(LimitExceededError, match="max_bytes=1,048,576"):
+            UpdateSession.from_snapshot(blob, max_bytes=1 << 20)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 << 20
+
+
+def test_snapshot_with_a_deflated_member_or_damage_is_refused():
+    from deepcabac_py.errors import CorruptStreamError
+    from deepcabac_py.updates import UpdateSession
+
+    good = UpdateSession(3)
+    assert UpdateSession.from_snapshot(good.snapshot()).session_id == 3
+    buf = io.BytesIO()
+    np.savez_compressed(buf, meta=np.array([3, 0], dtype=np.int64))
+    with pytest.raises(CorruptStreamError, match="compressed"):
+        UpdateSession.from_snapshot(_snapshot_of(buf.getvalue()))
+    with pytest.raises(CorruptStreamError, match="truncated"):
+        UpdateSession.from_snapshot(good.snapshot()[:-3])
+    for junk in (b"", b"\x00" * 10, _snapshot_of(b"PK\x05\x06" + bytes(18)), _snapshot_of(b"not a zip")):
+        with pytest.raises(CorruptStreamError):
+            UpdateSession.from_snapshot(junk)
