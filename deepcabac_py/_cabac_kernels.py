@@ -192,18 +192,10 @@ def _shift_low(low, cache, cache_size, out, pos):
 
 
 @kernel
-def _finish_substream(low, rng, cache, cache_size, out, pos):
-    """Terminate bin, flush and trailing-zero stripping: the end of every substream (the level and
-    the update coders). Returns the byte count, or -1 if ``out`` was too small."""
-    # Terminate bin (1): lets the decoder check that it ends where the encoder ended.
-    bound = (rng >> PROB_BITS) * TERMINATE_P
-    rng = bound
-    while rng < TOP:
-        rng <<= 8
-        low, cache, cache_size, pos = _shift_low(low, cache, cache_size, out, pos)
-
-    # Flush: pick the value in [low, low + rng) with the most trailing zero bits, so that the
-    # trailing zero bytes can be dropped (the decoder reads zeros past the end).
+def _flush_substream(low, rng, cache, cache_size, out, pos):
+    """Flush and trailing-zero stripping. Returns the byte count, or -1 if ``out`` was too small."""
+    # Pick the value in [low, low + rng) with the most trailing zero bits, so that the trailing zero
+    # bytes can be dropped (the decoder reads zeros past the end).
     for z in range(32, -1, -1):
         m = (1 << z) - 1
         val = (low + m) & ~m
@@ -221,6 +213,19 @@ def _finish_substream(low, rng, cache, cache_size, out, pos):
         pos -= 1
         stripped += 1
     return pos
+
+
+@kernel
+def _finish_substream(low, rng, cache, cache_size, out, pos):
+    """Terminate bin, then :func:`_flush_substream`: the end of every level substream and of
+    format-1 update payloads. Returns the byte count, or -1 if ``out`` was too small."""
+    # Terminate bin (1): lets the decoder check that it ends where the encoder ended.
+    bound = (rng >> PROB_BITS) * TERMINATE_P
+    rng = bound
+    while rng < TOP:
+        rng <<= 8
+        low, cache, cache_size, pos = _shift_low(low, cache, cache_size, out, pos)
+    return _flush_substream(low, rng, cache, cache_size, out, pos)
 
 
 @kernel

@@ -46,7 +46,6 @@ import numpy as np
 
 from ._cabac_kernels import (
     MAX_BYPASS_GROUP,
-    MAX_STRIPPED,
     OVERRUN_SLACK,
     PROB_BITS,
     PROB_ONE,
@@ -56,6 +55,7 @@ from ._cabac_kernels import (
     _decode_bypass,
     _encode_bypass,
     _finish_substream,
+    _flush_substream,
     _shift_low,
 )
 from ._jit import inline_helper, kernel, scalar_helper
@@ -579,28 +579,6 @@ def _any_mix(tinfo):
 
 
 @kernel
-def _flush_unterminated(low, rng, cache, cache_size, out, pos):
-    """The end of a format-2 payload (some entry has MIX): the flush and trailing-zero stripping of
-    ``_finish_substream`` without its terminate bin, which costs 7 bits a message (0.08 bits per
-    nonzero at density 0.001 on the MNIST benchmark); the payload CRC-32 already catches damage."""
-    for z in range(32, -1, -1):
-        m = (1 << z) - 1
-        val = (low + m) & ~m
-        if val < low + rng:
-            low = val
-            break
-    for _ in range(5):
-        low, cache, cache_size, pos = _shift_low(low, cache, cache_size, out, pos)
-    if pos > out.shape[0]:
-        return -1
-    stripped = 0
-    while pos > 1 and out[pos - 1] == 0 and stripped < MAX_STRIPPED:
-        pos -= 1
-        stripped += 1
-    return pos
-
-
-@kernel
 def encode_update_kernel(levels, tinfo, parent, hist, ctx, out):
     """Encode the tensors described by ``tinfo`` (int64 [T, 9]: offset, rows, cols, nnz, maxabs,
     sign_mode, features, context offset, adaptation rate from :func:`rate_for`) whose flat int32 levels are concatenated in ``levels``.
@@ -825,7 +803,10 @@ def encode_update_kernel(levels, tinfo, parent, hist, ctx, out):
                 csum[cc] += -1 if neg else 1
 
     if _any_mix(tinfo):
-        return _flush_unterminated(low, rng, cache, cache_size, out, pos)
+        # format 2 (some entry has MIX) ends without the terminate bin: it cost 7 bits a message
+        # (0.08 bits per nonzero at density 0.001 on the MNIST benchmark), and the payload CRC-32
+        # already catches damage
+        return _flush_substream(low, rng, cache, cache_size, out, pos)
     # Terminate bin (1), then the level coder's flush.
     return _finish_substream(low, rng, cache, cache_size, out, pos)
 
@@ -1074,7 +1055,7 @@ def decode_update_kernel(buf, tinfo, parent, hist, ctx, out):
         if coded != nnz:
             return ERR_BAD_COUNT
 
-    if _any_mix(tinfo):  # no terminate bin (see _flush_unterminated)
+    if _any_mix(tinfo):  # no terminate bin (see the end of encode_update_kernel)
         if pos > size + OVERRUN_SLACK:
             return ERR_OVERRUN
         return OK
