@@ -570,6 +570,31 @@ def advance_session_kernel(hist, parent, levels, listed):
         hist[i] = sign | (count << HIST_COUNT_SHIFT) | (age << HIST_AGE_SHIFT)
 
 
+@kernel
+def _tensor_classes(hist, off, rows, cols, features, dq):
+    """What encoder and decoder derive, once per tensor, from the session history before coding it:
+    the AREA row/column classes, and with MIX, M2's row/column history classes and the expected row
+    count at each column (``_expect``)."""
+    rowcls = np.zeros(rows, dtype=np.int64)
+    colcls = np.zeros(cols, dtype=np.int64)
+    if features & F_AREA:
+        _area_classes(hist, off, rows, cols, rowcls, colcls, False)
+    mix = (features & F_MIX) != 0
+    hr = np.zeros(rows if mix else 0, dtype=np.int64)
+    hc = np.zeros(cols if mix else 0, dtype=np.int64)
+    rex = np.zeros(cols if mix else 0, dtype=np.int64)
+    if mix:
+        if features & F_AREA:
+            _area_classes(hist, off, rows, cols, hr, hc, True)
+            for j in range(rows):
+                hr[j] = _hist_class(hr[j])
+            for j in range(cols):
+                hc[j] = _hist_class(hc[j])
+        for j in range(cols):
+            rex[j] = _expect(j, dq)
+    return rowcls, colcls, hr, hc, rex
+
+
 @scalar_helper
 def _any_mix(tinfo):
     for t in range(tinfo.shape[0]):
@@ -608,30 +633,15 @@ def encode_update_kernel(levels, tinfo, parent, hist, ctx, out):
         cbase = tinfo[t, 7]
         rate = tinfo[t, 8]
         col = np.zeros(cols, dtype=np.int64)
-        rowcls = np.zeros(rows, dtype=np.int64)
-        colcls = np.zeros(cols, dtype=np.int64)
-        if features & F_AREA:
-            _area_classes(hist, off, rows, cols, rowcls, colcls, False)
         mix = (features & F_MIX) != 0
         colcnt = np.zeros(cols, dtype=np.int64)  # nonzeros in the column so far (unsaturated)
         csum = np.zeros(cols, dtype=np.int64)  # the sum of their signs (+1 / -1)
         dq = _density_q(nnz, rows * cols)
+        rowcls, colcls, hr, hc, rex = _tensor_classes(hist, off, rows, cols, features, dq)
         wb = 0
         smax = 0
         c1 = c2 = c3 = c4 = wb2 = 0
         x0 = x1 = x2 = x3 = x4 = p1 = p2 = 0
-        hr = np.zeros(rows if mix else 0, dtype=np.int64)  # M2's row / column history classes
-        hc = np.zeros(cols if mix else 0, dtype=np.int64)
-        rex = np.zeros(cols if mix else 0, dtype=np.int64)  # _expect of the row count at each column
-        if mix:
-            if features & F_AREA:
-                _area_classes(hist, off, rows, cols, hr, hc, True)
-                for j in range(rows):
-                    hr[j] = _hist_class(hr[j])
-                for j in range(cols):
-                    hc[j] = _hist_class(hc[j])
-            for j in range(cols):
-                rex[j] = _expect(j, dq)
         coded = 0
         prev_row_nz = 0
         for r in range(rows):
@@ -838,30 +848,15 @@ def decode_update_kernel(buf, tinfo, parent, hist, ctx, out):
         cbase = tinfo[t, 7]
         rate = tinfo[t, 8]
         col = np.zeros(cols, dtype=np.int64)
-        rowcls = np.zeros(rows, dtype=np.int64)
-        colcls = np.zeros(cols, dtype=np.int64)
-        if features & F_AREA:
-            _area_classes(hist, off, rows, cols, rowcls, colcls, False)
         mix = (features & F_MIX) != 0
         colcnt = np.zeros(cols, dtype=np.int64)  # nonzeros in the column so far (unsaturated)
         csum = np.zeros(cols, dtype=np.int64)  # the sum of their signs (+1 / -1)
         dq = _density_q(nnz, rows * cols)
+        rowcls, colcls, hr, hc, rex = _tensor_classes(hist, off, rows, cols, features, dq)
         wb = 0
         smax = 0
         c1 = c2 = c3 = c4 = wb2 = 0
         x0 = x1 = x2 = x3 = x4 = p1 = p2 = 0
-        hr = np.zeros(rows if mix else 0, dtype=np.int64)  # M2's row / column history classes
-        hc = np.zeros(cols if mix else 0, dtype=np.int64)
-        rex = np.zeros(cols if mix else 0, dtype=np.int64)  # _expect of the row count at each column
-        if mix:
-            if features & F_AREA:
-                _area_classes(hist, off, rows, cols, hr, hc, True)
-                for j in range(rows):
-                    hr[j] = _hist_class(hr[j])
-                for j in range(cols):
-                    hc[j] = _hist_class(hc[j])
-            for j in range(cols):
-                rex[j] = _expect(j, dq)
         coded = 0
         prev_row_nz = 0
         for r in range(rows):

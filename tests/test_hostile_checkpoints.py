@@ -23,6 +23,20 @@ from timeouts import no_hang
 BOMB_BYTES = ZIP_SLACK + (32 << 20)  # deflates to about 100 KB: far more than 100x
 
 
+def refused_within(limit: int, error, match: str, fn, *args, **kwargs):
+    """Assert ``fn(*args, **kwargs)`` raises ``error`` (matching ``match``) with a peak of traced
+    memory below ``limit`` bytes; return the exception."""
+    tracemalloc.start()
+    try:
+        with pytest.raises(error, match=match) as ei:
+            fn(*args, **kwargs)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < limit, f"peak {peak:,} bytes"
+    return ei.value
+
+
 def _npy_header(shape, descr="<f4") -> bytes:
     buf = io.BytesIO()
     np.lib.format.write_array_header_1_0(buf, {"descr": descr, "fortran_order": False, "shape": shape})
@@ -47,15 +61,8 @@ def npz_bomb(tmp_path_factory):
 
 def test_npz_zip_bomb_is_refused_before_extraction(npz_bomb):
     assert npz_bomb.stat().st_size * 100 < BOMB_BYTES - ZIP_SLACK
-    tracemalloc.start()
-    try:
-        with pytest.raises(CheckpointError, match="zip bomb") as ei:
-            load_checkpoint(npz_bomb)
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
-    assert peak < 4 << 20
-    assert f"{BOMB_BYTES + 128:,} bytes" in str(ei.value)
+    exc = refused_within(4 << 20, CheckpointError, "zip bomb", load_checkpoint, npz_bomb)
+    assert f"{BOMB_BYTES + 128:,} bytes" in str(exc)
 
 
 def test_max_bytes_lets_the_user_choose_the_bound(tmp_path, npz_bomb):
@@ -91,14 +98,7 @@ def test_npz_member_claiming_bytes_past_the_end_is_refused(tmp_path):
     claimed = len(head) + (1 << 30)
     path = tmp_path / "lie.npz"
     path.write_bytes(_patch_sizes(raw.getvalue(), claimed, claimed))
-    tracemalloc.start()
-    try:
-        with pytest.raises(CheckpointError, match="past the end"):
-            load_checkpoint(path)
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
-    assert peak < 4 << 20
+    refused_within(4 << 20, CheckpointError, "past the end", load_checkpoint, path)
 
 
 def test_npz_stored_member_with_two_sizes_is_refused(tmp_path):
@@ -192,14 +192,8 @@ def test_snapshot_zlib_bomb_stops_at_max_bytes():
     bomb = zlib.compressobj(9)
     blob = b"".join(bomb.compress(bytes(1 << 22)) for _ in range(16)) + bomb.flush()  # 64 MiB of zeros
     assert len(blob) < 100_000
-    tracemalloc.start()
-    try:
-        with pytest.raises(LimitExceededError, match="max_bytes=1,048,576"):
-            UpdateSession.from_snapshot(blob, max_bytes=1 << 20)
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
-    assert peak < 4 << 20
+    refused_within(4 << 20, LimitExceededError, "max_bytes=1,048,576", UpdateSession.from_snapshot, blob,
+                   max_bytes=1 << 20)
 
 
 def test_snapshot_with_a_deflated_member_or_damage_is_refused():
