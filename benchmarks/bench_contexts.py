@@ -67,8 +67,9 @@ VARIANTS = {
 
 def load_variant(name: str, subs) -> object:
     src = KERNELS.read_text()
-    src = src.replace("from ._jit import kernel, scalar_helper",
-                      "import numba\nkernel = numba.njit(nogil=True)\nscalar_helper = numba.njit(inline='always')")
+    src = src.replace("from ._jit import inline_helper, kernel, scalar_helper",
+                      "import numba\nkernel = numba.njit(nogil=True)\nscalar_helper = numba.njit(inline='always')\n"
+                      "inline_helper = numba.njit(inline='always')")
     for old, new in subs:
         count = src.count(old)
         if count == 0:

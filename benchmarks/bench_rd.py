@@ -16,7 +16,10 @@ thread. Ours: named configurations, each a dict of keyword arguments to
 ``deepcabac_py.encode_model(state_dict, qp=Q, threads=1, **kwargs)`` swept over qp (--threads to change):
 
   nearest     {"quantizer": "nearest"}       plain rounding (an encode_model without quantizer=: {})
-  default     {}                              what `deepcabac encode --qp Q` does: no data at all
+  default     {}                              what `deepcabac encode --qp Q` does: no data at all (the
+                                              trellis, steps and weights from the model's structure)
+  uniform     {"importance": null}            the same without the structural importance: every
+                                              tensor at qp (--importance none)
   importance  {"importance": <Fisher>}        diagonal Fisher from calibration data only (Python API)
   trellis     {"quantizer": "trellis"}        (shown as "= default" when that is encode_model's default)
   more with --config NAME=JSON, where the string "@fisher" stands for the Fisher dict, e.g.
@@ -98,10 +101,11 @@ FISHER = "@fisher"
 BUILTIN_CONFIGS = {
     "nearest": {"quantizer": "nearest"},
     "default": {},
+    "uniform": {"importance": None},
     "importance": {"importance": FISHER},
     "trellis": {"quantizer": "trellis"},
 }
-DEFAULT_CONFIGS = "nearest,default,importance,trellis"
+DEFAULT_CONFIGS = "nearest,default,uniform,importance,trellis"
 
 MODEL_LABEL = {"minilm": "all-MiniLM-L6-v2", "effnet": "EfficientNet-Lite0"}
 

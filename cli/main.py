@@ -126,6 +126,11 @@ def _quant_options(f):
                           "plain rounding.")(f)
     f = click.option("--lambda-scale", type=click.FloatRange(0.0, 1e6), default=1.0, show_default=True,
                      help="Scale of the rate-distortion trade-off of trellis and rdoq (larger: fewer bytes).")(f)
+    f = click.option("--importance", type=click.Choice(("structural", "none")), default="structural",
+                     show_default=True,
+                     help="structural: steps and error weights from the model's own structure, without "
+                          "data (embedding tables coarser, BatchNorm scales); none: every tensor at --qp "
+                          "(--qp-1d for biases and norms), every weight alike.")(f)
     return f
 
 
@@ -144,9 +149,11 @@ def _parse_overrides(items) -> dict[str, int]:
     return out
 
 
-def _encode_settings(qp, qp_density, qp_1d, qp_tensor, exact, exact_all, quantizer, lambda_scale) -> dict:
+def _encode_settings(qp, qp_density, qp_1d, qp_tensor, exact, exact_all, quantizer, lambda_scale,
+                     importance) -> dict:
     return dict(qp=qp, qp_density=qp_density, qp_1d=qp_1d, qp_overrides=_parse_overrides(qp_tensor),
-                keep_exact=True if exact_all else list(exact), quantizer=quantizer, lambda_scale=lambda_scale)
+                keep_exact=True if exact_all else list(exact), quantizer=quantizer, lambda_scale=lambda_scale,
+                importance=None if importance == "none" else importance)
 
 
 @contextmanager
@@ -276,12 +283,13 @@ def _same_file(a: str, b: str) -> bool:
 @_verbosity
 @click.pass_context
 def encode(ctx, input, output, input_format, force, qp, qp_density, qp_1d, qp_tensor, exact, exact_all,
-           quantizer, lambda_scale, target_bpw, target_size, threads, no_progress, quiet, verbose):
+           quantizer, lambda_scale, importance, target_bpw, target_size, threads, no_progress, quiet, verbose):
     """Compress a checkpoint (.pt/.pth/.bin, .safetensors, .npz) into a model stream."""
     from deepcabac_py.checkpoint import load_checkpoint
     from deepcabac_py.codec import encode_model, read_stream_header
 
-    settings = _encode_settings(qp, qp_density, qp_1d, qp_tensor, exact, exact_all, quantizer, lambda_scale)
+    settings = _encode_settings(qp, qp_density, qp_1d, qp_tensor, exact, exact_all, quantizer, lambda_scale,
+                                importance)
     targeted = target_bpw is not None or target_size is not None
     if target_bpw is not None and target_size is not None:
         raise click.UsageError("give --target-bpw or --target-size, not both")
@@ -411,7 +419,7 @@ def info(input, as_json):
 @_progress_option
 @_verbosity
 def report(input, as_json, input_format, show_formats, qp, qp_density, qp_1d, qp_tensor, exact, exact_all,
-           quantizer, lambda_scale, threads, no_progress, quiet, verbose):
+           quantizer, lambda_scale, importance, threads, no_progress, quiet, verbose):
     """Per-tensor and total figures: params, bits/param, ratio vs fp32, SNR and max error.
 
     INPUT is a checkpoint (encoded in memory with the given settings, then decoded to measure the
@@ -433,7 +441,7 @@ def report(input, as_json, input_format, show_formats, qp, qp_density, qp_1d, qp
             rep = build_report(header)
         else:
             settings = _encode_settings(qp, qp_density, qp_1d, qp_tensor, exact, exact_all, quantizer,
-                                        lambda_scale)
+                                        lambda_scale, importance)
             if raw is not None:
                 with tempfile.TemporaryDirectory(prefix="deepcabac-") as tmp:
                     spooled = os.path.join(tmp, "stdin" + _DEFAULT_SUFFIX.get(input_format or "", ""))

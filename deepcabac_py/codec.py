@@ -44,6 +44,10 @@ DEFAULT_QP = -32
 QP_1D_OCTAVES = 6
 DEFAULT_QP_DENSITY = 2
 DEFAULT_QUANTIZER = "trellis"
+# importance="structural" (the default): data-free importance from the model's own structure
+# (embedding tables, BatchNorm statistics), see deepcabac_py/structure.py.
+STRUCTURAL = "structural"
+DEFAULT_IMPORTANCE = STRUCTURAL
 
 _NUMPY_CARRIER = {
     DType.FLOAT32: np.float32, DType.FLOAT16: np.float16, DType.BFLOAT16: np.uint16,
@@ -104,6 +108,7 @@ class _Quantizer:
     method: str
     lambda_scale: float
     importance: Mapping[str, Any]
+    structural: bool = False  # importance comes from the model's structure (resolved when planning)
 
     @property
     def lam(self) -> float:
@@ -230,6 +235,10 @@ def _relative_importance(name: str, importance, shape: tuple[int, ...]) -> np.nd
     if importance is None:
         return None
     imp = _importance_array(importance)
+    if imp.ndim == 0:  # one number for the whole tensor: it only moves the tensor's step
+        if not (np.isfinite(imp) and imp >= 0):
+            raise ValueError(f"importance of {name!r} must be finite and non-negative")
+        return None
     if imp.shape != tuple(shape):
         raise ValueError(f"importance of {name!r} has shape {imp.shape}, the tensor has {tuple(shape)}")
     if not np.all(np.isfinite(imp)) or (imp.size and imp.min() < 0):
@@ -314,8 +323,12 @@ def _make_quantizer(quantizer: str, lambda_scale: float, importance) -> _Quantiz
     if isinstance(lambda_scale, bool) or not isinstance(lambda_scale, (int, float)) or not (
             0.0 <= float(lambda_scale) < float("inf")):
         raise ValueError(f"lambda_scale must be a finite number >= 0, got {lambda_scale!r}")
+    if isinstance(importance, str):
+        if importance != STRUCTURAL:
+            raise ValueError(f"importance must be a mapping, {STRUCTURAL!r} or None, got {importance!r}")
+        return _Quantizer(quantizer, float(lambda_scale), {}, structural=True)
     if importance is not None and not isinstance(importance, Mapping):
-        raise TypeError("importance must map tensor names to arrays of their shape")
+        raise TypeError("importance must map tensor names to arrays of their shape (or numbers)")
     return _Quantizer(quantizer, float(lambda_scale), dict(importance or {}))
 
 
@@ -330,6 +343,13 @@ def _plan_model(model, qp, qp_1d, qp_density, qp_overrides, keep_exact,
                 quantizer: _Quantizer) -> tuple[Checkpoint, list[_Plan], int]:
     ckpt = model if isinstance(model, Checkpoint) else flatten(model)
     qp_1d = resolve_qp_1d(qp, qp_1d, qp_density)
+    reference = None
+    if quantizer.structural:
+        from .structure import structural_importance
+
+        # importance 1 (a dense layer without BN) is the reference that gets qp itself
+        quantizer = _Quantizer(quantizer.method, quantizer.lambda_scale, structural_importance(ckpt))
+        reference = 0.0
     unknown = sorted(set(quantizer.importance) - set(ckpt.tensors))
     if unknown:
         raise ValueError(f"importance names tensors the model does not have: {', '.join(unknown[:5])}")
@@ -344,7 +364,7 @@ def _plan_model(model, qp, qp_1d, qp_density, qp_overrides, keep_exact,
 
         shapes = {name: tuple(int(d) for d in t.shape) for name, t in ckpt.tensors.items()}
         allocated = allocate_qps({n: _importance_array(v) for n, v in quantizer.importance.items()}, shapes,
-                                 qp, qp_density=qp_density, qp_1d=qp_1d)
+                                 qp, qp_density=qp_density, qp_1d=qp_1d, reference=reference)
         overrides = {**{n: q for n, q in allocated.items() if _lookup_qp(n, overrides) is None}, **overrides}
     exact = _exact_predicate(keep_exact)
     plans = [
@@ -371,7 +391,7 @@ def encode_model(
     keep_exact: bool | str | Iterable[str] = False,
     quantizer: str = DEFAULT_QUANTIZER,
     lambda_scale: float = 1.0,
-    importance: Mapping[str, Any] | None = None,
+    importance: Mapping[str, Any] | str | None = DEFAULT_IMPORTANCE,
     threads: int | None = None,
     progress: Progress | None = None,
 ) -> bytes:
@@ -383,9 +403,13 @@ def encode_model(
     fidelity; its effective step is about twice the step of ``qp``, as in NNC), ``"rdoq"``
     (rate-distortion optimised rounding) or ``"nearest"`` (plain rounding); ``lambda_scale`` scales
     the rate-distortion trade-off of the first two. ``importance`` maps tensor names to non-negative
-    per-weight importances of the tensor's shape (e.g. :func:`deepcabac_py.rd.diagonal_fisher`):
-    errors cost more where it is high. ``keep_exact`` (``True`` or names/patterns) stores float
-    tensors bit-exactly instead. Integer and boolean tensors are always lossless; non-tensor entries
+    per-weight importances of the tensor's shape (e.g. :func:`deepcabac_py.rd.diagonal_fisher`), or
+    to one number for a whole tensor: errors cost more where it is high, and each tensor's step
+    follows its mean importance (:func:`deepcabac_py.rd.allocate_qps`). The default,
+    ``"structural"``, derives it from the model itself without data (embedding tables, BatchNorm
+    statistics: :func:`deepcabac_py.structure.structural_importance`); ``None`` gives every weight
+    the same importance and every tensor the step of ``qp``/``qp_1d``. ``keep_exact`` (``True`` or
+    names/patterns) stores float tensors bit-exactly instead. Integer and boolean tensors are always lossless; non-tensor entries
     are kept. The output is deterministic for the same input and settings, whatever ``threads`` is.
     """
     threads = _resolve_threads(threads)
@@ -456,7 +480,7 @@ def quantize_model(
     keep_exact: bool | str | Iterable[str] = False,
     quantizer: str = DEFAULT_QUANTIZER,
     lambda_scale: float = 1.0,
-    importance: Mapping[str, Any] | None = None,
+    importance: Mapping[str, Any] | str | None = DEFAULT_IMPORTANCE,
 ) -> dict[str, QuantizedTensor]:
     """The levels and steps :func:`encode_model` would code, without entropy coding (same
     arguments). ``levels * step`` are the decoded values (for trellis tensors the levels are the

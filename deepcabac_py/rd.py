@@ -74,13 +74,14 @@ def diagonal_fisher(model, batches: Iterable[Any], loss_fn: Callable[[Any, Any],
 
 
 def allocate_qps(importance: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]], qp: int, *,
-                 qp_density: int = 2, qp_1d: int | None = None) -> dict[str, int]:
+                 qp_density: int = 2, qp_1d: int | None = None,
+                 reference: float | None = None) -> dict[str, int]:
     """A qp per tensor of ``importance`` such that ``mean importance * step**2`` is equal across
     tensors (equal marginal loss of fidelity per bit).
 
-    ``qp`` is the step of a tensor of reference importance: the geometric mean, weighted by size, of
-    the tensors with two or more dimensions. Steps stay within ``MAX_OCTAVES`` octaves of ``qp``
-    and, if ``qp_1d`` is given, no finer than it.
+    ``qp`` is the step of a tensor of reference importance: ``2**reference`` if given, else the
+    geometric mean, weighted by size, of the tensors with two or more dimensions. Steps stay within
+    ``MAX_OCTAVES`` octaves of ``qp`` and, if ``qp_1d`` is given, no finer than it.
     """
     quantize.step_from_qp(qp, qp_density)
     means: dict[str, float] = {}
@@ -93,9 +94,12 @@ def allocate_qps(importance: Mapping[str, Any], shapes: Mapping[str, tuple[int, 
     ref_names = [n for n in means if len(shapes.get(n, ())) >= 2] or list(means)
     if not ref_names:
         return {}
-    sizes = np.array([float(np.prod(shapes.get(n, np.shape(importance[n])))) for n in ref_names])
-    logs = np.array([math.log2(means[n]) for n in ref_names])
-    ref = float(np.sum(sizes * logs) / np.sum(sizes))
+    if reference is not None:
+        ref = float(reference)
+    else:
+        sizes = np.array([float(np.prod(shapes.get(n, np.shape(importance[n])))) for n in ref_names])
+        logs = np.array([math.log2(means[n]) for n in ref_names])
+        ref = float(np.sum(sizes * logs) / np.sum(sizes))
     per_octave = 1 << qp_density
     out = {}
     for name, m in means.items():

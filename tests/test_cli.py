@@ -26,6 +26,8 @@ from deepcabac_py import decode_model, read_stream_header
 from deepcabac_py.checkpoint import flatten, load_checkpoint, tensor_to_numpy
 from deepcabac_py.cli.main import main
 from deepcabac_py.container import Mode
+from deepcabac_py.rd import allocate_qps
+from deepcabac_py.structure import structural_importance
 
 REPO = Path(__file__).resolve().parents[1]
 MODELS = REPO / "models"
@@ -699,7 +701,7 @@ def test_qp_tensor_and_exact_options(model_dir):
     original = load_checkpoint(src).tensors
 
     out = model_dir / "a.dcb"
-    ok(["encode", src, "-o", out, "-q", "--qp", "-30", "--qp-1d", "-70",
+    ok(["encode", src, "-o", out, "-q", "--qp", "-30", "--qp-1d", "-70", "--importance", "none",
         "--qp-tensor", "classifier.weight=-20", "--qp-tensor", "features.1.*.weight=-24"])
     h = _header_of(out)
     assert read_stream_header(out.read_bytes()).qp == -30
@@ -709,6 +711,17 @@ def test_qp_tensor_and_exact_options(model_dir):
     assert h["features.1.1.weight"].qp == -24  # the glob also matches the 1-D BatchNorm weight
     assert h["features.0.0.weight"].qp == -30
     assert h["features.0.1.bias"].qp == -70
+
+    # by default the steps follow the model's structure (BatchNorm scales); --qp-tensor still wins
+    out = model_dir / "s.dcb"
+    ok(["encode", src, "-o", out, "-q", "--qp", "-30", "--qp-tensor", "classifier.weight=-20"])
+    h = _header_of(out)
+    expected = allocate_qps(structural_importance(load_checkpoint(src)), {n: e.shape for n, e in h.items()},
+                            -30, qp_1d=-30 - 24, reference=0.0)
+    assert h["classifier.weight"].qp == -20
+    assert {n: h[n].qp for n in expected if n != "classifier.weight"} == {
+        n: q for n, q in expected.items() if n != "classifier.weight"}
+    assert len({h[n].qp for n in expected}) > 1
 
     out = model_dir / "b.dcb"
     ok(["encode", src, "-o", out, "-q", "--exact", "*.bias", "--exact", "classifier.weight"])

@@ -1,0 +1,156 @@
+"""Data-free structural importance (deepcabac_py/structure.py) and its use as encode_model's default."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from deepcabac_py import decode_model, encode_model, read_stream_header
+from deepcabac_py.structure import BN_EPS, structural_importance
+
+
+def _bn(prefix: str, n: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    return {f"{prefix}.weight": rng.uniform(0.2, 2.0, n).astype(np.float32) * rng.choice([-1, 1], n),
+            f"{prefix}.bias": rng.normal(0, 1, n).astype(np.float32),
+            f"{prefix}.running_mean": rng.normal(0, 1, n).astype(np.float32),
+            f"{prefix}.running_var": rng.uniform(0.01, 4.0, n).astype(np.float32)}
+
+
+def _conv_bn_net(seed: int = 0) -> dict[str, np.ndarray]:
+    """conv 3->4 -> BN -> 1x1 conv 4->5 -> BN -> depthwise 5 -> BN -> linear 5->2, in module order."""
+    rng = np.random.default_rng(seed)
+    sd = {"stem.conv.weight": rng.normal(0, 1, (4, 3, 3, 3)).astype(np.float32)}
+    sd |= _bn("stem.bn", 4, rng)
+    sd["block.expand.weight"] = rng.normal(0, 1, (5, 4, 1, 1)).astype(np.float32)
+    sd |= _bn("block.bn0", 5, rng)
+    sd["block.dw.weight"] = rng.normal(0, 1, (5, 1, 3, 3)).astype(np.float32)
+    sd |= _bn("block.bn1", 5, rng)
+    sd["head.weight"] = rng.normal(0, 1, (2, 5)).astype(np.float32)
+    sd["head.bias"] = rng.normal(0, 1, 2).astype(np.float32)
+    return sd
+
+
+def _relu_energy_by_integration(beta: float, gamma: float) -> float:
+    # E[relu(z)^2], z ~ N(beta, gamma^2), by the trapezoidal rule on a fine grid
+    z = np.linspace(beta - 12 * abs(gamma), beta + 12 * abs(gamma), 200_001)
+    pdf = np.exp(-0.5 * ((z - beta) / gamma) ** 2) / (abs(gamma) * math.sqrt(2 * math.pi))
+    return float(np.trapezoid(np.maximum(z, 0.0) ** 2 * pdf, z))
+
+
+def _expected(sd: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The rules of structure.py written out by hand for _conv_bn_net, before normalisation."""
+    def gain(p):
+        return sd[f"{p}.weight"].astype(np.float64) ** 2 / (sd[f"{p}.running_var"].astype(np.float64) + BN_EPS)
+
+    def energy(p):
+        return np.array([_relu_energy_by_integration(b, g) for b, g in
+                         zip(sd[f"{p}.bias"].astype(np.float64), sd[f"{p}.weight"].astype(np.float64))])
+
+    out = {"stem.conv.weight": np.broadcast_to(gain("stem.bn")[:, None, None, None], (4, 3, 3, 3)),
+           "block.expand.weight": np.broadcast_to((gain("block.bn0")[:, None] * energy("stem.bn")[None, :])
+                                                  [:, :, None, None], (5, 4, 1, 1)),
+           "block.dw.weight": np.broadcast_to((gain("block.bn1") * energy("block.bn0"))[:, None, None, None],
+                                              (5, 1, 3, 3)),
+           "head.weight": np.broadcast_to(energy("block.bn1")[None, :], (2, 5))}
+    return out
+
+
+def test_batchnorm_rule_matches_a_hand_computation():
+    sd = _conv_bn_net()
+    got = structural_importance(sd)
+    want = _expected(sd)
+    assert set(got) == set(want)  # biases, BN parameters: no entry (1-D tensors keep qp_1d)
+    # one common scale (the geometric mean over the ruled tensors is normalised to 1); a dead channel
+    # (relu(z) ~ 0) may differ in its last digits, far below anything that moves a quantizer
+    flat_got = np.concatenate([got[n].ravel() for n in want]).astype(np.float64)
+    flat_want = np.concatenate([want[n].ravel() for n in want])
+    scale = flat_got[np.argmax(flat_want)] / flat_want.max()
+    np.testing.assert_allclose(flat_got, flat_want * scale, rtol=1e-4, atol=1e-9 * flat_got.max())
+    sizes = np.array([want[n].size for n in want], dtype=np.float64)
+    logs = np.array([math.log2(float(np.mean(got[n]))) for n in want])
+    assert abs(float(np.sum(sizes * logs) / sizes.sum())) < 1e-6  # float32 output
+    assert all(got[n].dtype == np.float32 and got[n].shape == sd[n].shape for n in want)
+
+
+def test_batchnorm_must_follow_its_layer_in_the_same_module():
+    sd = _conv_bn_net()
+    # BN listed before its convolution (as in a name-sorted file): no rule can pair them
+    reordered = {k: sd[k] for k in sorted(sd)}
+    imp = structural_importance(reordered)
+    assert imp["stem.conv.weight"] == 1.0
+    # a BN of another module with the right width is not taken for the layer's own
+    other = {"a.conv.weight": sd["stem.conv.weight"]} | {k.replace("stem.bn", "b.bn"): v for k, v in sd.items()
+                                                         if k.startswith("stem.bn")}
+    assert structural_importance(other) == {"a.conv.weight": 1.0}
+
+
+def test_embedding_tables_are_discounted_by_their_rows():
+    rng = np.random.default_rng(1)
+    sd = {"bert.embeddings.word_embeddings.weight": rng.normal(0, 1, (300, 8)).astype(np.float32),
+          "bert.embeddings.position_embeddings.weight": rng.normal(0, 1, (16, 8)).astype(np.float32),
+          "model.embed_tokens.weight": rng.normal(0, 1, (50, 8)).astype(np.float32),
+          "transformer.wte.weight": rng.normal(0, 1, (40, 8)).astype(np.float32),
+          "encoder.dense.weight": rng.normal(0, 1, (8, 8)).astype(np.float32),
+          "encoder.dense.bias": rng.normal(0, 1, 8).astype(np.float32),
+          "ids": np.arange(8, dtype=np.int64)}
+    assert structural_importance(sd) == {"bert.embeddings.word_embeddings.weight": 1 / 300,
+                                         "bert.embeddings.position_embeddings.weight": 1 / 16,
+                                         "model.embed_tokens.weight": 1 / 50,
+                                         "transformer.wte.weight": 1 / 40,
+                                         "encoder.dense.weight": 1.0}
+
+
+def test_a_tied_embedding_is_used_densely():
+    emb = torch.nn.Parameter(torch.randn(64, 8))
+    sd = {"embed_tokens.weight": emb, "lm_head.weight": emb, "proj.weight": torch.randn(8, 8)}
+    assert structural_importance(sd) == {"embed_tokens.weight": 1.0, "proj.weight": 1.0}
+
+
+def test_encode_model_default_is_structural_and_none_turns_it_off():
+    rng = np.random.default_rng(2)
+    sd = {"embeddings.word_embeddings.weight": rng.normal(0, 0.05, (512, 4)).astype(np.float32),
+          "dense.weight": rng.normal(0, 0.05, (16, 16)).astype(np.float32),
+          "dense.bias": rng.normal(0, 0.05, 16).astype(np.float32)}
+    default = encode_model(sd, qp=-30)
+    assert default == encode_model(sd, qp=-30, importance="structural")
+    qps = {e.name: e.qp for e in read_stream_header(default).tensors}
+    # 0.35 * log2(512) = 3.15 octaves, capped at 3: 12 qp steps at density 2; the dense layer keeps qp
+    assert qps == {"embeddings.word_embeddings.weight": -30 + 12, "dense.weight": -30, "dense.bias": -30 - 24}
+    plain = {e.name: e.qp for e in read_stream_header(encode_model(sd, qp=-30, importance=None)).tensors}
+    assert plain == {"embeddings.word_embeddings.weight": -30, "dense.weight": -30, "dense.bias": -54}
+    decoded = decode_model(default)
+    assert set(decoded) == set(sd)
+
+
+def test_one_number_per_tensor_only_moves_its_step():
+    rng = np.random.default_rng(3)
+    sd = {"a": rng.normal(0, 0.05, (32, 32)).astype(np.float32),
+          "b": rng.normal(0, 0.05, (32, 32)).astype(np.float32)}
+    data = encode_model(sd, qp=-30, importance={"a": 16.0, "b": 1.0})
+    qps = {e.name: e.qp for e in read_stream_header(data).tensors}
+    assert qps["a"] < qps["b"]  # more important: finer step
+    # a number behaves as a uniform array of the tensor's shape
+    assert data == encode_model(sd, qp=-30, importance={"a": np.full((32, 32), 16.0), "b": np.ones((32, 32))})
+    with pytest.raises(ValueError, match="finite and non-negative"):
+        encode_model(sd, importance={"a": -1.0})
+    with pytest.raises(ValueError, match="structural"):
+        encode_model(sd, importance="fisher")
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), dead=st.booleans())
+def test_importance_is_finite_and_positive_for_any_statistics(seed, dead):
+    sd = _conv_bn_net(seed % 1000)
+    rng = np.random.default_rng(seed)
+    for k in [k for k in sd if k.endswith(".running_var")]:
+        sd[k] = (rng.uniform(0, 1e3, sd[k].shape) * (0 if dead else 1)).astype(np.float32)
+    for k in [k for k in sd if k.endswith("bn0.weight") or k.endswith("bn1.weight")]:
+        sd[k] = (rng.normal(0, 10, sd[k].shape) * (1e-30 if dead else 1)).astype(np.float32)
+    for name, imp in structural_importance(sd).items():
+        arr = np.asarray(imp)
+        assert np.all(np.isfinite(arr)) and np.all(arr >= 0), name
