@@ -1,4 +1,5 @@
-"""Federated MNIST-5k through Flower: the setting of fl_simulation.py, run by Flower's simulation
+"""Federated MNIST-5k through Flower: the setting of ``fl_simulation.py --model small`` (the 80k CNN;
+fl_simulation's default is the wide one), run by Flower's simulation
 engine with ``deepcabac_mod`` on the clients and ``DeepCabacStrategy`` on the server, beside the
 home simulator (fl_simulation.run) on the same data.
 

@@ -38,14 +38,23 @@ from .errors import CorruptStreamError, FormatError, LimitExceededError, Truncat
 from .sparsify import ErrorFeedback, SparseTensor, reconstruct, sparsify
 
 MAGIC = b"\x89DCU\r\n\x1a\n"
-FORMAT_VERSION = 2  # 2: the MIX feature (mixed context models); version 1 messages stay readable
-READABLE_VERSIONS = (1, 2)
+# 2: the MIX feature (mixed context models); 3: the compact header (parent hash prefix, shared entry
+# fields). Versions 1 and 2 stay readable and writable (compact=False).
+FORMAT_VERSION = 3
+COMPACT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 PREAMBLE = struct.Struct("<8sHHI")  # magic, version, flags, header_size
 FLAG_TABLE = 1  # the header lists the parent's tensors (names, dtypes, shapes)
 _KNOWN_FLAGS = FLAG_TABLE
 MAX_HEADER_SIZE = 1 << 28
 MAX_NDIM = 32
 HASH_SIZE = 32
+# A version-3 header names its parent by the first 8 bytes of the SHA-256: enough to refuse a wrong
+# base (the chance that another model matches is 2**-64), 24 bytes less in every message.
+COMPACT_HASH_SIZE = 8
+# Version-3 entry layout bits
+LAYOUT_INDEXED = 1  # every entry carries its index gap; else the entries are all the parent's tensors
+LAYOUT_SHARED = 2  # method, sign mode and features are given once for all entries
 LEVEL_MAX = (1 << 31) - 1
 
 # Measured in benchmarks/bench_updates.py: row skipping pays only when whole rows are zeroed
@@ -338,6 +347,11 @@ class UpdateHeader:
     def nnz(self) -> int:
         return sum(e.nnz for e in self.entries)
 
+    def parent_matches(self, digest: bytes) -> bool:
+        """True if ``digest`` (a full SHA-256) is the parent this message names (version 3 stores
+        its first 8 bytes)."""
+        return len(digest) == HASH_SIZE and digest[:len(self.parent_hash)] == self.parent_hash
+
 
 def _uvarint(x: int) -> bytes:
     if x < 0:
@@ -383,7 +397,10 @@ class _Cursor:
 
 
 def _write_message(*, round_index: int, parent_round: int, parent_hash: bytes, session_id: int, session_seq: int,
-                   coder: UpdateCoder, tensor_total: int, table, entries: list[UpdateEntry], payload: bytes) -> bytes:
+                   coder: UpdateCoder, tensor_total: int, table, entries: list[UpdateEntry], payload: bytes,
+                   compact: bool = True) -> bytes:
+    if compact:
+        parent_hash = parent_hash[:COMPACT_HASH_SIZE]
     body = [_uvarint(round_index), _uvarint(parent_round), parent_hash, _uvarint(session_id), _uvarint(session_seq),
             bytes([coder]), _uvarint(tensor_total)]
     if table is not None:
@@ -392,17 +409,52 @@ def _write_message(*, round_index: int, parent_round: int, parent_hash: bytes, s
             body += [_uvarint(len(raw)), raw, bytes([_DTYPE_CODES[dtype], len(shape)])]
             body += [_uvarint(d) for d in shape]
     body.append(_uvarint(len(entries)))
-    for e in entries:
-        body += [_uvarint(e.index), bytes([e.method]), struct.pack("<f", e.step), _uvarint(e.nnz), _uvarint(e.maxabs),
-                 bytes([e.sign_mode, e.features])]
+    if compact:
+        body += _compact_entries(entries, tensor_total)
+    else:
+        for e in entries:
+            body += [_uvarint(e.index), bytes([e.method]), struct.pack("<f", e.step), _uvarint(e.nnz),
+                     _uvarint(e.maxabs), bytes([e.sign_mode, e.features])]
     body.append(_uvarint(len(payload)))
     body = b"".join(body)
     flags = FLAG_TABLE if table is not None else 0
-    # A message that uses no format-2 feature is written as format 1 (readable by older decoders).
-    version = FORMAT_VERSION if any(e.features & ~_k.F_ALL_V1 for e in entries) else 1
+    if compact:
+        version = COMPACT_VERSION
+    else:
+        # A message that uses no format-2 feature is written as format 1 (readable by older decoders).
+        version = 2 if any(e.features & ~_k.F_ALL_V1 for e in entries) else 1
     head = PREAMBLE.pack(MAGIC, version, flags, len(body) + 4) + body
     head += struct.pack("<I", zlib.crc32(head))
     return head + payload + struct.pack("<I", zlib.crc32(payload))
+
+
+def _has_maxabs(method: Method) -> bool:
+    # STC and SBC levels are ternary: their largest |level| is 1 and is not stored in version 3
+    return method in (Method.TOPK, Method.INTEGER)
+
+
+def _compact_entries(entries: list[UpdateEntry], tensor_total: int) -> list[bytes]:
+    """Version-3 entries: a layout byte, the shared fields once, then per entry only what varies."""
+    if not entries:
+        return []
+    indexed = [e.index for e in entries] != list(range(tensor_total))
+    first = entries[0]
+    shared = all((e.method, e.sign_mode, e.features) == (first.method, first.sign_mode, first.features)
+                 for e in entries)
+    out = [bytes([(LAYOUT_INDEXED if indexed else 0) | (LAYOUT_SHARED if shared else 0)])]
+    if shared:
+        out.append(bytes([first.method, first.sign_mode, first.features]))
+    last = -1
+    for e in entries:
+        if indexed:
+            out.append(_uvarint(e.index - last - 1))
+            last = e.index
+        if not shared:
+            out.append(bytes([e.method, e.sign_mode, e.features]))
+        out += [struct.pack("<f", e.step), _uvarint(e.nnz)]
+        if _has_maxabs(e.method):
+            out.append(_uvarint(e.maxabs))
+    return out
 
 
 def is_update_stream(data) -> bool:
@@ -433,7 +485,7 @@ def read_update_header(data, *, total_size: int | None = None) -> UpdateHeader:
     r = _Cursor(head, PREAMBLE.size, end - 4)
     round_index = r.uvarint("round")
     parent_round = r.uvarint("parent round")
-    parent_hash = r.take(HASH_SIZE, "parent hash")
+    parent_hash = r.take(COMPACT_HASH_SIZE if version >= COMPACT_VERSION else HASH_SIZE, "parent hash")
     session_id = r.uvarint("session id", (1 << 32) - 1)
     session_seq = r.uvarint("session position")
     try:
@@ -463,28 +515,25 @@ def read_update_header(data, *, total_size: int | None = None) -> UpdateHeader:
             names.add(name)
             table.append((name, _DTYPE_NAMES[code], shape))
     count = r.uvarint("entry count", min(tensor_total, r.end - r.pos))
-    entries: list[UpdateEntry] = []
-    last = -1
-    for j in range(count):
-        index = r.uvarint("tensor index", (1 << 32))
-        if index <= last or index >= tensor_total:
-            raise CorruptStreamError(f"update entry {j}: tensor index {index} out of order or range")
-        last = index
-        try:
-            method = Method(r.u8("method"))
-        except ValueError as exc:
-            raise FormatError(f"update entry {j}: {exc}") from None
-        (step,) = struct.unpack("<f", r.take(4, "step"))
-        nnz = r.uvarint("nnz", 1 << 48)
-        maxabs = r.uvarint("largest level", LEVEL_MAX)
-        try:
-            sign_mode = SignMode(r.u8("sign mode"))
-        except ValueError as exc:
-            raise FormatError(f"update entry {j}: {exc}") from None
-        features = r.u8("features")
-        e = UpdateEntry(index, method, step, nnz, maxabs, sign_mode, features)
-        _validate_entry(e, j, coder, table, version)
-        entries.append(e)
+    if version >= COMPACT_VERSION:
+        entries = _read_compact_entries(r, count, tensor_total, coder, table, version)
+    else:
+        entries = []
+        last = -1
+        for j in range(count):
+            index = r.uvarint("tensor index", (1 << 32))
+            if index <= last or index >= tensor_total:
+                raise CorruptStreamError(f"update entry {j}: tensor index {index} out of order or range")
+            last = index
+            method = _method(r.u8("method"), j)
+            (step,) = struct.unpack("<f", r.take(4, "step"))
+            nnz = r.uvarint("nnz", 1 << 48)
+            maxabs = r.uvarint("largest level", LEVEL_MAX)
+            sign_mode = _sign_mode(r.u8("sign mode"), j)
+            features = r.u8("features")
+            e = UpdateEntry(index, method, step, nnz, maxabs, sign_mode, features)
+            _validate_entry(e, j, coder, table, version)
+            entries.append(e)
     payload_size = r.uvarint("payload size", 1 << 48)
     if r.pos != r.end:
         raise CorruptStreamError(f"{r.end - r.pos} unexplained bytes at the end of the update header")
@@ -494,6 +543,55 @@ def read_update_header(data, *, total_size: int | None = None) -> UpdateHeader:
     if available < header.total_size:
         raise TruncatedStreamError(f"truncated update: {available} bytes, the header describes {header.total_size}")
     return header
+
+
+def _method(code: int, j: int) -> Method:
+    try:
+        return Method(code)
+    except ValueError as exc:
+        raise FormatError(f"update entry {j}: {exc}") from None
+
+
+def _sign_mode(code: int, j: int) -> SignMode:
+    try:
+        return SignMode(code)
+    except ValueError as exc:
+        raise FormatError(f"update entry {j}: {exc}") from None
+
+
+def _read_compact_entries(r: "_Cursor", count: int, tensor_total: int, coder: UpdateCoder, table,
+                          version: int) -> list[UpdateEntry]:
+    if count == 0:
+        return []
+    layout = r.u8("entry layout")
+    if layout & ~(LAYOUT_INDEXED | LAYOUT_SHARED):
+        raise FormatError(f"update: unknown entry layout bits 0x{layout:02x}")
+    indexed = bool(layout & LAYOUT_INDEXED)
+    if not indexed and count != tensor_total:
+        raise CorruptStreamError(f"update lists {count} of {tensor_total} tensors without their indices")
+    if layout & LAYOUT_SHARED:
+        shared = (_method(r.u8("method"), 0), _sign_mode(r.u8("sign mode"), 0), r.u8("features"))
+    entries = []
+    last = -1
+    for j in range(count):
+        if indexed:
+            index = last + 1 + r.uvarint("tensor index gap", 1 << 32)
+            if index >= tensor_total:
+                raise CorruptStreamError(f"update entry {j}: tensor index {index} out of range")
+        else:
+            index = j
+        last = index
+        if layout & LAYOUT_SHARED:
+            method, sign_mode, features = shared
+        else:
+            method, sign_mode, features = _method(r.u8("method"), j), _sign_mode(r.u8("sign mode"), j), r.u8("features")
+        (step,) = struct.unpack("<f", r.take(4, "step"))
+        nnz = r.uvarint("nnz", 1 << 48)
+        maxabs = r.uvarint("largest level", LEVEL_MAX) if _has_maxabs(method) else 1
+        e = UpdateEntry(index, method, step, nnz, maxabs, sign_mode, features)
+        _validate_entry(e, j, coder, table, version)
+        entries.append(e)
+    return entries
 
 
 def _validate_entry(e: UpdateEntry, j: int, coder: UpdateCoder, table, version: int = FORMAT_VERSION) -> None:
@@ -600,6 +698,7 @@ def encode_sparse(
     features: int | None = None,
     table: bool | None = None,
     parent_hash: bytes | None = None,
+    compact: bool = True,
 ) -> bytes:
     """Code already-sparsified levels as one update message against ``base``.
 
@@ -608,15 +707,17 @@ def encode_sparse(
     sent. ``session`` continues a stream (contexts, temporal levels, history) and is advanced;
     without one the message stands alone. ``table`` (default: on without a session) lists the
     parent's tensor names and shapes in the header, so the message can be inspected without the
-    base; with a session the base supplies them and the header stays small.
+    base; with a session the base supplies them and the header stays small. ``compact`` (default)
+    writes update format 3 (``docs/format.md``, U2); ``False`` writes formats 1/2 for older readers.
     """
     flat_base = _flat_model(base)
     ph = _hash_flat(flat_base) if parent_hash is None else parent_hash
     return _encode(sparse, flat_base, ph, round_index=round_index, parent_round=parent_round, session=session,
-                   coder=coder, features=features, table=table)
+                   coder=coder, features=features, table=table, compact=compact)
 
 
-def _encode(sparse, flat_base, parent_hash, *, round_index, parent_round, session, coder, features, table) -> bytes:
+def _encode(sparse, flat_base, parent_hash, *, round_index, parent_round, session, coder, features, table,
+            compact=True) -> bytes:
     try:
         coder_code = {"cabac": UpdateCoder.CABAC, "golomb": UpdateCoder.GOLOMB}[coder]
     except KeyError:
@@ -691,7 +792,8 @@ def _encode(sparse, flat_base, parent_hash, *, round_index, parent_round, sessio
     tab = [(n, flat_base[n].dtype, tuple(int(d) for d in flat_base[n].array.shape)) for n in names] if table else None
     data = _write_message(round_index=round_index, parent_round=parent_round, parent_hash=parent_hash,
                           session_id=session.session_id if session is not None else 0, session_seq=seq,
-                          coder=coder_code, tensor_total=len(names), table=tab, entries=entries, payload=payload)
+                          coder=coder_code, tensor_total=len(names), table=tab, entries=entries, payload=payload,
+                          compact=compact)
     if session is not None:
         session._advance(coded, ctx)
     return data
@@ -734,6 +836,7 @@ def encode_update(
     parent_round: int | None = None,
     features: int | None = None,
     table: bool | None = None,
+    compact: bool = True,
 ) -> bytes:
     """Sparsify ``new - base`` and code it as one update message.
 
@@ -759,7 +862,7 @@ def encode_update(
     if features is None and rows is not None:
         features = DEFAULT_FEATURES | _k.F_ROWSKIP
     return _encode(sparse, flat_base, _hash_flat(flat_base), round_index=round_index, parent_round=parent_round,
-                   session=session, coder=coder, features=features, table=table)
+                   session=session, coder=coder, features=features, table=table, compact=compact)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -834,7 +937,7 @@ def decode_update(data, base=None, *, session: UpdateSession | None = None, chec
                 f"{max_elements:,}: pass the base model (or a larger max_elements) to decode it")
     if flat_base is not None and check_parent:
         h = _hash_flat(flat_base)
-        if h != header.parent_hash:
+        if not header.parent_matches(h):
             raise UpdateMismatchError(
                 f"wrong parent: the update (round {header.round}) applies to the model of round {header.parent_round} "
                 f"with SHA-256 {header.parent_hash.hex()[:16]}..., the base given hashes to {h.hex()[:16]}...")

@@ -67,6 +67,9 @@ def update_messages() -> dict[str, bytes]:
         "sbc": up.encode_update(new, BASE, density=0.2, method="sbc"),
         "topk": up.encode_update(new, BASE, density=0.2, method="topk", value_levels=5),
         "golomb": up.encode_update(new, BASE, density=0.2, coder="golomb"),
+        # the full headers of update formats 1 and 2 (compact=False) are still read
+        "stc_cabac_v2": up.encode_update(new, BASE, density=0.2, compact=False),
+        "golomb_v1": up.encode_update(new, BASE, density=0.2, coder="golomb", compact=False),
     }
     session = up.UpdateSession(3)
     out["session0"] = up.encode_update(new, BASE, density=0.2, session=session)

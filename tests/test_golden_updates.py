@@ -1,4 +1,4 @@
-"""Golden update streams: committed messages (update format versions 1 and 2) that must keep decoding to
+"""Golden update streams: committed messages (update format versions 1, 2 and 3) that must keep decoding to
 the committed deltas, applied to the committed base, and that today's encoder must reproduce exactly
 (version 1 with the format-1 features named explicitly).
 
@@ -52,7 +52,16 @@ V1 = up.DEFAULT_FEATURES & _k.F_ALL_V1
 def golden_cases() -> dict[str, list[dict]]:
     """name -> the encode_update settings of each message of the stream (one per round). The
     version-1 streams name format-1 features explicitly; the ``*_v2`` streams use the defaults."""
-    return {
+    v3 = {
+        "stc_v3": [dict(density=0.2)],
+        "golomb_v3": [dict(density=0.15, coder="golomb")],
+        "topk_table_v3": [dict(density=0.3, method="topk", value_levels=5, table=True)],
+        "rows_v3": [dict(density=0.25, rows=0.5)],
+        "session_v3": [dict(density=0.2, session=True), dict(density=0.1, session=True),
+                       dict(density=0.3, method="sbc", session=True)],
+    }
+    # versions 1 and 2: the full header (compact=False); version 2 differs from 1 by its features
+    v12 = {
         "stc": [dict(density=0.2, features=V1)],
         "sbc": [dict(density=0.2, method="sbc", features=V1)],
         "golomb": [dict(density=0.15, coder="golomb")],
@@ -66,15 +75,16 @@ def golden_cases() -> dict[str, list[dict]]:
         "session_v2": [dict(density=0.2, session=True), dict(density=0.1, session=True),
                        dict(density=0.3, method="sbc", session=True)],
     }
+    return {**{n: [dict(m, compact=False) for m in ms] for n, ms in v12.items()}, **v3}
 
 
 def format_version(name: str) -> int:
-    return 2 if name.endswith("_v2") else 1
+    return 3 if name.endswith("_v3") else 2 if name.endswith("_v2") else 1
 
 
 def npz_name(name: str) -> str:
-    """A ``*_v2`` stream codes the same levels as its version-1 twin: it shares the twin's deltas."""
-    return name.removesuffix("_v2")
+    """A ``*_v2``/``*_v3`` stream codes the same levels as its version-1 twin: it shares its deltas."""
+    return name.removesuffix("_v2").removesuffix("_v3")
 
 
 CASES = sorted(golden_cases())

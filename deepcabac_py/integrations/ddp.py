@@ -197,7 +197,7 @@ def decode_bucket(data, layout: BucketLayout, *, session: UpdateSession | None =
     if header.total_size != len(data):
         raise CorruptStreamError(f"bucket message of {header.total_size} bytes followed by "
                                  f"{len(data) - header.total_size} more")
-    if header.parent_hash != layout.digest:
+    if not header.parent_matches(layout.digest):
         raise UpdateMismatchError("the bucket message was coded for another bucket layout")
     if step is not None and header.parent_round != step:
         raise UpdateMismatchError(f"the bucket message is from step {header.parent_round}, this rank is at step {step}")
