@@ -56,7 +56,14 @@ def _expected(sd: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
                                                   [:, :, None, None], (5, 4, 1, 1)),
            "block.dw.weight": np.broadcast_to((gain("block.bn1") * energy("block.bn0"))[:, None, None, None],
                                               (5, 1, 3, 3)),
-           "head.weight": np.broadcast_to(energy("block.bn1")[None, :], (2, 5))}
+           "head.weight": np.broadcast_to(energy("block.bn1")[None, :], (2, 5)),
+           "head.bias": np.ones(2)}  # no BN after the head: its bias moves the output as it is
+    for p in ("stem.bn", "block.bn0", "block.bn1"):
+        g = sd[f"{p}.weight"].astype(np.float64)
+        v = sd[f"{p}.running_var"].astype(np.float64)
+        # y = g (x - m) / sqrt(v + eps) + b: error weights of b, g, m, v for unit-variance xhat
+        out |= {f"{p}.bias": np.ones_like(g), f"{p}.weight": np.ones_like(g), f"{p}.running_mean": gain(p),
+                f"{p}.running_var": g * g * v / (4 * (v + BN_EPS) ** 3)}
     return out
 
 
@@ -64,15 +71,16 @@ def test_batchnorm_rule_matches_a_hand_computation():
     sd = _conv_bn_net()
     got = structural_importance(sd)
     want = _expected(sd)
-    assert set(got) == set(want)  # biases, BN parameters: no entry (1-D tensors keep qp_1d)
+    assert set(got) == set(want)
     # one common scale (the geometric mean over the ruled tensors is normalised to 1); a dead channel
     # (relu(z) ~ 0) may differ in its last digits, far below anything that moves a quantizer
     flat_got = np.concatenate([got[n].ravel() for n in want]).astype(np.float64)
     flat_want = np.concatenate([want[n].ravel() for n in want])
     scale = flat_got[np.argmax(flat_want)] / flat_want.max()
     np.testing.assert_allclose(flat_got, flat_want * scale, rtol=1e-4, atol=1e-9 * flat_got.max())
-    sizes = np.array([want[n].size for n in want], dtype=np.float64)
-    logs = np.array([math.log2(float(np.mean(got[n]))) for n in want])
+    layers = [n for n in want if want[n].ndim >= 2]  # the normalisation is over the layers
+    sizes = np.array([want[n].size for n in layers], dtype=np.float64)
+    logs = np.array([math.log2(float(np.mean(got[n]))) for n in layers])
     assert abs(float(np.sum(sizes * logs) / sizes.sum())) < 1e-6  # float32 output
     assert all(got[n].dtype == np.float32 and got[n].shape == sd[n].shape for n in want)
 
@@ -83,10 +91,11 @@ def test_batchnorm_must_follow_its_layer_in_the_same_module():
     reordered = {k: sd[k] for k in sorted(sd)}
     imp = structural_importance(reordered)
     assert imp["stem.conv.weight"] == 1.0
+    assert "stem.bn.running_var" in imp  # the BN's own parameters still have their weights
     # a BN of another module with the right width is not taken for the layer's own
     other = {"a.conv.weight": sd["stem.conv.weight"]} | {k.replace("stem.bn", "b.bn"): v for k, v in sd.items()
                                                          if k.startswith("stem.bn")}
-    assert structural_importance(other) == {"a.conv.weight": 1.0}
+    assert structural_importance(other)["a.conv.weight"] == 1.0
 
 
 def test_embedding_tables_are_discounted_by_their_rows():
