@@ -81,16 +81,20 @@ def allocate_qps(importance: Mapping[str, Any], shapes: Mapping[str, tuple[int, 
 
     ``qp`` is the step of a tensor of reference importance: ``2**reference`` if given, else the
     geometric mean, weighted by size, of the tensors with two or more dimensions. Steps stay within
-    ``MAX_OCTAVES`` octaves of ``qp`` and, if ``qp_1d`` is given, no finer than it.
+    ``MAX_OCTAVES`` octaves of ``qp`` and, if ``qp_1d`` is given, no finer than it; a tensor whose
+    importance is zero everywhere gets the coarsest of them.
     """
     quantize.step_from_qp(qp, qp_density)
     means: dict[str, float] = {}
+    unused: list[str] = []  # importance 0 throughout: nothing the importance saw depends on it
     for name, imp in importance.items():
         arr = np.asarray(imp, dtype=np.float64)
         if arr.size and np.isfinite(arr).all():
             m = float(arr.mean())
             if m > 0.0:
                 means[name] = m
+            elif m == 0.0:
+                unused.append(name)
     ref_names = [n for n in means if len(shapes.get(n, ())) >= 2] or list(means)
     if not ref_names:
         return {}
@@ -109,6 +113,8 @@ def allocate_qps(importance: Mapping[str, Any], shapes: Mapping[str, tuple[int, 
         if qp_1d is not None:
             t_qp = max(t_qp, qp_1d)
         out[name] = max(quantize.QP_MIN, min(quantize.QP_MAX, t_qp))
+    for name in unused:  # (e.g. a pooler the task never reads): the coarsest step the cap allows
+        out[name] = max(quantize.QP_MIN, min(quantize.QP_MAX, qp + MAX_OCTAVES * per_octave))
     return out
 
 

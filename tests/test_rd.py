@@ -231,6 +231,15 @@ def test_allocation_is_bounded():
     assert qps["bias"] <= -30 + 4 * rd.MAX_OCTAVES
 
 
+def test_a_tensor_of_zero_importance_gets_the_coarsest_step():
+    # e.g. a pooler that the calibration loss never reads: as coarse as the cap allows, not ignored
+    imp = {"a": np.full((4, 4), 1.0), "unused": np.zeros((4, 4)), "unused_bias": np.zeros(4)}
+    qps = rd.allocate_qps(imp, {k: v.shape for k, v in imp.items()}, -30, qp_1d=-40)
+    assert qps == {"a": -30, "unused": -30 + 4 * rd.MAX_OCTAVES, "unused_bias": -30 + 4 * rd.MAX_OCTAVES}
+    # negative or non-finite importance is no statement: such tensors keep their qp
+    assert "bad" not in rd.allocate_qps({"a": np.ones(3), "bad": np.array([np.nan, 1, 1])}, {}, -30)
+
+
 def test_diagonal_fisher_is_the_mean_squared_gradient():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 3))
