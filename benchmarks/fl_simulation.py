@@ -46,6 +46,7 @@ BATCH = 20
 LR = 0.05
 EVAL_EVERY = 2  # rounds between test evaluations
 DEFAULT_MODEL = "wide"
+DOWN_FACTOR = 1.0
 
 
 def non_iid_split(y: torch.Tensor, clients: int, seed: int) -> list[np.ndarray]:
@@ -82,7 +83,8 @@ def run(method: str, rounds: int, density: float, seed: int, data, log_every: in
 
 
 def run_tracks(method: str, rounds: int, density: float, seed: int, data, log_every: int = 0, *,
-               per_client_batches: bool = False, model_size: str = "small") -> dict[str, dict]:
+               per_client_batches: bool = False, model_size: str = "small",
+               down_factor: float = 1.0) -> dict[str, dict]:
     """Train for ``rounds`` rounds; one result per track of ``TRACKS[method]``.
 
     ``"stc"`` sends every message both with the Golomb code and with our coder: two servers and two
@@ -102,8 +104,8 @@ def run_tracks(method: str, rounds: int, density: float, seed: int, data, log_ev
     sparse = method != "fedavg"
     smethod = "sbc" if method == "sbc" else "stc"
     if sparse:
-        servers = {t: FedServer(init, density=density, method=smethod, coder="cabac" if t == "ours" else "golomb")
-                   for t in tracks}
+        servers = {t: FedServer(init, density=density, method=smethod, coder="cabac" if t == "ours" else "golomb",
+                                down_density=density * down_factor) for t in tracks}
         clients = {t: [FedClient(c, init, density=density, method=smethod, coder=servers[t].coder)
                        for c in range(CLIENTS)] for t in tracks}
     else:
@@ -192,8 +194,9 @@ def _paper_bits(msg: bytes, smethod: str, session=None) -> int:
 
 
 def _run_job(job):
-    method, rounds, density, seed, log_every, model_size = job
-    return run_tracks(method, rounds, density, seed, fc.load_mnist5k(seed), log_every, model_size=model_size)
+    method, rounds, density, seed, log_every, model_size, down_factor = job
+    return run_tracks(method, rounds, density, seed, fc.load_mnist5k(seed), log_every, model_size=model_size,
+                      down_factor=down_factor)
 
 
 def first_reaching(curve, target, key):
@@ -214,11 +217,13 @@ def main(argv=None) -> int:
     ap.add_argument("--workers", type=int, default=2, help="processes (one torch thread each)")
     ap.add_argument("--model", choices=tuple(fc.MODELS), default=DEFAULT_MODEL,
                     help="CNN size (fl_common.MODELS)")
+    ap.add_argument("--down-factor", type=float, default=DOWN_FACTOR,
+                    help="downstream density = this x --density (the server's re-sparsified aggregate)")
     args = ap.parse_args(argv)
     t0 = time.time()
     # slowest first: the two pools' workers finish together
     methods = ("stc", "sbc", "fedavg")
-    jobs = [(m, args.rounds, args.density, args.seed, args.log_every, args.model) for m in methods]
+    jobs = [(m, args.rounds, args.density, args.seed, args.log_every, args.model, args.down_factor) for m in methods]
     if args.workers > 1:
         import multiprocessing as mp
 

@@ -65,13 +65,19 @@ def _full_model_bytes(model: Mapping[str, np.ndarray]) -> int:
 
 
 class FedServer:
-    """The aggregator. ``coder`` is ``"cabac"`` (ours, with sessions) or ``"golomb"``."""
+    """The aggregator. ``coder`` is ``"cabac"`` (ours, with sessions) or ``"golomb"``.
+
+    ``down_density`` (default ``density``) is the density of the re-sparsified aggregate sent
+    downstream: the mean of K client updates of density d has up to K*d nonzeros, so a downstream
+    density of about K*d passes the round's aggregate on instead of holding most of it back in the
+    server's residual."""
 
     def __init__(self, model, *, density: float = 0.01, method: str = "stc", coder: str = "cabac",
-                 feedback: bool = True, keep_messages: int = 10_000):
+                 feedback: bool = True, keep_messages: int = 10_000, down_density: float | None = None):
         self.model = _numpy_model(model)
         self.round = 0
         self.density, self.method, self.coder = density, method, coder
+        self.down_density = density if down_density is None else down_density
         self.feedback = ErrorFeedback() if feedback else None
         self.down_session = UpdateSession(DOWNSTREAM_SESSION) if coder == "cabac" else None
         self.up_sessions: dict[int, UpdateSession] = {}
@@ -106,7 +112,7 @@ class FedServer:
             mean[n] = np.asarray(sum(parts) / len(self._pending)) if parts else np.zeros(self.model[n].shape)
 
         def compress(name: str, acc: np.ndarray) -> SparseTensor:
-            return sparsify(acc, self.method, self.density)
+            return sparsify(acc, self.method, self.down_density)
 
         sent = self.feedback.step(mean, compress) if self.feedback is not None else \
             {n: compress(n, a) for n, a in mean.items()}

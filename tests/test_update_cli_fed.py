@@ -103,6 +103,20 @@ def test_federated_rounds_keep_everyone_in_sync():
     assert crc_of_model(fresh.model) == crc_of_model(server.model)
 
 
+def test_downstream_density_is_the_servers_own():
+    g = np.random.default_rng(1)
+    init = {"w": g.normal(size=(40, 50)).astype(np.float32)}
+    for down, expected in ((None, 20), (0.02, 40)):  # keep_count of 2,000 weights at 0.01 and 0.02
+        server = FedServer(init, density=0.01, down_density=down)
+        clients = [FedClient(c, init, density=0.01) for c in range(3)]
+        for c, cl in enumerate(clients):  # three disjoint-ish updates: the mean has up to 60 nonzeros
+            server.receive(c, cl.upstream({"w": init["w"] + g.normal(size=(40, 50)).astype(np.float32)}))
+        msg = server.aggregate()
+        assert read_update_header(msg).nnz == expected
+        clients[0].sync(server.catch_up(0))
+        assert crc_of_model(clients[0].model) == crc_of_model(server.model)
+
+
 def test_zero_dimensional_tensors_keep_their_shape_through_rounds():
     init = {"w": np.ones((8, 4), np.float32), "steps": np.array(0, np.int64), "scale": np.array(1.5, np.float32)}
     server, client = FedServer(init, density=0.25), FedClient(0, init, density=0.25)
