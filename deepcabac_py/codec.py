@@ -91,6 +91,26 @@ class QuantizedTensor:
 # --------------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class _Importance:
+    """A tensor's importance as given (possibly a broadcast view: no copy the size of the tensor)
+    and its mean; the smoothed relative weights are made chunk by chunk."""
+
+    array: np.ndarray
+    mean: float
+
+    def chunk(self, start: int, stop: int) -> np.ndarray:
+        a = self.array
+        rows = a.shape[0] if a.ndim else 1
+        per_row = a.size // rows if rows else 0
+        if a.ndim >= 2 and per_row and start % per_row == 0 and stop % per_row == 0:
+            part = a[start // per_row:stop // per_row]  # whole rows: only the chunk is materialised
+        else:
+            part = np.asarray(a).reshape(-1)[start:stop]
+        part = np.asarray(part, dtype=np.float64).reshape(-1)
+        return ((part / self.mean + IMPORTANCE_FLOOR) / (1.0 + IMPORTANCE_FLOOR)).astype(np.float32)
+
+
 @dataclass
 class _Plan:
     entry: TensorEntry
@@ -98,7 +118,7 @@ class _Plan:
     layout: levelcoder.ChunkLayout | None = None
     quantizer: str = "nearest"
     lam: float = 0.0
-    importance: np.ndarray | None = None  # flat float32 relative importance, mean ~1
+    importance: _Importance | None = None  # per-weight importance, relative to its mean
 
 
 @dataclass(frozen=True)
@@ -226,28 +246,31 @@ IMPORTANCE_FLOOR = 2.0
 
 
 def _importance_array(importance) -> np.ndarray:
+    # as given (no float64 copy: a broadcast view stays a view)
     if not isinstance(importance, np.ndarray) and hasattr(importance, "detach"):
         importance = importance.detach().cpu().numpy()
-    return np.asarray(importance, dtype=np.float64)
+    imp = np.asarray(importance)
+    if imp.dtype.kind not in "fiub":
+        raise ValueError(f"importance must be numbers, got dtype {imp.dtype}")
+    return imp
 
 
-def _relative_importance(name: str, importance, shape: tuple[int, ...]) -> np.ndarray | None:
+def _relative_importance(name: str, importance, shape: tuple[int, ...]) -> _Importance | None:
     if importance is None:
         return None
     imp = _importance_array(importance)
+    # min and max instead of isfinite(): no temporary the size of the tensor (a NaN fails lo >= 0)
+    lo, hi = (float(imp.min()), float(imp.max())) if imp.size else (0.0, 0.0)
+    if not (lo >= 0 and np.isfinite(hi)):
+        raise ValueError(f"importance of {name!r} must be finite and non-negative")
     if imp.ndim == 0:  # one number for the whole tensor: it only moves the tensor's step
-        if not (np.isfinite(imp) and imp >= 0):
-            raise ValueError(f"importance of {name!r} must be finite and non-negative")
         return None
     if imp.shape != tuple(shape):
         raise ValueError(f"importance of {name!r} has shape {imp.shape}, the tensor has {tuple(shape)}")
-    if not np.all(np.isfinite(imp)) or (imp.size and imp.min() < 0):
-        raise ValueError(f"importance of {name!r} must be finite and non-negative")
-    mean = float(imp.mean()) if imp.size else 0.0
+    mean = float(imp.mean(dtype=np.float64)) if imp.size else 0.0
     if mean <= 0.0:
         return None
-    rel = (imp.reshape(-1) / mean + IMPORTANCE_FLOOR) / (1.0 + IMPORTANCE_FLOOR)
-    return rel.astype(np.float32)
+    return _Importance(imp, mean)
 
 
 def _chunk_levels(plan: _Plan, start: int, stop: int) -> np.ndarray:
@@ -259,7 +282,7 @@ def _chunk_levels(plan: _Plan, start: int, stop: int) -> np.ndarray:
         layout = plan.layout
         if plan.quantizer == "nearest":
             return quantize.quantize_nearest(values, step)
-        imp = plan.importance[start:stop] if plan.importance is not None else None
+        imp = plan.importance.chunk(start, stop) if plan.importance is not None else None
         return quantize.quantize_rd(values, step, method=plan.quantizer, lam=plan.lam, ncols=layout.ncols,
                                     col0=layout.first_column(start), k_offset=layout.k_offset,
                                     predict=layout.predict, importance=imp)

@@ -88,9 +88,9 @@ def allocate_qps(importance: Mapping[str, Any], shapes: Mapping[str, tuple[int, 
     means: dict[str, float] = {}
     unused: list[str] = []  # importance 0 throughout: nothing the importance saw depends on it
     for name, imp in importance.items():
-        arr = np.asarray(imp, dtype=np.float64)
-        if arr.size and np.isfinite(arr).all():
-            m = float(arr.mean())
+        arr = np.asarray(imp)  # (no float64 copy: importance may be a broadcast view)
+        if arr.size and np.isfinite(float(arr.min())) and np.isfinite(float(arr.max())):
+            m = float(arr.mean(dtype=np.float64))
             if m > 0.0:
                 means[name] = m
             elif m == 0.0:

@@ -51,7 +51,8 @@ def structural_importance(model: Mapping[str, Any] | Checkpoint) -> dict[str, fl
     the biases of BN-scaled layers, from the model's structure.
 
     Returns ``name -> float`` (uniform within the tensor) or ``name -> float32 array`` of the
-    tensor's shape, ready for ``encode_model(importance=...)``.
+    tensor's shape (a read-only broadcast view of per-channel values for the layers), ready for
+    ``encode_model(importance=...)``.
     """
     ckpt = model if isinstance(model, Checkpoint) else flatten(model)
     arrays: dict[str, np.ndarray] = {}
@@ -93,22 +94,31 @@ def structural_importance(model: Mapping[str, Any] | Checkpoint) -> dict[str, fl
         if gain is None and energy is None:
             out[name] = 1.0
             continue
-        imp = np.ones(w.shape[:2] if w.ndim >= 2 else w.shape, dtype=np.float64)
-        if gain is not None:
-            imp *= gain[:, None]
+        # kept as factors (per output channel, per input channel): the (out, in) product is made
+        # once, in float32, when it is handed out
+        rows = gain if gain is not None else np.ones(w.shape[0])
+        cols = np.ones(w.shape[1])
         if energy is not None:
             e, depthwise = energy
-            imp *= e[:, None] if depthwise else e[None, :]
-        ruled[name] = imp
+            if depthwise:
+                rows = rows * e
+            else:
+                cols = e
+        ruled[name] = (rows, cols)
+
+    def product(rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
+        return rows[:, None] * cols[None, :]
 
     # geometric mean 1 over the ruled layers, weighted by size: ordinary layers stay at qp
-    logs = [(arrays[n].size, math.log2(float(v.mean()))) for n, v in ruled.items() if v.mean() > 0]
+    means = {n: float(product(*f).mean()) for n, f in ruled.items()}
+    logs = [(arrays[n].size, math.log2(m)) for n, m in means.items() if m > 0]
     ref = sum(s * lg for s, lg in logs) / sum(s for s, _ in logs) if logs else 0.0
     scale = 2.0 ** -ref
-    for name, imp in ruled.items():
+    for name, factors in ruled.items():
         w = arrays[name]
-        full = np.broadcast_to((imp * scale).reshape(imp.shape + (1,) * (w.ndim - 2)), w.shape)
-        out[name] = np.ascontiguousarray(full, dtype=np.float32)
+        # a read-only broadcast view of the (out, in) values over the kernel taps
+        small = (product(*factors) * scale).astype(np.float32).reshape(w.shape[:2] + (1,) * (w.ndim - 2))
+        out[name] = np.broadcast_to(small, w.shape)
     for name, imp in ruled_1d.items():  # the same units as the layers' (the BN output's error)
         out[name] = np.ascontiguousarray(imp * scale, dtype=np.float32)
     return out

@@ -163,3 +163,28 @@ def test_importance_is_finite_and_positive_for_any_statistics(seed, dead):
     for name, imp in structural_importance(sd).items():
         arr = np.asarray(imp)
         assert np.all(np.isfinite(arr)) and np.all(arr >= 0), name
+
+
+def test_structural_importance_costs_at_most_one_float32_copy_of_the_layers():
+    # 1x1 convolutions and a linear head: their (out, in) importance is as large as the weights;
+    # no float64 products or per-tensor copies beyond that one float32 array may be kept
+    import tracemalloc
+
+    rng = np.random.default_rng(4)
+    sd = {}
+    width = 256
+    for i in range(6):
+        sd[f"b{i}.conv.weight"] = rng.normal(0, 0.05, (width, width, 1, 1)).astype(np.float32)
+        sd |= _bn(f"b{i}.bn", width, rng)
+    sd["head.weight"] = rng.normal(0, 0.05, (64, width)).astype(np.float32)
+    layer_bytes = sum(v.nbytes for k, v in sd.items() if v.ndim >= 2)
+    encode_model(sd, qp=-30, threads=1)  # compile outside the measurement
+    peaks = {}
+    for imp in ("structural", None):
+        tracemalloc.start()
+        try:
+            encode_model(sd, qp=-30, threads=1, importance=imp)
+            peaks[imp] = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    assert peaks["structural"] - peaks[None] < 1.5 * layer_bytes, (peaks, layer_bytes)
