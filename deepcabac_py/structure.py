@@ -42,6 +42,7 @@ from .checkpoint import Checkpoint, flatten, tensor_to_numpy
 
 BN_EPS = 1e-3  # as TF-trained nets (EfficientNet) use; also caps the gain of near-dead channels
 BN_STATS = ("weight", "bias", "running_mean", "running_var")
+FLOAT32_CAP = float(np.finfo(np.float32).max) / 4
 # A module whose name says it is an embedding table (word, position, token type, patch codebooks).
 _EMBEDDING_NAME = re.compile(r"(^|[._])(embed\w*|wte|wpe|tok_embeddings?)$", re.IGNORECASE)
 
@@ -58,14 +59,18 @@ def structural_importance(model: Mapping[str, Any] | Checkpoint) -> dict[str, fl
     arrays: dict[str, np.ndarray] = {}
     for name, t in ckpt.tensors.items():
         arr, dtype_name, _ = tensor_to_numpy(t)
+        if dtype_name == "bfloat16":  # carried as its 16-bit patterns
+            arr = (arr.astype(np.uint32) << 16).view(np.float32)
         if dtype_name.startswith(("float", "bfloat")) and arr.size:
             arrays[name] = arr
     tied = set(ckpt.aliases.values())
 
     out: dict[str, float | np.ndarray] = {}
     layers = [n for n, a in arrays.items() if a.ndim >= 2]
-    bn = _batchnorm_groups(arrays)
-    ruled: dict[str, np.ndarray] = {}
+    # a BN whose statistics are not finite (a damaged or odd checkpoint) gives no rule
+    bn = [m for m in _batchnorm_groups(arrays)
+          if all(np.isfinite(arrays[f"{m}.{s}"]).all() for s in BN_STATS)]
+    ruled: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     ruled_1d: dict[str, np.ndarray] = {}
     for module in bn:
         ruled_1d.update(_bn_parameter_importance(arrays, module))
@@ -78,7 +83,8 @@ def structural_importance(model: Mapping[str, Any] | Checkpoint) -> dict[str, fl
             out[name] = 1.0 / w.shape[0]
             previous_bn = None
             continue
-        following = _following_bn(name, w, layers[i + 1] if i + 1 < len(layers) else None, bn, order)
+        following = _following_bn(name, w.shape[0], layers[i + 1] if i + 1 < len(layers) else None, arrays, bn,
+                                  order)
         gain = _bn_gain(arrays, following) if following else None
         energy = None
         if previous_bn is not None:
@@ -117,11 +123,16 @@ def structural_importance(model: Mapping[str, Any] | Checkpoint) -> dict[str, fl
     for name, factors in ruled.items():
         w = arrays[name]
         # a read-only broadcast view of the (out, in) values over the kernel taps
-        small = (product(*factors) * scale).astype(np.float32).reshape(w.shape[:2] + (1,) * (w.ndim - 2))
+        small = _as_float32(product(*factors) * scale).reshape(w.shape[:2] + (1,) * (w.ndim - 2))
         out[name] = np.broadcast_to(small, w.shape)
     for name, imp in ruled_1d.items():  # the same units as the layers' (the BN output's error)
-        out[name] = np.ascontiguousarray(imp * scale, dtype=np.float32)
+        out[name] = _as_float32(imp * scale)
     return out
+
+
+def _as_float32(x: np.ndarray) -> np.ndarray:
+    # odd statistics (gamma ~ 1e38, var ~ 0) can exceed float32: an importance must stay finite
+    return np.ascontiguousarray(np.minimum(x, FLOAT32_CAP), dtype=np.float32)
 
 
 def _bn_parameter_importance(arrays: Mapping[str, np.ndarray], module: str) -> dict[str, np.ndarray]:
@@ -149,8 +160,8 @@ def _batchnorm_groups(arrays: Mapping[str, np.ndarray]) -> list[str]:
     return groups
 
 
-def _following_bn(name: str, w: np.ndarray, next_layer: str | None, bn: list[str],
-                  order: Mapping[str, int]) -> str | None:
+def _following_bn(name: str, channels: int, next_layer: str | None, arrays: Mapping[str, np.ndarray],
+                  bn: list[str], order: Mapping[str, int]) -> str | None:
     """The BN right after layer ``name`` (before the next layer) in the same parent module, with one
     channel per output of the layer."""
     parent = name.rsplit(".", 2)[0] if name.count(".") >= 2 else ""
@@ -160,7 +171,8 @@ def _following_bn(name: str, w: np.ndarray, next_layer: str | None, bn: list[str
         at = order[f"{module}.running_var"]
         same_parent = (module.rsplit(".", 1)[0] if "." in module else "") == parent
         if lo < at < hi and same_parent:
-            return module if order[f"{module}.weight"] > lo else None
+            fits = order[f"{module}.weight"] > lo and arrays[f"{module}.running_var"].shape[0] == channels
+            return module if fits else None
     return None
 
 

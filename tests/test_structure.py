@@ -98,6 +98,34 @@ def test_batchnorm_must_follow_its_layer_in_the_same_module():
     assert structural_importance(other)["a.conv.weight"] == 1.0
 
 
+def test_odd_models_get_no_rule_instead_of_an_error():
+    sd = _conv_bn_net()
+    # a BN of another width right after a layer (the layer is not what it normalises)
+    odd = {"m.conv.weight": sd["block.expand.weight"]} | {k.replace("stem.bn", "m.bn"): v for k, v in sd.items()
+                                                          if k.startswith("stem.bn")}
+    imp = structural_importance(odd)
+    assert imp["m.conv.weight"] == 1.0
+    encode_model(odd)  # and the default encode goes through
+    # statistics that are not finite, or far beyond float32's range
+    nan_var = dict(sd, **{"block.bn0.running_var": np.full(5, np.nan, np.float32)})
+    huge = dict(sd, **{"stem.bn.weight": np.full(4, 3e38, np.float32), "stem.bn.running_var": np.zeros(4, np.float32)})
+    for model in (nan_var, huge):
+        imp = structural_importance(model)
+        for name, value in imp.items():
+            assert np.all(np.isfinite(np.asarray(value))) and np.all(np.asarray(value) >= 0), name
+    assert "block.bn0.running_var" not in structural_importance(nan_var)  # that BN gives no rule
+    with pytest.warns(UserWarning, match="NaN"):
+        encode_model(nan_var)
+    encode_model(huge)
+    # bfloat16 BN statistics are read as values, not as their 16-bit patterns
+    t = {k: torch.from_numpy(v) for k, v in sd.items()}
+    as_bf16 = structural_importance({k: v.to(torch.bfloat16) for k, v in t.items()})
+    as_f32 = structural_importance({k: v.to(torch.bfloat16).to(torch.float32) for k, v in t.items()})
+    assert set(as_bf16) == set(as_f32)
+    for k in as_f32:
+        np.testing.assert_allclose(np.asarray(as_bf16[k]), np.asarray(as_f32[k]), rtol=1e-6)
+
+
 def test_embedding_tables_are_discounted_by_their_rows():
     rng = np.random.default_rng(1)
     sd = {"bert.embeddings.word_embeddings.weight": rng.normal(0, 1, (300, 8)).astype(np.float32),
