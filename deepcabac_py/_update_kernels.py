@@ -442,9 +442,7 @@ def _mix_update(ctx, cs, nm, wb, st, smax, bit, p, rate):
         ctx[2 * (wb + j)] = w
     for j in range(nm):
         c = cs[j]
-        ctx[2 * c] += ((bit << EST_BITS) - ctx[2 * c]) >> min(SHIFT_U[ctx[2 * c + 1]], rate)
-        if ctx[2 * c + 1] < COUNT_MAX:
-            ctx[2 * c + 1] += 1
+        _adapt(ctx, c, bit, rate)
 
 
 @scalar_helper
@@ -526,6 +524,30 @@ def _mix5_update(ctx, c0, c1, c2, c3, c4, x0, x1, x2, x3, x4, smax, wb, wb2, bit
     _adapt(ctx, c2, bit, rate)
     _adapt(ctx, c3, bit, rate)
     _adapt(ctx, c4, bit, rate)
+
+
+# The context indices of the two mixtures (MIX), in one place for the encoder and the decoder.
+@scalar_helper
+def _sig_mix_contexts(features, cbase, ts, colcnt, cex, rcount, rex, hist, hr, hc, prev_nz, cc, r):
+    cr = _crel(colcnt, cex) if features & F_COLUMN else 0
+    rr = _crel(rcount, rex) if features & F_ROW else 0
+    c1 = cbase + CTX_M1 + (ts * N_CREL + cr) * N_CREL + rr
+    c2 = cbase + _m2_context(features, hist, hr, hc, prev_nz)
+    c3 = cbase + CTX_COLID + (cc & (N_COLID - 1))
+    c4 = cbase + CTX_ROWID + (r & (N_ROWID - 1))
+    wb = cbase + CTX_WSIG + ts * (N_SIG_MODELS + 1)
+    wb2 = cbase + CTX_WSIG2 + (cr * N_CREL + rr) * (N_SIG_MODELS + 1)
+    return c1, c2, c3, c4, wb, wb2
+
+
+@inline_helper
+def _sign_mix_contexts(cs, c, cbase, ps, colstate, rsum, csum, r):
+    """Fills ``cs`` with the sign mixture's contexts; returns its weight base."""
+    cs[0] = c
+    cs[1] = cbase + CTX_S1 + 3 * (ps if ps < 7 else 6) + (colstate >> COL_SIGN_SHIFT)
+    cs[2] = cbase + _s2_context(rsum, csum)
+    cs[3] = cbase + CTX_SROW + (r & (N_SROW - 1))
+    return cbase + CTX_WSIGN + (ps if ps < 7 else 6) * (N_SIGN_MODELS + 1)
 
 
 @scalar_helper
@@ -664,9 +686,7 @@ def encode_update_kernel(levels, tinfo, parent, hist, ctx, out):
                 else:
                     low += bound
                     rng -= bound
-                ctx[2 * c] += ((row_nz << EST_BITS) - ctx[2 * c]) >> min(SHIFT_U[ctx[2 * c + 1]], rate)
-                if ctx[2 * c + 1] < COUNT_MAX:
-                    ctx[2 * c + 1] += 1
+                _adapt(ctx, c, row_nz, rate)
                 while rng < TOP:
                     rng <<= 8
                     low, cache, cache_size, pos = _shift_low(low, cache, cache_size, out, pos)
@@ -689,14 +709,9 @@ def encode_update_kernel(levels, tinfo, parent, hist, ctx, out):
                     ts = _tstate(features, parent[i], hist[i])
                     c = cbase + _sig_context(features, ts, col[cc], rcount, prev_nz, _area_of(rowcls[r], colcls[cc]))
                     if mix:
-                        cr = _crel(colcnt[cc], cex) if features & F_COLUMN else 0
-                        rr = _crel(rcount, rex[cc]) if features & F_ROW else 0
-                        c1 = cbase + CTX_M1 + (ts * N_CREL + cr) * N_CREL + rr
-                        c2 = cbase + _m2_context(features, hist[i], hr[r], hc[cc], prev_nz)
-                        c3 = cbase + CTX_COLID + (cc & (N_COLID - 1))
-                        c4 = cbase + CTX_ROWID + (r & (N_ROWID - 1))
-                        wb = cbase + CTX_WSIG + ts * (N_SIG_MODELS + 1)
-                        wb2 = cbase + CTX_WSIG2 + (cr * N_CREL + rr) * (N_SIG_MODELS + 1)
+                        c1, c2, c3, c4, wb, wb2 = _sig_mix_contexts(
+                            features, cbase, ts, colcnt[cc], cex, rcount, rex[cc], hist[i], hr[r], hc[cc],
+                            prev_nz, cc, r)
                         p, p1, p2, x0, x1, x2, x3, x4, smax = _mix5_prob(ctx, c, c1, c2, c3, c4, wb, wb2)
                     else:
                         p = _p15(ctx[2 * c])
@@ -709,9 +724,7 @@ def encode_update_kernel(levels, tinfo, parent, hist, ctx, out):
                     if mix:
                         _mix5_update(ctx, c, c1, c2, c3, c4, x0, x1, x2, x3, x4, smax, wb, wb2, nz, p1, p2, rate)
                     else:
-                        ctx[2 * c] += ((nz << EST_BITS) - ctx[2 * c]) >> min(SHIFT_U[ctx[2 * c + 1]], rate)
-                        if ctx[2 * c + 1] < COUNT_MAX:
-                            ctx[2 * c + 1] += 1
+                        _adapt(ctx, c, nz, rate)
                     while rng < TOP:
                         rng <<= 8
                         low, cache, cache_size, pos = _shift_low(low, cache, cache_size, out, pos)
@@ -726,11 +739,7 @@ def encode_update_kernel(levels, tinfo, parent, hist, ctx, out):
                         ps = _sign_state(features, parent[i], np.int64(hist[i]))
                         c = cbase + _sign_context(ps, rsign, col[cc])
                         if mix:
-                            cs[0] = c
-                            cs[1] = cbase + CTX_S1 + 3 * (ps if ps < 7 else 6) + (col[cc] >> COL_SIGN_SHIFT)
-                            cs[2] = cbase + _s2_context(rsum, csum[cc])
-                            cs[3] = cbase + CTX_SROW + (r & (N_SROW - 1))
-                            wb = cbase + CTX_WSIGN + (ps if ps < 7 else 6) * (N_SIGN_MODELS + 1)
+                            wb = _sign_mix_contexts(cs, c, cbase, ps, col[cc], rsum, csum[cc], r)
                             p, smax = _mix_prob(ctx, cs, N_SIGN_MODELS, wb, st)
                         else:
                             p = _p15(ctx[2 * c])
@@ -743,9 +752,7 @@ def encode_update_kernel(levels, tinfo, parent, hist, ctx, out):
                         if mix:
                             _mix_update(ctx, cs, N_SIGN_MODELS, wb, st, smax, neg, p, rate)
                         else:
-                            ctx[2 * c] += ((neg << EST_BITS) - ctx[2 * c]) >> min(SHIFT_U[ctx[2 * c + 1]], rate)
-                            if ctx[2 * c + 1] < COUNT_MAX:
-                                ctx[2 * c + 1] += 1
+                            _adapt(ctx, c, neg, rate)
                     while rng < TOP:
                         rng <<= 8
                         low, cache, cache_size, pos = _shift_low(low, cache, cache_size, out, pos)
@@ -765,9 +772,7 @@ def encode_update_kernel(levels, tinfo, parent, hist, ctx, out):
                     else:
                         low += bound
                         rng -= bound
-                    ctx[2 * c] += ((gt1 << EST_BITS) - ctx[2 * c]) >> min(SHIFT_U[ctx[2 * c + 1]], rate)
-                    if ctx[2 * c + 1] < COUNT_MAX:
-                        ctx[2 * c + 1] += 1
+                    _adapt(ctx, c, gt1, rate)
                     while rng < TOP:
                         rng <<= 8
                         low, cache, cache_size, pos = _shift_low(low, cache, cache_size, out, pos)
@@ -788,9 +793,7 @@ def encode_update_kernel(levels, tinfo, parent, hist, ctx, out):
                             else:
                                 low += bound
                                 rng -= bound
-                            ctx[2 * c] += ((bit << EST_BITS) - ctx[2 * c]) >> min(SHIFT_U[ctx[2 * c + 1]], rate)
-                            if ctx[2 * c + 1] < COUNT_MAX:
-                                ctx[2 * c + 1] += 1
+                            _adapt(ctx, c, bit, rate)
                             while rng < TOP:
                                 rng <<= 8
                                 low, cache, cache_size, pos = _shift_low(low, cache, cache_size, out, pos)
@@ -875,9 +878,7 @@ def decode_update_kernel(buf, tinfo, parent, hist, ctx, out):
                     row_nz = 0
                     code -= bound
                     rng -= bound
-                ctx[2 * c] += ((row_nz << EST_BITS) - ctx[2 * c]) >> min(SHIFT_U[ctx[2 * c + 1]], rate)
-                if ctx[2 * c + 1] < COUNT_MAX:
-                    ctx[2 * c + 1] += 1
+                _adapt(ctx, c, row_nz, rate)
                 while rng < TOP:
                     rng <<= 8
                     code = (code << 8) | (np.int64(buf[pos]) if pos < size else 0)
@@ -901,14 +902,9 @@ def decode_update_kernel(buf, tinfo, parent, hist, ctx, out):
                     ts = _tstate(features, parent[i], hist[i])
                     c = cbase + _sig_context(features, ts, col[cc], rcount, prev_nz, _area_of(rowcls[r], colcls[cc]))
                     if mix:
-                        cr = _crel(colcnt[cc], cex) if features & F_COLUMN else 0
-                        rr = _crel(rcount, rex[cc]) if features & F_ROW else 0
-                        c1 = cbase + CTX_M1 + (ts * N_CREL + cr) * N_CREL + rr
-                        c2 = cbase + _m2_context(features, hist[i], hr[r], hc[cc], prev_nz)
-                        c3 = cbase + CTX_COLID + (cc & (N_COLID - 1))
-                        c4 = cbase + CTX_ROWID + (r & (N_ROWID - 1))
-                        wb = cbase + CTX_WSIG + ts * (N_SIG_MODELS + 1)
-                        wb2 = cbase + CTX_WSIG2 + (cr * N_CREL + rr) * (N_SIG_MODELS + 1)
+                        c1, c2, c3, c4, wb, wb2 = _sig_mix_contexts(
+                            features, cbase, ts, colcnt[cc], cex, rcount, rex[cc], hist[i], hr[r], hc[cc],
+                            prev_nz, cc, r)
                         p, p1, p2, x0, x1, x2, x3, x4, smax = _mix5_prob(ctx, c, c1, c2, c3, c4, wb, wb2)
                     else:
                         p = _p15(ctx[2 * c])
@@ -923,9 +919,7 @@ def decode_update_kernel(buf, tinfo, parent, hist, ctx, out):
                     if mix:
                         _mix5_update(ctx, c, c1, c2, c3, c4, x0, x1, x2, x3, x4, smax, wb, wb2, nz, p1, p2, rate)
                     else:
-                        ctx[2 * c] += ((nz << EST_BITS) - ctx[2 * c]) >> min(SHIFT_U[ctx[2 * c + 1]], rate)
-                        if ctx[2 * c + 1] < COUNT_MAX:
-                            ctx[2 * c + 1] += 1
+                        _adapt(ctx, c, nz, rate)
                     while rng < TOP:
                         rng <<= 8
                         code = (code << 8) | (np.int64(buf[pos]) if pos < size else 0)
@@ -943,11 +937,7 @@ def decode_update_kernel(buf, tinfo, parent, hist, ctx, out):
                         ps = _sign_state(features, parent[i], np.int64(hist[i]))
                         c = cbase + _sign_context(ps, rsign, col[cc])
                         if mix:
-                            cs[0] = c
-                            cs[1] = cbase + CTX_S1 + 3 * (ps if ps < 7 else 6) + (col[cc] >> COL_SIGN_SHIFT)
-                            cs[2] = cbase + _s2_context(rsum, csum[cc])
-                            cs[3] = cbase + CTX_SROW + (r & (N_SROW - 1))
-                            wb = cbase + CTX_WSIGN + (ps if ps < 7 else 6) * (N_SIGN_MODELS + 1)
+                            wb = _sign_mix_contexts(cs, c, cbase, ps, col[cc], rsum, csum[cc], r)
                             p, smax = _mix_prob(ctx, cs, N_SIGN_MODELS, wb, st)
                         else:
                             p = _p15(ctx[2 * c])
@@ -962,9 +952,7 @@ def decode_update_kernel(buf, tinfo, parent, hist, ctx, out):
                         if mix:
                             _mix_update(ctx, cs, N_SIGN_MODELS, wb, st, smax, neg, p, rate)
                         else:
-                            ctx[2 * c] += ((neg << EST_BITS) - ctx[2 * c]) >> min(SHIFT_U[ctx[2 * c + 1]], rate)
-                            if ctx[2 * c + 1] < COUNT_MAX:
-                                ctx[2 * c + 1] += 1
+                            _adapt(ctx, c, neg, rate)
                     while rng < TOP:
                         rng <<= 8
                         code = (code << 8) | (np.int64(buf[pos]) if pos < size else 0)
@@ -988,9 +976,7 @@ def decode_update_kernel(buf, tinfo, parent, hist, ctx, out):
                         gt1 = 0
                         code -= bound
                         rng -= bound
-                    ctx[2 * c] += ((gt1 << EST_BITS) - ctx[2 * c]) >> min(SHIFT_U[ctx[2 * c + 1]], rate)
-                    if ctx[2 * c + 1] < COUNT_MAX:
-                        ctx[2 * c + 1] += 1
+                    _adapt(ctx, c, gt1, rate)
                     while rng < TOP:
                         rng <<= 8
                         code = (code << 8) | (np.int64(buf[pos]) if pos < size else 0)
@@ -1009,9 +995,7 @@ def decode_update_kernel(buf, tinfo, parent, hist, ctx, out):
                                 bit = 0
                                 code -= bound
                                 rng -= bound
-                            ctx[2 * c] += ((bit << EST_BITS) - ctx[2 * c]) >> min(SHIFT_U[ctx[2 * c + 1]], rate)
-                            if ctx[2 * c + 1] < COUNT_MAX:
-                                ctx[2 * c + 1] += 1
+                            _adapt(ctx, c, bit, rate)
                             while rng < TOP:
                                 rng <<= 8
                                 code = (code << 8) | (np.int64(buf[pos]) if pos < size else 0)

@@ -5,6 +5,7 @@ are in test_checkpoint.py.)"""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import struct
 import tracemalloc
@@ -112,17 +113,26 @@ def test_npz_stored_member_with_two_sizes_is_refused(tmp_path):
         load_checkpoint(path)
 
 
+@contextlib.contextmanager
+def _repacked_torch_file(path, obj, compression: int, data_pkl: bytes | None = None):
+    """``torch.save(obj)`` re-packed member by member into ``path`` with ``compression`` (and
+    ``data_pkl`` as its pickle, if given); yields the archive open for writing extra members."""
+    plain = io.BytesIO()
+    torch.save(obj, plain)
+    with zipfile.ZipFile(io.BytesIO(plain.getvalue())) as src, \
+            zipfile.ZipFile(path, "w", compression=compression) as dst:
+        for info in src.infolist():
+            body = data_pkl if data_pkl is not None and info.filename.endswith("data.pkl") else src.read(info)
+            dst.writestr(info.filename, body)
+        yield src.namelist()[0].split("/")[0], dst
+
+
 def test_torch_zip_bomb_is_refused_before_torch_reads_it(tmp_path):
     """torch's own zip format, re-packed with deflate around a storage of zeros: its reader would
     allocate the record's declared size."""
-    plain = io.BytesIO()
-    torch.save({"w": torch.zeros(4)}, plain)
     path = tmp_path / "bomb.pt"
-    with zipfile.ZipFile(io.BytesIO(plain.getvalue())) as src, \
-            zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as dst:
-        for info in src.infolist():
-            dst.writestr(info.filename, src.read(info))
-        _write_zeros_member(dst, src.namelist()[0].split("/")[0] + "/data/99", b"", BOMB_BYTES)
+    with _repacked_torch_file(path, {"w": torch.zeros(4)}, zipfile.ZIP_DEFLATED) as (root, dst):
+        _write_zeros_member(dst, root + "/data/99", b"", BOMB_BYTES)
     with pytest.raises(CheckpointError, match="zip bomb"):
         load_checkpoint(path)
 
@@ -164,13 +174,9 @@ def test_deeply_nested_pickle_is_refused(tmp_path):
     """Nesting deeper than the interpreter's recursion limit, written as raw pickle opcodes."""
     depth = 100_000
     body = b"\x80\x02" + b"]" * depth + b"a" * (depth - 1) + b"."  # EMPTY_LIST x depth, APPEND x depth-1
-    raw = io.BytesIO()
-    torch.save({"w": torch.ones(1)}, raw)
     path = tmp_path / "deep.pt"
-    with zipfile.ZipFile(io.BytesIO(raw.getvalue())) as src, \
-            zipfile.ZipFile(path, "w", compression=zipfile.ZIP_STORED) as dst:
-        for info in src.infolist():
-            dst.writestr(info, body if info.filename.endswith("data.pkl") else src.read(info))
+    with _repacked_torch_file(path, {"w": torch.ones(1)}, zipfile.ZIP_STORED, data_pkl=body):
+        pass
     with no_hang(60), pytest.raises(CheckpointError) as ei:
         load_checkpoint(path)
     assert "\n" not in str(ei.value)
