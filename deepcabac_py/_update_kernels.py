@@ -593,10 +593,11 @@ def advance_session_kernel(hist, parent, levels, listed):
 
 
 @kernel
-def _tensor_classes(hist, off, rows, cols, features, dq):
+def _tensor_setup(hist, off, rows, cols, features, dq):
     """What encoder and decoder derive, once per tensor, from the session history before coding it:
     the AREA row/column classes, and with MIX, M2's row/column history classes and the expected row
-    count at each column (``_expect``)."""
+    count at each column (``_expect``); and the per-column state they keep while coding it, zeroed
+    (column context state, nonzeros so far, the sum of their signs)."""
     rowcls = np.zeros(rows, dtype=np.int64)
     colcls = np.zeros(cols, dtype=np.int64)
     if features & F_AREA:
@@ -614,7 +615,10 @@ def _tensor_classes(hist, off, rows, cols, features, dq):
                 hc[j] = _hist_class(hc[j])
         for j in range(cols):
             rex[j] = _expect(j, dq)
-    return rowcls, colcls, hr, hc, rex
+    col = np.zeros(cols, dtype=np.int64)
+    colcnt = np.zeros(cols, dtype=np.int64)
+    csum = np.zeros(cols, dtype=np.int64)
+    return rowcls, colcls, hr, hc, rex, col, colcnt, csum
 
 
 @scalar_helper
@@ -654,12 +658,9 @@ def encode_update_kernel(levels, tinfo, parent, hist, ctx, out):
         features = tinfo[t, 6]
         cbase = tinfo[t, 7]
         rate = tinfo[t, 8]
-        col = np.zeros(cols, dtype=np.int64)
         mix = (features & F_MIX) != 0
-        colcnt = np.zeros(cols, dtype=np.int64)  # nonzeros in the column so far (unsaturated)
-        csum = np.zeros(cols, dtype=np.int64)  # the sum of their signs (+1 / -1)
         dq = _density_q(nnz, rows * cols)
-        rowcls, colcls, hr, hc, rex = _tensor_classes(hist, off, rows, cols, features, dq)
+        rowcls, colcls, hr, hc, rex, col, colcnt, csum = _tensor_setup(hist, off, rows, cols, features, dq)
         wb = 0
         smax = 0
         c1 = c2 = c3 = c4 = wb2 = 0
@@ -850,12 +851,9 @@ def decode_update_kernel(buf, tinfo, parent, hist, ctx, out):
         features = tinfo[t, 6]
         cbase = tinfo[t, 7]
         rate = tinfo[t, 8]
-        col = np.zeros(cols, dtype=np.int64)
         mix = (features & F_MIX) != 0
-        colcnt = np.zeros(cols, dtype=np.int64)  # nonzeros in the column so far (unsaturated)
-        csum = np.zeros(cols, dtype=np.int64)  # the sum of their signs (+1 / -1)
         dq = _density_q(nnz, rows * cols)
-        rowcls, colcls, hr, hc, rex = _tensor_classes(hist, off, rows, cols, features, dq)
+        rowcls, colcls, hr, hc, rex, col, colcnt, csum = _tensor_setup(hist, off, rows, cols, features, dq)
         wb = 0
         smax = 0
         c1 = c2 = c3 = c4 = wb2 = 0
