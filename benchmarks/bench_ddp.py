@@ -23,6 +23,7 @@ but SBC ended 2 points behind dense on seed 0.
 """
 
 import argparse
+import gc
 import json
 import os
 import socket
@@ -135,8 +136,16 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, configs: 
                         "compressed_steps": state.stats()["compressed_steps"] if state else 0})
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
-    dist.barrier()  # tear down together (a peer's gloo threads may still be talking to this rank)
+    # Tear down together and leave without the interpreter's teardown: a rank that destroys its group
+    # while a peer's gloo threads talk to it, or exits while gloo's threads live, can abort
+    # ("terminate called without an active exception"; tests/test_ddp.py saw it with a barrier alone).
+    del model, state
+    gc.collect()
+    dist.barrier()
     dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _free_port() -> int:
