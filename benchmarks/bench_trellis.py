@@ -4,8 +4,9 @@
    block of rows (shared by its four paths) instead of a context copy per path per weight, as
    NNCodec does. Rebuilding the kernel with other minimum block sizes shows what the staleness
    costs: bytes and squared error of the coded tensors at qp -32 per block size.
-2. Speed: ns per weight of nearest rounding, RDOQ, the trellis and the level coder's encode, on the
-   same tensors (one thread).
+2. Speed: ns per weight of nearest rounding, RDOQ and the trellis (levels only), of the level coder
+   on the trellis levels, and of the one pass encode_model runs (the trellis coding each block as
+   it commits it), on the same tensors (one thread).
 
     .venv/bin/python benchmarks/bench_trellis.py [--tensors 10] [--blocks 64,256,1024,8192]
 """
@@ -57,7 +58,8 @@ def staleness(weights, names, blocks, qp=-32) -> None:
                 a, b = layout.bounds(k)
                 out = np.empty(b - a, np.int32)
                 mod.trellis_kernel(x[a:b], np.empty(0, np.float32), step, lam, layout.ncols,
-                                   layout.first_column(a), layout.k_offset, layout.predict, out)
+                                   layout.first_column(a), layout.k_offset, layout.predict, out,
+                                   np.empty(0, np.uint8))
                 nbytes += len(levelcoder.encode_chunk(out, layout, k))
                 err = x[a:b].astype(np.float64) - quantize.dq_indices(out) * step
                 sse += float(err @ err)
@@ -81,16 +83,25 @@ def speed(weights, names, repeats=3, qp=-32) -> None:
             n += part.size
             kw = dict(ncols=layout.ncols, col0=layout.first_column(a), k_offset=layout.k_offset,
                       predict=layout.predict)
+            lam = quantize.DEFAULT_LAMBDA["trellis"]
             for method in ("nearest", "rdoq", "trellis"):
-                best = min(_timed(lambda: quantize.quantize_rd(part, step, method=method,
-                                                               lam=quantize.DEFAULT_LAMBDA[method], **kw))
-                           for _ in range(repeats))
-                totals[method] = totals.get(method, 0.0) + best
-            levels = quantize.quantize_nearest(part, step)
-            totals["encode (level coder)"] = totals.get("encode (level coder)", 0.0) + min(
-                _timed(lambda: levelcoder.encode_chunk(levels, layout, k)) for _ in range(repeats))
+                add(totals, f"{method} (levels only)", min(
+                    _timed(lambda: quantize.quantize_rd(part, step, method=method,
+                                                        lam=quantize.DEFAULT_LAMBDA[method], **kw))
+                    for _ in range(repeats)))
+            levels = quantize.quantize_rd(part, step, method="trellis", lam=lam, **kw)
+            add(totals, "level coder on trellis levels", min(
+                _timed(lambda: levelcoder.encode_chunk(levels, layout, k)) for _ in range(repeats)))
+            # what encode_model runs: the trellis codes each block as it commits it
+            add(totals, "trellis + coding, one pass", min(
+                _timed(lambda: quantize.trellis_encode_chunk(part, step, lam=lam, layout=layout, index=k))
+                for _ in range(repeats)))
     for what, seconds in totals.items():
-        print(f"{what:>22}: {seconds / n * 1e9:6.1f} ns/weight")
+        print(f"{what:>30}: {seconds / n * 1e9:6.1f} ns/weight")
+
+
+def add(totals: dict, what: str, seconds: float) -> None:
+    totals[what] = totals.get(what, 0.0) + seconds
 
 
 def _timed(fn) -> float:

@@ -124,7 +124,7 @@ BUCKET_LUT = np.array([(b << 8) | n for b, n in map(_bucket_of, range(SMALL_SCAL
 @scalar_helper
 def _bucket_and_k(s, k_offset):
     if s < SMALL_SCALES:
-        packed = BUCKET_LUT[s]
+        packed = BUCKET_LUT[np.uint64(s)]
         bucket = packed >> 8
         length = packed & 0xFF
     else:
@@ -228,35 +228,53 @@ def _finish_substream(low, rng, cache, cache_size, out, pos):
     return _flush_substream(low, rng, cache, cache_size, out, pos)
 
 
-@kernel
-def encode_levels_kernel(levels, ncols, col0, k_offset, predict, out):
-    """Encode int32 ``levels`` into ``out``; returns the byte count, or -1 if ``out`` is too small.
+# The encoder's scalar state between spans (see _encode_span): range coder, row scale, the
+# prediction switch and its running costs, the current column.
+ENC_LOW, ENC_RNG, ENC_CACHE, ENC_CACHE_SIZE, ENC_POS, ENC_ROW, ENC_COST_PLAIN, ENC_COST_PRED, ENC_USE_PRED, \
+    ENC_COL = range(10)
+ENC_FIELDS = 10
 
-    ``ncols`` > 0 enables the per-column scale over a row-major 2-D view with ``ncols`` columns,
-    the first element sitting in column ``col0``.
-    """
-    n = levels.shape[0]
+
+@kernel
+def _fresh_contexts():
     state = np.empty((N_CTX, 2), dtype=np.int64)  # probability of a 1 (16 bits), bins seen
     for c in range(N_CTX):
         state[c, 0] = 1 << 15
         state[c, 1] = 0
-    use_cols = ncols > 0
+    return state
+
+
+@kernel
+def _encoder_start(ncols, col0, predict):
+    """A fresh encoder for a chunk: contexts, column scales, column predictions, scalar state."""
+    es = np.zeros(ENC_FIELDS, dtype=np.int64)
+    es[ENC_RNG] = RANGE_INIT
+    es[ENC_CACHE_SIZE] = 1
+    es[ENC_COL] = col0
     col_scale = np.zeros(max(ncols, 1), dtype=np.int64)
-    col = col0
+    col_pred = np.zeros(max(ncols, 1) if ncols > 0 and predict else 1, dtype=np.int64)
+    return _fresh_contexts(), col_scale, col_pred, es
+
+
+@kernel
+def _encode_span(levels, start, stop, ncols, k_offset, predict, state, col_scale, col_pred, es, out):
+    """Encode ``levels[start:stop]`` of a chunk, continuing from the encoder state (``state``,
+    ``col_scale``, ``col_pred``, ``es``) and leaving it there. Spans let the trellis commit each
+    block of levels straight into the stream, with the coder's modelling kept in one place."""
+    use_cols = ncols > 0
     pred_on = use_cols and predict
-    col_pred = np.zeros(max(ncols, 1) if pred_on else 1, dtype=np.int64)
-    cost_plain = 0
-    cost_pred = 0
-    use_pred = False
+    low = es[ENC_LOW]
+    rng = es[ENC_RNG]
+    cache = es[ENC_CACHE]
+    cache_size = es[ENC_CACHE_SIZE]
+    pos = es[ENC_POS]
+    row_scale = es[ENC_ROW]
+    cost_plain = es[ENC_COST_PLAIN]
+    cost_pred = es[ENC_COST_PRED]
+    use_pred = es[ENC_USE_PRED] != 0
+    col = es[ENC_COL]
 
-    low = 0
-    rng = RANGE_INIT
-    cache = 0
-    cache_size = 1
-    pos = 0
-    row_scale = 0
-
-    for i in range(n):
+    for i in range(start, stop):
         v = np.int64(levels[i])
         x = v
         pred = 0
@@ -350,7 +368,35 @@ def encode_levels_kernel(levels, ncols, col0, k_offset, predict, out):
             if col == ncols:
                 col = 0
 
-    return _finish_substream(low, rng, cache, cache_size, out, pos)
+    es[ENC_LOW] = low
+    es[ENC_RNG] = rng
+    es[ENC_CACHE] = cache
+    es[ENC_CACHE_SIZE] = cache_size
+    es[ENC_POS] = pos
+    es[ENC_ROW] = row_scale
+    es[ENC_COST_PLAIN] = cost_plain
+    es[ENC_COST_PRED] = cost_pred
+    es[ENC_USE_PRED] = use_pred
+    es[ENC_COL] = col
+
+
+@kernel
+def _encoder_finish(es, out):
+    """Terminate and flush the substream of an encoder state; the byte count, or -1."""
+    return _finish_substream(es[ENC_LOW], es[ENC_RNG], es[ENC_CACHE], es[ENC_CACHE_SIZE], out, es[ENC_POS])
+
+
+@kernel
+def encode_levels_kernel(levels, ncols, col0, k_offset, predict, out):
+    """Encode int32 ``levels`` into ``out``; returns the byte count, or -1 if ``out`` is too small.
+
+    ``ncols`` > 0 enables the per-column scale over a row-major 2-D view with ``ncols`` columns,
+    the first element sitting in column ``col0``.
+    """
+    state, col_scale, col_pred, es = _encoder_start(ncols, col0, predict)
+    _encode_span(levels, 0, levels.shape[0], ncols, k_offset, predict, state, col_scale, col_pred, es, out)
+    return _encoder_finish(es, out)
+
 
 
 @kernel
@@ -359,10 +405,7 @@ def decode_levels_kernel(buf, ncols, col0, k_offset, predict, out):
     encoder's first byte is always 0 and is not stored). Returns a status code (``OK`` = 0)."""
     n = out.shape[0]
     size = buf.shape[0]
-    state = np.empty((N_CTX, 2), dtype=np.int64)  # probability of a 1 (16 bits), bins seen
-    for c in range(N_CTX):
-        state[c, 0] = 1 << 15
-        state[c, 1] = 0
+    state = _fresh_contexts()
     use_cols = ncols > 0
     col_scale = np.zeros(max(ncols, 1), dtype=np.int64)
     col = col0

@@ -12,10 +12,11 @@ spend on it there:
   context set per state per weight; here the paths share one snapshot of the context estimators,
   taken at the start of a block of rows and turned into per-bucket bit tables, while each path keeps
   its own row scale (which picks the bucket and the Rice parameter, and moves fastest). At the end
-  of a block the best path is traced back, its levels are committed and the modelling state is
-  advanced over them, so the next block starts from the exact live state. The snapshot is at most a
-  block old, and the estimators move slowly: the rates are near-exact (measured in
-  ``benchmarks/bench_rd.py``).
+  of a block the best path is traced back and its levels are coded right away by the level coder
+  (``_encode_span``), whose modelling state the next block is priced with: one pass both quantizes
+  and codes, and the next block starts from the exact live state. The snapshot is at most a block
+  old, and the estimators move slowly: the rates are near-exact (measured in
+  ``benchmarks/bench_trellis.py``).
 
 Distortion is ``importance * (x - r)**2`` with ``x`` the value in units of the (fine) step and ``r``
 the reconstruction index; the cost is distortion + ``lam`` * bits.
@@ -37,9 +38,16 @@ from ._cabac_kernels import (
     SCALE_FRAC,
     SEL_NUM,
     SEL_SHIFT,
+    ENC_COL,
+    ENC_ROW,
+    ENC_USE_PRED,
     _adapt,
     _bitlen,
     _bucket_and_k,
+    _encode_span,
+    _encoder_finish,
+    _encoder_start,
+    _fresh_contexts,
     _prob,
 )
 from ._jit import inline_helper, kernel, scalar_helper
@@ -57,6 +65,10 @@ NEXT_STATE = np.array([[0, 2], [2, 0], [1, 3], [3, 1]], dtype=np.int64)
 PREDECESSORS = np.array([[0, 0, 1, 1], [2, 0, 3, 1], [0, 1, 1, 0], [2, 1, 3, 0]], dtype=np.int64)
 DEAD = 1e300
 MAX_DQ_LEVEL = PREDICT_MAX_LEVEL  # |k| <= 2**30 - 1, so |2k| fits in int32
+# |x| / step is clamped here before any conversion to an integer: beyond it every quantizer
+# saturates at its largest level anyway, and a NaN or a value past int64's range would otherwise
+# turn into an arbitrary integer (and index tables with it).
+A_MAX = 2.0**31
 
 # A trellis block is a run of whole rows at least this long (or this many elements without the
 # column model): long enough that the decision forced at its end costs nothing measurable, short
@@ -170,15 +182,6 @@ def _adapt_element(state, base, u, k):
         state[c, 0], state[c, 1] = _adapt(state[c, 0], state[c, 1], (u >> (k - 1)) & 1)
 
 
-@kernel
-def _fresh_state():
-    state = np.empty((N_CTX, 2), dtype=np.int64)
-    for c in range(N_CTX):
-        state[c, 0] = 1 << 15
-        state[c, 1] = 0
-    return state
-
-
 # --------------------------------------------------------------------------------------------------
 # RDOQ
 # --------------------------------------------------------------------------------------------------
@@ -217,7 +220,7 @@ def _rd_pass(values, importance, step, lam, ncols, col0, k_offset, predict, max_
     """
     n = values.shape[0]
     weighted = importance.shape[0] == n
-    state = _fresh_state()
+    state = _fresh_contexts()
     use_cols = ncols > 0
     col_scale = np.zeros(max(ncols, 1), dtype=np.int64)
     col = col0
@@ -250,6 +253,8 @@ def _rd_pass(values, importance, step, lam, ncols, col0, k_offset, predict, max_
             total += imp * d * d + lam * _live_bits(state, base, _zigzag(x), k)
         else:
             a = abs(w)
+            if not a <= A_MAX:
+                a = A_MAX
             sign = -1 if w < 0 else 1
             nearest = np.int64(a + 0.5)
             if nearest > max_level:
@@ -337,22 +342,108 @@ def _table_bits(unary, suffix, bucket, u, k):
     return bits
 
 
+@scalar_helper
+def _grid_options(a, g, sign, imp, pred, use_pred):
+    """The candidates of one weight on grid ``g`` (0: even multiples, 1: odd ones): the magnitude of
+    each parity around ``a`` and zero. Returns the weighted squared errors, the signed levels and the
+    coded zigzag values of (even, odd, zero), and whether zero is a distinct candidate."""
+    kb = np.int64((a + g) * 0.5)  # g = 0: 2k <= a; g = 1: 2k - 1 <= a (k = 0: r = 0)
+    if kb > MAX_DQ_LEVEL - 1:
+        kb = MAX_DQ_LEVEL - 1
+    odd = kb & 1
+    m_even = kb + odd
+    m_odd = kb + 1 - odd
+    r_even = 2 * m_even - g if m_even > 0 else np.int64(0)
+    r_odd = 2 * m_odd - g
+    d_even = a - r_even
+    d_odd = a - r_odd
+    v_even = sign * m_even
+    v_odd = sign * m_odd
+    if use_pred:
+        u_even = _zigzag(v_even - pred)
+        u_odd = _zigzag(v_odd - pred)
+        u_zero = _zigzag(-pred)
+    else:
+        u_even = _zigzag(v_even)
+        u_odd = _zigzag(v_odd)
+        u_zero = np.int64(0)
+    return (imp * d_even * d_even, imp * d_odd * d_odd, imp * a * a, v_even, v_odd,
+            u_even, u_odd, u_zero, kb != 0)
+
+
+# The trellis prices candidates from a flat table per bucket: entry j = u >> max(k - 1, 0) holds
+# lam * bits of the unary part, the context-coded suffix bin and the bypass bins together, so a rate
+# is one load instead of the unary, suffix and bypass look-ups (the trellis prices 12 candidates
+# per weight). Escapes (q >= Q_MAX) fall back to the unary and suffix tables.
+RATE_SPAN = 2 * Q_MAX
+
+
+@inline_helper
+def _fill_rate_table(state, bucket, k, lam, unary, suffix, rates):
+    _fill_bucket_table(state, bucket, unary, suffix)
+    sh = k - 1 if k >= 1 else 0
+    span = Q_MAX << (1 if k >= 1 else 0)
+    base = bucket * RATE_SPAN
+    for j in range(span):
+        rates[base + j] = lam * _table_bits(unary, suffix, bucket, j << sh, k)
+
+
+@inline_helper
+def _option_rate(rates, unary, suffix, bucket, k, lam, u):
+    """lam * bits of ``u`` in ``bucket`` with Rice parameter ``k`` (the table must be filled)."""
+    j = u >> (k - 1 if k >= 1 else 0)
+    if j < (Q_MAX << (1 if k >= 1 else 0)):
+        return rates[np.uint64(bucket * RATE_SPAN + j)]
+    return lam * _table_bits(unary, suffix, bucket, u, k)
+
+
+@inline_helper
+def _option_rates(rates, unary, suffix, bucket, k, lam, u_even, u_odd, u_zero):
+    return (_option_rate(rates, unary, suffix, bucket, k, lam, u_even),
+            _option_rate(rates, unary, suffix, bucket, k, lam, u_odd),
+            _option_rate(rates, unary, suffix, bucket, k, lam, u_zero))
+
+
+@scalar_helper
+def _best_parity0(cost, d_even, r_even, d_zero, r_zero, has_zero, v_even, u_even, u_zero):
+    """The best way out of a state with an even level: the even magnitude, or zero when distinct.
+    Branch-free: which one wins is unpredictable."""
+    c = cost + d_even + r_even
+    cz = cost + d_zero + r_zero
+    zero = has_zero & (cz < c)
+    m = -np.int64(zero)
+    return (cz if zero else c), v_even & ~m, u_even ^ ((u_even ^ u_zero) & m)
+
+
+@scalar_helper
+def _pick(c_a, rs_a, packed_a, c_b, rs_b, packed_b):
+    """The cheaper of two ways into a state, the first on ties (branch-free)."""
+    m = -np.int64(c_b < c_a)
+    return min(c_a, c_b), rs_a ^ ((rs_a ^ rs_b) & m), packed_a ^ ((packed_a ^ packed_b) & m)
+
+
+@scalar_helper
+def _rs_after(rs, u):
+    return rs + (((u << SCALE_FRAC) - rs) >> ROW_SHIFT)
+
+
 @kernel
-def trellis_kernel(values, importance, step, lam, ncols, col0, k_offset, predict, out):
+def trellis_kernel(values, importance, step, lam, ncols, col0, k_offset, predict, levels, out):
     """Transmitted levels of ``values`` for dependent quantization with fine step ``step``
     (reconstruction ``dq_value(level, state) * step``), by a Viterbi search over the 4-state machine
-    minimising importance * (x - r)**2 + lam * bits. ``out`` receives int32 levels."""
+    minimising importance * (x - r)**2 + lam * bits, coded as they are committed.
+
+    ``levels`` receives the int32 levels, ``out`` the level substream (what
+    ``encode_levels_kernel`` makes of them); returns its byte count, or -1 if ``out`` is too small
+    (an empty ``out`` when only the levels are wanted).
+    """
     n = values.shape[0]
     weighted = importance.shape[0] == n
-    state = _fresh_state()
+    # The block commits are coded at once: the coder's state is the live modelling state the next
+    # block is priced with (contexts, row and column scales, column prediction).
+    state, col_scale, col_pred, es = _encoder_start(ncols, col0, predict)
     use_cols = ncols > 0
-    col_scale = np.zeros(max(ncols, 1), dtype=np.int64)
     pred_on = use_cols and predict
-    col_pred = np.zeros(max(ncols, 1) if pred_on else 1, dtype=np.int64)
-    cost_plain = 0
-    cost_pred = 0
-    use_pred = False
-    row_scale = 0
     inv_step = 1.0 / step
 
     if use_cols:
@@ -367,23 +458,12 @@ def trellis_kernel(values, importance, step, lam, ncols, col0, k_offset, predict
     unary = np.zeros((N_BUCKETS, Q_MAX + 1), dtype=np.float64)
     suffix = np.zeros((N_BUCKETS, 2, 2), dtype=np.float64)
     stamp = np.full(N_BUCKETS, -1, dtype=np.int64)
-    back_state = np.zeros((max_len, N_STATES), dtype=np.int8)
-    back_level = np.zeros((max_len, N_STATES), dtype=np.int32)
-    cost = np.zeros(N_STATES, dtype=np.float64)
-    rs = np.zeros(N_STATES, dtype=np.int64)
-    path = np.zeros(max_len, dtype=np.int64)
-    # per grid g and option o (0: the even magnitude, 1: the odd one, 2: zero when distinct)
-    opt_dist = np.zeros((2, 3), dtype=np.float64)
-    opt_rate = np.zeros((2, 3), dtype=np.float64)
-    opt_level = np.zeros((2, 3), dtype=np.int64)
-    opt_u = np.zeros((2, 3), dtype=np.int64)
-    has_zero = np.zeros(2, dtype=np.bool_)
-    cached_bucket = np.zeros(2, dtype=np.int64)
-    # best way into each next state from each state: by parity p of the level
-    via_cost = np.zeros((N_STATES, 2), dtype=np.float64)
-    via_level = np.zeros((N_STATES, 2), dtype=np.int64)
-    via_rs = np.zeros((N_STATES, 2), dtype=np.int64)
+    rates = np.zeros(N_BUCKETS * RATE_SPAN, dtype=np.float64)
+    # the way into each state at each step: level << 2 | previous state
+    back = np.zeros((max_len, N_STATES), dtype=np.int64)
 
+    # The four paths' costs and row scales live in scalars (0..3 = the state): as small arrays
+    # they went through memory on every weight.
     dq_state = 0
     col_start = col0
     start = 0
@@ -392,17 +472,23 @@ def trellis_kernel(values, importance, step, lam, ncols, col0, k_offset, predict
         length = first_len if start == 0 else block
         if start + length > n:
             length = n - start
-        for s in range(N_STATES):
-            # a dead state carries an enormous cost, so it never wins against a live one
-            cost[s] = 0.0 if s == dq_state else DEAD
-            rs[s] = row_scale
+        # a dead state carries an enormous cost, so it never wins against a live one
+        cost0 = 0.0 if dq_state == 0 else DEAD
+        cost1 = 0.0 if dq_state == 1 else DEAD
+        cost2 = 0.0 if dq_state == 2 else DEAD
+        cost3 = 0.0 if dq_state == 3 else DEAD
+        row_scale = es[ENC_ROW]
+        use_pred = es[ENC_USE_PRED] != 0
+        rs0 = rs1 = rs2 = rs3 = row_scale
 
         col = col_start
         for t in range(length):
             i = start + t
             w = np.float64(values[i]) * inv_step
             a = abs(w)
-            sign = -1 if w < 0 else 1
+            if not a <= A_MAX:
+                a = A_MAX
+            sign = np.int64(-1) if w < 0 else np.int64(1)
             imp = np.float64(importance[i]) if weighted else 1.0
             pred = 0
             if pred_on:
@@ -411,62 +497,54 @@ def trellis_kernel(values, importance, step, lam, ncols, col0, k_offset, predict
             two = use_cols and i >= ncols
             if two:
                 cs = col_scale[col]
-            # Options on each grid g (0: even multiples, 1: odd ones): the two magnitudes around a,
-            # one of each parity, and zero. Distortion and zigzag value do not depend on the state;
-            # the bits depend on it only through the bucket of its row scale.
-            for g in range(2):
-                kb = np.int64((a + g) * 0.5)  # g = 0: 2k <= a; g = 1: 2k - 1 <= a (k = 0: r = 0)
-                if kb > MAX_DQ_LEVEL - 1:
-                    kb = MAX_DQ_LEVEL - 1
-                has_zero[g] = kb != 0
-                for o in range(3):
-                    if o == 2:
-                        mag = np.int64(0)
-                    else:
-                        mag = kb if (kb & 1) == o else kb + 1
-                    r = (2 * mag - g) if mag > 0 else np.int64(0)
-                    d = a - r
-                    v = sign * mag
-                    opt_dist[g, o] = imp * d * d
-                    opt_level[g, o] = v
-                    opt_u[g, o] = _zigzag(v - pred if use_pred else v)
-                cached_bucket[g] = -1
-            for s in range(N_STATES):
-                g = s >> 1
-                sc = (rs[s] + cs) >> 1 if two else rs[s]
-                bucket, kr = _bucket_and_k(sc, k_offset)
-                if cached_bucket[g] != bucket:
-                    if stamp[bucket] != block_id:
-                        _fill_bucket_table(state, bucket, unary, suffix)
-                        stamp[bucket] = block_id
-                    for o in range(3):
-                        opt_rate[g, o] = lam * _table_bits(unary, suffix, bucket, opt_u[g, o], kr)
-                    cached_bucket[g] = bucket
-                base = cost[s]
-                for p in range(2):
-                    o = p
-                    c = base + opt_dist[g, p] + opt_rate[g, p]
-                    if p == 0 and has_zero[g]:
-                        cz = base + opt_dist[g, 2] + opt_rate[g, 2]
-                        if cz < c:
-                            c = cz
-                            o = 2
-                    via_cost[s, p] = c
-                    via_level[s, p] = opt_level[g, o]
-                    via_rs[s, p] = rs[s] + (((opt_u[g, o] << SCALE_FRAC) - rs[s]) >> ROW_SHIFT)
-            for ns in range(N_STATES):
-                # the two ways into ns, in the order (state, parity) of PREDECESSORS
-                s0 = PREDECESSORS[ns, 0]
-                p0 = PREDECESSORS[ns, 1]
-                s1 = PREDECESSORS[ns, 2]
-                p1 = PREDECESSORS[ns, 3]
-                if via_cost[s1, p1] < via_cost[s0, p0]:
-                    s0 = s1
-                    p0 = p1
-                cost[ns] = via_cost[s0, p0]
-                rs[ns] = via_rs[s0, p0]
-                back_state[t, ns] = s0
-                back_level[t, ns] = via_level[s0, p0]
+            # Distortion and zigzag value do not depend on the state; the bits depend on it only
+            # through the bucket of its row scale, so states that share a grid and a bucket share
+            # the rates.
+            de0, do0, dz0, ve0, vo0, ue0, uo0, uz0, hz0 = _grid_options(a, 0, sign, imp, pred, use_pred)
+            de1, do1, dz1, ve1, vo1, ue1, uo1, uz1, hz1 = _grid_options(a, 1, sign, imp, pred, use_pred)
+
+            b0, k0 = _bucket_and_k((rs0 + cs) >> 1 if two else rs0, k_offset)
+            b1, k1 = _bucket_and_k((rs1 + cs) >> 1 if two else rs1, k_offset)
+            b2, k2 = _bucket_and_k((rs2 + cs) >> 1 if two else rs2, k_offset)
+            b3, k3 = _bucket_and_k((rs3 + cs) >> 1 if two else rs3, k_offset)
+            if stamp[b0] != block_id or stamp[b1] != block_id or stamp[b2] != block_id or stamp[b3] != block_id:
+                for bb in (b0, b1, b2, b3):
+                    if stamp[bb] != block_id:
+                        kk = (bb - 2 * SCALE_FRAC - k_offset) >> 1
+                        _fill_rate_table(state, bb, kk if kk > 0 else 0, lam, unary, suffix, rates)
+                        stamp[bb] = block_id
+            re0, ro0, rz0 = _option_rates(rates, unary, suffix, b0, k0, lam, ue0, uo0, uz0)
+            if b1 == b0:
+                re1, ro1, rz1 = re0, ro0, rz0
+            else:
+                re1, ro1, rz1 = _option_rates(rates, unary, suffix, b1, k1, lam, ue0, uo0, uz0)
+            re2, ro2, rz2 = _option_rates(rates, unary, suffix, b2, k2, lam, ue1, uo1, uz1)
+            if b3 == b2:
+                re3, ro3, rz3 = re2, ro2, rz2
+            else:
+                re3, ro3, rz3 = _option_rates(rates, unary, suffix, b3, k3, lam, ue1, uo1, uz1)
+
+            # leaving each state s with parity p: cost, level and zigzag value (cSP, vSP, uSP)
+            c00, v00, u00 = _best_parity0(cost0, de0, re0, dz0, rz0, hz0, ve0, ue0, uz0)
+            c10, v10, u10 = _best_parity0(cost1, de0, re1, dz0, rz1, hz0, ve0, ue0, uz0)
+            c20, v20, u20 = _best_parity0(cost2, de1, re2, dz1, rz2, hz1, ve1, ue1, uz1)
+            c30, v30, u30 = _best_parity0(cost3, de1, re3, dz1, rz3, hz1, ve1, ue1, uz1)
+            c01 = cost0 + do0 + ro0
+            c11 = cost1 + do0 + ro1
+            c21 = cost2 + do1 + ro2
+            c31 = cost3 + do1 + ro3
+
+            # the two ways into each state (PREDECESSORS); the first wins ties
+            n_cost0, n_rs0, back[t, 0] = _pick(c00, _rs_after(rs0, u00), (v00 << 2) | 0,
+                                               c11, _rs_after(rs1, uo0), (vo0 << 2) | 1)
+            n_cost1, n_rs1, back[t, 1] = _pick(c20, _rs_after(rs2, u20), (v20 << 2) | 2,
+                                               c31, _rs_after(rs3, uo1), (vo1 << 2) | 3)
+            n_cost2, n_rs2, back[t, 2] = _pick(c01, _rs_after(rs0, uo0), (vo0 << 2) | 0,
+                                               c10, _rs_after(rs1, u10), (v10 << 2) | 1)
+            n_cost3, n_rs3, back[t, 3] = _pick(c21, _rs_after(rs2, uo1), (vo1 << 2) | 2,
+                                               c30, _rs_after(rs3, u30), (v30 << 2) | 3)
+            cost0, cost1, cost2, cost3 = n_cost0, n_cost1, n_cost2, n_cost3
+            rs0, rs1, rs2, rs3 = n_rs0, n_rs1, n_rs2, n_rs3
             if use_cols:
                 col += 1
                 if col == ncols:
@@ -474,44 +552,21 @@ def trellis_kernel(values, importance, step, lam, ncols, col0, k_offset, predict
 
         # trace back the best path of the block and commit it
         best = 0
-        for s in range(1, N_STATES):
-            if cost[s] < cost[best]:
-                best = s
+        best_cost = cost0
+        if cost1 < best_cost:
+            best, best_cost = 1, cost1
+        if cost2 < best_cost:
+            best, best_cost = 2, cost2
+        if cost3 < best_cost:
+            best, best_cost = 3, cost3
         dq_state = best
         s = best
         for t in range(length - 1, -1, -1):
-            path[t] = back_level[t, s]
-            s = back_state[t, s]
-        col = col_start
-        for t in range(length):
-            i = start + t
-            v = path[t]
-            out[i] = v
-            pred = 0
-            if pred_on:
-                pred = (col_pred[col] + 128) >> 8
-            if use_cols and i >= ncols:
-                sc = (row_scale + col_scale[col]) >> 1
-            else:
-                sc = row_scale
-            bucket, kr = _bucket_and_k(sc, k_offset)
-            x = v - pred if use_pred else v
-            u = _zigzag(x)
-            _adapt_element(state, bucket * CTX_PER_BUCKET, u, kr)
-            row_scale += ((u << SCALE_FRAC) - row_scale) >> ROW_SHIFT
-            if use_cols:
-                col_scale[col] += ((u << SCALE_FRAC) - col_scale[col]) >> COL_SHIFT
-                if pred_on:
-                    up = _zigzag(v - pred)
-                    uv = _zigzag(v)
-                    cost_plain += ((uv << SCALE_FRAC) - cost_plain) >> SEL_SHIFT
-                    cost_pred += ((up << SCALE_FRAC) - cost_pred) >> SEL_SHIFT
-                    col_pred[col] += ((v << 8) - col_pred[col]) >> PRED_SHIFT
-                col += 1
-                if col == ncols and pred_on:
-                    use_pred = cost_pred * 16 < cost_plain * SEL_NUM
-                if col == ncols:
-                    col = 0
-        col_start = col
+            packed = back[t, s]
+            levels[start + t] = packed >> 2
+            s = packed & 3
+        _encode_span(levels, start, start + length, ncols, k_offset, predict, state, col_scale, col_pred, es, out)
+        col_start = es[ENC_COL]
         start += length
         block_id += 1
+    return _encoder_finish(es, out)

@@ -291,6 +291,16 @@ def _chunk_levels(plan: _Plan, start: int, stop: int) -> np.ndarray:
     return flat.astype(np.int32)
 
 
+def _encode_chunk(plan: _Plan, k: int, start: int, stop: int) -> bytes:
+    if plan.entry.mode.is_quantized and plan.quantizer == "trellis":
+        flat = plan.array.reshape(-1)[start:stop]
+        imp = plan.importance.chunk(start, stop) if plan.importance is not None else None
+        return quantize.trellis_encode_chunk(
+            _as_float_for_quantizer(flat, plan.entry.dtype), quantize.step_from_qp(plan.entry.qp, plan.entry.qp_density),
+            lam=plan.lam, layout=plan.layout, index=k, importance=imp)
+    return levelcoder.encode_chunk(_chunk_levels(plan, start, stop), plan.layout, k)
+
+
 def _values_from_levels(e: TensorEntry, levels: np.ndarray) -> np.ndarray:
     """Values of one chunk's decoded levels (trellis levels are still the transmitted ones)."""
     if e.mode == Mode.DEPENDENT:
@@ -446,7 +456,7 @@ def encode_model(
     def run(j: int) -> bytes:
         plan, k = jobs[j]
         start, stop = plan.layout.bounds(k)
-        data = levelcoder.encode_chunk(_chunk_levels(plan, start, stop), plan.layout, k)
+        data = _encode_chunk(plan, k, start, stop)
         if progress is not None:
             progress(stop - start)
         return data

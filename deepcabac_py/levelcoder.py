@@ -114,15 +114,23 @@ def encode_chunk(part: np.ndarray, layout: ChunkLayout, index: int) -> bytes:
     check_levels(part)
     if layout.predict and part.size and max(-int(part.min()), int(part.max())) > PREDICT_MAX_LEVEL:
         raise ValueError(f"column prediction needs |level| <= {PREDICT_MAX_LEVEL}")
-    # A generous first guess; the kernel reports -1 if a pathological chunk needs more.
-    capacity = part.shape[0] * 5 + 64
+    return run_encoder(part.shape[0], lambda out: _k.encode_levels_kernel(
+        part, layout.ncols, layout.first_column(start), layout.k_offset, layout.predict, out))
+
+
+def run_encoder(n: int, encode) -> bytes:
+    """The substream of ``n`` levels that ``encode(out)`` writes into a byte buffer ``out`` (a kernel
+    call returning the byte count, or -1 when ``out`` is too small)."""
+    # A generous first guess; a pathological chunk gets a second try with room for any level.
+    capacity = n * 5 + 64
     while True:
         out = np.empty(capacity, dtype=np.uint8)
-        size = _k.encode_levels_kernel(part, layout.ncols, layout.first_column(start), layout.k_offset,
-                                       layout.predict, out)
+        size = encode(out)
         if size >= 0:
             break
-        capacity = part.shape[0] * 48 + 256
+        if capacity >= n * 48 + 256:
+            raise AssertionError("the level coder needs more than 48 bytes per level")
+        capacity = n * 48 + 256
     # The first byte of the range coder's output is always zero: it is not stored.
     return out[1:size].tobytes()
 

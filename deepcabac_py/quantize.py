@@ -28,7 +28,7 @@ import math
 
 import numpy as np
 
-from . import _rd_kernels
+from . import _rd_kernels, levelcoder
 from ._jit import kernel
 from .errors import CorruptStreamError
 
@@ -179,14 +179,9 @@ def quantize_rd(values: np.ndarray, step: float, *, method: str, lam: float, nco
     ``importance`` (one non-negative float per value) weights the squared error. For ``trellis``
     the result are transmitted levels: their values are :func:`dq_indices` times ``step``.
     """
-    flat = np.ascontiguousarray(values).reshape(-1)
-    if flat.dtype not in (np.float32, np.float64):
-        flat = flat.astype(np.float64)
     if method not in QUANTIZERS:
         raise ValueError(f"quantizer must be one of {', '.join(QUANTIZERS)}, got {method!r}")
-    if not (lam >= 0.0 and math.isfinite(lam)):
-        raise ValueError(f"lambda must be finite and >= 0, got {lam}")
-    imp = _check_importance(importance, flat.shape[0])
+    flat, imp = _rd_inputs(values, lam, importance)
     out = np.empty(flat.shape[0], dtype=np.int32)
     if method == "nearest":
         _round_kernel(flat, float(step), out)
@@ -194,9 +189,35 @@ def quantize_rd(values: np.ndarray, step: float, *, method: str, lam: float, nco
         _rd_kernels.rdoq_kernel(flat, imp, float(step), float(lam), int(ncols), int(col0), int(k_offset),
                                 bool(predict), MAX_LEVEL if not predict else MAX_DQ_LEVEL, out)
     else:
+        # the trellis codes what it commits; with no room for bytes it only returns the levels
         _rd_kernels.trellis_kernel(flat, imp, float(step), float(lam), int(ncols), int(col0), int(k_offset),
-                                   bool(predict), out)
+                                   bool(predict), out, np.empty(0, dtype=np.uint8))
     return out
+
+
+def trellis_encode_chunk(values: np.ndarray, step: float, *, lam: float, layout: levelcoder.ChunkLayout,
+                         index: int, importance: np.ndarray | None = None) -> bytes:
+    """The level substream of chunk ``index`` of ``layout`` quantized by the trellis: the same bytes
+    as ``levelcoder.encode_chunk(quantize_rd(values, step, method="trellis", ...), layout, index)``,
+    in one pass (the trellis commits each block of levels straight into the coder, whose modelling
+    state it prices the next block with)."""
+    flat, imp = _rd_inputs(values, lam, importance)
+    start, stop = layout.bounds(index)
+    if flat.shape[0] != stop - start:
+        raise ValueError(f"chunk {index} has {stop - start} values, got {flat.shape[0]}")
+    levels = np.empty(flat.shape[0], dtype=np.int32)
+    return levelcoder.run_encoder(flat.shape[0], lambda out: _rd_kernels.trellis_kernel(
+        flat, imp, float(step), float(lam), layout.ncols, layout.first_column(start), layout.k_offset,
+        layout.predict, levels, out))
+
+
+def _rd_inputs(values: np.ndarray, lam: float, importance) -> tuple[np.ndarray, np.ndarray]:
+    flat = np.ascontiguousarray(values).reshape(-1)
+    if flat.dtype not in (np.float32, np.float64):
+        flat = flat.astype(np.float64)
+    if not (lam >= 0.0 and math.isfinite(lam)):
+        raise ValueError(f"lambda must be finite and >= 0, got {lam}")
+    return flat, _check_importance(importance, flat.shape[0])
 
 
 def dq_indices(levels: np.ndarray) -> np.ndarray:

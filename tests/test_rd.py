@@ -61,6 +61,67 @@ def test_trellis_reference_spans_several_blocks():
     assert got.tolist() == want
 
 
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**31), rows=st.integers(1, 40), cols=st.integers(1, 300),
+       rows_per_chunk=st.integers(1, 40), weighted=st.booleans(), predict=st.booleans(),
+       scale=st.sampled_from([0.002, 0.05, 3.0]))
+def test_trellis_codes_what_it_commits(seed, rows, cols, rows_per_chunk, weighted, predict, scale):
+    # One pass (the trellis coding each block as it commits it) gives the bytes of the two passes
+    # (trellis levels, then the level coder), chunk by chunk, across several blocks.
+    shape = (rows, cols) if rows > 1 else (cols,)
+    values = _weights(seed, shape, scale, sparse=0.3).reshape(-1)
+    imp = np.random.default_rng(seed + 1).gamma(0.5, 2.0, values.shape).astype(np.float32)
+    layout = levelcoder.layout_for_shape(shape, target=rows_per_chunk * cols,
+                                         max_abs_level=1000 if predict else levelcoder.LEVEL_MAX)
+    step, lam = 2.0**-7, 0.46
+    for k in range(layout.count):
+        a, b = layout.bounds(k)
+        chunk_imp = imp[a:b] if weighted else None
+        levels = quantize.quantize_rd(values[a:b], step, method="trellis", lam=lam, ncols=layout.ncols,
+                                      col0=layout.first_column(a), k_offset=layout.k_offset,
+                                      predict=layout.predict, importance=chunk_imp)
+        want = levelcoder.encode_chunk(levels, layout, k)
+        got = quantize.trellis_encode_chunk(values[a:b], step, lam=lam, layout=layout, index=k,
+                                            importance=chunk_imp)
+        assert got == want
+
+
+def test_trellis_reports_a_full_buffer_and_is_given_a_larger_one():
+    values = _weights(4, (8, 64), 0.05).reshape(-1)
+    layout = levelcoder.layout_for_shape((8, 64))
+    step, lam = 2.0**-7, 0.46
+    want_levels = quantize.quantize_rd(values, step, method="trellis", lam=lam, ncols=64, predict=layout.predict)
+    want = levelcoder.encode_chunk(want_levels, layout, 0)
+    levels = np.zeros(values.size, dtype=np.int32)
+    small = np.zeros(len(want) // 2, dtype=np.uint8)
+    size = quantize._rd_kernels.trellis_kernel(values, np.empty(0, np.float32), step, lam, 64, 0, layout.k_offset,
+                                              layout.predict, levels, small)
+    assert size == -1 and np.array_equal(levels, want_levels)  # the levels are whole even so
+    # the Python side retries with room for any chunk
+    calls = []
+
+    def encode(out):
+        calls.append(out.size)
+        return -1 if len(calls) == 1 else quantize._rd_kernels.trellis_kernel(
+            values, np.empty(0, np.float32), step, lam, 64, 0, layout.k_offset, layout.predict, levels, out)
+
+    assert levelcoder.run_encoder(values.size, encode) == want
+    assert calls[1] >= 48 * values.size
+
+
+def test_trellis_saturates_values_beyond_the_level_range():
+    # |x| / step past int64 (or NaN) saturates at the largest level instead of wrapping around
+    values = np.array([1e30, -1e30, 3.0, np.nan, -np.inf, 0.5] * 50, dtype=np.float64)
+    layout = levelcoder.layout_for_shape(values.shape)
+    levels = quantize.quantize_rd(values, 2.0**-8, method="trellis", lam=0.46)
+    assert np.abs(levels).max() == quantize.MAX_DQ_LEVEL
+    assert levels[0] > 0 and levels[1] < 0
+    assert quantize.trellis_encode_chunk(values, 2.0**-8, lam=0.46, layout=layout, index=0) == \
+        levelcoder.encode_chunk(levels, layout, 0)
+    rdoq = quantize.quantize_rd(values, 2.0**-8, method="rdoq", lam=0.116)
+    assert rdoq[0] == quantize.MAX_LEVEL and rdoq[1] == -quantize.MAX_LEVEL
+
+
 def test_dq_indices_follow_the_state_machine():
     levels = np.array([0, 1, -1, 2, 3, 0, -4, 5, 1, 1, 0, -2], dtype=np.int32)
     assert quantize.dq_indices(levels).tolist() == reference_rd.dq_indices(levels.tolist())
