@@ -124,7 +124,7 @@ BUCKET_LUT = np.array([(b << 8) | n for b, n in map(_bucket_of, range(SMALL_SCAL
 @scalar_helper
 def _bucket_and_k(s, k_offset):
     if s < SMALL_SCALES:
-        packed = BUCKET_LUT[np.uint64(s)]
+        packed = BUCKET_LUT[s]
         bucket = packed >> 8
         length = packed & 0xFF
     else:
@@ -396,7 +396,6 @@ def encode_levels_kernel(levels, ncols, col0, k_offset, predict, out):
     state, col_scale, col_pred, es = _encoder_start(ncols, col0, predict)
     _encode_span(levels, 0, levels.shape[0], ncols, k_offset, predict, state, col_scale, col_pred, es, out)
     return _encoder_finish(es, out)
-
 
 
 @kernel
