@@ -70,10 +70,15 @@ class FedServer:
     ``down_density`` (default ``density``) is the density of the re-sparsified aggregate sent
     downstream: the mean of K client updates of density d has up to K*d nonzeros, so a downstream
     density of about K*d passes the round's aggregate on instead of holding most of it back in the
-    server's residual."""
+    server's residual. ``server_lr`` scales the averaged update before it is re-sparsified (a server
+    learning rate, as in FedOpt); 1 is plain FedAvg."""
 
     def __init__(self, model, *, density: float = 0.01, method: str = "stc", coder: str = "cabac",
-                 feedback: bool = True, keep_messages: int = 10_000, down_density: float | None = None):
+                 feedback: bool = True, keep_messages: int = 10_000, down_density: float | None = None,
+                 server_lr: float = 1.0):
+        if not (server_lr > 0 and np.isfinite(server_lr)):
+            raise ValueError(f"server_lr must be positive and finite, got {server_lr}")
+        self.server_lr = float(server_lr)
         self.model = _numpy_model(model)
         self.round = 0
         self.density, self.method, self.coder = density, method, coder
@@ -109,7 +114,8 @@ class FedServer:
         for n in names:
             parts = [d[n].astype(np.float64) for d in self._pending if n in d]
             # (0-d tensors: arithmetic on 0-d arrays gives numpy scalars, hence asarray)
-            mean[n] = np.asarray(sum(parts) / len(self._pending)) if parts else np.zeros(self.model[n].shape)
+            mean[n] = np.asarray(sum(parts) * (self.server_lr / len(self._pending))) if parts \
+                else np.zeros(self.model[n].shape)
 
         def compress(name: str, acc: np.ndarray) -> SparseTensor:
             return sparsify(acc, self.method, self.down_density)

@@ -117,6 +117,29 @@ def test_downstream_density_is_the_servers_own():
         assert crc_of_model(clients[0].model) == crc_of_model(server.model)
 
 
+def test_server_learning_rate_scales_the_aggregate():
+    g = np.random.default_rng(3)
+    init = {"w": g.normal(size=(30, 40)).astype(np.float32)}
+    local = [{"w": init["w"] + g.normal(size=(30, 40)).astype(np.float32)} for _ in range(3)]
+    moved = {}
+    for lr in (1.0, 2.0):
+        server = FedServer(init, density=0.02, server_lr=lr)
+        clients = [FedClient(c, init, density=0.02) for c in range(3)]
+        for c, cl in enumerate(clients):
+            server.receive(c, cl.upstream(local[c]))
+        server.aggregate()
+        clients[0].sync(server.catch_up(0))
+        assert crc_of_model(clients[0].model) == crc_of_model(server.model)
+        moved[lr] = server.model["w"].astype(np.float64) - init["w"]
+    # the same positions, each moved twice as far (the first round has no residual yet)
+    assert np.count_nonzero(moved[1.0]) > 0
+    np.testing.assert_array_equal(moved[1.0] != 0, moved[2.0] != 0)
+    np.testing.assert_allclose(moved[2.0], 2 * moved[1.0], rtol=1e-5, atol=1e-6)
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="server_lr"):
+            FedServer(init, server_lr=bad)
+
+
 def test_zero_dimensional_tensors_keep_their_shape_through_rounds():
     init = {"w": np.ones((8, 4), np.float32), "steps": np.array(0, np.int64), "scale": np.array(1.5, np.float32)}
     server, client = FedServer(init, density=0.25), FedClient(0, init, density=0.25)
