@@ -139,9 +139,9 @@ def _schedule(server_round: int) -> list[int]:
 # --------------------------------------------------------------------------------------------------
 
 
-def _reference(rounds: int, hold_initial: bool, schedule=_schedule):
+def _reference(rounds: int, hold_initial: bool, schedule=_schedule, server_lr: float = 1.0):
     init = _initial()
-    server = FedServer(init, density=DENSITY)
+    server = FedServer(init, density=DENSITY, server_lr=server_lr)
     clients: dict[int, FedClient] = {}
     up = down = 0
     hashes = [model_hash(init)]  # the global model of every round
@@ -252,14 +252,15 @@ def _initial_arrays() -> ArrayRecord:
 # --------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("hold_initial", [False, True], ids=["full-first-download", "clients-hold-initial"])
-def test_rounds_through_flower_messages_match_fedserver_exactly(task_identity, hold_initial):
+@pytest.mark.parametrize("hold_initial,server_lr", [(False, 1.0), (True, 1.0), (False, 2.0)],
+                         ids=["full-first-download", "clients-hold-initial", "server-lr-2"])
+def test_rounds_through_flower_messages_match_fedserver_exactly(task_identity, hold_initial, server_lr):
     rounds = 6
     grid = LocalGrid(client_app_holding_initial if hold_initial else client_app)
-    strategy = _strategy(grid, clients_hold_initial=hold_initial, measure_wire=True)
+    strategy = _strategy(grid, clients_hold_initial=hold_initial, measure_wire=True, server_lr=server_lr)
     result = strategy.start(grid=grid, initial_arrays=_initial_arrays(), num_rounds=rounds)
     assert not grid.errors
-    ref, up, down, hashes = _reference(rounds, hold_initial)
+    ref, up, down, hashes = _reference(rounds, hold_initial, server_lr=server_lr)
     assert crc_of_model(_numpy(result.arrays)) == crc_of_model(ref.model)
     assert list(result.arrays.keys()) == list(_initial())  # the user's key order, not sorted
     assert strategy.traffic["up"] == up and strategy.traffic["down"] == down
@@ -352,6 +353,9 @@ def test_bad_settings_are_refused():
         DeepCabacStrategy(coder="golomb", method="topk")
     with pytest.raises(ValueError):
         DeepCabacStrategy(client_ids={1: 0, 2: 0})
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="server_lr"):
+            DeepCabacStrategy(server_lr=bad)
 
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")  # Ray's notice about accelerator variables

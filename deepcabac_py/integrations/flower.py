@@ -247,7 +247,8 @@ class DeepCabacStrategy(FedAvg):
     ``density``, ``method`` (``"stc"``, ``"sbc"``, ``"topk"``), ``coder`` (``"cabac"``: ours, with
     sessions; ``"golomb"``: the STC papers' position code, ternary levels only, so integer tensors
     may move by at most 1 a round), ``feedback`` (error feedback on both ends) and
-    ``keep_messages`` are those of :class:`~deepcabac_py.federated.FedServer`.
+    ``keep_messages`` and ``server_lr`` (a server learning rate: the averaged update is scaled by it
+    before it is re-sparsified) are those of :class:`~deepcabac_py.federated.FedServer`.
     ``clients_hold_initial`` lets new clients build their model from the messages since round 0
     (their mod needs ``make_deepcabac_mod(initial=...)``); otherwise a new client downloads the full
     model once. ``client_ids`` maps Flower node ids to small integers (the session ids; by default
@@ -263,7 +264,7 @@ class DeepCabacStrategy(FedAvg):
     """
 
     def __init__(self, *, density: float = 0.01, method: str = "stc", coder: str = "cabac", feedback: bool = True,
-                 keep_messages: int = 10_000, clients_hold_initial: bool = False,
+                 keep_messages: int = 10_000, server_lr: float = 1.0, clients_hold_initial: bool = False,
                  client_ids: Mapping[int, int] | None = None,
                  sample_fn: Callable[[int, list[int]], Iterable[int]] | None = None,
                  measure_wire: bool = False, **fedavg_kwargs: Any) -> None:
@@ -276,7 +277,10 @@ class DeepCabacStrategy(FedAvg):
             raise ValueError(f"coder must be one of {_CODERS}, got {coder!r}")
         if coder == "golomb" and method == "topk":
             raise ValueError("the Golomb coder carries ternary levels only: use method='stc' or 'sbc'")
+        if not (isinstance(server_lr, (int, float)) and 0.0 < float(server_lr) < float("inf")):
+            raise ValueError(f"server_lr must be positive and finite, got {server_lr!r}")
         self.density, self.method, self.coder = float(density), method, coder
+        self.server_lr = float(server_lr)
         self.feedback, self.keep_messages = bool(feedback), int(keep_messages)
         self.clients_hold_initial = bool(clients_hold_initial)
         self.sample_fn = sample_fn
@@ -297,8 +301,9 @@ class DeepCabacStrategy(FedAvg):
         self.rounds: list[dict[str, int]] = []
 
     def summary(self) -> None:
-        _log.info("\t├──> deepcabac: %s at density %g, coder %s, error feedback %s, clients hold the initial "
-                  "model: %s", self.method, self.density, self.coder, self.feedback, self.clients_hold_initial)
+        _log.info("\t├──> deepcabac: %s at density %g, coder %s, error feedback %s, server learning rate %g, "
+                  "clients hold the initial model: %s", self.method, self.density, self.coder, self.feedback,
+                  self.server_lr, self.clients_hold_initial)
         super().summary()
 
     def start(self, grid: Grid, initial_arrays: ArrayRecord, *args: Any, **kwargs: Any):
@@ -313,7 +318,8 @@ class DeepCabacStrategy(FedAvg):
         if self.server is None:
             self._order = list(arrays.keys())
             self.server = FedServer(_numpy_record(arrays), density=self.density, method=self.method,
-                                    coder=self.coder, feedback=self.feedback, keep_messages=self.keep_messages)
+                                    coder=self.coder, feedback=self.feedback, keep_messages=self.keep_messages,
+                                    server_lr=self.server_lr)
         return self.server
 
     def _client_id(self, node: int) -> int:
