@@ -18,6 +18,7 @@ exactly, float tensors through ``method`` at ``density``.
 
 from __future__ import annotations
 
+import math
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -64,6 +65,13 @@ def _full_model_bytes(model: Mapping[str, np.ndarray]) -> int:
     return sum(int(np.asarray(v).nbytes) for v in model.values())
 
 
+def check_server_lr(server_lr) -> float:
+    """``server_lr`` as a float, or ``ValueError`` unless it is a positive finite number."""
+    if not (isinstance(server_lr, (int, float, np.floating, np.integer)) and 0.0 < float(server_lr) < math.inf):
+        raise ValueError(f"server_lr must be positive and finite, got {server_lr!r}")
+    return float(server_lr)
+
+
 class FedServer:
     """The aggregator. ``coder`` is ``"cabac"`` (ours, with sessions) or ``"golomb"``.
 
@@ -76,9 +84,7 @@ class FedServer:
     def __init__(self, model, *, density: float = 0.01, method: str = "stc", coder: str = "cabac",
                  feedback: bool = True, keep_messages: int = 10_000, down_density: float | None = None,
                  server_lr: float = 1.0):
-        if not (server_lr > 0 and np.isfinite(server_lr)):
-            raise ValueError(f"server_lr must be positive and finite, got {server_lr}")
-        self.server_lr = float(server_lr)
+        self.server_lr = check_server_lr(server_lr)
         self.model = _numpy_model(model)
         self.round = 0
         self.density, self.method, self.coder = density, method, coder

@@ -60,7 +60,7 @@ from flwr.serverapp.strategy.strategy_utils import sample_nodes
 
 from ..codec import decode_checkpoint, encode_model
 from ..errors import DeepCabacError, UpdateMismatchError
-from ..federated import CatchUp, FedClient, FedServer
+from ..federated import CatchUp, FedClient, FedServer, check_server_lr
 from ..sparsify import METHODS
 from ..updates import UpdateSession, model_hash, read_update_header
 
@@ -277,10 +277,8 @@ class DeepCabacStrategy(FedAvg):
             raise ValueError(f"coder must be one of {_CODERS}, got {coder!r}")
         if coder == "golomb" and method == "topk":
             raise ValueError("the Golomb coder carries ternary levels only: use method='stc' or 'sbc'")
-        if not (isinstance(server_lr, (int, float)) and 0.0 < float(server_lr) < float("inf")):
-            raise ValueError(f"server_lr must be positive and finite, got {server_lr!r}")
+        self.server_lr = check_server_lr(server_lr)  # now, not when the first round starts
         self.density, self.method, self.coder = float(density), method, coder
-        self.server_lr = float(server_lr)
         self.feedback, self.keep_messages = bool(feedback), int(keep_messages)
         self.clients_hold_initial = bool(clients_hold_initial)
         self.sample_fn = sample_fn
