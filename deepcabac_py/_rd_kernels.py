@@ -61,8 +61,8 @@ BIT_COST = np.concatenate(([0.0], -np.log2(np.arange(1, PROB_ONE + 1, dtype=np.f
 # Q1 = {0, +-1, +-3, ...} (a level k != 0 is 2k - sgn(k)).
 N_STATES = 4
 NEXT_STATE = np.array([[0, 2], [2, 0], [1, 3], [3, 1]], dtype=np.int64)
-# The two ways into each state, as (state, parity, state, parity), in increasing state order.
-PREDECESSORS = np.array([[0, 0, 1, 1], [2, 0, 3, 1], [0, 1, 1, 0], [2, 1, 3, 0]], dtype=np.int64)
+# The two ways into each state, as (state, parity): 0 <- (0, 0) or (1, 1); 1 <- (2, 0) or (3, 1);
+# 2 <- (0, 1) or (1, 0); 3 <- (2, 1) or (3, 0). The trellis tries them in this order.
 DEAD = 1e300
 MAX_DQ_LEVEL = PREDICT_MAX_LEVEL  # |k| <= 2**30 - 1, so |2k| fits in int32
 # |x| / step is clamped here before any conversion to an integer: beyond it every quantizer
@@ -534,7 +534,7 @@ def trellis_kernel(values, importance, step, lam, ncols, col0, k_offset, predict
             c21 = cost2 + do1 + ro2
             c31 = cost3 + do1 + ro3
 
-            # the two ways into each state (PREDECESSORS); the first wins ties
+            # the two ways into each state, in the order above; the first wins ties
             n_cost0, n_rs0, back[t, 0] = _pick(c00, _rs_after(rs0, u00), (v00 << 2) | 0,
                                                c11, _rs_after(rs1, uo0), (vo0 << 2) | 1)
             n_cost1, n_rs1, back[t, 1] = _pick(c20, _rs_after(rs2, u20), (v20 << 2) | 2,

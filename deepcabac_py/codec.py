@@ -273,19 +273,25 @@ def _relative_importance(name: str, importance, shape: tuple[int, ...]) -> _Impo
     return _Importance(imp, mean)
 
 
+def _quantizer_inputs(plan: _Plan, start: int, stop: int):
+    """The float values of a quantized chunk, its step, and its relative importance (or None)."""
+    flat = plan.array.reshape(-1)[start:stop]
+    imp = plan.importance.chunk(start, stop) if plan.importance is not None else None
+    return (_as_float_for_quantizer(flat, plan.entry.dtype),
+            quantize.step_from_qp(plan.entry.qp, plan.entry.qp_density), imp)
+
+
 def _chunk_levels(plan: _Plan, start: int, stop: int) -> np.ndarray:
     entry = plan.entry
-    flat = plan.array.reshape(-1)[start:stop]
     if entry.mode.is_quantized:
-        values = _as_float_for_quantizer(flat, entry.dtype)
-        step = quantize.step_from_qp(entry.qp, entry.qp_density)
-        layout = plan.layout
+        values, step, imp = _quantizer_inputs(plan, start, stop)
         if plan.quantizer == "nearest":
             return quantize.quantize_nearest(values, step)
-        imp = plan.importance.chunk(start, stop) if plan.importance is not None else None
+        layout = plan.layout
         return quantize.quantize_rd(values, step, method=plan.quantizer, lam=plan.lam, ncols=layout.ncols,
                                     col0=layout.first_column(start), k_offset=layout.k_offset,
                                     predict=layout.predict, importance=imp)
+    flat = plan.array.reshape(-1)[start:stop]
     if entry.dtype == DType.BOOL:
         return flat.view(np.uint8).astype(np.int32)
     return flat.astype(np.int32)
@@ -293,11 +299,9 @@ def _chunk_levels(plan: _Plan, start: int, stop: int) -> np.ndarray:
 
 def _encode_chunk(plan: _Plan, k: int, start: int, stop: int) -> bytes:
     if plan.entry.mode.is_quantized and plan.quantizer == "trellis":
-        flat = plan.array.reshape(-1)[start:stop]
-        imp = plan.importance.chunk(start, stop) if plan.importance is not None else None
-        return quantize.trellis_encode_chunk(
-            _as_float_for_quantizer(flat, plan.entry.dtype), quantize.step_from_qp(plan.entry.qp, plan.entry.qp_density),
-            lam=plan.lam, layout=plan.layout, index=k, importance=imp)
+        # one pass: the trellis codes each block as it commits it
+        values, step, imp = _quantizer_inputs(plan, start, stop)
+        return quantize.trellis_encode_chunk(values, step, lam=plan.lam, layout=plan.layout, index=k, importance=imp)
     return levelcoder.encode_chunk(_chunk_levels(plan, start, stop), plan.layout, k)
 
 
