@@ -18,11 +18,19 @@ thread. Ours: named configurations, each a dict of keyword arguments to
   nearest     {"quantizer": "nearest"}       plain rounding (an encode_model without quantizer=: {})
   default     {}                              what `deepcabac encode --qp Q` does: no data at all (the
                                               trellis, steps and weights from the model's structure)
+  bn-eps      {"batchnorm_eps": <eps>}        the same with the model's BatchNorm eps (--bn-eps): running
+                                              statistics at qp's step, weight/bias compensating exactly
   uniform     {"importance": null}            the same without the structural importance: every
                                               tensor at qp (--importance none)
-  importance  {"importance": <Fisher>}        diagonal Fisher from calibration data only (Python API)
+  fisher      {"importance": <Fisher>}        diagonal Fisher from calibration data only (Python API)
+  importance  {"importance": <Fisher>,        what the Python API does with calibration data: the Fisher,
+               "batchnorm_eps": <eps>,        BatchNorm eps from the model, and the BatchNorm statistics
+               "recalibrate": true}           recalibrated for the quantized weights on the calibration
+                                              inputs (deepcabac_py.batchnorm.encode_recalibrated; the
+                                              timed encode is its final encode_model call)
   trellis     {"quantizer": "trellis"}        (shown as "= default" when that is encode_model's default)
-  more with --config NAME=JSON, where the string "@fisher" stands for the Fisher dict, e.g.
+  more with --config NAME=JSON, where the string "@fisher" stands for the Fisher dict and "@bn_eps"
+  for the model's BatchNorm epsilons (configurations that name them are the same as without on MiniLM), e.g.
       --config 'imp-trellis={"quantizer": "trellis", "importance": "@fisher"}'
 
 A configuration whose keywords encode_model does not take, or that raises on a small warm-up call, is
@@ -98,14 +106,18 @@ PEER_QPS = {"minilm": (-42, -26, 2), "effnet": (-40, -24, 2)}
 OURS_QPS = {"minilm": (-42, -22, 2), "effnet": (-42, -20, 2)}
 
 FISHER = "@fisher"
+BN_EPS = "@bn_eps"
+RECALIBRATE = "recalibrate"  # not an encode_model keyword: the harness recalibrates BatchNorm first
 BUILTIN_CONFIGS = {
     "nearest": {"quantizer": "nearest"},
     "default": {},
+    "bn-eps": {"batchnorm_eps": BN_EPS},
     "uniform": {"importance": None},
-    "importance": {"importance": FISHER},
+    "fisher": {"importance": FISHER},
+    "importance": {"importance": FISHER, "batchnorm_eps": BN_EPS, RECALIBRATE: True},
     "trellis": {"quantizer": "trellis"},
 }
-DEFAULT_CONFIGS = "nearest,default,uniform,importance,trellis"
+DEFAULT_CONFIGS = "nearest,default,bn-eps,uniform,fisher,importance,trellis"
 
 MODEL_LABEL = {"minilm": "all-MiniLM-L6-v2", "effnet": "EfficientNet-Lite0"}
 
@@ -275,6 +287,7 @@ class MiniLMHarness:
                           "sha256": sha256_json(bm.SENTENCES)}
         self.calib_desc = {"set": "bench_rd.CALIB_SENTENCES (disjoint from the evaluation set)",
                            "n": len(CALIB_SENTENCES)}
+        self.bn_eps: dict[str, float] = {}  # no BatchNorm layers
 
     def evaluate(self, state) -> dict:
         c = self.embedder.cosine(state)
@@ -372,6 +385,8 @@ class EffNetHarness:
         with contextlib.redirect_stdout(io.StringIO()):  # it prints "Loaded pretrained weights ..."
             self.model = EfficientNet.from_pretrained("efficientnet-lite0", weights_path=path).eval()
         self.weights = torch_to_numpy_state(self.model.state_dict())
+        from deepcabac_py.batchnorm import epsilons
+        self.bn_eps = epsilons(self.model)
 
         imagenet = _foolbox_images("imagenet")
         if args.effnet_calib == "split":
@@ -609,7 +624,7 @@ def resolve_configs(dc, names: list[str], extra: dict) -> tuple[dict, dict]:
         spec, note = dict(spec), ""
         if name == "nearest" and spec == {"quantizer": "nearest"} and not accepts("quantizer"):
             spec, note = {}, "encode_model has no quantizer= yet: nearest rounding is its only quantizer"
-        missing = [k for k in spec if not accepts(k)]
+        missing = [k for k in spec if not accepts(k) and k != RECALIBRATE]
         if missing:
             skipped[name] = (f"encode_model takes no {', '.join(missing)}= (it takes "
                              f"{', '.join(k for k in sig.parameters if k != 'model')})")
@@ -627,8 +642,18 @@ def canonical(dc, spec: dict) -> str:
     return json.dumps(keep, sort_keys=True)
 
 
-def materialise(spec: dict, fisher: dict | None) -> dict:
-    return {k: (fisher if v == FISHER else v) for k, v in spec.items()}
+def for_model(spec: dict, bn_eps: dict) -> dict:
+    """The configuration as it applies to a model: without BatchNorm layers, the BatchNorm keywords
+    do nothing and are dropped (so such a configuration is recognised as the same run)."""
+    if bn_eps:
+        return spec
+    return {k: v for k, v in spec.items() if v != BN_EPS and k != RECALIBRATE}
+
+
+def materialise(spec: dict, fisher: dict | None, bn_eps: dict | None = None) -> dict:
+    """encode_model's keyword arguments (the placeholders filled in, without "recalibrate")."""
+    out = {k: (fisher if v == FISHER else v) for k, v in spec.items() if k != RECALIBRATE}
+    return {k: (bn_eps if v == BN_EPS else v) for k, v in out.items()}
 
 
 def warm_up(dc, weights: dict, kwargs: dict) -> None:
@@ -640,6 +665,7 @@ def warm_up(dc, weights: dict, kwargs: dict) -> None:
         elif w.dtype.kind == "f" and w.ndim == 1 and not any(weights[n].ndim == 1 for n in small):
             small[name] = w[:8]
     kw = dict(kwargs)
+    kw.pop("batchnorm_eps", None)  # names layers the slice does not have (and compiles nothing new)
     if isinstance(kw.get("importance"), dict):
         kw["importance"] = {n: kw["importance"][n][:8] for n in small if n in kw["importance"]}
     data = dc.encode_model(small, qp=-32, threads=1, **kw)
@@ -647,19 +673,30 @@ def warm_up(dc, weights: dict, kwargs: dict) -> None:
 
 
 class Ours:
-    def __init__(self, args, harness, dc, kwargs):
-        self.args, self.h, self.dc, self.kwargs = args, harness, dc, kwargs
+    def __init__(self, args, harness, dc, kwargs, recalibrate=False):
+        self.args, self.h, self.dc, self.kwargs, self.recalibrate = args, harness, dc, kwargs, recalibrate
         self.weights, _notes = bm.ours_input(dc, harness.weights)
 
     def __call__(self, qp: int) -> dict:
         dc = self.dc
         t = self.args.threads
         load = os.getloadavg()[0]
-        data, enc_times = bm.timed(lambda: dc.encode_model(self.weights, qp=qp, threads=t, **self.kwargs),
+        weights, extra = self.weights, {}
+        if self.recalibrate:
+            # what deepcabac_py.batchnorm.encode_recalibrated does before its final encode_model call
+            from deepcabac_py import batchnorm
+            t0 = time.perf_counter()
+            first = dc.decode_model(dc.encode_model(weights, qp=qp, threads=t, **self.kwargs), threads=t)
+            stats = batchnorm.recalibrate(self.h.model, weights, first, self.h.calib_x)
+            weights = {**weights, **{k: v.astype(weights[k].dtype) for k, v in stats.items()}}
+            load_into(self.h.model, self.h.weights)
+            extra["recalibrate_s"] = time.perf_counter() - t0
+        data, enc_times = bm.timed(lambda: dc.encode_model(weights, qp=qp, threads=t, **self.kwargs),
                                    self.args.repeats)
         decoded, dec_times = bm.timed(lambda: dc.decode_model(data, threads=t), self.args.repeats)
         point = {"qp": qp, "bytes": len(data), "load1": load, "encode_s": statistics.median(enc_times),
-                 "decode_s": statistics.median(dec_times), "encode_s_all": enc_times, "decode_s_all": dec_times}
+                 "decode_s": statistics.median(dec_times), "encode_s_all": enc_times, "decode_s_all": dec_times,
+                 **extra}
         del data
         point.update(self.h.evaluate(decoded))
         return point
@@ -817,7 +854,7 @@ def run_model(args, model: str, dc, configs: dict) -> dict:
          "quantizers": {}, "configs": {}, "aliases": {}}
 
     fisher = None
-    if any(FISHER in spec.values() for spec, _ in configs.values()):
+    if any(FISHER in for_model(spec, h.bn_eps).values() for spec, _ in configs.values()):
         log(f"{MODEL_LABEL[model]}: calibration ...")
         fisher, r["calibration"] = h.calibrate()
         r["calibration"]["fisher"] = fisher_summary(fisher, h.weights)
@@ -837,6 +874,7 @@ def run_model(args, model: str, dc, configs: dict) -> dict:
 
     done: dict[str, str] = {}
     for name, (spec, note) in configs.items():
+        spec = for_model(spec, h.bn_eps)
         key = canonical(dc, spec)
         if key in done:
             r["curves"][name] = r["curves"][done[key]]
@@ -844,7 +882,7 @@ def run_model(args, model: str, dc, configs: dict) -> dict:
             r["aliases"][name] = done[key]
             r["configs"][name] = {"kwargs": spec, "note": (note + "; " if note else "") + f"same as {done[key]}"}
             continue
-        kwargs = materialise(spec, fisher)
+        kwargs = materialise(spec, fisher, h.bn_eps)
         try:
             warm_up(dc, h.weights, kwargs)
         except (TypeError, ValueError, KeyError, NotImplementedError) as exc:
@@ -852,7 +890,7 @@ def run_model(args, model: str, dc, configs: dict) -> dict:
             log(f"  {name}: skipped ({type(exc).__name__}: {exc})")
             continue
         log(f"{MODEL_LABEL[model]}: ours '{name}' sweep {args.ours_qps[model]} ...")
-        ours = Ours(args, h, dc, kwargs)
+        ours = Ours(args, h, dc, kwargs, recalibrate=bool(spec.get(RECALIBRATE)))
         r["curves"][name] = sweep(ours, args.ours_qps[model], model, args.step, args.max_extend)
         r["quantizers"][name] = effective_quantizer(dc, spec)
         r["configs"][name] = {"kwargs": spec, "note": note}
@@ -917,17 +955,17 @@ def main(argv=None) -> int:
     print("\n## At equal fidelity (interpolated: log bytes and log encode s, linear in cosine / log KL,"
           f" on each curve's Pareto front; NNCodec 1 thread, ours {args.threads})")
     print(table)
-    aliases = {n: a for r in res["models"].values() for n, a in r["aliases"].items()}
     for name, checks in verdict.items():
         oks = [ok for v in checks.values() for ok in v]
-        if name in aliases:
-            print(f"{name}: same runs as {aliases[name]}")
-        elif not oks:
-            print(f"{name}: no requirement")
+        same = [f"{MODEL_LABEL[m]}: same runs as {r['aliases'][name]}" for m, r in res["models"].items()
+                if name in r["aliases"]]
+        note = f" [{'; '.join(same)}]" if same else ""
+        if not oks:
+            print(f"{name}: no requirement{note}")
         else:
             what = ", ".join(f"{k} {sum(v)}/{len(v)}" for k, v in checks.items() if v)
             print(f"{name}: {'PASS' if all(oks) else 'FAIL'} ({what} targets met,"
-                  f" {len(res['models'])} model(s))")
+                  f" {len(res['models'])} model(s)){note}")
     missing = [m for m in ("minilm", "effnet") if m not in res["models"]]
     if missing:
         print(f"(not run: {', '.join(missing)} -- the issue's requirements span all four points)")

@@ -131,6 +131,10 @@ def _quant_options(f):
                      help="structural: steps and error weights from the model's own structure, without "
                           "data (embedding tables coarser, BatchNorm scales); none: every tensor at --qp "
                           "(--qp-1d for biases and norms), every weight alike.")(f)
+    f = click.option("--bn-eps", type=click.FloatRange(0.0, 1.0, min_open=True), default=None, metavar="EPS",
+                     help="The eps of the model's BatchNorm layers (e.g. 1e-5, PyTorch's default; 1e-3 for "
+                          "TF-trained nets). Given, their running statistics are coded at the step of --qp "
+                          "and weight/bias compensate exactly (same eval-mode output, fewer bytes).")(f)
     return f
 
 
@@ -150,10 +154,10 @@ def _parse_overrides(items) -> dict[str, int]:
 
 
 def _encode_settings(qp, qp_density, qp_1d, qp_tensor, exact, exact_all, quantizer, lambda_scale,
-                     importance) -> dict:
+                     importance, bn_eps) -> dict:
     return dict(qp=qp, qp_density=qp_density, qp_1d=qp_1d, qp_overrides=_parse_overrides(qp_tensor),
                 keep_exact=True if exact_all else list(exact), quantizer=quantizer, lambda_scale=lambda_scale,
-                importance=None if importance == "none" else importance)
+                importance=None if importance == "none" else importance, batchnorm_eps=bn_eps)
 
 
 @contextmanager
@@ -283,13 +287,14 @@ def _same_file(a: str, b: str) -> bool:
 @_verbosity
 @click.pass_context
 def encode(ctx, input, output, input_format, force, qp, qp_density, qp_1d, qp_tensor, exact, exact_all,
-           quantizer, lambda_scale, importance, target_bpw, target_size, threads, no_progress, quiet, verbose):
+           quantizer, lambda_scale, importance, bn_eps, target_bpw, target_size, threads, no_progress, quiet,
+           verbose):
     """Compress a checkpoint (.pt/.pth/.bin, .safetensors, .npz) into a model stream."""
     from deepcabac_py.checkpoint import load_checkpoint
     from deepcabac_py.codec import encode_model, read_stream_header
 
     settings = _encode_settings(qp, qp_density, qp_1d, qp_tensor, exact, exact_all, quantizer, lambda_scale,
-                                importance)
+                                importance, bn_eps)
     targeted = target_bpw is not None or target_size is not None
     if target_bpw is not None and target_size is not None:
         raise click.UsageError("give --target-bpw or --target-size, not both")
@@ -419,7 +424,7 @@ def info(input, as_json):
 @_progress_option
 @_verbosity
 def report(input, as_json, input_format, show_formats, qp, qp_density, qp_1d, qp_tensor, exact, exact_all,
-           quantizer, lambda_scale, importance, threads, no_progress, quiet, verbose):
+           quantizer, lambda_scale, importance, bn_eps, threads, no_progress, quiet, verbose):
     """Per-tensor and total figures: params, bits/param, ratio vs fp32, SNR and max error.
 
     INPUT is a checkpoint (encoded in memory with the given settings, then decoded to measure the
@@ -441,7 +446,7 @@ def report(input, as_json, input_format, show_formats, qp, qp_density, qp_1d, qp
             rep = build_report(header)
         else:
             settings = _encode_settings(qp, qp_density, qp_1d, qp_tensor, exact, exact_all, quantizer,
-                                        lambda_scale, importance)
+                                        lambda_scale, importance, bn_eps)
             if raw is not None:
                 with tempfile.TemporaryDirectory(prefix="deepcabac-") as tmp:
                     spooled = os.path.join(tmp, "stdin" + _DEFAULT_SUFFIX.get(input_format or "", ""))

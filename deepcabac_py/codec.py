@@ -8,6 +8,7 @@ inverse and returns the original structure.
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import os
 import warnings
@@ -34,7 +35,7 @@ from .container import (
     read_header,
     write_header,
 )
-from .errors import CorruptStreamError, LimitExceededError, TruncatedStreamError
+from .errors import CheckpointError, CorruptStreamError, LimitExceededError, TruncatedStreamError
 
 DEFAULT_QP = -32
 # Tensors with at most one dimension (biases, norms) are few but sensitive: by default their step is
@@ -377,7 +378,9 @@ def resolve_qp_1d(qp: int, qp_1d: int | None, qp_density: int) -> int:
 
 
 def _plan_model(model, qp, qp_1d, qp_density, qp_overrides, keep_exact,
-                quantizer: _Quantizer) -> tuple[Checkpoint, list[_Plan], int]:
+                quantizer: _Quantizer) -> tuple[Checkpoint, list[_Plan], int, Callable[[str, Any], _Plan]]:
+    """The checkpoint, a plan per tensor (and alias), the resolved qp_1d, and how a tensor would be
+    planned with the same resolved settings (steps, importance)."""
     ckpt = model if isinstance(model, Checkpoint) else flatten(model)
     qp_1d = resolve_qp_1d(qp, qp_1d, qp_density)
     reference = None
@@ -404,18 +407,88 @@ def _plan_model(model, qp, qp_1d, qp_density, qp_overrides, keep_exact,
                                  qp, qp_density=qp_density, qp_1d=qp_1d, reference=reference)
         overrides = {**{n: q for n, q in allocated.items() if _lookup_qp(n, overrides) is None}, **overrides}
     exact = _exact_predicate(keep_exact)
-    plans = [
-        _plan_tensor(name, t, qp=qp, qp_1d=qp_1d, qp_density=qp_density, overrides=overrides, exact=exact,
-                     quantizer=quantizer)
-        for name, t in ckpt.tensors.items()
-    ]
+
+    def plan_one(name: str, t) -> _Plan:
+        return _plan_tensor(name, t, qp=qp, qp_1d=qp_1d, qp_density=qp_density, overrides=overrides, exact=exact,
+                            quantizer=quantizer)
+
+    plans = [plan_one(name, t) for name, t in ckpt.tensors.items()]
     index = {p.entry.name: i for i, p in enumerate(plans)}
     for alias, target in ckpt.aliases.items():
         base = plans[index[target]].entry
         plans.append(_Plan(TensorEntry(name=alias, dtype=base.dtype, shape=base.shape, mode=base.mode,
                                        coder=Coder.NONE, flags=FLAG_ALIAS | (base.flags & FLAG_TORCH),
                                        alias_of=index[target]), None))
-    return ckpt, plans, qp_1d
+    return ckpt, plans, qp_1d, plan_one
+
+
+def _plan(model, qp, qp_1d, qp_density, qp_overrides, keep_exact, quantizer: _Quantizer,
+          batchnorm_eps) -> tuple[Checkpoint, list[_Plan], int]:
+    """:func:`_plan_model`, with the BatchNorm statistics coded at the step of ``qp`` and their
+    layers' ``weight`` and ``bias`` compensating exactly (:mod:`deepcabac_py.batchnorm`) when
+    ``batchnorm_eps`` is given."""
+    from . import batchnorm
+
+    eps = batchnorm.check_eps(batchnorm_eps)
+    ckpt = model if isinstance(model, Checkpoint) else flatten(model)
+    if eps is None:
+        return _plan_model(ckpt, qp, qp_1d, qp_density, qp_overrides, keep_exact, quantizer)[:3]
+    arrays = {}
+    for name, t in ckpt.tensors.items():
+        if name.rsplit(".", 1)[-1] in ("weight", "bias", "running_mean", "running_var"):
+            a, dtype, _ = tensor_to_numpy(t)
+            if dtype in ("float32", "float64") and a.ndim == 1:
+                arrays[name] = a
+    modules = [m for m in batchnorm.groups(arrays) if batchnorm.eps_of(m, eps) is not None]
+    if isinstance(eps, Mapping):
+        unknown = sorted(set(eps) - set(batchnorm.groups(arrays)))
+        if unknown:
+            raise ValueError(f"batchnorm_eps names no BatchNorm layer of the model: {', '.join(unknown[:5])}")
+    user = dict(qp_overrides or {})
+    overrides = dict(user)
+    for m in modules:
+        for stat in batchnorm.STATISTICS:
+            if _lookup_qp(f"{m}.{stat}", user) is None:
+                overrides[f"{m}.{stat}"] = qp
+    ckpt, plans, qp_1d, plan_one = _plan_model(ckpt, qp, qp_1d, qp_density, overrides, keep_exact, quantizer)
+    # The statistics exactly as the stream will carry them ...
+    by_name = {p.entry.name: p for p in plans}
+    coded = {}
+    for m in modules:
+        stats = [by_name.get(f"{m}.{stat}") for stat in batchnorm.STATISTICS]
+        # (weight and bias may be kept exact: then the layer's function is kept to float rounding)
+        if all(p is not None and p.layout is not None and p.entry.mode.is_quantized for p in stats):
+            coded[m] = [np.asarray(_plan_levels(p).dequantize(), dtype=np.float64) for p in stats]
+    if not coded:
+        return ckpt, plans, qp_1d
+    # ... and weight and bias made up for them, planned with the settings every other tensor got
+    # (so nothing else changes, not even the steps that importance allocated).
+    tensors = dict(ckpt.tensors)
+    for m, (mean_c, var_c) in coded.items():
+        new = batchnorm.compensate(arrays[f"{m}.weight"], arrays[f"{m}.bias"], arrays[f"{m}.running_mean"],
+                                   arrays[f"{m}.running_var"], mean_c, var_c, batchnorm.eps_of(m, eps))
+        if new is None:
+            raise CheckpointError(f"BatchNorm {m}: running_var must be finite and > -eps to code its statistics"
+                                  " coarsely (leave the layer out of batchnorm_eps)")
+        for suffix, value in zip(("weight", "bias"), new):
+            name = f"{m}.{suffix}"
+            _, dtype, is_torch = tensor_to_numpy(ckpt.tensors[name])
+            tensors[name] = numpy_to_tensor(value.astype(dtype), dtype, is_torch)
+            by_name[name] = plan_one(name, tensors[name])
+    ckpt = dataclasses.replace(ckpt, tensors=tensors)
+    return ckpt, [by_name[p.entry.name] if p.array is not None else p for p in plans], qp_1d
+
+
+def _plan_levels(plan: _Plan) -> QuantizedTensor:
+    """A planned tensor's levels, chunk by chunk as the encoder quantizes them (the RD quantizers
+    and the trellis state restart with every substream)."""
+    e = plan.entry
+    parts = []
+    for k in range(plan.layout.count):
+        part = _chunk_levels(plan, *plan.layout.bounds(k))
+        parts.append(quantize.dq_indices(part) if e.mode == Mode.DEPENDENT else part)
+    levels = np.concatenate(parts) if len(parts) != 1 else parts[0]
+    return _quantized(e, levels.reshape(e.shape))
 
 
 def encode_model(
@@ -429,6 +502,7 @@ def encode_model(
     quantizer: str = DEFAULT_QUANTIZER,
     lambda_scale: float = 1.0,
     importance: Mapping[str, Any] | str | None = DEFAULT_IMPORTANCE,
+    batchnorm_eps: float | Mapping[str, float] | None = None,
     threads: int | None = None,
     progress: Progress | None = None,
 ) -> bytes:
@@ -447,11 +521,15 @@ def encode_model(
     statistics: :func:`deepcabac_py.structure.structural_importance`); ``None`` gives every weight
     the same importance and every tensor the step of ``qp``/``qp_1d``. ``keep_exact`` (``True`` or
     names/patterns) stores float tensors bit-exactly instead. Integer and boolean tensors are always lossless; non-tensor entries
-    are kept. The output is deterministic for the same input and settings, whatever ``threads`` is.
+    are kept. ``batchnorm_eps`` (the eps of the model's BatchNorm layers: one number, or module names
+    to numbers; :func:`deepcabac_py.batchnorm.epsilons` reads them from a torch model) codes those
+    layers' running statistics at the step of ``qp`` and changes their ``weight`` and ``bias`` so
+    that each layer computes the same function in eval mode (:mod:`deepcabac_py.batchnorm`).
+    The output is deterministic for the same input and settings, whatever ``threads`` is.
     """
     threads = _resolve_threads(threads)
-    ckpt, plans, qp_1d = _plan_model(model, qp, qp_1d, qp_density, qp_overrides, keep_exact,
-                              _make_quantizer(quantizer, lambda_scale, importance))
+    ckpt, plans, qp_1d = _plan(model, qp, qp_1d, qp_density, qp_overrides, keep_exact,
+                               _make_quantizer(quantizer, lambda_scale, importance), batchnorm_eps)
 
     jobs = [(p, k) for p in plans if p.layout is not None for k in range(p.layout.count)]
     # Largest chunks first keeps both cores busy to the end; results are put back in table order.
@@ -518,6 +596,7 @@ def quantize_model(
     quantizer: str = DEFAULT_QUANTIZER,
     lambda_scale: float = 1.0,
     importance: Mapping[str, Any] | str | None = DEFAULT_IMPORTANCE,
+    batchnorm_eps: float | Mapping[str, float] | None = None,
 ) -> dict[str, QuantizedTensor]:
     """The levels and steps :func:`encode_model` would code, without entropy coding (same
     arguments). ``levels * step`` are the decoded values (for trellis tensors the levels are the
@@ -525,21 +604,9 @@ def quantize_model(
 
     Tensors stored raw (kept exact, non-finite, complex) are left out.
     """
-    _, plans, _ = _plan_model(model, qp, qp_1d, qp_density, qp_overrides, keep_exact,
-                           _make_quantizer(quantizer, lambda_scale, importance))
-    out = {}
-    for plan in plans:
-        e = plan.entry
-        if plan.layout is None:
-            continue
-        # chunk by chunk: the RD quantizers and the trellis state restart with every substream
-        parts = []
-        for k in range(plan.layout.count):
-            part = _chunk_levels(plan, *plan.layout.bounds(k))
-            parts.append(quantize.dq_indices(part) if e.mode == Mode.DEPENDENT else part)
-        levels = np.concatenate(parts) if len(parts) != 1 else parts[0]
-        out[e.name] = _quantized(e, levels.reshape(e.shape))
-    return out
+    _, plans, _ = _plan(model, qp, qp_1d, qp_density, qp_overrides, keep_exact,
+                        _make_quantizer(quantizer, lambda_scale, importance), batchnorm_eps)
+    return {plan.entry.name: _plan_levels(plan) for plan in plans if plan.layout is not None}
 
 
 def _quantized(e: TensorEntry, levels: np.ndarray) -> QuantizedTensor:
