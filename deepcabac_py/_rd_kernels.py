@@ -96,32 +96,95 @@ def dq_next(state, k):
     return (state >> 1) | (((state & 1) ^ (k & 1)) << 1)
 
 
+# The decoder follows the state machine 64 levels at a time. Only the high bit h of the state
+# (which grid) matters for the values, and with the state as (h, l) a level of parity p moves it to
+# (l ^ p, h): h before level i is the XOR of the parities of levels i-1, i-3, i-5, ... and of the
+# starting state. For a block, that is a shift-XOR prefix over a word of parity bits, and the values
+# then follow element by element without a loop-carried dependency (about 5x faster than stepping
+# the state level by level, which costs several cycles of latency per level).
+_EVEN_BITS = np.uint64(0x5555555555555555)
+_ODD_BITS = np.uint64(0xAAAAAAAAAAAAAAAA)
+_DQ_BLOCK = 64
+
+
+@inline_helper
+def _dq_block_high_bits(levels, i, h, l):
+    """Bit j of the result: the state's high bit before level i + j (0 <= j < 64), given the state
+    (h, l) before level i; and the state (h, l) after the block."""
+    one = np.uint64(1)
+    par = np.uint64(0)
+    for j in range(_DQ_BLOCK):
+        par |= np.uint64(levels[i + j] & 1) << np.uint64(j)
+    acc = par << one  # bit j: parity of level j - 1
+    acc ^= acc << np.uint64(2)  # now XOR of the parities of levels j-1, j-3, ... within the block
+    acc ^= acc << np.uint64(4)
+    acc ^= acc << np.uint64(8)
+    acc ^= acc << np.uint64(16)
+    acc ^= acc << np.uint64(32)
+    high = acc ^ (_EVEN_BITS * h) ^ (_ODD_BITS * l)
+    h_after = ((high >> np.uint64(62)) & one) ^ ((par >> np.uint64(63)) & one)
+    return high, h_after, (high >> np.uint64(63)) & one
+
+
 @kernel
 def dq_reconstruct_kernel(levels, out):
     """Map transmitted levels to reconstruction indices through the state machine (state 0 at the
     start). ``out`` may alias ``levels``. Returns False if a level is too large for the grid."""
-    state = np.int64(0)
-    for i in range(levels.shape[0]):
+    n = levels.shape[0]
+    lo = np.int32(0)
+    hi = np.int32(0)
+    h = np.uint64(0)
+    l = np.uint64(0)
+    i = 0
+    while i + _DQ_BLOCK <= n:
+        high, h, l = _dq_block_high_bits(levels, i, h, l)
+        for j in range(_DQ_BLOCK):
+            k = levels[i + j]
+            lo = min(lo, k)
+            hi = max(hi, k)
+            g = np.int32((high >> np.uint64(j)) & np.uint64(1))
+            out[i + j] = np.int32(2) * k - g * (np.int32(k > 0) - np.int32(k < 0))
+        i += _DQ_BLOCK
+    state = 2 * np.int64(h) + np.int64(l)
+    for i in range(i, n):
         k = np.int64(levels[i])
-        if abs(k) > MAX_DQ_LEVEL:
-            return False
+        lo = min(lo, np.int32(k))
+        hi = max(hi, np.int32(k))
         out[i] = dq_value(k, state)
         state = dq_next(state, k)
-    return True
+    return hi <= MAX_DQ_LEVEL and lo >= -MAX_DQ_LEVEL
 
 
 @kernel
 def dq_reconstruct_f32_kernel(levels, step):
-    """In place: transmitted int32 levels to float32 values ``index * step`` (same buffer)."""
+    """In place: transmitted int32 levels to float32 values ``index * step`` (same buffer). Returns
+    False if a level is too large for the grid (the buffer then holds garbage)."""
     values = levels.view(np.float32)
-    state = np.int64(0)
-    for i in range(levels.shape[0]):
+    n = levels.shape[0]
+    lo = np.int32(0)
+    hi = np.int32(0)
+    h = np.uint64(0)
+    l = np.uint64(0)
+    i = 0
+    while i + _DQ_BLOCK <= n:
+        high, h, l = _dq_block_high_bits(levels, i, h, l)
+        for j in range(_DQ_BLOCK):
+            k = levels[i + j]
+            lo = min(lo, k)
+            hi = max(hi, k)
+            # int32 arithmetic keeps the loop vectorized; out of range levels are refused below
+            g = np.int32((high >> np.uint64(j)) & np.uint64(1))
+            sgn = np.int32(k > 0) - np.int32(k < 0)
+            values[i + j] = np.float32(np.float64(np.int32(2) * k - g * sgn) * step)
+        i += _DQ_BLOCK
+    state = 2 * np.int64(h) + np.int64(l)
+    for i in range(i, n):
         k = np.int64(levels[i])
-        if abs(k) > MAX_DQ_LEVEL:
-            return False
+        lo = min(lo, np.int32(k))
+        hi = max(hi, np.int32(k))
         values[i] = np.float32(np.float64(dq_value(k, state)) * step)
         state = dq_next(state, k)
-    return True
+    return hi <= MAX_DQ_LEVEL and lo >= -MAX_DQ_LEVEL
 
 
 # --------------------------------------------------------------------------------------------------
