@@ -129,9 +129,29 @@ def test_dq_indices_follow_the_state_machine():
     assert quantize.dq_indices(np.array([1, 1], dtype=np.int32)).tolist() == [2, 1]
 
 
-def test_dq_indices_refuse_levels_beyond_the_grid():
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**31), n=st.integers(0, 300), spread=st.sampled_from([1, 3, 1000]))
+def test_dq_kernels_match_reference(seed, n, spread):
+    # the kernels work 64 levels at a time and finish level by level: lengths around multiples of 64
+    levels = np.random.default_rng(seed).integers(-spread, spread + 1, n).astype(np.int32)
+    ref = reference_rd.dq_indices(levels.tolist())
+    assert quantize.dq_indices(levels).tolist() == ref
+    buf = levels.copy()
+    quantize.dq_reconstruct_f32_inplace(buf, 0.375)
+    assert np.array_equal(buf.view(np.float32), (np.array(ref, dtype=np.float64) * 0.375).astype(np.float32))
+
+
+@pytest.mark.parametrize("pos", [0, 63, 64, 100, 129])
+@pytest.mark.parametrize("bad", [(1 << 30), -(1 << 30), -(1 << 31), (1 << 31) - 1])
+def test_dq_indices_refuse_levels_beyond_the_grid(pos, bad):
+    levels = np.zeros(130, dtype=np.int32)
+    levels[pos] = bad
     with pytest.raises(CorruptStreamError, match="trellis level"):
-        quantize.dq_indices(np.array([0, 1 << 30], dtype=np.int32))
+        quantize.dq_indices(levels)
+    with pytest.raises(CorruptStreamError, match="trellis level"):
+        quantize.dq_reconstruct_f32_inplace(levels.copy(), 1.0)
+    levels[pos] = quantize.MAX_DQ_LEVEL if bad > 0 else -quantize.MAX_DQ_LEVEL
+    quantize.dq_indices(levels)  # the largest level the grid takes is accepted
 
 
 # --- properties of the quantizers ------------------------------------------------------------
