@@ -219,10 +219,8 @@ def encode_recalibrated(model, inputs, *, state: Mapping[str, Any] | None = None
 
 def _like(reference, value: np.ndarray):
     """``value`` as the kind (torch or numpy) and dtype of ``reference``."""
-    try:
-        import torch
-    except ImportError:  # pragma: no cover - torch is a dependency
-        torch = None
-    if torch is not None and isinstance(reference, torch.Tensor):
+    import torch
+
+    if isinstance(reference, torch.Tensor):
         return torch.from_numpy(np.ascontiguousarray(value)).to(reference.dtype)
     return np.asarray(value).astype(np.asarray(reference).dtype)
