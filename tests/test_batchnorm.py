@@ -229,6 +229,11 @@ def test_encode_recalibrated_moves_only_statistics():
     for k, v in net.state_dict().items():
         np.testing.assert_array_equal(v.numpy(), state[k])
     assert batchnorm.epsilons(net) == {"bn1": 1e-3, "bn2": 1e-5}
+    # a state of torch tensors gives the same stream and decodes to torch tensors
+    as_torch = batchnorm.encode_recalibrated(net, x, state=dict(net.state_dict()), qp=-18, importance=None)
+    out = dc.decode_model(as_torch)
+    assert isinstance(out["bn1.running_var"], torch.Tensor)
+    np.testing.assert_array_equal(out["conv1.weight"].numpy(), dc.decode_model(data)["conv1.weight"])
 
 
 def test_recalibrate_needs_batchnorm_and_inputs():
