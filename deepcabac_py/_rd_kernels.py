@@ -126,40 +126,11 @@ def _dq_block_high_bits(levels, i, h, l):
     return high, h_after, (high >> np.uint64(63)) & one
 
 
-@kernel
-def dq_reconstruct_kernel(levels, out):
-    """Map transmitted levels to reconstruction indices through the state machine (state 0 at the
-    start). ``out`` may alias ``levels``. Returns False if a level is too large for the grid."""
-    n = levels.shape[0]
-    lo = np.int32(0)
-    hi = np.int32(0)
-    h = np.uint64(0)
-    l = np.uint64(0)
-    i = 0
-    while i + _DQ_BLOCK <= n:
-        high, h, l = _dq_block_high_bits(levels, i, h, l)
-        for j in range(_DQ_BLOCK):
-            k = levels[i + j]
-            lo = min(lo, k)
-            hi = max(hi, k)
-            g = np.int32((high >> np.uint64(j)) & np.uint64(1))
-            out[i + j] = np.int32(2) * k - g * (np.int32(k > 0) - np.int32(k < 0))
-        i += _DQ_BLOCK
-    state = 2 * np.int64(h) + np.int64(l)
-    for i in range(i, n):
-        k = np.int64(levels[i])
-        lo = min(lo, np.int32(k))
-        hi = max(hi, np.int32(k))
-        out[i] = dq_value(k, state)
-        state = dq_next(state, k)
-    return hi <= MAX_DQ_LEVEL and lo >= -MAX_DQ_LEVEL
-
-
-@kernel
-def dq_reconstruct_f32_kernel(levels, step):
-    """In place: transmitted int32 levels to float32 values ``index * step`` (same buffer). Returns
-    False if a level is too large for the grid (the buffer then holds garbage)."""
-    values = levels.view(np.float32)
+@inline_helper
+def _dq_pass(levels, out, step):
+    """Reconstruction indices of transmitted levels (``step`` None: into int32 ``out``) or values
+    ``index * step`` (into float32 ``out``); ``out`` may alias ``levels``. False if a level is too
+    large for the grid (``out`` then holds garbage)."""
     n = levels.shape[0]
     lo = np.int32(0)
     hi = np.int32(0)
@@ -174,17 +145,37 @@ def dq_reconstruct_f32_kernel(levels, step):
             hi = max(hi, k)
             # int32 arithmetic keeps the loop vectorized; out of range levels are refused below
             g = np.int32((high >> np.uint64(j)) & np.uint64(1))
-            sgn = np.int32(k > 0) - np.int32(k < 0)
-            values[i + j] = np.float32(np.float64(np.int32(2) * k - g * sgn) * step)
+            index = np.int32(2) * k - g * (np.int32(k > 0) - np.int32(k < 0))
+            if step is None:
+                out[i + j] = index
+            else:
+                out[i + j] = np.float32(np.float64(index) * step)
         i += _DQ_BLOCK
     state = 2 * np.int64(h) + np.int64(l)
     for i in range(i, n):
         k = np.int64(levels[i])
         lo = min(lo, np.int32(k))
         hi = max(hi, np.int32(k))
-        values[i] = np.float32(np.float64(dq_value(k, state)) * step)
+        if step is None:
+            out[i] = dq_value(k, state)
+        else:
+            out[i] = np.float32(np.float64(dq_value(k, state)) * step)
         state = dq_next(state, k)
     return hi <= MAX_DQ_LEVEL and lo >= -MAX_DQ_LEVEL
+
+
+@kernel
+def dq_reconstruct_kernel(levels, out):
+    """Map transmitted levels to reconstruction indices through the state machine (state 0 at the
+    start). ``out`` may alias ``levels``. Returns False if a level is too large for the grid."""
+    return _dq_pass(levels, out, None)
+
+
+@kernel
+def dq_reconstruct_f32_kernel(levels, step):
+    """In place: transmitted int32 levels to float32 values ``index * step`` (same buffer). Returns
+    False if a level is too large for the grid (the buffer then holds garbage)."""
+    return _dq_pass(levels, levels.view(np.float32), step)
 
 
 # --------------------------------------------------------------------------------------------------

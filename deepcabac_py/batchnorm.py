@@ -192,28 +192,35 @@ def _load(model, state: Mapping[str, Any]) -> None:
     model.load_state_dict(tensors, strict=True)
 
 
-def encode_recalibrated(model, inputs, *, state: Mapping[str, Any] | None = None,
-                        batchnorm_eps: float | Mapping[str, float] | None = None, **encode_kwargs) -> bytes:
-    """Encode ``state`` (default: ``model.state_dict()``) with its BatchNorm statistics recalibrated
-    for the quantized weights on ``inputs`` (see :func:`recalibrate`).
-
-    Encodes once, decodes, recalibrates, and encodes the state with the new statistics (the other
-    tensors are quantized exactly as the first time). ``batchnorm_eps`` defaults to the model's
-    (:func:`epsilons`); other keyword arguments go to :func:`deepcabac_py.encode_model`.
-    """
+def recalibrated_state(model, inputs, *, state: Mapping[str, Any] | None = None,
+                       batchnorm_eps: float | Mapping[str, float] | None = None, **encode_kwargs) -> dict[str, Any]:
+    """``state`` (default: ``model.state_dict()``, as numpy arrays) with its BatchNorm statistics
+    recalibrated on ``inputs`` for the weights as ``encode_model(state, **encode_kwargs)`` quantizes
+    them (see :func:`recalibrate`). The model is given back holding ``state``."""
     from .codec import decode_model, encode_model
 
     if state is None:
         state = {k: v.detach().cpu().numpy().copy() for k, v in model.state_dict().items()}
-    if batchnorm_eps is None:
-        batchnorm_eps = epsilons(model)
     first = encode_model(state, batchnorm_eps=batchnorm_eps, **encode_kwargs)
     decoded = decode_model(first, threads=encode_kwargs.get("threads"))
     stats = recalibrate(model, state, decoded, inputs)
-    state2 = dict(state)
-    for name, value in stats.items():
-        state2[name] = _like(state[name], value)
     _load(model, state)
+    return {**state, **{name: _like(state[name], value) for name, value in stats.items()}}
+
+
+def encode_recalibrated(model, inputs, *, state: Mapping[str, Any] | None = None,
+                        batchnorm_eps: float | Mapping[str, float] | None = None, **encode_kwargs) -> bytes:
+    """Encode ``state`` (default: ``model.state_dict()``) with its BatchNorm statistics recalibrated
+    for the quantized weights on ``inputs`` (:func:`recalibrated_state`, then
+    :func:`deepcabac_py.encode_model`; the weights' levels are those of a plain encode).
+    ``batchnorm_eps`` defaults to the model's (:func:`epsilons`); other keyword arguments go to
+    ``encode_model``.
+    """
+    from .codec import encode_model
+
+    if batchnorm_eps is None:
+        batchnorm_eps = epsilons(model)
+    state2 = recalibrated_state(model, inputs, state=state, batchnorm_eps=batchnorm_eps, **encode_kwargs)
     return encode_model(state2, batchnorm_eps=batchnorm_eps, **encode_kwargs)
 
 
