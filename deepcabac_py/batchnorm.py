@@ -89,11 +89,18 @@ def compensate(gamma, beta, mean, var, mean_coded, var_coded, eps: float) -> tup
 
 
 def epsilons(model) -> dict[str, float]:
-    """``{module name: eps}`` of every BatchNorm layer of a ``torch.nn.Module``."""
+    """``{module name: eps}`` of every BatchNorm layer of a ``torch.nn.Module`` that keeps running
+    statistics."""
+    return {name: float(m.eps) for name, m in _batchnorms(model)}
+
+
+def _batchnorms(model) -> list:
+    """(name, module) of the BatchNorm layers that keep running statistics (the others normalize
+    with each batch's own, and their state dict holds none)."""
     import torch
 
-    return {name: float(m.eps) for name, m in model.named_modules()
-            if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)}
+    return [(n, m) for n, m in model.named_modules()
+            if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.running_var is not None]
 
 
 def recalibrate(model, original: Mapping[str, Any], quantized: Mapping[str, Any], inputs) -> dict[str, np.ndarray]:
@@ -108,7 +115,7 @@ def recalibrate(model, original: Mapping[str, Any], quantized: Mapping[str, Any]
     """
     import torch
 
-    bns = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    bns = _batchnorms(model)
     if not bns:
         raise ValueError("the model has no BatchNorm layers")
     if not isinstance(inputs, torch.Tensor):

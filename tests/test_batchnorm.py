@@ -241,6 +241,10 @@ def test_recalibrate_needs_batchnorm_and_inputs():
     st_ = _numpy_state(lin)
     with pytest.raises(ValueError, match="no BatchNorm"):
         batchnorm.recalibrate(lin, st_, st_, torch.zeros(1, 3))
+    stateless = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 1), torch.nn.BatchNorm2d(4, track_running_stats=False))
+    assert batchnorm.epsilons(stateless) == {}
+    with pytest.raises(ValueError, match="no BatchNorm"):
+        batchnorm.recalibrate(stateless, _numpy_state(stateless), _numpy_state(stateless), torch.zeros(1, 3, 2, 2))
     net = _trained_net()
     with pytest.raises(ValueError, match="no calibration inputs"):
         batchnorm.recalibrate(net, _numpy_state(net), _numpy_state(net), [])
