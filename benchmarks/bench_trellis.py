@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 import types
@@ -96,8 +97,18 @@ def speed(weights, names, repeats=3, qp=-32) -> None:
             add(totals, "trellis + coding, one pass", min(
                 _timed(lambda: quantize.trellis_encode_chunk(part, step, lam=lam, layout=layout, index=k))
                 for _ in range(repeats)))
+            # the decoder's last pass, levels to float32 in place: plain levels times the step, or
+            # the trellis' levels through the state machine
+            plain = quantize.quantize_rd(part, step, method="nearest", lam=0.0, **kw)
+            for what, src, fn in (("decode: plain levels -> float32", plain, quantize.reconstruct_f32_inplace),
+                                  ("decode: trellis levels -> float32", levels, quantize.dq_reconstruct_f32_inplace)):
+                best = math.inf
+                for _ in range(repeats):
+                    buf = src.copy()
+                    best = min(best, _timed(lambda: fn(buf, step)))
+                add(totals, what, best)
     for what, seconds in totals.items():
-        print(f"{what:>30}: {seconds / n * 1e9:6.1f} ns/weight")
+        print(f"{what:>34}: {seconds / n * 1e9:7.2f} ns/weight")
 
 
 def add(totals: dict, what: str, seconds: float) -> None:
