@@ -5,8 +5,9 @@
    NNCodec does. Rebuilding the kernel with other minimum block sizes shows what the staleness
    costs: bytes and squared error of the coded tensors at qp -32 per block size.
 2. Speed: ns per weight of nearest rounding, RDOQ and the trellis (levels only), of the level coder
-   on the trellis levels, and of the one pass encode_model runs (the trellis coding each block as
-   it commits it), on the same tensors (one thread).
+   on the trellis levels, of the one pass encode_model runs (the trellis coding each block as it
+   commits it), and of the decoder's last pass (levels to float32: plain levels times the step,
+   trellis levels through the state machine), on the same tensors (one thread).
 
     .venv/bin/python benchmarks/bench_trellis.py [--tensors 10] [--blocks 64,256,1024,8192]
 """
@@ -99,7 +100,7 @@ def speed(weights, names, repeats=3, qp=-32) -> None:
                 for _ in range(repeats)))
             # the decoder's last pass, levels to float32 in place: plain levels times the step, or
             # the trellis' levels through the state machine
-            plain = quantize.quantize_rd(part, step, method="nearest", lam=0.0, **kw)
+            plain = quantize.quantize_nearest(part, step)
             for what, src, fn in (("decode: plain levels -> float32", plain, quantize.reconstruct_f32_inplace),
                                   ("decode: trellis levels -> float32", levels, quantize.dq_reconstruct_f32_inplace)):
                 best = math.inf

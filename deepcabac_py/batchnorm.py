@@ -29,6 +29,9 @@ from typing import Any
 
 import numpy as np
 
+from .structure import BN_STATS, _batchnorm_groups
+
+TENSORS = BN_STATS  # a BatchNorm layer's float tensors in a state dict
 STATISTICS = ("running_mean", "running_var")
 # Half of the measured mean shift: the calibration inputs are few and need not look like the inputs
 # that matter, and the full shift measured worse on EfficientNet-Lite0 at most rates.
@@ -68,8 +71,6 @@ def eps_of(module: str, batchnorm_eps: float | Mapping[str, float]) -> float | N
 
 def groups(arrays: Mapping[str, np.ndarray]) -> list[str]:
     """Module names with 1-D ``weight``, ``bias``, ``running_mean`` and ``running_var`` of one length."""
-    from .structure import _batchnorm_groups
-
     return _batchnorm_groups(arrays)
 
 
@@ -136,7 +137,7 @@ def recalibrate(model, original: Mapping[str, Any], quantized: Mapping[str, Any]
         # same function differently, see compensate), so the new statistics go with those.
         mixed = dict(quantized)
         for name, _ in bns:
-            for suffix in ("weight", "bias") + STATISTICS:
+            for suffix in TENSORS:
                 key = f"{name}.{suffix}"
                 if key in original:
                     mixed[key] = original[key]

@@ -433,15 +433,16 @@ def _plan(model, qp, qp_1d, qp_density, qp_overrides, keep_exact, quantizer: _Qu
     ckpt = model if isinstance(model, Checkpoint) else flatten(model)
     if eps is None:
         return _plan_model(ckpt, qp, qp_1d, qp_density, qp_overrides, keep_exact, quantizer)[:3]
-    arrays = {}
+    arrays, kinds = {}, {}  # the 1-D float tensors a BatchNorm layer may own, and (dtype, is_torch)
     for name, t in ckpt.tensors.items():
-        if name.rsplit(".", 1)[-1] in ("weight", "bias", "running_mean", "running_var"):
-            a, dtype, _ = tensor_to_numpy(t)
+        if name.rsplit(".", 1)[-1] in batchnorm.TENSORS:
+            a, dtype, is_torch = tensor_to_numpy(t)
             if dtype in ("float32", "float64") and a.ndim == 1:
-                arrays[name] = a
-    modules = [m for m in batchnorm.groups(arrays) if batchnorm.eps_of(m, eps) is not None]
+                arrays[name], kinds[name] = a, (dtype, is_torch)
+    found = batchnorm.groups(arrays)
+    modules = [m for m in found if batchnorm.eps_of(m, eps) is not None]
     if isinstance(eps, Mapping):
-        unknown = sorted(set(eps) - set(batchnorm.groups(arrays)))
+        unknown = sorted(set(eps) - set(found))
         if unknown:
             raise ValueError(f"batchnorm_eps names no BatchNorm layer of the model: {', '.join(unknown[:5])}")
     user = dict(qp_overrides or {})
@@ -472,7 +473,7 @@ def _plan(model, qp, qp_1d, qp_density, qp_overrides, keep_exact, quantizer: _Qu
                                   " coarsely (leave the layer out of batchnorm_eps)")
         for suffix, value in zip(("weight", "bias"), new):
             name = f"{m}.{suffix}"
-            _, dtype, is_torch = tensor_to_numpy(ckpt.tensors[name])
+            dtype, is_torch = kinds[name]
             tensors[name] = numpy_to_tensor(value.astype(dtype), dtype, is_torch)
             by_name[name] = plan_one(name, tensors[name])
     ckpt = dataclasses.replace(ckpt, tensors=tensors)
