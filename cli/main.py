@@ -133,8 +133,9 @@ def _quant_options(f):
                           "(--qp-1d for biases and norms), every weight alike.")(f)
     f = click.option("--bn-eps", type=click.FloatRange(0.0, 1.0, min_open=True), default=None, metavar="EPS",
                      help="The eps of the model's BatchNorm layers (e.g. 1e-5, PyTorch's default; 1e-3 for "
-                          "TF-trained nets). Given, their running statistics are coded at the step of --qp "
-                          "and weight/bias compensate exactly (same eval-mode output, fewer bytes).")(f)
+                          "TF-trained nets). Given, their running statistics are coded to about 1% of each "
+                          "layer's typical channel (never finer than --qp) and weight/bias compensate "
+                          "exactly (same eval-mode output, fewer bytes).")(f)
     return f
 
 

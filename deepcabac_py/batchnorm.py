@@ -4,11 +4,12 @@ re-estimated for the quantized weights.
 In eval mode a BatchNorm maps each channel affinely: ``y = a * x + b`` with
 ``a = gamma / sqrt(var + eps)`` and ``b = beta - a * mean``. Its four tensors carry two numbers per
 channel, so the statistics need not be coded finely: :func:`compensate` takes them as the stream
-will carry them (``mean'``, ``var'``, at the step of ``qp``) and returns ``gamma' = a * sqrt(var' + eps)``
-and ``beta' = b + a * mean'``, which give back the same ``a`` and ``b``. The decoded layer computes the
-same function (up to the quantization error of ``gamma'`` and ``beta'``, coded as before), and its
-statistics stay within a step of the originals (the quantizer's effective step), so training can
-resume from them.
+will carry them (``mean'``, ``var'``) and returns ``gamma' = a * sqrt(var' + eps)`` and
+``beta' = b + a * (mean' - mean)``, which give back the same ``a`` and ``b``. The decoded layer
+computes the same function (up to the quantization error of ``gamma'`` and ``beta'``, coded as
+before). The statistics then matter only where training resumes (``gamma'`` and ``beta'`` stay close
+to the originals while they do), so their step follows the layer instead of ``qp``
+(:func:`statistics_qps`).
 ``encode_model(batchnorm_eps=...)`` does this; a state dict does not record ``eps``, so the caller
 gives it (:func:`epsilons` reads it from a torch model).
 
@@ -39,6 +40,11 @@ MEAN_SHIFT = 0.5
 # Variance ratios are taken with this fraction of the running variance added to both sides, so a
 # channel that is (nearly) constant on the calibration inputs keeps its variance.
 VAR_FLOOR = 1e-2
+# The precision of coded statistics, relative to a typical channel of their layer. They do not change
+# what the layer computes in eval mode (weight and bias compensate), only the point training would
+# resume from: about 1% of a typical standard deviation keeps that within the quantization error of
+# the weights, and costs about half the bits of the step of qp on EfficientNet-Lite0.
+STAT_PRECISION = 1.0 / 32
 
 
 def check_eps(batchnorm_eps) -> float | dict[str, float] | None:
@@ -87,6 +93,37 @@ def compensate(gamma, beta, mean, var, mean_coded, var_coded, eps: float) -> tup
     if not (np.isfinite(gamma_new).all() and np.isfinite(beta_new).all()):
         return None
     return gamma_new, beta_new
+
+
+def statistics_qps(mean, var, eps: float, qp: int, qp_density: int = 2) -> tuple[int, int]:
+    """The qps at which ``running_mean`` and ``running_var`` of one layer are coded: steps of about
+    ``STAT_PRECISION`` of the layer's median standard deviation (mean) and twice that of its median
+    variance (the relative error of a standard deviation is half its variance's), never finer than
+    ``qp``. Only finite values count; a layer without any gets ``qp``."""
+    v = np.asarray(var, dtype=np.float64)
+    m = np.asarray(mean, dtype=np.float64)
+    v = v[np.isfinite(v) & (v > -eps)] + eps
+    if v.size == 0 or not np.isfinite(m).all():
+        return qp, qp
+    typical_var = float(np.median(v))
+    return (_coarsest_qp(STAT_PRECISION * math.sqrt(typical_var), qp, qp_density),
+            _coarsest_qp(2.0 * STAT_PRECISION * typical_var, qp, qp_density))
+
+
+def _coarsest_qp(step: float, qp: int, qp_density: int) -> int:
+    """The largest qp >= ``qp`` whose step is at most ``step`` (``qp`` if there is none)."""
+    from .quantize import QP_MAX, step_from_qp
+
+    if not (step > 0.0 and math.isfinite(step)) or step_from_qp(qp, qp_density) >= step:
+        return qp
+    per_octave = 1 << qp_density
+    # a first guess from the logarithm, then exact steps on the qp grid
+    best = max(qp, min(QP_MAX, math.floor(per_octave * math.log2(step)) + per_octave))
+    while best > qp and step_from_qp(best, qp_density) > step:
+        best -= 1
+    while best < QP_MAX and step_from_qp(best + 1, qp_density) <= step:
+        best += 1
+    return best
 
 
 def epsilons(model) -> dict[str, float]:

@@ -424,7 +424,7 @@ def _plan_model(model, qp, qp_1d, qp_density, qp_overrides, keep_exact,
 
 def _plan(model, qp, qp_1d, qp_density, qp_overrides, keep_exact, quantizer: _Quantizer,
           batchnorm_eps) -> tuple[Checkpoint, list[_Plan], int]:
-    """:func:`_plan_model`, with the BatchNorm statistics coded at the step of ``qp`` and their
+    """:func:`_plan_model`, with the BatchNorm statistics coded coarsely (``batchnorm.statistics_qps``) and their
     layers' ``weight`` and ``bias`` compensating exactly (:mod:`deepcabac_py.batchnorm`) when
     ``batchnorm_eps`` is given."""
     from . import batchnorm
@@ -448,9 +448,11 @@ def _plan(model, qp, qp_1d, qp_density, qp_overrides, keep_exact, quantizer: _Qu
     user = dict(qp_overrides or {})
     overrides = dict(user)
     for m in modules:
-        for stat in batchnorm.STATISTICS:
+        qps = batchnorm.statistics_qps(arrays[f"{m}.running_mean"], arrays[f"{m}.running_var"],
+                                       batchnorm.eps_of(m, eps), qp, qp_density)
+        for stat, stat_qp in zip(batchnorm.STATISTICS, qps):
             if _lookup_qp(f"{m}.{stat}", user) is None:
-                overrides[f"{m}.{stat}"] = qp
+                overrides[f"{m}.{stat}"] = stat_qp
     ckpt, plans, qp_1d, plan_one = _plan_model(ckpt, qp, qp_1d, qp_density, overrides, keep_exact, quantizer)
     # The statistics exactly as the stream will carry them ...
     by_name = {p.entry.name: p for p in plans}
@@ -524,8 +526,9 @@ def encode_model(
     names/patterns) stores float tensors bit-exactly instead. Integer and boolean tensors are always lossless; non-tensor entries
     are kept. ``batchnorm_eps`` (the eps of the model's BatchNorm layers: one number, or module names
     to numbers; :func:`deepcabac_py.batchnorm.epsilons` reads them from a torch model) codes those
-    layers' running statistics at the step of ``qp`` and changes their ``weight`` and ``bias`` so
-    that each layer computes the same function in eval mode (:mod:`deepcabac_py.batchnorm`).
+    layers' running statistics coarsely (about 1% of each layer's typical channel, never finer than
+    ``qp``) and changes their ``weight`` and ``bias`` so that each layer computes the same function in
+    eval mode (:mod:`deepcabac_py.batchnorm`).
     The output is deterministic for the same input and settings, whatever ``threads`` is.
     """
     threads = _resolve_threads(threads)

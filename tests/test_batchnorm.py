@@ -13,6 +13,7 @@ import deepcabac_py as dc
 from deepcabac_py.cli.main import main as cli
 from deepcabac_py import batchnorm
 from deepcabac_py.errors import CheckpointError
+from deepcabac_py.quantize import QP_MAX
 
 EPS = 1e-3
 
@@ -60,6 +61,34 @@ def test_compensate_keeps_the_eval_map(seed, step, eps):
     np.testing.assert_allclose(b1, b0, rtol=1e-12, atol=1e-12 * (1 + np.abs(b0).max()))
 
 
+@given(st.floats(1e-12, 1e12), st.integers(-120, 40), st.integers(0, 4))
+def test_coarsest_qp_is_the_largest_qp_within_the_step(step, qp, density):
+    got = batchnorm._coarsest_qp(step, qp, density)
+    if dc.step_from_qp(qp, density) >= step:
+        assert got == qp
+    else:
+        assert got >= qp and dc.step_from_qp(got, density) <= step
+        assert got == QP_MAX or dc.step_from_qp(got + 1, density) > step
+
+
+def test_statistics_qps_follow_the_layer_not_qp():
+    rng = np.random.default_rng(7)
+    mean = rng.standard_normal(64)
+    var = np.exp(rng.uniform(-2, 2, 64))
+    q_mean, q_var = batchnorm.statistics_qps(mean, var, EPS, -40)
+    typical = float(np.median(var + EPS))
+    for qp, target in ((q_mean, batchnorm.STAT_PRECISION * typical ** 0.5),
+                       (q_var, 2 * batchnorm.STAT_PRECISION * typical)):
+        assert dc.step_from_qp(qp, 2) <= target < dc.step_from_qp(qp + 1, 2)
+    # the same statistics scaled by 16 (their standard deviation by 4): two octaves coarser means,
+    # four octaves coarser variances
+    assert batchnorm.statistics_qps(4 * mean, 16 * var, 16 * EPS, -40) == (q_mean + 8, q_var + 16)
+    # never finer than qp, and qp for a layer with nothing finite to go by
+    assert batchnorm.statistics_qps(mean, var, EPS, 0) == (0, 0)
+    assert batchnorm.statistics_qps(mean, np.full(64, np.nan), EPS, -40) == (-40, -40)
+    assert batchnorm.statistics_qps(np.full(64, np.inf), var, EPS, -40) == (-40, -40)
+
+
 def test_compensate_refuses_impossible_variances():
     one = np.ones(3)
     assert batchnorm.compensate(one, one, one, np.array([1.0, -1.0, 1.0]), one, one, EPS) is None
@@ -83,11 +112,11 @@ def test_exact_weight_and_bias_keep_the_function(importance, quantizer):
     a1, b1 = _eval_map(out, "bn")
     np.testing.assert_allclose(a1, a0, rtol=2e-6)
     np.testing.assert_allclose(b1, b0, rtol=2e-6, atol=2e-6 * np.abs(b0).max())
-    step = dc.step_from_qp(-20, 2)
-    for stat in ("running_mean", "running_var"):
+    qps = batchnorm.statistics_qps(state["bn.running_mean"], state["bn.running_var"], EPS, -20)
+    for stat, qp in zip(("running_mean", "running_var"), qps):
         err = np.abs(out[f"bn.{stat}"].astype(np.float64) - state[f"bn.{stat}"])
         assert err.max() > 0  # coarse ...
-        assert err.max() <= 2 * step  # ... but within the trellis' effective step
+        assert err.max() <= 2 * dc.step_from_qp(qp, 2)  # ... but within the trellis' effective step
     assert len(data) < len(dc.encode_model(state, **kw))
 
 
@@ -98,7 +127,9 @@ def test_only_the_batchnorm_tensors_change():
     for name in ("conv.weight", "fc.weight", "fc.bias", "bn.num_batches_tracked"):
         assert np.array_equal(plain[name].levels, comp[name].levels), name
         assert plain[name].step == comp[name].step
-    assert comp["bn.running_var"].step == dc.step_from_qp(-24, 2)
+    qps = batchnorm.statistics_qps(state["bn.running_mean"], state["bn.running_var"], EPS, -24)
+    assert comp["bn.running_mean"].step == dc.step_from_qp(qps[0], 2)
+    assert comp["bn.running_var"].step == dc.step_from_qp(qps[1], 2)
     # what quantize_model reports is what the stream decodes to
     out = dc.decode_model(dc.encode_model(state, qp=-24, batchnorm_eps=EPS))
     for name, q in comp.items():
@@ -149,8 +180,9 @@ def test_cli_bn_eps(tmp_path):
         r = runner.invoke(cli, ["encode", str(path), "-o", str(tmp_path / name), "--qp", "-24", "-q", *extra])
         assert r.exit_code == 0, r.output
     out = dc.decode_model((tmp_path / "bn.dcb").read_bytes())
-    step = dc.step_from_qp(-24, 2)
-    assert np.abs(out["bn.running_var"] - _conv_bn_state(5)["bn.running_var"]).max() <= 2 * step
+    state = _conv_bn_state(5)
+    qp_var = batchnorm.statistics_qps(state["bn.running_mean"], state["bn.running_var"], 1e-3, -24)[1]
+    assert np.abs(out["bn.running_var"] - state["bn.running_var"]).max() <= 2 * dc.step_from_qp(qp_var, 2)
     r = runner.invoke(cli, ["encode", str(path), "-o", str(tmp_path / "x.dcb"), "--bn-eps", "0"])
     assert r.exit_code == 2
 
