@@ -15,6 +15,9 @@ Layout shared by CER and CSER (see ``matrix_formats`` for the full description):
 * ``gcnt``    tokens per group (nibbles for delta4); ``rowng`` groups per row; ``gval`` (CSER only)
   the rank of each group's value. CER has no ``gval``: group i of a row holds rank i + 1 (empty
   groups allowed).
+* ``"entries"`` coding (rows of tiny groups): no groups at all. ``tok`` holds every entry's
+  absolute column, ascending along the row, ``gval`` its rank (CER too), ``rowng`` the entries per
+  row; ``gcnt`` is empty and ``blk_grp`` equals ``blk_tok``.
 * ``blk_tok`` / ``blk_grp`` (uint32 [nblk + 1]): offsets into ``tok`` and the group arrays of every
   block of ``ROWS_PER_BLOCK`` rows, the only absolute pointers; rows inside a block are walked in order.
 
@@ -27,8 +30,9 @@ matmat, four rows of X at a time), then multiplied once by the group's value. ``
 exception for rows made of tiny groups (typically pruned and finely quantized layers, where most
 groups hold one to three entries): it writes each group's value once per entry into a scratch row
 and runs one multiply-add loop over the row, which is about three times faster there than a short
-loop per group. All sums are float32 in a fixed order, so results do not depend on the number of
-threads.
+loop per group. Where groups are tinier still (many distinct values, few entries per row), the
+"entries" coding drops groups altogether and ``_mv_entries`` looks each entry's value up by rank.
+All sums are float32 in a fixed order, so results do not depend on the number of threads.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ PAD_TOKENS = 4
 CODING_ABSOLUTE = 0
 CODING_DELTA8 = 1
 CODING_DELTA4 = 2
+CODING_ENTRIES = 3
 ESC8 = 255
 ESC4 = 15
 # Indices are cast to unsigned where they are used: Numba adds a negative-index wraparound to every
@@ -311,12 +316,42 @@ def _mv_d4(b0, b1, tok, gcnt, rowng, gval, blk_tok, blk_grp, values, x, xsum, y)
         y[r] = base + acc
 
 
+@kernel
+def _mv_entries(b0, b1, tok, gcnt, rowng, gval, blk_tok, blk_grp, values, x, xsum, y):
+    # One multiply-add per entry, its coefficient looked up by rank: where groups hold one or two
+    # entries, the per-group work of the other kernels costs more than the multiplications it saves.
+    if gval is not None:  # (always, in this coding; the test lets CER's grouped kernels compile)
+        m = y.shape[0]
+        v0 = values[0]
+        base = np.float32(v0 * xsum) if v0 != 0 else np.float32(0.0)
+        zero = np.float32(0.0)
+        t = np.int64(blk_tok[b0])
+        for r in range(b0 * ROWS_PER_BLOCK, min(m, b1 * ROWS_PER_BLOCK)):
+            e = t + np.int64(rowng[U(r)])
+            a0 = zero
+            a1 = zero
+            a2 = zero
+            a3 = zero
+            while t + 4 <= e:
+                a0 += (values[gval[U(t)]] - v0) * x[tok[U(t)]]
+                a1 += (values[gval[U(t + 1)]] - v0) * x[tok[U(t + 1)]]
+                a2 += (values[gval[U(t + 2)]] - v0) * x[tok[U(t + 2)]]
+                a3 += (values[gval[U(t + 3)]] - v0) * x[tok[U(t + 3)]]
+                t += 4
+            while t < e:
+                a0 += (values[gval[U(t)]] - v0) * x[tok[U(t)]]
+                t += 1
+            y[r] = base + ((a0 + a1) + (a2 + a3))
+
+
 @parallel_kernel
 def _mv_par(kind, nchunks, tok, gcnt, rowng, gval, blk_tok, blk_grp, values, x, xsum, y):
     for c in prange(nchunks):
         b0 = _chunk_bound(blk_tok, c, nchunks)
         b1 = _chunk_bound(blk_tok, c + 1, nchunks)
-        if kind == 0:
+        if kind == 4:
+            _mv_entries(b0, b1, tok, gcnt, rowng, gval, blk_tok, blk_grp, values, x, xsum, y)
+        elif kind == 0:
             _mv_abs(b0, b1, tok, gcnt, rowng, gval, blk_tok, blk_grp, values, x, xsum, y)
         elif kind == 1:
             _mv_abs_flat(b0, b1, tok, gcnt, rowng, gval, blk_tok, blk_grp, values, x, xsum, y)
@@ -343,14 +378,28 @@ def _mm(b0, b1, coding, tok, gcnt, rowng, gval, blk_tok, blk_grp, values, X, xsu
     cols = np.empty(X.shape[0] + 1, dtype=np.int64)
     t = np.int64(blk_tok[b0])
     g = np.int64(blk_grp[b0])
-    for r in range(b0 * ROWS_PER_BLOCK, min(m, b1 * ROWS_PER_BLOCK)):
-        if v0 != 0:
-            for j in range(nb):
-                Y[r, j] = v0 * xsum[j]
-        else:
-            for j in range(nb):
-                Y[r, j] = 0.0
+    r0 = b0 * ROWS_PER_BLOCK
+    r1 = min(m, b1 * ROWS_PER_BLOCK)
+    # The rows' starting values in one flat pass (Y is C-contiguous): a loop per row costs more than
+    # the products on nearly empty matrices.
+    flat = Y.reshape(-1)
+    if v0 != 0:
+        for k in range(r0 * nb, r1 * nb):
+            flat[U(k)] = v0 * xsum[U(k % nb)]
+    else:
+        for k in range(r0 * nb, r1 * nb):
+            flat[U(k)] = 0.0
+    for r in range(r0, r1):
         ng = np.int64(rowng[U(r)])
+        if coding == CODING_ENTRIES:
+            for k in range(t, t + ng):
+                rank = np.int64(gval[U(k)]) if gval is not None else np.int64(0)
+                cf = values[U(rank)] - v0
+                p0 = np.int64(tok[U(k)])
+                for j in range(nb):
+                    Y[r, j] += cf * X[U(p0), j]
+            t += ng
+            continue
         for i in range(ng):
             cnt = np.int64(gcnt[U(g)])
             if gval is None:
@@ -430,6 +479,12 @@ def _expand(b0, b1, coding, tok, gcnt, rowng, gval, blk_tok, blk_grp, values, ou
     for r in range(b0 * ROWS_PER_BLOCK, min(m, b1 * ROWS_PER_BLOCK)):
         out[r, :] = values[0]
         ng = np.int64(rowng[U(r)])
+        if coding == CODING_ENTRIES:
+            for k in range(t, t + ng):
+                rank = np.int64(gval[U(k)]) if gval is not None else np.int64(0)
+                out[r, tok[U(k)]] = values[U(rank)]
+            t += ng
+            continue
         for i in range(ng):
             cnt = np.int64(gcnt[U(g)])
             if gval is None:
@@ -622,3 +677,19 @@ def _build_fill(ranks, nranks, nchunks, coding, tok_off, grp_off, tok, gcnt, row
                 src += k
                 cnt[rk] = 0
             rowng[r] = g - grp_off[r]
+
+
+@parallel_kernel
+def _build_fill_entries(ranks, nchunks, tok_off, tok, rowng, gval):
+    """The "entries" coding: every non-implicit entry's column and rank, row after row."""
+    m, n = ranks.shape
+    for c in prange(nchunks):
+        for r in range(m * c // nchunks, m * (c + 1) // nchunks):
+            t = tok_off[r]
+            for j in range(n):
+                rk = ranks[r, j]
+                if rk != 0:
+                    tok[t] = j
+                    gval[t] = rk
+                    t += 1
+            rowng[r] = t - tok_off[r]

@@ -31,14 +31,20 @@ Arrays held (``.arrays``; ``.nbytes`` is the sum of their sizes, nothing else is
 ``blk_grp`` and the unit of work the threads split
 =========== ============================================================================
 
+The ``"entries"`` coding has no groups: ``tokens`` holds every stored entry's absolute column
+(ascending along the row), ``gval`` its rank (CER too), ``rowng`` the entries per row; there is no
+``gcnt`` and no ``blk_grp``. It suits rows whose groups would hold one to a few entries.
+
 ``coding="auto"`` (the default) trades bytes for speed. On large groups the codings decode at about
 1 : 1.6 : 3 the time per entry (absolute, delta8, delta4); on small groups, and wherever gaps are long
 (escapes), the delta codings fall much further behind while saving little. So it keeps "absolute"
 unless the non-empty groups hold at least :data:`AUTO_DELTA_MIN_GROUP` entries on average, and then
 moves to the next, slower coding only when that saves at least :data:`AUTO_DELTA_MIN_SAVING` of the
 bytes and stays cheap to decode: delta8 with at most :data:`AUTO_DELTA8_MAX_ESCAPES` escapes per
-group (an escape costs a mispredicted branch), delta4 with at most :data:`AUTO_DELTA4_MAX_TOKENS`
-nibbles per entry. Each coding can also be asked for explicitly.
+stored entry (an escape costs a mispredicted branch), delta4 with at most :data:`AUTO_DELTA4_MAX_TOKENS`
+nibbles per entry. Before all that, it drops the groups ("entries") where there are at least
+:data:`AUTO_ENTRIES_MIN_GROUPS` of them per stored entry. Each coding can also be asked for
+explicitly.
 
 Products run in Numba, multi-threaded across rows for large enough inputs, in float32 with a fixed
 summation order (results do not depend on the thread count). Implicit entries are skipped, so
@@ -63,6 +69,7 @@ __all__ = [
     "AUTO_DELTA8_MAX_ESCAPES",
     "AUTO_DELTA_MIN_GROUP",
     "AUTO_DELTA_MIN_SAVING",
+    "AUTO_ENTRIES_MIN_GROUPS",
     "CERMatrix",
     "CSERMatrix",
     "csr_nbytes",
@@ -72,24 +79,30 @@ __all__ = [
     "stream_format_sizes",
 ]
 
-CODINGS = ("absolute", "delta8", "delta4")
-_CODING_CODE = {"absolute": K.CODING_ABSOLUTE, "delta8": K.CODING_DELTA8, "delta4": K.CODING_DELTA4}
+CODINGS = ("absolute", "delta8", "delta4", "entries")
+_CODING_CODE = {"absolute": K.CODING_ABSOLUTE, "delta8": K.CODING_DELTA8, "delta4": K.CODING_DELTA4,
+                "entries": K.CODING_ENTRIES}
+# "auto" drops the groups ("entries") when there are at least this many per stored entry (groups of
+# five entries or fewer on average; CER counts its empty groups). Measured on the benchmark layers
+# (benchmarks/bench_matrix_formats.py): from about 0.2 up, matvec runs 1.2-2.5x faster that way;
+# below 0.1, grouping wins by up to 1.4x.
+AUTO_ENTRIES_MIN_GROUPS = 0.2
 AUTO_DELTA_MIN_SAVING = 0.2
 AUTO_DELTA_MIN_GROUP = 16
-AUTO_DELTA8_MAX_ESCAPES = 0.1
+AUTO_DELTA8_MAX_ESCAPES = 0.02  # per stored entry: an escape costs a mispredicted branch, ~15 entries
 AUTO_DELTA4_MAX_TOKENS = 1.5
 # Products estimated to take less than this (ns, one thread) run serially: waking the other threads
 # costs about 2-3 us.
 PARALLEL_MIN_NS = 6_000.0
 # matvec on one thread, by kernel family (fitted on the benchmark layers; delta4 per nibble)
-_NS_PER_TOKEN = (0.23, 0.31, 0.28, 0.39)
-_NS_PER_GROUP = (3.0, 0.6, 2.5, 6.0)
+_NS_PER_TOKEN = (0.23, 0.31, 0.28, 0.39, 0.35)
+_NS_PER_GROUP = (3.0, 0.6, 2.5, 6.0, 0.0)
 # Absolute-coded matrices with more groups than this per stored entry (tiny groups) or per row use
 # the flat matvec kernel (see _matrix_kernels): measured on the benchmark layers, a loop per group
 # loses up to 4x there, and wins by up to 1.7x on larger and fewer groups.
 FLAT_GROUPS_PER_ENTRY = 0.25
 FLAT_GROUPS_PER_ROW = 16
-_MV_SERIAL = (K._mv_abs, K._mv_abs_flat, K._mv_d8, K._mv_d4)
+_MV_SERIAL = (K._mv_abs, K._mv_abs_flat, K._mv_d8, K._mv_d4, K._mv_entries)
 _MAX_LEVEL_SPAN = 1 << 26  # level ranges up to this are counted with bincount, wider ones sorted
 
 
@@ -280,18 +293,25 @@ class _RowGroupedMatrix:
         per_row = {"absolute": stats[:, 0], "delta8": stats[:, 1], "delta4": stats[:, 2]}
         biggest = {"absolute": stats[:, 5], "delta8": stats[:, 6], "delta4": stats[:, 7]}
         sizes = {}
-        for c in CODINGS:
+        for c in ("absolute", "delta8", "delta4"):
             total = int(per_row[c].sum())
             itemsize = abs_dtype.itemsize if c == "absolute" else 1
             tok_bytes = (total + K.PAD_TOKENS) * itemsize
             big = int(biggest[c].max()) if m else 0
             meta = _uint_for(max(big, row_max, gval_max))
             sizes[c] = (tok_bytes + meta.itemsize * meta_arrays, meta)
+        entries = int(stats[:, 0].sum())
+        row_max_entries = int(stats[:, 0].max()) if m else 0
+        rank_dtype = _uint_for(max(nranks - 1, 0))
+        meta = _uint_for(row_max_entries)
+        sizes["entries"] = ((entries + K.PAD_TOKENS) * abs_dtype.itemsize + rank_dtype.itemsize * entries
+                            + meta.itemsize * m, meta)
+        if coding == "auto" and entries and ngroups >= AUTO_ENTRIES_MIN_GROUPS * entries:
+            coding = "entries"
         if coding == "auto":
-            entries = int(stats[:, 0].sum())
             groups = max(int(stats[:, 4].sum()), 1)
             usable = {
-                "delta8": int(stats[:, 1].sum()) - entries <= AUTO_DELTA8_MAX_ESCAPES * groups,
+                "delta8": int(stats[:, 1].sum()) - entries <= AUTO_DELTA8_MAX_ESCAPES * entries,
                 "delta4": int(stats[:, 8].sum()) <= AUTO_DELTA4_MAX_TOKENS * entries,
             }
             coding = "absolute"
@@ -301,6 +321,8 @@ class _RowGroupedMatrix:
                         coding = c
         meta_dtype = sizes[coding][1]
 
+        if coding == "entries":
+            return cls._build_entries(ranks, values, levels, step, entries, meta_dtype, rank_dtype, abs_dtype)
         tok_off = np.zeros(m + 1, dtype=np.int64)
         np.cumsum(per_row[coding], out=tok_off[1:])
         grp_off = np.zeros(m + 1, dtype=np.int64)
@@ -324,6 +346,24 @@ class _RowGroupedMatrix:
                    gcnt=gcnt, rowng=rowng, gval=gval, blk_tok=blk_tok, blk_grp=blk_grp,
                    nnz=int(stats[:, 0].sum()))
 
+    @classmethod
+    def _build_entries(cls, ranks, values, levels, step, entries: int, meta_dtype, rank_dtype, abs_dtype):
+        m, n = ranks.shape
+        if entries > np.iinfo(np.uint32).max:
+            raise ValueError("matrix too large: more than 2**32 - 1 entries")
+        tok = np.zeros(entries + K.PAD_TOKENS, dtype=abs_dtype)
+        rowng = np.zeros(m, dtype=meta_dtype)
+        gval = np.zeros(entries, dtype=rank_dtype)
+        tok_off = np.zeros(m + 1, dtype=np.int64)
+        if entries:
+            np.cumsum(np.count_nonzero(ranks, axis=1), out=tok_off[1:])
+            K._build_fill_entries(ranks, _build_chunks(m * n), tok_off, tok, rowng, gval)
+        nblk = (m + K.ROWS_PER_BLOCK - 1) // K.ROWS_PER_BLOCK
+        blk_tok = tok_off[np.minimum(np.arange(nblk + 1) * K.ROWS_PER_BLOCK, m)].astype(np.uint32)
+        return cls(shape=(m, n), values=values, levels=levels, step=step, coding="entries", tokens=tok,
+                   gcnt=np.zeros(0, dtype=meta_dtype), rowng=rowng, gval=gval, blk_tok=blk_tok,
+                   blk_grp=blk_tok, nnz=entries)
+
     # -- description -------------------------------------------------------------------------------
 
     @property
@@ -336,7 +376,8 @@ class _RowGroupedMatrix:
 
     @property
     def coding(self) -> str:
-        """How column indices are stored: ``"absolute"``, ``"delta8"`` or ``"delta4"``."""
+        """How rows are stored: groups with ``"absolute"``, ``"delta8"`` or ``"delta4"`` column
+        tokens, or ``"entries"`` (no groups: every entry with its column and rank)."""
         return self._coding
 
     @property
@@ -375,11 +416,15 @@ class _RowGroupedMatrix:
     @property
     def arrays(self) -> dict[str, np.ndarray]:
         """Every array the matrix holds, by name (shared, not copies: do not modify)."""
-        out = {"values": self._values, "tokens": self._tokens, "gcnt": self._gcnt, "rowng": self._rowng}
+        out = {"values": self._values, "tokens": self._tokens}
+        if self._coding != "entries":
+            out["gcnt"] = self._gcnt
+        out["rowng"] = self._rowng
         if self._gval is not None:
             out["gval"] = self._gval
         out["blk_tok"] = self._blk_tok
-        out["blk_grp"] = self._blk_grp
+        if self._coding != "entries":  # (the same offsets as blk_tok there)
+            out["blk_grp"] = self._blk_grp
         if self._levels is not None:
             out["levels"] = self._levels
         return out
@@ -419,10 +464,12 @@ class _RowGroupedMatrix:
 
     @property
     def _kind(self) -> int:
-        """Which kernel family runs matvec: 0 absolute, 1 absolute flat, 2 delta8, 3 delta4."""
+        """Which kernel family runs matvec: 0 absolute, 1 absolute flat, 2 delta8, 3 delta4, 4 entries."""
         kind = self.__dict__.get("_kind_cache")
         if kind is None:
-            if self._coding == "absolute":
+            if self._coding == "entries":
+                kind = 4
+            elif self._coding == "absolute":
                 groups = self._gcnt.size
                 flat = (groups > FLAT_GROUPS_PER_ENTRY * max(self._nnz, 1)
                         or groups > FLAT_GROUPS_PER_ROW * self._shape[0])
@@ -491,12 +538,15 @@ class _RowGroupedMatrix:
         X is used C-contiguous (copied if it is not), so the B inputs of one column are adjacent.
         """
         m, n = self._shape
-        Xa = np.asarray(X)
-        if Xa.ndim != 2 or Xa.shape[0] != n:
-            raise ValueError(f"X must have shape ({n}, B), got {Xa.shape}")
-        if not (np.issubdtype(Xa.dtype, np.floating) or np.issubdtype(Xa.dtype, np.integer)):
-            raise ValueError(f"X must hold numbers, got dtype {Xa.dtype}")
-        Xa = np.ascontiguousarray(Xa, dtype=np.float32)
+        Xa = X
+        if not (type(X) is np.ndarray and X.dtype == np.float32 and X.ndim == 2 and X.shape[0] == n
+                and X.flags.c_contiguous):
+            Xa = np.asarray(X)
+            if Xa.ndim != 2 or Xa.shape[0] != n:
+                raise ValueError(f"X must have shape ({n}, B), got {Xa.shape}")
+            if not (np.issubdtype(Xa.dtype, np.floating) or np.issubdtype(Xa.dtype, np.integer)):
+                raise ValueError(f"X must hold numbers, got dtype {Xa.dtype}")
+            Xa = np.ascontiguousarray(Xa, dtype=np.float32)
         nb = Xa.shape[1]
         Y = np.empty((m, nb), dtype=np.float32)
         if m == 0 or nb == 0:
@@ -506,7 +556,10 @@ class _RowGroupedMatrix:
             return Y
         v0 = self._values[0]
         xsum = Xa.sum(axis=0, dtype=np.float64).astype(np.float32) if v0 != 0 else np.zeros(nb, np.float32)
-        nch = self._chunks(nb)
+        parallel = self.__dict__.setdefault("_mm_parallel", {})  # per batch size (a call costs microseconds)
+        if nb not in parallel:
+            parallel[nb] = self._chunks(nb) > 1
+        nch = numba.get_num_threads() if parallel[nb] else 1
         code = _CODING_CODE[self._coding]
         if nch > 1:
             K._mm_par(nch, code, *self._args(), self._values, Xa, xsum, Y)

@@ -22,8 +22,8 @@ from deepcabac_py.torch_modules import CompressedConv2d, CompressedLinear, compr
 ROOT = Path(__file__).resolve().parent.parent
 DIGITS = ROOT / "models" / "digits_cnn.safetensors"
 FORMATS = (CERMatrix, CSERMatrix)
-CODINGS = ("absolute", "delta8", "delta4")
-KINDS = {"absolute": 0, "flat": 1, "delta8": 2, "delta4": 3}
+CODINGS = ("absolute", "delta8", "delta4", "entries")
+KINDS = {"absolute": 0, "flat": 1, "delta8": 2, "delta4": 3, "entries": 4}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -70,6 +70,15 @@ def force(monkeypatch):
 def reference_groups(mat):
     """For every row, the list of (rank, [columns]) read from the stored arrays."""
     a = mat.arrays
+    if mat.coding == "entries":  # no groups: each entry alone, with its column and rank
+        tok, rowng, gval = a["tokens"], a["rowng"], a["gval"]
+        assert "gcnt" not in a and "blk_grp" not in a
+        rows, t = [], 0
+        for r in range(mat.shape[0]):
+            rows.append([(int(gval[k]), [int(tok[k])]) for k in range(t, t + int(rowng[r]))])
+            t += int(rowng[r])
+        assert t == gval.size == mat.nnz
+        return rows
     tok, gcnt, rowng = a["tokens"], a["gcnt"], a["rowng"]
     gval = a.get("gval")
     coding = mat.coding
@@ -221,11 +230,21 @@ def test_auto_coding_and_cer_vs_cser_sizes():
     dense_lv = rng.choice(np.array([-1, 0, 1, 2], np.int32), size=(64, 1000), p=[0.2, 0.5, 0.2, 0.1])
     assert CSERMatrix.from_levels(dense_lv, 1.0).coding in ("delta8", "delta4")  # big groups, short gaps
     high_entropy = random_levels(rng, 64, 1000, zero_frac=0.05, spread=40)  # long gaps in every group
-    assert CSERMatrix.from_levels(high_entropy, 1.0).coding == "absolute"
-    sparse_lv = random_levels(rng, 64, 1000, zero_frac=0.97, spread=80)  # tiny groups: absolute wins
+    assert CSERMatrix.from_levels(high_entropy, 1.0).coding in ("absolute", "entries")  # no gap coding
+    sparse_lv = random_levels(rng, 64, 1000, zero_frac=0.97, spread=80)  # tiny groups: no groups at all
     cer, cser = CERMatrix.from_levels(sparse_lv, 1.0), CSERMatrix.from_levels(sparse_lv, 1.0)
-    assert cser.coding == "absolute"
-    assert cser.nbytes < cer.nbytes  # many values per matrix, few per row: CER pays for empty groups
+    assert cer.coding == cser.coding == "entries"
+    assert cser.nbytes < CSERMatrix.from_levels(sparse_lv, 1.0, coding="absolute").nbytes
+    # many values per matrix, few per row: grouped CER pays for empty groups
+    assert (CSERMatrix.from_levels(sparse_lv, 1.0, coding="absolute").nbytes
+            < CERMatrix.from_levels(sparse_lv, 1.0, coding="absolute").nbytes)
+    # the switch follows the groups per entry (CER counting its empty ones)
+    mid_lv = random_levels(np.random.default_rng(11), 64, 1000, zero_frac=0.7, spread=5)
+    groups = {cls: cls.from_levels(mid_lv, 1.0, coding="absolute")._gcnt.size for cls in FORMATS}
+    nnz = CSERMatrix.from_levels(mid_lv, 1.0).nnz
+    assert groups[CSERMatrix] < mf.AUTO_ENTRIES_MIN_GROUPS * nnz <= groups[CERMatrix]
+    assert CSERMatrix.from_levels(mid_lv, 1.0).coding == "absolute"
+    assert CERMatrix.from_levels(mid_lv, 1.0).coding == "entries"
     for coding in CODINGS:
         chosen = CSERMatrix.from_levels(dense_lv, 1.0, coding=coding)
         assert chosen.coding == coding
@@ -262,7 +281,7 @@ PRODUCT_CASES = [  # (m, n, zero_frac, spread, offset)
 
 @pytest.mark.parametrize("case", PRODUCT_CASES)
 @pytest.mark.parametrize("cls", FORMATS)
-@pytest.mark.parametrize("path", ["absolute", "flat", "delta8", "delta4"])
+@pytest.mark.parametrize("path", ["absolute", "flat", "delta8", "delta4", "entries"])
 @pytest.mark.parametrize("parallel", [False, True])
 def test_products_match_numpy_and_reference(case, cls, path, parallel, force):
     m, n, zf, spread, offset = case
