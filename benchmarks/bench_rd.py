@@ -50,7 +50,11 @@ ours/NNCodec are checked against the issue's limits: "default" <= 0.93, "importa
 four points; configurations running the trellis need NNCodec encode s / ours >= 10 (encode times are
 interpolated the same way; both codecs single thread). The last column divides each configuration's
 decode time by the "nearest" curve's at the same fidelity (the issue: a trellis stream decodes no
-slower than plain rounding's); use --repeats 3 on an idle machine for it.
+slower than plain rounding's). Decode times of points measured minutes apart differ by a few percent
+on a shared machine, so --decode-rounds N re-times the points that the interpolation at each target
+uses, for "nearest" and every configuration without recalibration: their streams are made again
+(the same bytes) and decoded in N interleaved rounds, one decode of each stream per round, and each
+point keeps the median. Use it on an idle machine.
 
 Timing: bytes and fidelity are deterministic, times are not. Cached NNCodec points keep the times of
 the run that made them, so on a shared machine the speed-ups compare moments of different load; every
@@ -61,6 +65,7 @@ takes about 15 minutes).
     .venv/bin/python benchmarks/bench_rd.py [--models minilm,effnet] [--configs nearest,default,...]
         [--config NAME=JSON] [--qps -40:-20:2 | --qps minilm=-40:-20:2 --qps effnet=-36,-32]
         [--peer-qps ...] [--fresh-peer] [--quick] [--repeats 1] [--peer-repeats 1] [--threads 1]
+        [--decode-rounds 0]
         [--effnet-calib cifar|split] [--max-extend 4] [--json]
 
 NNCodec runs in its own venv through benchmarks/peer_nncodec.py (see benchmarks/setup.sh); each of its
@@ -825,6 +830,8 @@ def parse_args(argv=None):
     ap.add_argument("--quick", action="store_true", help="qp step 4 instead of 2")
     ap.add_argument("--repeats", type=int, default=1, help="timed runs of our encode/decode per point")
     ap.add_argument("--peer-repeats", type=int, default=1, help="timed runs of NNCodec per point")
+    ap.add_argument("--decode-rounds", type=int, default=0,
+                    help="re-time the decodes the decode-ratio column uses, in N interleaved rounds")
     ap.add_argument("--threads", type=int, default=1, help="our encode/decode threads (NNCodec: always 1)")
     ap.add_argument("--effnet-calib", choices=("cifar", "split"), default="cifar")
     ap.add_argument("--torch-threads", type=int, default=0, help="for evaluation/calibration (0: torch's)")
@@ -877,6 +884,7 @@ def run_model(args, model: str, dc, configs: dict) -> dict:
     r["configs"]["NNCodec"] = {"settings": PEER_SETTINGS, "qp": "swept"}
 
     done: dict[str, str] = {}
+    plain_kwargs: dict[str, dict] = {}  # configurations whose streams can be made again by encode_model
     for name, (spec, note) in configs.items():
         spec = for_model(spec, h.bn_eps)
         key = canonical(dc, spec)
@@ -899,7 +907,38 @@ def run_model(args, model: str, dc, configs: dict) -> dict:
         r["quantizers"][name] = effective_quantizer(dc, spec)
         r["configs"][name] = {"kwargs": spec, "note": note}
         done[key] = name
+        if not spec.get(RECALIBRATE):
+            plain_kwargs[name] = kwargs
+    if args.decode_rounds > 0 and "nearest" in plain_kwargs:
+        log(f"{MODEL_LABEL[model]}: decodes again, {args.decode_rounds} interleaved rounds ...")
+        retime_decodes(args, h, dc, r, model, plain_kwargs)
     return r
+
+
+def retime_decodes(args, h, dc, r, model: str, kwargs_by_name: dict) -> None:
+    """The decode time of every point an interpolation at a target uses, measured again in
+    ``args.decode_rounds`` interleaved rounds (one decode of each stream per round, so that drifts
+    of the machine's speed hit every curve alike); each point keeps the median."""
+    weights = bm.ours_input(dc, h.weights)[0]
+    streams = {}
+    for name, kwargs in kwargs_by_name.items():
+        for target in TARGETS[model]:
+            ip = interpolate(r["curves"][name], model, target)
+            for qp in set(ip["between_qps"] or ()):
+                if (name, qp) not in streams:
+                    point = next(p for p in r["curves"][name] if p["qp"] == qp)
+                    data = dc.encode_model(weights, qp=qp, threads=args.threads, **kwargs)
+                    if len(data) != point["bytes"]:
+                        raise RuntimeError(f"{name} at qp {qp}: {len(data)} bytes now, {point['bytes']} in the sweep")
+                    streams[(name, qp)] = (point, data)
+    times = {key: [] for key in streams}
+    for _ in range(args.decode_rounds):
+        for key, (_, data) in streams.items():
+            t0 = time.perf_counter()
+            dc.decode_model(data, threads=args.threads)
+            times[key].append(time.perf_counter() - t0)
+    for key, (point, _) in streams.items():
+        point.update(decode_s=statistics.median(times[key]), decode_s_all=times[key], decode_rounds=args.decode_rounds)
 
 
 def finite_or_none(obj):
