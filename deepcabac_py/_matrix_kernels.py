@@ -320,7 +320,7 @@ def _mv_d4(b0, b1, tok, gcnt, rowng, gval, blk_tok, blk_grp, values, x, xsum, y)
 def _mv_entries(b0, b1, tok, gcnt, rowng, gval, blk_tok, blk_grp, values, x, xsum, y):
     # One multiply-add per entry, its coefficient looked up by rank: where groups hold one or two
     # entries, the per-group work of the other kernels costs more than the multiplications it saves.
-    if gval is not None:  # (always, in this coding; the test lets CER's grouped kernels compile)
+    if gval is not None:  # (always in this coding: the test only lets _mv_par compile for grouped CER)
         m = y.shape[0]
         v0 = values[0]
         base = np.float32(v0 * xsum) if v0 != 0 else np.float32(0.0)

@@ -114,15 +114,13 @@ def _coarsest_qp(step: float, qp: int, qp_density: int) -> int:
     """The largest qp >= ``qp`` whose step is at most ``step`` (``qp`` if there is none)."""
     from .quantize import QP_MAX, step_from_qp
 
-    if not (step > 0.0 and math.isfinite(step)) or step_from_qp(qp, qp_density) >= step:
-        return qp
-    per_octave = 1 << qp_density
-    # a first guess from the logarithm, then exact steps on the qp grid
-    best = max(qp, min(QP_MAX, math.floor(per_octave * math.log2(step)) + per_octave))
-    while best > qp and step_from_qp(best, qp_density) > step:
-        best -= 1
-    while best < QP_MAX and step_from_qp(best + 1, qp_density) <= step:
-        best += 1
+    best = qp
+    if math.isfinite(step):
+        try:
+            while best < QP_MAX and step_from_qp(best + 1, qp_density) <= step:
+                best += 1
+        except ValueError:  # the next step leaves float64
+            pass
     return best
 
 

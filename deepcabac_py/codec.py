@@ -424,9 +424,9 @@ def _plan_model(model, qp, qp_1d, qp_density, qp_overrides, keep_exact,
 
 def _plan(model, qp, qp_1d, qp_density, qp_overrides, keep_exact, quantizer: _Quantizer,
           batchnorm_eps) -> tuple[Checkpoint, list[_Plan], int]:
-    """:func:`_plan_model`, with the BatchNorm statistics coded coarsely (``batchnorm.statistics_qps``) and their
-    layers' ``weight`` and ``bias`` compensating exactly (:mod:`deepcabac_py.batchnorm`) when
-    ``batchnorm_eps`` is given."""
+    """:func:`_plan_model`, with the BatchNorm statistics coded coarsely
+    (:func:`~deepcabac_py.batchnorm.statistics_qps`) and their layers' ``weight`` and ``bias``
+    compensating exactly (:mod:`deepcabac_py.batchnorm`) when ``batchnorm_eps`` is given."""
     from . import batchnorm
 
     eps = batchnorm.check_eps(batchnorm_eps)

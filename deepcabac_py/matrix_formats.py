@@ -149,6 +149,19 @@ def csr_nbytes(levels, *, value_itemsize: int = 4, index_itemsize: int = 4, poin
 # --------------------------------------------------------------------------------------------------
 
 
+def _float32_operand(a, ndim: int, n: int, name: str, expected: str) -> np.ndarray:
+    """A product's operand as a C-contiguous float32 array with ``ndim`` dimensions, the first of
+    length ``n``: as given when it already is one (a product costs microseconds), else converted."""
+    if type(a) is np.ndarray and a.dtype == np.float32 and a.ndim == ndim and a.shape[0] == n and a.flags.c_contiguous:
+        return a
+    v = np.asarray(a)
+    if v.ndim != ndim or v.shape[0] != n:
+        raise ValueError(f"{name} must be {expected}, got shape {v.shape}")
+    if not (np.issubdtype(v.dtype, np.floating) or np.issubdtype(v.dtype, np.integer)):
+        raise ValueError(f"{name} must hold numbers, got dtype {v.dtype}")
+    return np.ascontiguousarray(v, dtype=np.float32)
+
+
 def _integer_matrix(arr, what: str) -> np.ndarray:
     a = np.asarray(arr)
     if a.ndim != 2:
@@ -301,13 +314,10 @@ class _RowGroupedMatrix:
             meta = _uint_for(max(big, row_max, gval_max))
             sizes[c] = (tok_bytes + meta.itemsize * meta_arrays, meta)
         entries = int(stats[:, 0].sum())
-        row_max_entries = int(stats[:, 0].max()) if m else 0
-        rank_dtype = _uint_for(max(nranks - 1, 0))
-        meta = _uint_for(row_max_entries)
-        sizes["entries"] = ((entries + K.PAD_TOKENS) * abs_dtype.itemsize + rank_dtype.itemsize * entries
-                            + meta.itemsize * m, meta)
         if coding == "auto" and entries and ngroups >= AUTO_ENTRIES_MIN_GROUPS * entries:
             coding = "entries"
+        if coding == "entries":
+            return cls._build_entries(ranks, values, levels, step, stats[:, 0], abs_dtype)
         if coding == "auto":
             groups = max(int(stats[:, 4].sum()), 1)
             usable = {
@@ -321,8 +331,6 @@ class _RowGroupedMatrix:
                         coding = c
         meta_dtype = sizes[coding][1]
 
-        if coding == "entries":
-            return cls._build_entries(ranks, values, levels, step, entries, meta_dtype, rank_dtype, abs_dtype)
         tok_off = np.zeros(m + 1, dtype=np.int64)
         np.cumsum(per_row[coding], out=tok_off[1:])
         grp_off = np.zeros(m + 1, dtype=np.int64)
@@ -347,16 +355,18 @@ class _RowGroupedMatrix:
                    nnz=int(stats[:, 0].sum()))
 
     @classmethod
-    def _build_entries(cls, ranks, values, levels, step, entries: int, meta_dtype, rank_dtype, abs_dtype):
+    def _build_entries(cls, ranks, values, levels, step, row_entries: np.ndarray, abs_dtype):
         m, n = ranks.shape
+        tok_off = np.zeros(m + 1, dtype=np.int64)
+        np.cumsum(row_entries, out=tok_off[1:])
+        entries = int(tok_off[-1])
         if entries > np.iinfo(np.uint32).max:
             raise ValueError("matrix too large: more than 2**32 - 1 entries")
+        meta_dtype = _uint_for(int(row_entries.max()) if m else 0)
         tok = np.zeros(entries + K.PAD_TOKENS, dtype=abs_dtype)
         rowng = np.zeros(m, dtype=meta_dtype)
-        gval = np.zeros(entries, dtype=rank_dtype)
-        tok_off = np.zeros(m + 1, dtype=np.int64)
+        gval = np.zeros(entries, dtype=_uint_for(max(values.size - 1, 0)))
         if entries:
-            np.cumsum(np.count_nonzero(ranks, axis=1), out=tok_off[1:])
             K._build_fill_entries(ranks, _build_chunks(m * n), tok_off, tok, rowng, gval)
         nblk = (m + K.ROWS_PER_BLOCK - 1) // K.ROWS_PER_BLOCK
         blk_tok = tok_off[np.minimum(np.arange(nblk + 1) * K.ROWS_PER_BLOCK, m)].astype(np.uint32)
@@ -505,14 +515,7 @@ class _RowGroupedMatrix:
     def matvec(self, x) -> np.ndarray:
         """``W @ x`` for a vector of length n, in float32."""
         m, n = self._shape
-        if not (type(x) is np.ndarray and x.dtype == np.float32 and x.ndim == 1 and x.shape[0] == n
-                and x.flags.c_contiguous):
-            xv = np.asarray(x)
-            if xv.ndim != 1 or xv.shape[0] != n:
-                raise ValueError(f"x must be a vector of length {n}, got shape {xv.shape}")
-            if not (np.issubdtype(xv.dtype, np.floating) or np.issubdtype(xv.dtype, np.integer)):
-                raise ValueError(f"x must hold numbers, got dtype {xv.dtype}")
-            x = np.ascontiguousarray(xv, dtype=np.float32)
+        x = _float32_operand(x, 1, n, "x", f"a vector of length {n}")
         y = np.empty(m, dtype=np.float32)
         if m == 0 or n == 0:
             y[:] = 0.0
@@ -538,15 +541,7 @@ class _RowGroupedMatrix:
         X is used C-contiguous (copied if it is not), so the B inputs of one column are adjacent.
         """
         m, n = self._shape
-        Xa = X
-        if not (type(X) is np.ndarray and X.dtype == np.float32 and X.ndim == 2 and X.shape[0] == n
-                and X.flags.c_contiguous):
-            Xa = np.asarray(X)
-            if Xa.ndim != 2 or Xa.shape[0] != n:
-                raise ValueError(f"X must have shape ({n}, B), got {Xa.shape}")
-            if not (np.issubdtype(Xa.dtype, np.floating) or np.issubdtype(Xa.dtype, np.integer)):
-                raise ValueError(f"X must hold numbers, got dtype {Xa.dtype}")
-            Xa = np.ascontiguousarray(Xa, dtype=np.float32)
+        Xa = _float32_operand(X, 2, n, "X", f"of shape ({n}, B)")
         nb = Xa.shape[1]
         Y = np.empty((m, nb), dtype=np.float32)
         if m == 0 or nb == 0:
