@@ -50,10 +50,7 @@ ours/NNCodec are checked against the issue's limits: "default" <= 0.93, "importa
 four points; configurations running the trellis need NNCodec encode s / ours >= 10 (encode times are
 interpolated the same way; both codecs single thread). The last column divides each configuration's
 decode time by the "nearest" curve's at the same fidelity (the issue: a trellis stream decodes no
-slower than plain rounding's). The last column is a second estimate of the byte ratio, not checked
-against the limits: each curve's log(bytes) fitted by least squares, linear in the same quality axis,
-through its 6 points nearest the target (a curve's lucky point moves the Pareto front, much less the
-fit). Decode times of points measured minutes apart differ by a few percent
+slower than plain rounding's). Decode times of points measured minutes apart differ by a few percent
 on a shared machine, so --decode-rounds N re-times the points that the interpolation at each target
 uses, for "nearest" and every configuration without recalibration: their streams are made again
 (the same bytes) and decoded in N interleaved rounds, one decode of each stream per round, and each
@@ -504,26 +501,6 @@ def interpolate(points: list[dict], model: str, target: float) -> dict:
     return {"bytes": math.nan, "encode_s": math.nan, "decode_s": math.nan, "between_qps": None, "bracketed": False}
 
 
-FIT_POINTS = 6
-
-
-def fitted_bytes(points: list[dict], model: str, target: float, k: int = FIT_POINTS) -> float:
-    """log(bytes) at the target from a least-squares line in quality through the k points nearest
-    to it (all points, not only the Pareto front): a second estimate that a single lucky point on
-    a bumpy curve moves much less than the front does. NaN with fewer than 3 points or without
-    points on both sides of the target."""
-    qt = quality(model, target)
-    near = sorted(points, key=lambda p: abs(quality(model, p["fidelity"]) - qt))[:k]
-    xs = [quality(model, p["fidelity"]) for p in near]
-    if len(near) < 3 or not (min(xs) <= qt <= max(xs)):
-        return math.nan
-    ys = [math.log(p["bytes"]) for p in near]
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    sxx = sum((x - mx) ** 2 for x in xs)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx > 0 else 0.0
-    return math.exp(my + slope * (qt - mx))
-
-
 def widen(points: list[dict], model: str, step: int) -> list[int]:
     """qps to add so that the measured fidelities bracket every target (lower qp = finer)."""
     qs = [quality(model, p["fidelity"]) for p in points]
@@ -763,13 +740,12 @@ def fmt_ratio(x: float) -> str:
 def compare(results: dict, dc) -> tuple[str, dict]:
     """Interpolated byte ratios and encode speed-ups at the target points, and the pass/fail summary."""
     rows = [["model", "target", "NNCodec bytes", "config", "ours bytes", "ours/NNC", "required",
-             "NNC enc s", "ours enc s", "enc speedup", "dec s / nearest's", f"fitted ({FIT_POINTS} pts)"]]
+             "NNC enc s", "ours enc s", "enc speedup", "dec s / nearest's"]]
     verdict: dict[str, dict[str, list[bool]]] = {}
     for model, r in results.items():
         peer = r["curves"]["NNCodec"]
         for target in TARGETS[model]:
             ip = interpolate(peer, model, target)
-            ip["fitted_bytes"] = fitted_bytes(peer, model, target)
             r["interp"].setdefault("NNCodec", {})[str(target)] = ip
             # the issue's decode requirement: no slower than plain rounding at equal fidelity
             near = interpolate(r["curves"]["nearest"], model, target) if "nearest" in r["curves"] else None
@@ -782,9 +758,7 @@ def compare(results: dict, dc) -> tuple[str, dict]:
                 speed = ip["encode_s"] / io["encode_s"]
                 trellis = "trellis" in (r["quantizers"].get(name) or "")
                 req = REQUIRED_BYTE_RATIO.get(name)
-                io["fitted_bytes"] = fitted_bytes(pts, model, target)
-                fitted_ratio = io["fitted_bytes"] / ip["fitted_bytes"]
-                io.update(ratio=ratio, speedup=speed, required_ratio=req, fitted_ratio=fitted_ratio,
+                io.update(ratio=ratio, speedup=speed, required_ratio=req,
                           required_speedup=REQUIRED_SPEEDUP if trellis else None)
                 r["interp"].setdefault(name, {})[str(target)] = io
                 ok_b = None if req is None else (ratio <= req)
@@ -803,8 +777,7 @@ def compare(results: dict, dc) -> tuple[str, dict]:
                              fmt_ratio(ratio), req_txt,
                              f"{ip['encode_s']:.2f}" if ip["encode_s"] == ip["encode_s"] else "-",
                              f"{io['encode_s']:.2f}" if io["encode_s"] == io["encode_s"] else "-", sp_txt,
-                             fmt_ratio(io["decode_s"] / near["decode_s"]) if near and name != "nearest" else "-",
-                             fmt_ratio(fitted_ratio)])
+                             fmt_ratio(io["decode_s"] / near["decode_s"]) if near and name != "nearest" else "-"])
     return bm.fmt_table(rows), verdict
 
 
