@@ -92,7 +92,9 @@ AUTO_DELTA_MIN_GROUP = 16
 AUTO_DELTA8_MAX_ESCAPES = 0.02  # per stored entry: an escape costs a mispredicted branch, ~15 entries
 AUTO_DELTA4_MAX_TOKENS = 1.5
 # Products estimated to take less than this (ns, one thread) run serially: waking the other threads
-# costs about 2-3 us.
+# costs about 2-3 us. The others split their rows into as many chunks as numba's pool has threads
+# (numba.get_num_threads, which set_num_threads lowers, costs 0.5 us a call: a product of a small
+# matrix takes a few); the threads numba runs them on are still capped by set_num_threads.
 PARALLEL_MIN_NS = 6_000.0
 # matvec on one thread, by kernel family (fitted on the benchmark layers; delta4 per nibble)
 _NS_PER_TOKEN = (0.23, 0.31, 0.28, 0.39, 0.35)
@@ -104,6 +106,9 @@ FLAT_GROUPS_PER_ENTRY = 0.25
 FLAT_GROUPS_PER_ROW = 16
 _MV_SERIAL = (K._mv_abs, K._mv_abs_flat, K._mv_d8, K._mv_d4, K._mv_entries)
 _MAX_LEVEL_SPAN = 1 << 26  # level ranges up to this are counted with bincount, wider ones sorted
+
+
+_ZERO = np.float32(0.0)
 
 
 def _uint_for(max_value: int) -> np.dtype:
@@ -526,13 +531,11 @@ class _RowGroupedMatrix:
                     self._blk_tok.size - 1, self._args() + (self._values,))
             self.__dict__["_mv_plan"] = plan
         serial, kind, parallel, nonzero_v0, nblk, arrays = plan
-        xsum = np.float32(x.sum(dtype=np.float64)) if nonzero_v0 else np.float32(0.0)
+        xsum = np.float32(x.sum(dtype=np.float64)) if nonzero_v0 else _ZERO
         if parallel:
-            threads = numba.get_num_threads()
-            if threads > 1:
-                K._mv_par(kind, threads, *arrays, x, xsum, y)
-                return y
-        serial(0, nblk, *arrays, x, xsum, y)
+            K._mv_par(kind, numba.config.NUMBA_NUM_THREADS, *arrays, x, xsum, y)
+        else:
+            serial(0, nblk, *arrays, x, xsum, y)
         return y
 
     def matmat(self, X) -> np.ndarray:
@@ -554,7 +557,7 @@ class _RowGroupedMatrix:
         parallel = self.__dict__.setdefault("_mm_parallel", {})  # per batch size (a call costs microseconds)
         if nb not in parallel:
             parallel[nb] = self._chunks(nb) > 1
-        nch = numba.get_num_threads() if parallel[nb] else 1
+        nch = numba.config.NUMBA_NUM_THREADS if parallel[nb] else 1
         code = _CODING_CODE[self._coding]
         if nch > 1:
             K._mm_par(nch, code, *self._args(), self._values, Xa, xsum, Y)

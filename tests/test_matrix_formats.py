@@ -6,6 +6,7 @@ from __future__ import annotations
 import doctest
 from pathlib import Path
 
+import numba
 import numpy as np
 import pytest
 import torch
@@ -329,6 +330,13 @@ def test_results_do_not_depend_on_threads(force):
     force(parallel=True)
     mat = CSERMatrix.from_levels(lv, 0.25)
     assert np.array_equal(mat.matvec(x), y1) and np.array_equal(mat.matmat(X), Y1)
+    # numba.set_num_threads after the first product: the same chunks on fewer threads
+    before = numba.get_num_threads()
+    numba.set_num_threads(1)
+    try:
+        assert np.array_equal(mat.matvec(x), y1) and np.array_equal(mat.matmat(X), Y1)
+    finally:
+        numba.set_num_threads(before)
 
 
 def test_inputs_are_converted():
