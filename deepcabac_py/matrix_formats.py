@@ -303,11 +303,16 @@ class _RowGroupedMatrix:
             K._build_stats(ranks, nranks, _build_chunks(m * n), stats)
         ng = stats[:, 4] if cls._cser else stats[:, 3]
         ngroups = int(ng.sum())
+        abs_dtype = _uint_for(max(n - 1, 0))
+        entries = int(stats[:, 0].sum())
+        if coding == "auto" and entries and ngroups >= AUTO_ENTRIES_MIN_GROUPS * entries:
+            coding = "entries"
+        if coding == "entries":
+            return cls._build_entries(ranks, values, levels, step, stats[:, 0], abs_dtype)
         row_max = int(ng.max()) if m else 0
         gval_max = nranks - 1 if cls._cser else 0
         meta_arrays = ngroups * (2 if cls._cser else 1) + m
 
-        abs_dtype = _uint_for(max(n - 1, 0))
         per_row = {"absolute": stats[:, 0], "delta8": stats[:, 1], "delta4": stats[:, 2]}
         biggest = {"absolute": stats[:, 5], "delta8": stats[:, 6], "delta4": stats[:, 7]}
         sizes = {}
@@ -318,11 +323,6 @@ class _RowGroupedMatrix:
             big = int(biggest[c].max()) if m else 0
             meta = _uint_for(max(big, row_max, gval_max))
             sizes[c] = (tok_bytes + meta.itemsize * meta_arrays, meta)
-        entries = int(stats[:, 0].sum())
-        if coding == "auto" and entries and ngroups >= AUTO_ENTRIES_MIN_GROUPS * entries:
-            coding = "entries"
-        if coding == "entries":
-            return cls._build_entries(ranks, values, levels, step, stats[:, 0], abs_dtype)
         if coding == "auto":
             groups = max(int(stats[:, 4].sum()), 1)
             usable = {
@@ -349,15 +349,9 @@ class _RowGroupedMatrix:
             K._build_fill(ranks, nranks, _build_chunks(m * n), _CODING_CODE[coding], tok_off, grp_off, tok, gcnt,
                           rowng, gval)
 
-        nblk = (m + K.ROWS_PER_BLOCK - 1) // K.ROWS_PER_BLOCK
-        starts = np.minimum(np.arange(nblk + 1) * K.ROWS_PER_BLOCK, m)
-        if max(ntok, ngroups) > np.iinfo(np.uint32).max:
-            raise ValueError("matrix too large: more than 2**32 - 1 tokens or groups")
-        blk_tok = tok_off[starts].astype(np.uint32)
-        blk_grp = grp_off[starts].astype(np.uint32)
         return cls(shape=(m, n), values=values, levels=levels, step=step, coding=coding, tokens=tok,
-                   gcnt=gcnt, rowng=rowng, gval=gval, blk_tok=blk_tok, blk_grp=blk_grp,
-                   nnz=int(stats[:, 0].sum()))
+                   gcnt=gcnt, rowng=rowng, gval=gval, blk_tok=_block_offsets(tok_off, "tokens"),
+                   blk_grp=_block_offsets(grp_off, "groups"), nnz=entries)
 
     @classmethod
     def _build_entries(cls, ranks, values, levels, step, row_entries: np.ndarray, abs_dtype):
@@ -365,16 +359,13 @@ class _RowGroupedMatrix:
         tok_off = np.zeros(m + 1, dtype=np.int64)
         np.cumsum(row_entries, out=tok_off[1:])
         entries = int(tok_off[-1])
-        if entries > np.iinfo(np.uint32).max:
-            raise ValueError("matrix too large: more than 2**32 - 1 entries")
+        blk_tok = _block_offsets(tok_off, "entries")
         meta_dtype = _uint_for(int(row_entries.max()) if m else 0)
         tok = np.zeros(entries + K.PAD_TOKENS, dtype=abs_dtype)
         rowng = np.zeros(m, dtype=meta_dtype)
         gval = np.zeros(entries, dtype=_uint_for(max(values.size - 1, 0)))
         if entries:
             K._build_fill_entries(ranks, _build_chunks(m * n), tok_off, tok, rowng, gval)
-        nblk = (m + K.ROWS_PER_BLOCK - 1) // K.ROWS_PER_BLOCK
-        blk_tok = tok_off[np.minimum(np.arange(nblk + 1) * K.ROWS_PER_BLOCK, m)].astype(np.uint32)
         return cls(shape=(m, n), values=values, levels=levels, step=step, coding="entries", tokens=tok,
                    gcnt=np.zeros(0, dtype=meta_dtype), rowng=rowng, gval=gval, blk_tok=blk_tok,
                    blk_grp=blk_tok, nnz=entries)
@@ -598,6 +589,15 @@ class CSERMatrix(_RowGroupedMatrix):
 
 
 _FORMATS = {"cer": CERMatrix, "cser": CSERMatrix}
+
+
+def _block_offsets(row_offsets: np.ndarray, what: str) -> np.ndarray:
+    """The offsets (m + 1 of them, int64) at every ROWS_PER_BLOCK-th row and at the end, as uint32."""
+    if int(row_offsets[-1]) > np.iinfo(np.uint32).max:
+        raise ValueError(f"matrix too large: more than 2**32 - 1 {what}")
+    m = row_offsets.size - 1
+    nblk = (m + K.ROWS_PER_BLOCK - 1) // K.ROWS_PER_BLOCK
+    return row_offsets[np.minimum(np.arange(nblk + 1) * K.ROWS_PER_BLOCK, m)].astype(np.uint32)
 
 
 def _build_chunks(size: int) -> int:
