@@ -92,10 +92,12 @@ AUTO_DELTA_MIN_GROUP = 16
 AUTO_DELTA8_MAX_ESCAPES = 0.02  # per stored entry: an escape costs a mispredicted branch, ~15 entries
 AUTO_DELTA4_MAX_TOKENS = 1.5
 # Products estimated to take less than this (ns, one thread) run serially: waking the other threads
-# costs about 2-3 us. The others split their rows into as many chunks as numba's pool has threads
-# (numba.get_num_threads, which set_num_threads lowers, costs 0.5 us a call: a product of a small
-# matrix takes a few); the threads numba runs them on are still capped by set_num_threads.
-PARALLEL_MIN_NS = 6_000.0
+# costs 1-2 us. Measured on random matrices of every coding (2 cores): threads win from an estimate
+# of about 4,000 ns (4.7 us serial, 4.4 threaded) and by 20% at 6,000. The others split their rows
+# into as many chunks as numba's pool has threads (numba.get_num_threads, which set_num_threads
+# lowers, costs 0.5 us a call: a product of a small matrix takes a few); the threads numba runs them
+# on are still capped by set_num_threads.
+PARALLEL_MIN_NS = 4_000.0
 # matvec on one thread, by kernel family (fitted on the benchmark layers; delta4 per nibble)
 _NS_PER_TOKEN = (0.23, 0.31, 0.28, 0.39, 0.35)
 _NS_PER_GROUP = (3.0, 0.6, 2.5, 6.0, 0.0)
@@ -518,8 +520,12 @@ class _RowGroupedMatrix:
             return y
         plan = self.__dict__.get("_mv_plan")
         if plan is None:  # what every call needs, worked out once (a call costs microseconds)
+            values = self._values
+            if self._kind == 4:  # the entries kernel takes v0 off the other values once, here
+                values = values.copy()
+                values[1:] -= values[0]
             plan = (_MV_SERIAL[self._kind], self._kind, self._chunks(1) > 1, bool(self._values[0] != 0),
-                    self._blk_tok.size - 1, self._args() + (self._values,))
+                    self._blk_tok.size - 1, self._args() + (values,))
             self.__dict__["_mv_plan"] = plan
         serial, kind, parallel, nonzero_v0, nblk, arrays = plan
         xsum = np.float32(x.sum(dtype=np.float64)) if nonzero_v0 else _ZERO
