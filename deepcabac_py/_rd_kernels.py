@@ -583,6 +583,11 @@ def trellis_kernel(values, importance, step, lam, ncols, col0, k_offset, predict
             c10, v10, u10 = _best_parity0(cost1, de0, re1, dz0, rz1, hz0, ve0, ue0, uz0)
             c20, v20, u20 = _best_parity0(cost2, de1, re2, dz1, rz2, hz1, ve1, ue1, uz1)
             c30, v30, u30 = _best_parity0(cost3, de1, re3, dz1, rz3, hz1, ve1, ue1, uz1)
+            if a == 0.0:
+                # An exact zero stays zero (pruned weights stay pruned): no odd level, which the
+                # search would otherwise spend on it to switch state where that shortens the path.
+                do0 = DEAD
+                do1 = DEAD
             c01 = cost0 + do0 + ro0
             c11 = cost1 + do0 + ro1
             c21 = cost2 + do1 + ro2

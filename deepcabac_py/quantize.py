@@ -177,7 +177,8 @@ def quantize_rd(values: np.ndarray, step: float, *, method: str, lam: float, nco
     ``ncols``, ``col0``, ``k_offset`` and ``predict`` describe the chunk as the level coder will
     code it (:class:`deepcabac_py.levelcoder.ChunkLayout`), so the rates are the coder's own.
     ``importance`` (one non-negative float per value) weights the squared error. For ``trellis``
-    the result are transmitted levels: their values are :func:`dq_indices` times ``step``.
+    the result are transmitted levels: their values are :func:`dq_indices` times ``step``. Every
+    method gives level 0 to an exact zero (pruned weights stay pruned).
     """
     if method not in QUANTIZERS:
         raise ValueError(f"quantizer must be one of {', '.join(QUANTIZERS)}, got {method!r}")

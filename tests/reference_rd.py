@@ -184,7 +184,7 @@ def trellis(values, importance, step: float, lam: float, ncols: int, col0: int, 
                 bucket, kr = bucket_and_rice(sc, k_offset)
                 odd = s >= 2
                 kb = k1 if odd else k0
-                mags = [kb, kb + 1] + ([0] if kb != 0 else [])
+                mags = [kb, kb + 1] + ([0] if kb != 0 else []) if a > 0 else [0]  # exact zeros stay zero
                 for mag in mags:
                     r = (2 * mag - 1 if odd else 2 * mag) if mag > 0 else 0
                     d = a - r

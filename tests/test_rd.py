@@ -61,6 +61,24 @@ def test_trellis_reference_spans_several_blocks():
     assert got.tolist() == want
 
 
+def test_trellis_keeps_exact_zeros_zero():
+    # Pruned weights stay pruned: the trellis may not spend an odd level on an exact zero to switch
+    # its state (it did: a 90%-pruned layer came back with 89.5% zero levels), so the decoded model
+    # keeps its sparsity pattern. Small nonzero weights may still go either way.
+    values = _weights(8, (300, 96), 0.05, sparse=0.9)
+    values[:, :3] = 1e-6  # tiny but nonzero: free to become +-1
+    zeros = values == 0
+    for lam_scale in (0.0, 1.0):
+        lam = quantize.DEFAULT_LAMBDA["trellis"] * lam_scale
+        levels = quantize.quantize_rd(values.reshape(-1), 2.0**-7, method="trellis", lam=lam, ncols=96,
+                                      predict=True).reshape(values.shape)
+        assert not np.any(levels[zeros]), int(np.count_nonzero(levels[zeros]))
+        assert np.count_nonzero(levels[~zeros]) > 0.5 * np.count_nonzero(~zeros)
+    data = dc.encode_model({"w": torch.from_numpy(values)}, qp=-28)
+    back = dc.decode_model(data)["w"].numpy()
+    assert np.all(back[zeros] == 0)
+
+
 @settings(max_examples=25, deadline=None)
 @given(seed=st.integers(0, 2**31), rows=st.integers(1, 40), cols=st.integers(1, 300),
        rows_per_chunk=st.integers(1, 40), weighted=st.booleans(), predict=st.booleans(),
