@@ -23,7 +23,8 @@ Layout shared by CER and CSER (see ``matrix_formats`` for the full description):
 
 CER kernels are the CSER kernels called with ``gval=None`` (Numba compiles the ``gval is None``
 branch away). Every kernel works on a range of row blocks ``[b0, b1)``; the ``*_par`` drivers split
-the blocks into ``nchunks`` ranges of about equal token counts and run them with ``prange``.
+the blocks into ``nchunks`` ranges of about equal token counts and run them with ``prange`` (the
+entries matvec splits at rows: ``_entries_row_bound``).
 
 Dot products follow the distributive law: the inputs of a group are added (four partial sums; in
 matmat, four rows of X at a time), then multiplied once by the group's value. ``_mv_abs_flat`` is the
