@@ -28,11 +28,11 @@ entries matvec splits at rows: ``_entries_row_bound``).
 
 Dot products follow the distributive law: the inputs of a group are added (four partial sums; in
 matmat, four rows of X at a time), then multiplied once by the group's value. ``_mv_abs_flat`` is the
-exception for rows made of tiny groups (typically pruned and finely quantized layers, where most
-groups hold one to three entries): it writes each group's value once per entry into a scratch row
-and runs one multiply-add loop over the row, which is about three times faster there than a short
-loop per group. Where groups are tinier still (many distinct values, few entries per row), the
-"entries" coding drops groups altogether and ``_mv_entries`` looks each entry's value up by rank.
+exception for rows of many small groups (dozens of groups of four to nine entries: finely quantized
+unpruned layers): it writes each group's value once per entry into a scratch row and runs one
+multiply-add loop over the row, up to twice as fast there as a short loop per group. Where groups
+are tinier still (many distinct values, few entries per row), the "entries" coding drops groups
+altogether and ``_mv_entries`` looks each entry's value up by rank.
 All sums are float32 in a fixed order, so results do not depend on the number of threads.
 """
 

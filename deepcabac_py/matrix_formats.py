@@ -101,10 +101,14 @@ PARALLEL_MIN_NS = 4_000.0
 # matvec on one thread, by kernel family (fitted on the benchmark layers; delta4 per nibble)
 _NS_PER_TOKEN = (0.23, 0.31, 0.28, 0.39, 0.35)
 _NS_PER_GROUP = (3.0, 0.6, 2.5, 6.0, 0.0)
-# Absolute-coded matrices with more groups than this per stored entry (tiny groups) or per row use
-# the flat matvec kernel (see _matrix_kernels): measured on the benchmark layers, a loop per group
-# loses up to 4x there, and wins by up to 1.7x on larger and fewer groups.
-FLAT_GROUPS_PER_ENTRY = 0.25
+# Absolute-coded matrices with more groups than this per stored entry (groups of fewer than ten
+# entries) and per row use the flat matvec kernel (see _matrix_kernels). Measured with both kernels
+# on one thread on the benchmark layers (35 matrices, interleaved rounds): flat wins by 1.2-2.3x on
+# rows of 39-57 groups of 4-9 entries (MiniLM's query and FFN in, EfficientNet's head and expand
+# convs at qp -24/-28); grouped is as fast or up to 1.8x faster on everything else, larger groups
+# (rows of 1,152 to 1,536 columns) and pruned rows of 5-10 groups alike. The rule misses one: the head conv at qp -24
+# (13 entries a group, 21 groups a row), flat 0.82x. Smaller groups still go to the entries coding.
+FLAT_GROUPS_PER_ENTRY = 0.1
 FLAT_GROUPS_PER_ROW = 16
 _MV_SERIAL = (K._mv_abs, K._mv_abs_flat, K._mv_d8, K._mv_d4, K._mv_entries)
 _MAX_LEVEL_SPAN = 1 << 26  # level ranges up to this are counted with bincount, wider ones sorted
@@ -480,7 +484,7 @@ class _RowGroupedMatrix:
             elif self._coding == "absolute":
                 groups = self._gcnt.size
                 flat = (groups > FLAT_GROUPS_PER_ENTRY * max(self._nnz, 1)
-                        or groups > FLAT_GROUPS_PER_ROW * self._shape[0])
+                        and groups > FLAT_GROUPS_PER_ROW * self._shape[0])
                 kind = 1 if flat else 0
             else:
                 kind = 2 if self._coding == "delta8" else 3
