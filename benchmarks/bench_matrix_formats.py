@@ -17,6 +17,7 @@ busy-wait after a call and would otherwise slow each other down. The machine sho
 (the script prints the load average before and after).
 
     .venv/bin/python benchmarks/bench_matrix_formats.py [--quick] [--rounds 3] [--json]
+    .venv/bin/python benchmarks/bench_matrix_formats.py --kernels   # the matvec kernel families alone
 
 Needs scipy and matplotlib (benchmarks/requirements.txt) and the two model packages
 (benchmarks/requirements-nodeps.txt). Writes benchmarks/out/matrix_formats.{json,png}.
@@ -212,6 +213,70 @@ def measure(model: str, name: str, w: np.ndarray, qp: int, zeros: float, args, r
 
 
 # ----------------------------------------------------------------------------------------------
+# --kernels: the matvec kernel families side by side (what coding="auto" and the flat rule pick)
+# ----------------------------------------------------------------------------------------------
+
+KERNEL_FAMILIES = ("grouped", "flat", "entries")
+
+
+def _with_kernel(levels: np.ndarray, step: float, family: str):
+    """A CSER matrix whose matvec runs ``family`` (the flat rule's thresholds forced for the build)."""
+    from deepcabac_py import matrix_formats as mf
+
+    saved = mf.FLAT_GROUPS_PER_ENTRY, mf.FLAT_GROUPS_PER_ROW
+    if family != "entries":
+        forced = -1.0 if family == "flat" else float("inf")
+        mf.FLAT_GROUPS_PER_ENTRY = mf.FLAT_GROUPS_PER_ROW = forced
+    try:
+        mat = mf.CSERMatrix.from_levels(levels, step, coding="entries" if family == "entries" else "absolute")
+        mat._kind  # decided (and cached) now, under the forced thresholds
+    finally:
+        mf.FLAT_GROUPS_PER_ENTRY, mf.FLAT_GROUPS_PER_ROW = saved
+    return mat
+
+
+def measure_kernels(model: str, name: str, w: np.ndarray, qp: int, zeros: float, args, rng) -> dict:
+    """Batch-1 matvec of one layer on one thread with each kernel family, and what auto picks."""
+    from deepcabac_py import matrix_formats as mf
+
+    levels, step, _ = quantize_via_stream(name, prune(w, zeros), qp)
+    x = rng.standard_normal(levels.shape[1]).astype(np.float32)
+    saved = mf.PARALLEL_MIN_NS
+    mf.PARALLEL_MIN_NS = float("inf")  # one thread: the kernels themselves, not the pool
+    try:
+        mats = {f: _with_kernel(levels, step, f) for f in KERNEL_FAMILIES}
+        auto = mf.CSERMatrix.from_levels(levels, step)
+        picked = {0: "grouped", 1: "flat", 4: "entries"}.get(auto._kind, auto.coding)
+        ref = mats["grouped"].to_dense().astype(np.float64) @ x
+        for mat in mats.values():
+            assert np.allclose(mat.matvec(x), ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max() + 1e-6)
+        times = time_methods({f: (lambda mat=mat: mat.matvec(x)) for f, mat in mats.items()},
+                             args.rounds, args.budget, args.pause)
+    finally:
+        mf.PARALLEL_MIN_NS = saved
+    grouped = mats["grouped"]
+    return {"layer": short_layer(model, name), "qp": qp, "pruned": zeros,
+            "groups_per_entry": grouped.arrays["gcnt"].size / max(grouped.nnz, 1),
+            "groups_per_row": grouped.arrays["gcnt"].size / levels.shape[0],
+            "seconds": times, "auto": picked, "auto_coding": auto.coding}
+
+
+def format_kernel_table(rows: list[dict]) -> str:
+    head = (f"{'layer':<22} {'qp':>4} {'prune':>5} {'grp/entry':>9} {'grp/row':>7} | "
+            f"{'grouped':>8} {'flat':>8} {'entries':>8} us | {'fastest':<8} {'auto picks':<16} {'fastest/picked':>14}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        t = r["seconds"]
+        best = min(t, key=t.get)
+        pick = r["auto"]
+        ratio = f"{t[best] / t[pick]:.2f}" if pick in t else "-"
+        lines.append(f"{r['layer']:<22} {r['qp']:>4} {r['pruned']:>5.2f} {r['groups_per_entry']:>9.3f} "
+                     f"{r['groups_per_row']:>7.1f} | {1e6 * t['grouped']:>8.2f} {1e6 * t['flat']:>8.2f} "
+                     f"{1e6 * t['entries']:>8.2f}    | {best:<8} {pick + ' (' + r['auto_coding'] + ')':<16} {ratio:>14}")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------
 # report
 # ----------------------------------------------------------------------------------------------
 
@@ -359,9 +424,23 @@ def main() -> None:
     ap.add_argument("--pause", type=float, default=0.15, help="seconds of sleep before each block")
     ap.add_argument("--json", action="store_true", help="print the results as JSON too")
     ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument("--kernels", action="store_true",
+                    help="instead: batch-1 matvec on one thread with each kernel family (grouped, flat, "
+                         "entries) against what coding='auto' picks")
     args = ap.parse_args()
     if args.quick:
         args.rounds = 1
+    if args.kernels:
+        rng = np.random.default_rng(0)
+        variants = QUICK_VARIANTS if args.quick else VARIANTS
+        rows = [measure_kernels(model, name, w, qp, zeros, args, rng)
+                for model, name, w in load_layers(args.quick) for qp, zeros in variants]
+        print(format_kernel_table(rows))
+        picked_slower = [r for r in rows if r["auto"] in r["seconds"]
+                         and r["seconds"][r["auto"]] > 1.1 * min(r["seconds"].values())]
+        print(f"\nauto picks a kernel more than 10% slower than the fastest on {len(picked_slower)} of {len(rows)} "
+              "rows (delta codings have kernels of their own and are not compared here)")
+        return
     import numba
 
     env = environment()
