@@ -12,8 +12,10 @@ and our bitstream, next to the entropy of the levels.
 Time: ``W @ x`` at batch 1 and ``W @ X`` at batch 16 (X is n x 16) for numpy dense float32 (BLAS,
 its default threads), scipy CSR (one thread) and the CER/CSER Numba kernels (numba's threads).
 Every figure is the median over ``--rounds`` rounds of the median per-call time over a block of calls;
-methods run in separate blocks with a pause between them, because the BLAS and OpenMP thread pools
-busy-wait after a call and would otherwise slow each other down. The machine should be otherwise idle
+each timed call follows an untimed call of the same method on the same variant of the next two
+layers (as in a forward pass: a matrix timed over and over teaches the branch predictor its group
+sizes and stays in cache); methods run in separate blocks with a pause between them, because the
+BLAS and OpenMP thread pools busy-wait after a call and would otherwise slow each other down. The machine should be otherwise idle
 (the script prints the load average before and after).
 
     .venv/bin/python benchmarks/bench_matrix_formats.py [--quick] [--rounds 3] [--json]
@@ -110,13 +112,17 @@ def quantize_via_stream(name: str, w: np.ndarray, qp: int):
 # timing
 # ----------------------------------------------------------------------------------------------
 
-def block_median(f, budget: float, max_calls: int) -> float:
-    """Median seconds per call over a block of calls (at least 15, about ``budget`` seconds)."""
+def block_median(f, budget: float, max_calls: int, between=None) -> float:
+    """Median seconds per call over a block of calls (at least 15, about ``budget`` seconds).
+    ``between`` (untimed) runs before every call: the same method on other layers, as in a forward
+    pass, so that neither the branch predictor nor the caches hold just this matrix."""
     for _ in range(3):
         f()
     times = []
     start = time.perf_counter()
     while len(times) < max_calls and (len(times) < 15 or time.perf_counter() - start < budget):
+        if between is not None:
+            between()
         t = time.perf_counter()
         f()
         times.append(time.perf_counter() - t)
@@ -156,20 +162,36 @@ def wait_for_idle(pause: float, max_wait: float = 120.0) -> None:
     WAITED["seconds"] += max(0.0, time.time() - start - pause)
 
 
-def time_methods(methods: dict, rounds: int, budget: float, pause: float) -> dict[str, float]:
+def time_methods(methods: dict, rounds: int, budget: float, pause: float, between: dict | None = None) -> dict[str, float]:
     per = {k: [] for k in methods}
     for _ in range(rounds):
         for key, f in methods.items():
             wait_for_idle(pause)
-            per[key].append(block_median(f, budget, 2000))
+            per[key].append(block_median(f, budget, 2000, between[key] if between else None))
     return {k: statistics.median(v) for k, v in per.items()}
+
+
+# Every timed call follows one call of the same method on the same variant of the next DECOYS layers.
+# Timing one matrix over and over flatters the kernels with data-dependent branches: the branch
+# predictor learns the matrix (scratch measurement, one thread: the grouped kernel on MiniLM's query
+# at qp -24 took 29.5 us a call repeated and 66.2 us interleaved with two other layers; the entries
+# kernel 50.1 and 50.6), and the matrix stays in cache.
+DECOYS = 2
+
+
+def _calls(fs: list):
+    def run():
+        for f in fs:
+            f()
+    return run
 
 
 # ----------------------------------------------------------------------------------------------
 # one row
 # ----------------------------------------------------------------------------------------------
 
-def measure(model: str, name: str, w: np.ndarray, qp: int, zeros: float, args, rng) -> dict:
+def prepare(model: str, name: str, w: np.ndarray, qp: int, zeros: float, rng) -> tuple[dict, dict]:
+    """One row's storage figures, and its operands (every format's matrix and the inputs), checked."""
     import scipy.sparse as sp
 
     from deepcabac_py.matrix_formats import CERMatrix, CSERMatrix, level_entropy
@@ -199,17 +221,31 @@ def measure(model: str, name: str, w: np.ndarray, qp: int, zeros: float, args, r
     for mat in (cer, cser):
         assert np.allclose(mat.matvec(x), ref1, rtol=1e-4, atol=1e-4 * np.abs(ref1).max() + 1e-6)
         assert np.allclose(mat.matmat(X), refB, rtol=1e-4, atol=1e-4 * np.abs(refB).max() + 1e-6)
+    return row, {"dense": dense, "csr": csr, "cer": cer, "cser": cser, 1: x, BATCH: X}
+
+
+def _product(ops: dict, key: str, batch: int):
+    mat, inp = ops[key], ops[batch]
+    if key in ("cer", "cser"):
+        return (lambda: mat.matvec(inp)) if batch == 1 else (lambda: mat.matmat(inp))
+    return lambda: mat @ inp
+
+
+def time_row(ops: dict, decoys: list[dict], args) -> dict[str, dict[str, float]]:
+    """Seconds per product of every method at batch 1 and BATCH, each call after the decoys'."""
     times = {}
-    for batch, inp in ((1, x), (BATCH, X)):
-        methods = {
-            "dense": lambda inp=inp: dense @ inp,
-            "csr": lambda inp=inp: csr @ inp,
-            "cer": (lambda inp=inp: cer.matvec(inp)) if batch == 1 else (lambda inp=inp: cer.matmat(inp)),
-            "cser": (lambda inp=inp: cser.matvec(inp)) if batch == 1 else (lambda inp=inp: cser.matmat(inp)),
-        }
-        times[batch] = time_methods(methods, args.rounds, args.budget, args.pause)
-    row["seconds"] = {str(b): t for b, t in times.items()}
-    return row
+    for batch in (1, BATCH):
+        keys = ("dense", "csr", "cer", "cser")
+        methods = {k: _product(ops, k, batch) for k in keys}
+        between = {k: _calls([_product(d, k, batch) for d in decoys]) for k in keys}
+        times[str(batch)] = time_methods(methods, args.rounds, args.budget, args.pause, between)
+    return times
+
+
+def decoys_of(items: list, i: int, nvariants: int) -> list:
+    """The same variant of the next DECOYS layers (wrapping around)."""
+    nlayers = len(items) // nvariants
+    return [items[(i + k * nvariants) % len(items)] for k in range(1, min(DECOYS, nlayers - 1) + 1)]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -235,30 +271,34 @@ def _with_kernel(levels: np.ndarray, step: float, family: str):
     return mat
 
 
-def measure_kernels(model: str, name: str, w: np.ndarray, qp: int, zeros: float, args, rng) -> dict:
-    """Batch-1 matvec of one layer on one thread with each kernel family, and what auto picks."""
+def prepare_kernels(model: str, name: str, w: np.ndarray, qp: int, zeros: float, rng) -> tuple[dict, dict]:
+    """One layer variant as a matrix per kernel family (checked), and what auto picks."""
     from deepcabac_py import matrix_formats as mf
 
     levels, step, _ = quantize_via_stream(name, prune(w, zeros), qp)
     x = rng.standard_normal(levels.shape[1]).astype(np.float32)
-    saved = mf.PARALLEL_MIN_NS
-    mf.PARALLEL_MIN_NS = float("inf")  # one thread: the kernels themselves, not the pool
-    try:
-        mats = {f: _with_kernel(levels, step, f) for f in KERNEL_FAMILIES}
-        auto = mf.CSERMatrix.from_levels(levels, step)
-        picked = {0: "grouped", 1: "flat", 4: "entries"}.get(auto._kind, auto.coding)
-        ref = mats["grouped"].to_dense().astype(np.float64) @ x
-        for mat in mats.values():
-            assert np.allclose(mat.matvec(x), ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max() + 1e-6)
-        times = time_methods({f: (lambda mat=mat: mat.matvec(x)) for f, mat in mats.items()},
-                             args.rounds, args.budget, args.pause)
-    finally:
-        mf.PARALLEL_MIN_NS = saved
+    mats = {f: _with_kernel(levels, step, f) for f in KERNEL_FAMILIES}
+    auto = mf.CSERMatrix.from_levels(levels, step)
+    picked = {0: "grouped", 1: "flat", 4: "entries"}.get(auto._kind, auto.coding)
+    ref = mats["grouped"].to_dense().astype(np.float64) @ x
+    for mat in mats.values():
+        assert np.allclose(mat.matvec(x), ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max() + 1e-6)
     grouped = mats["grouped"]
-    return {"layer": short_layer(model, name), "qp": qp, "pruned": zeros,
-            "groups_per_entry": grouped.arrays["gcnt"].size / max(grouped.nnz, 1),
-            "groups_per_row": grouped.arrays["gcnt"].size / levels.shape[0],
-            "seconds": times, "auto": picked, "auto_coding": auto.coding}
+    row = {"layer": short_layer(model, name), "qp": qp, "pruned": zeros,
+           "groups_per_entry": grouped.arrays["gcnt"].size / max(grouped.nnz, 1),
+           "groups_per_row": grouped.arrays["gcnt"].size / levels.shape[0],
+           "auto": picked, "auto_coding": auto.coding}
+    return row, {**mats, 1: x}
+
+
+def time_kernels(ops: dict, decoys: list[dict], args) -> dict[str, float]:
+    """Batch-1 matvec with each kernel family, each call after the decoys'."""
+    def mv(o, f):
+        return lambda: o[f].matvec(o[1])
+
+    methods = {f: mv(ops, f) for f in KERNEL_FAMILIES}
+    between = {f: _calls([mv(d, f) for d in decoys]) for f in KERNEL_FAMILIES}
+    return time_methods(methods, args.rounds, args.budget, args.pause, between)
 
 
 def format_kernel_table(rows: list[dict]) -> str:
@@ -431,10 +471,18 @@ def main() -> None:
     if args.quick:
         args.rounds = 1
     if args.kernels:
+        from deepcabac_py import matrix_formats as mf
+
+        # One thread: the kernels themselves, not the pool (set before any matrix plans its products).
+        mf.PARALLEL_MIN_NS = float("inf")
         rng = np.random.default_rng(0)
         variants = QUICK_VARIANTS if args.quick else VARIANTS
-        rows = [measure_kernels(model, name, w, qp, zeros, args, rng)
-                for model, name, w in load_layers(args.quick) for qp, zeros in variants]
+        prepared = [prepare_kernels(model, name, w, qp, zeros, rng)
+                    for model, name, w in load_layers(args.quick) for qp, zeros in variants]
+        rows = []
+        for i, (row, ops) in enumerate(prepared):
+            row["seconds"] = time_kernels(ops, [o for _, o in decoys_of(prepared, i, len(variants))], args)
+            rows.append(row)
         print(format_kernel_table(rows))
         picked_slower = [r for r in rows if r["auto"] in r["seconds"]
                          and r["seconds"][r["auto"]] > 1.1 * min(r["seconds"].values())]
@@ -454,13 +502,13 @@ def main() -> None:
     layers = load_layers(args.quick)
     variants = QUICK_VARIANTS if args.quick else VARIANTS
     t0 = time.time()
-    for model, name, w in layers:
-        for qp, zeros in variants:
-            rows.append(measure(model, name, w, qp, zeros, args, rng))
-            r = rows[-1]
-            print(f"  {short_layer(model, name):<22} qp {qp:>4} pruned {zeros:.2f}: H {r['entropy_bits']:.2f} bits, "
-                  f"CER {r['bits_per_weight']['cer']:.2f} / CSER {r['bits_per_weight']['cser']:.2f} bits/weight",
-                  file=sys.stderr, flush=True)
+    prepared = [prepare(model, name, w, qp, zeros, rng) for model, name, w in layers for qp, zeros in variants]
+    for i, (r, ops) in enumerate(prepared):
+        r["seconds"] = time_row(ops, [o for _, o in decoys_of(prepared, i, len(variants))], args)
+        rows.append(r)
+        print(f"  {short_layer(r['model'], r['layer']):<22} qp {r['qp']:>4} pruned {r['pruned']:.2f}: "
+              f"H {r['entropy_bits']:.2f} bits, CER {r['bits_per_weight']['cer']:.2f} / "
+              f"CSER {r['bits_per_weight']['cser']:.2f} bits/weight", file=sys.stderr, flush=True)
     env["numba_threading_layer"] = numba.threading_layer()
     env["loadavg_end"] = os.getloadavg()
     env["seconds"] = time.time() - t0
