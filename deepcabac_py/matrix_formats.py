@@ -43,9 +43,8 @@ moves to the next, slower coding only when that saves at least :data:`AUTO_DELTA
 bytes and stays cheap to decode: delta8 with at most :data:`AUTO_DELTA8_MAX_ESCAPES` escapes per
 stored entry (an escape costs a mispredicted branch), delta4 with at most :data:`AUTO_DELTA4_MAX_TOKENS`
 nibbles per entry. Before all that, it drops the groups ("entries") where there are at least
-:data:`AUTO_ENTRIES_MIN_GROUPS` of them per stored entry, or :data:`AUTO_ENTRIES_MIN_GROUPS_LONG`
-in rows of at least :data:`AUTO_ENTRIES_LONG_ROW_GROUPS` groups on average (each group ends in a
-branch the predictor cannot know). Each coding can also be asked for explicitly.
+:data:`AUTO_ENTRIES_MIN_GROUPS` of them per stored entry. Each coding can also be asked for
+explicitly.
 
 Products run in Numba, multi-threaded across rows for large enough inputs, in float32 with a fixed
 summation order (results do not depend on the thread count). Implicit entries are skipped, so
@@ -70,9 +69,7 @@ __all__ = [
     "AUTO_DELTA8_MAX_ESCAPES",
     "AUTO_DELTA_MIN_GROUP",
     "AUTO_DELTA_MIN_SAVING",
-    "AUTO_ENTRIES_LONG_ROW_GROUPS",
     "AUTO_ENTRIES_MIN_GROUPS",
-    "AUTO_ENTRIES_MIN_GROUPS_LONG",
     "CERMatrix",
     "CSERMatrix",
     "csr_nbytes",
@@ -85,18 +82,11 @@ __all__ = [
 CODINGS = ("absolute", "delta8", "delta4", "entries")
 _CODING_CODE = {"absolute": K.CODING_ABSOLUTE, "delta8": K.CODING_DELTA8, "delta4": K.CODING_DELTA4,
                 "entries": K.CODING_ENTRIES}
-# "auto" drops the groups ("entries") when there are at least AUTO_ENTRIES_MIN_GROUPS per stored
-# entry (groups of five entries or fewer on average; CER counts its empty groups), or at least
-# AUTO_ENTRIES_MIN_GROUPS_LONG per entry in rows of AUTO_ENTRIES_LONG_ROW_GROUPS groups or more: every
-# group ends in a loop exit the branch predictor cannot know, and rows of many groups make that the
-# cost. Measured on the benchmark layers, interleaved as in a forward pass
-# (benchmarks/bench_matrix_formats.py --kernels, one thread): entries runs 1.5-2.3x faster on the
-# unpruned layers at qp -20 to -28 whose rows hold 14-57 groups (0.07-0.25 per entry), for 1.3-1.45x
-# the bytes; grouping stays up to 1.9x faster on rows of fewer groups (pruned layers at qp -20: 5-10
-# groups a row) and on large groups (below about 0.05 per entry).
+# "auto" drops the groups ("entries") when there are at least this many per stored entry (groups of
+# five entries or fewer on average; CER counts its empty groups). Measured on the benchmark layers
+# (benchmarks/bench_matrix_formats.py): from about 0.2 up, matvec runs 1.2-2.5x faster that way;
+# below 0.1, grouping wins by up to 1.4x.
 AUTO_ENTRIES_MIN_GROUPS = 0.2
-AUTO_ENTRIES_MIN_GROUPS_LONG = 0.06
-AUTO_ENTRIES_LONG_ROW_GROUPS = 10
 AUTO_DELTA_MIN_SAVING = 0.2
 AUTO_DELTA_MIN_GROUP = 16
 AUTO_DELTA8_MAX_ESCAPES = 0.02  # per stored entry: an escape costs a mispredicted branch, ~15 entries
@@ -321,9 +311,7 @@ class _RowGroupedMatrix:
         ngroups = int(ng.sum())
         abs_dtype = _uint_for(max(n - 1, 0))
         entries = int(stats[:, 0].sum())
-        if coding == "auto" and entries and (
-                ngroups >= AUTO_ENTRIES_MIN_GROUPS * entries
-                or (ngroups >= AUTO_ENTRIES_MIN_GROUPS_LONG * entries and ngroups >= AUTO_ENTRIES_LONG_ROW_GROUPS * m)):
+        if coding == "auto" and entries and ngroups >= AUTO_ENTRIES_MIN_GROUPS * entries:
             coding = "entries"
         if coding == "entries":
             return cls._build_entries(ranks, values, levels, step, stats[:, 0], abs_dtype)
