@@ -322,7 +322,7 @@ def _mv_entries_rows(r0, r1, t, tok, rowng, gval, offsets, x, xsum, y):
     # One multiply-add per entry, its coefficient looked up by rank: where groups hold one or two
     # entries, the per-group work of the other kernels costs more than the multiplications it saves.
     # ``offsets`` is ``values`` with v0 taken off every rank but 0 (which holds v0 itself: no entry
-    # has rank 0), a subtraction per entry saved (5-10% of this loop).
+    # has rank 0), a subtraction per entry saved (3-9% of this loop).
     v0 = offsets[0]
     base = np.float32(v0 * xsum) if v0 != 0 else np.float32(0.0)
     zero = np.float32(0.0)

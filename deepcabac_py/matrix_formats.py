@@ -103,11 +103,12 @@ _NS_PER_TOKEN = (0.23, 0.31, 0.28, 0.39, 0.35)
 _NS_PER_GROUP = (3.0, 0.6, 2.5, 6.0, 0.0)
 # Absolute-coded matrices with more groups than this per stored entry (groups of fewer than ten
 # entries) and per row use the flat matvec kernel (see _matrix_kernels). Measured with both kernels
-# on one thread on the benchmark layers (35 matrices, interleaved rounds): flat wins by 1.2-2.3x on
-# rows of 39-57 groups of 4-9 entries (MiniLM's query and FFN in, EfficientNet's head and expand
-# convs at qp -24/-28); grouped is as fast or up to 1.8x faster on everything else, larger groups
-# (rows of 1,152 to 1,536 columns) and pruned rows of 5-10 groups alike. The rule misses one: the head conv at qp -24
-# (13 entries a group, 21 groups a row), flat 0.82x. Smaller groups still go to the entries coding.
+# on the benchmark layers (benchmarks/bench_matrix_formats.py --kernels, one thread, each product
+# after two other layers' as in a forward pass): flat wins by 1.2-1.4x on rows of 39-57 groups of
+# 4-9 entries (unpruned layers at qp -24/-28); grouped is as fast or up to 1.9x faster on larger
+# groups (rows of 1,152 to 1,536 columns) and on pruned rows of 5-10 groups. The rule misses the
+# expand conv at qp -20 (14 groups a row of 11 entries: flat 0.78x). Smaller groups go to the
+# entries coding.
 FLAT_GROUPS_PER_ENTRY = 0.1
 FLAT_GROUPS_PER_ROW = 16
 _MV_SERIAL = (K._mv_abs, K._mv_abs_flat, K._mv_d8, K._mv_d4, K._mv_entries)
