@@ -113,8 +113,6 @@ FLAT_GROUPS_PER_ENTRY = 0.1
 FLAT_GROUPS_PER_ROW = 16
 _MV_SERIAL = (K._mv_abs, K._mv_abs_flat, K._mv_d8, K._mv_d4, K._mv_entries)
 _MAX_LEVEL_SPAN = 1 << 26  # level ranges up to this are counted with bincount, wider ones sorted
-
-
 _ZERO = np.float32(0.0)
 
 
@@ -172,6 +170,14 @@ def _float32_operand(a, ndim: int, n: int, name: str, expected: str) -> np.ndarr
     if not (np.issubdtype(v.dtype, np.floating) or np.issubdtype(v.dtype, np.integer)):
         raise ValueError(f"{name} must hold numbers, got dtype {v.dtype}")
     return np.ascontiguousarray(v, dtype=np.float32)
+
+
+def _entries_offsets(values: np.ndarray) -> np.ndarray:
+    """What the entries matvec kernel takes for ``values``: v0 taken off every other value once, so
+    that the kernel does not subtract it per entry (rank 0, never stored per entry, keeps v0)."""
+    offsets = values.copy()
+    offsets[1:] -= offsets[0]
+    return offsets
 
 
 def _integer_matrix(arr, what: str) -> np.ndarray:
@@ -525,10 +531,7 @@ class _RowGroupedMatrix:
             return y
         plan = self.__dict__.get("_mv_plan")
         if plan is None:  # what every call needs, worked out once (a call costs microseconds)
-            values = self._values
-            if self._kind == 4:  # the entries kernel takes v0 off the other values once, here
-                values = values.copy()
-                values[1:] -= values[0]
+            values = _entries_offsets(self._values) if self._kind == 4 else self._values
             plan = (_MV_SERIAL[self._kind], self._kind, self._chunks(1) > 1, bool(self._values[0] != 0),
                     self._blk_tok.size - 1, self._args() + (values,))
             self.__dict__["_mv_plan"] = plan
