@@ -279,7 +279,7 @@ def prepare_kernels(model: str, name: str, w: np.ndarray, qp: int, zeros: float,
     x = rng.standard_normal(levels.shape[1]).astype(np.float32)
     mats = {f: _with_kernel(levels, step, f) for f in KERNEL_FAMILIES}
     auto = mf.CSERMatrix.from_levels(levels, step)
-    picked = {0: "grouped", 1: "flat", 4: "entries"}.get(auto._kind, auto.coding)
+    picked = {0: "grouped", 1: "flat", 4: "entries", 5: "entries"}.get(auto._kind, auto.coding)
     ref = mats["grouped"].to_dense().astype(np.float64) @ x
     for mat in mats.values():
         assert np.allclose(mat.matvec(x), ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max() + 1e-6)

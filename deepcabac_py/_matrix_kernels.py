@@ -375,6 +375,51 @@ def _entries_row_bound(blk_tok, rowng, m, c, nchunks):
     return r, t
 
 
+@kernel
+def _mv_codes_rows(r0, r1, t, p, tok, rowng, codes, outliers, x, y, step):
+    # The entries coding with level codes: an entry's code, read as int8, is its level, so the
+    # coefficient is converted from the entry itself instead of looked up by rank (one dependent load
+    # less per entry: 1.25x on 90%-pruned layers). The few codes that stand for levels outside int8
+    # are corrected per row from ``outliers`` ([position, level - int8(code)], by position).
+    zero = np.float32(0.0)
+    nout = outliers.shape[0]
+    for r in range(r0, r1):
+        e = t + np.int64(rowng[U(r)])
+        a0 = zero
+        a1 = zero
+        a2 = zero
+        a3 = zero
+        while t + 4 <= e:
+            a0 += np.float32(codes[U(t)]) * x[tok[U(t)]]
+            a1 += np.float32(codes[U(t + 1)]) * x[tok[U(t + 1)]]
+            a2 += np.float32(codes[U(t + 2)]) * x[tok[U(t + 2)]]
+            a3 += np.float32(codes[U(t + 3)]) * x[tok[U(t + 3)]]
+            t += 4
+        while t < e:
+            a0 += np.float32(codes[U(t)]) * x[tok[U(t)]]
+            t += 1
+        s = (a0 + a1) + (a2 + a3)
+        while p < nout and outliers[p, 0] < e:
+            s += np.float32(outliers[p, 1]) * x[tok[U(outliers[p, 0])]]
+            p += 1
+        y[r] = step * s
+
+
+@kernel
+def _mv_codes(cuts, tok, rowng, codes, outliers, x, y, step):
+    """Matvec of the level-coded entries, serially over the chunks of ``cuts`` (int64 [c + 1, 3]:
+    first row, its token offset and its first outlier, of every chunk and of the end)."""
+    for c in range(cuts.shape[0] - 1):
+        _mv_codes_rows(cuts[c, 0], cuts[c + 1, 0], cuts[c, 1], cuts[c, 2], tok, rowng, codes, outliers, x, y, step)
+
+
+@parallel_kernel
+def _mv_codes_par(cuts, tok, rowng, codes, outliers, x, y, step):
+    """:func:`_mv_codes` with the chunks on threads."""
+    for c in prange(cuts.shape[0] - 1):
+        _mv_codes_rows(cuts[c, 0], cuts[c + 1, 0], cuts[c, 1], cuts[c, 2], tok, rowng, codes, outliers, x, y, step)
+
+
 @parallel_kernel
 def _mv_par(kind, nchunks, tok, gcnt, rowng, gval, blk_tok, blk_grp, values, x, xsum, y):
     for c in prange(nchunks):

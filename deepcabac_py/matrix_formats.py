@@ -33,7 +33,14 @@ Arrays held (``.arrays``; ``.nbytes`` is the sum of their sizes, nothing else is
 
 The ``"entries"`` coding has no groups: ``tokens`` holds every stored entry's absolute column
 (ascending along the row), ``gval`` its rank (CER too), ``rowng`` the entries per row; there is no
-``gcnt`` and no ``blk_grp``. It suits rows whose groups would hold one to a few entries.
+``gcnt`` and no ``blk_grp``. It suits rows whose groups would hold one to a few entries. Matrices built
+from levels whose implicit level is 0, with at most 256 distinct levels, store a *level code* in
+``gval`` instead of the rank (uint8): a level L in [-128, 127] has code ``L & 0xFF`` (its int8 byte),
+and the levels outside that range, taken in the order of ``levels``, get the codes no level inside
+it uses, smallest first. The matvec then reads the coefficient from the entry itself (the code as
+int8) instead of looking it up, and corrects the entries with reassigned codes from ``outliers``
+(int64 [k, 2]: an entry's position in ``tokens`` and its level minus its code read as int8, by
+position).
 
 ``coding="auto"`` (the default) trades bytes for speed. On large groups the codings decode at about
 1 : 1.6 : 3 the time per entry (absolute, delta8, delta4); on small groups, and wherever gaps are long
@@ -99,8 +106,8 @@ AUTO_DELTA4_MAX_TOKENS = 1.5
 # on are still capped by set_num_threads.
 PARALLEL_MIN_NS = 4_000.0
 # matvec on one thread, by kernel family (fitted on the benchmark layers; delta4 per nibble)
-_NS_PER_TOKEN = (0.23, 0.31, 0.28, 0.39, 0.35)
-_NS_PER_GROUP = (3.0, 0.6, 2.5, 6.0, 0.0)
+_NS_PER_TOKEN = (0.23, 0.31, 0.28, 0.39, 0.35, 0.28)
+_NS_PER_GROUP = (3.0, 0.6, 2.5, 6.0, 0.0, 0.0)
 # Absolute-coded matrices with more groups than this per stored entry (groups of fewer than ten
 # entries) and per row use the flat matvec kernel (see _matrix_kernels). Measured with both kernels
 # on the benchmark layers (benchmarks/bench_matrix_formats.py --kernels, one thread, each product
@@ -180,6 +187,36 @@ def _entries_offsets(values: np.ndarray) -> np.ndarray:
     return offsets
 
 
+def _level_codes(levels) -> np.ndarray | None:
+    """The uint8 code of every ranked level in the entries coding (module docstring), or None where
+    level codes do not apply: not built from levels, implicit level not 0, over 256 distinct levels."""
+    if levels is None or levels.size == 0 or levels.size > 256 or levels[0] != 0:
+        return None
+    lv = levels.astype(np.int64)
+    inside = (lv >= -128) & (lv <= 127)
+    codes = np.zeros(lv.size, dtype=np.uint8)
+    codes[inside] = (lv[inside] & 0xFF).astype(np.uint8)
+    taken = np.zeros(256, dtype=bool)
+    taken[codes[inside]] = True
+    codes[~inside] = np.flatnonzero(~taken)[:int((~inside).sum())]  # (never short: distinct levels)
+    return codes
+
+
+def _code_cuts(rowng: np.ndarray, outlier_pos: np.ndarray, nchunks: int) -> np.ndarray:
+    """Where the level-coded matvec's chunks start (int64 [nchunks + 1, 3]: row, its token offset
+    and its first outlier): at rows, about equal numbers of entries apart."""
+    m = rowng.size
+    ends = np.cumsum(rowng, dtype=np.int64)
+    total = int(ends[-1]) if m else 0
+    rows = [0]
+    for c in range(1, nchunks):
+        rows.append(max(rows[-1], int(np.searchsorted(ends, total * c // nchunks, side="right"))))
+    rows.append(m)
+    rows = np.array(rows, dtype=np.int64)
+    starts = np.concatenate([[0], ends])[rows]
+    return np.ascontiguousarray(np.stack([rows, starts, np.searchsorted(outlier_pos, starts)], axis=1), dtype=np.int64)
+
+
 def _integer_matrix(arr, what: str) -> np.ndarray:
     a = np.asarray(arr)
     if a.ndim != 2:
@@ -228,7 +265,7 @@ class _RowGroupedMatrix:
     format_name = ""
 
     def __init__(self, *, shape, values, levels, step, coding, tokens, gcnt, rowng, gval, blk_tok,
-                 blk_grp, nnz, tensor_shape=None):
+                 blk_grp, nnz, outliers=None, tensor_shape=None):
         # Private: use from_levels / from_codebook / from_dense.
         self._shape = (int(shape[0]), int(shape[1]))
         self._values = values
@@ -242,6 +279,16 @@ class _RowGroupedMatrix:
         self._blk_tok = blk_tok
         self._blk_grp = blk_grp
         self._nnz = int(nnz)
+        # The value and level tables the kernels index with ``gval``: by rank, or by level code
+        # (``outliers`` is only set for level-coded entries).
+        self._outliers = outliers
+        self._value_book, self._level_book = values, levels
+        if outliers is not None:
+            codes = _level_codes(levels)
+            self._value_book = np.zeros(256, dtype=np.float32)
+            self._value_book[codes] = values
+            self._level_book = np.zeros(256, dtype=np.int32)
+            self._level_book[codes] = levels
         self.tensor_shape = tuple(tensor_shape) if tensor_shape is not None else self._shape
 
     # -- constructors ------------------------------------------------------------------------------
@@ -379,9 +426,20 @@ class _RowGroupedMatrix:
         gval = np.zeros(entries, dtype=_uint_for(max(values.size - 1, 0)))
         if entries:
             K._build_fill_entries(ranks, _build_chunks(m * n), tok_off, tok, rowng, gval)
+        outliers = None
+        codes = _level_codes(levels)
+        if codes is not None:  # ranks -> level codes (the ranks fit uint8 here)
+            gval = codes[gval]
+            reassigned = codes[(levels < -128) | (levels > 127)]
+            pos = np.flatnonzero(np.isin(gval, reassigned))
+            book = np.zeros(256, dtype=np.int64)
+            book[codes] = levels
+            outliers = np.empty((pos.size, 2), dtype=np.int64)
+            outliers[:, 0] = pos
+            outliers[:, 1] = book[gval[pos]] - gval[pos].view(np.int8)
         return cls(shape=(m, n), values=values, levels=levels, step=step, coding="entries", tokens=tok,
                    gcnt=np.zeros(0, dtype=meta_dtype), rowng=rowng, gval=gval, blk_tok=blk_tok,
-                   blk_grp=blk_tok, nnz=entries)
+                   blk_grp=blk_tok, nnz=entries, outliers=outliers)
 
     # -- description -------------------------------------------------------------------------------
 
@@ -446,6 +504,8 @@ class _RowGroupedMatrix:
             out["blk_grp"] = self._blk_grp
         if self._levels is not None:
             out["levels"] = self._levels
+        if self._outliers is not None:
+            out["outliers"] = self._outliers
         return out
 
     @property
@@ -483,11 +543,12 @@ class _RowGroupedMatrix:
 
     @property
     def _kind(self) -> int:
-        """Which kernel family runs matvec: 0 absolute, 1 absolute flat, 2 delta8, 3 delta4, 4 entries."""
+        """Which kernel family runs matvec: 0 absolute, 1 absolute flat, 2 delta8, 3 delta4, 4 entries
+        by rank, 5 entries by level code."""
         kind = self.__dict__.get("_kind_cache")
         if kind is None:
             if self._coding == "entries":
-                kind = 4
+                kind = 4 if self._outliers is None else 5
             elif self._coding == "absolute":
                 groups = self._gcnt.size
                 flat = (groups > FLAT_GROUPS_PER_ENTRY * max(self._nnz, 1)
@@ -513,13 +574,13 @@ class _RowGroupedMatrix:
 
     def to_dense(self) -> np.ndarray:
         """The dense float32 matrix, exactly (the values as stored)."""
-        return self._expand_into(self._values, np.empty(self._shape, dtype=np.float32))
+        return self._expand_into(self._value_book, np.empty(self._shape, dtype=np.float32))
 
     def to_levels(self) -> np.ndarray:
         """The int32 level matrix (only for matrices built with :meth:`from_levels`)."""
         if self._levels is None:
             raise ValueError("this matrix was not built from levels; use to_dense()")
-        return self._expand_into(self._levels, np.empty(self._shape, dtype=np.int32))
+        return self._expand_into(self._level_book, np.empty(self._shape, dtype=np.int32))
 
     def matvec(self, x) -> np.ndarray:
         """``W @ x`` for a vector of length n, in float32."""
@@ -531,17 +592,28 @@ class _RowGroupedMatrix:
             return y
         plan = self.__dict__.get("_mv_plan")
         if plan is None:  # what every call needs, worked out once (a call costs microseconds)
-            values = _entries_offsets(self._values) if self._kind == 4 else self._values
-            plan = (_MV_SERIAL[self._kind], self._kind, self._chunks(1) > 1, bool(self._values[0] != 0),
-                    self._blk_tok.size - 1, self._args() + (values,))
-            self.__dict__["_mv_plan"] = plan
-        serial, kind, parallel, nonzero_v0, nblk, arrays = plan
-        xsum = np.float32(x.sum(dtype=np.float64)) if nonzero_v0 else _ZERO
-        if parallel:
-            K._mv_par(kind, numba.config.NUMBA_NUM_THREADS, *arrays, x, xsum, y)
+            plan = self.__dict__["_mv_plan"] = self._matvec_plan()
+        kernel, head, step, nonzero_v0 = plan
+        if step is not None:  # level codes
+            kernel(*head, x, y, step)
         else:
-            serial(0, nblk, *arrays, x, xsum, y)
+            kernel(*head, x, np.float32(x.sum(dtype=np.float64)) if nonzero_v0 else _ZERO, y)
         return y
+
+    def _matvec_plan(self):
+        """(kernel, its leading arguments, float32 step or None, whether v0 != 0): the kernels taking
+        ``step`` end with ``(x, y, step)``, the others with ``(x, xsum, y)``."""
+        kind = self._kind
+        nchunks = numba.config.NUMBA_NUM_THREADS if self._chunks(1) > 1 else 1
+        if kind == 5:
+            cuts = _code_cuts(self._rowng, self._outliers[:, 0], nchunks)
+            head = (cuts, self._tokens, self._rowng, self._gval.view(np.int8), self._outliers)
+            return (K._mv_codes_par if nchunks > 1 else K._mv_codes), head, np.float32(self._step), False
+        arrays = self._args() + (_entries_offsets(self._values) if kind == 4 else self._values,)
+        nonzero_v0 = bool(self._values[0] != 0)
+        if nchunks > 1:
+            return K._mv_par, (kind, nchunks) + arrays, None, nonzero_v0
+        return _MV_SERIAL[kind], (0, self._blk_tok.size - 1) + arrays, None, nonzero_v0
 
     def matmat(self, X) -> np.ndarray:
         """``W @ X`` for a matrix X of shape (n, B) (B inputs as columns), in float32: (m, B).
@@ -565,9 +637,9 @@ class _RowGroupedMatrix:
         nch = numba.config.NUMBA_NUM_THREADS if parallel[nb] else 1
         code = _CODING_CODE[self._coding]
         if nch > 1:
-            K._mm_par(nch, code, *self._args(), self._values, Xa, xsum, Y)
+            K._mm_par(nch, code, *self._args(), self._value_book, Xa, xsum, Y)
         else:
-            K._mm(0, self._blk_tok.size - 1, code, *self._args(), self._values, Xa, xsum, Y)
+            K._mm(0, self._blk_tok.size - 1, code, *self._args(), self._value_book, Xa, xsum, Y)
         return Y
 
     def __matmul__(self, other):

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DIGITS = ROOT / "models" / "digits_cnn.safetensors"
 FORMATS = (CERMatrix, CSERMatrix)
 CODINGS = ("absolute", "delta8", "delta4", "entries")
-KINDS = {"absolute": 0, "flat": 1, "delta8": 2, "delta4": 3, "entries": 4}
+KINDS = {"absolute": 0, "flat": 1, "delta8": 2, "delta4": 3, "entries": 4, "entries by code": 5}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -68,15 +68,40 @@ def force(monkeypatch):
 # --------------------------------------------------------------------------------------------------
 
 
+def reference_level_codes(levels):
+    """The rank of every level code, by the rule the module docstring states: a level in [-128, 127]
+    has its int8 byte as code; the others, in the order of ``levels``, take the unused codes from
+    the smallest up."""
+    levels = [int(v) for v in levels]
+    rank_of_code = {}
+    for rank, level in enumerate(levels):
+        if -128 <= level <= 127:
+            rank_of_code[level % 256] = rank
+    free = [c for c in range(256) if c not in rank_of_code]
+    for rank, level in enumerate(levels):
+        if not -128 <= level <= 127:
+            rank_of_code[free.pop(0)] = rank
+    return rank_of_code
+
+
 def reference_groups(mat):
     """For every row, the list of (rank, [columns]) read from the stored arrays."""
     a = mat.arrays
-    if mat.coding == "entries":  # no groups: each entry alone, with its column and rank
+    if mat.coding == "entries":  # no groups: each entry alone, with its column and rank (or code)
         tok, rowng, gval = a["tokens"], a["rowng"], a["gval"]
         assert "gcnt" not in a and "blk_grp" not in a
+        lv = a.get("levels")
+        by_code = lv is not None and 0 < lv.size <= 256 and lv[0] == 0
+        assert ("outliers" in a) == by_code
+        rank_of = reference_level_codes(lv) if by_code else None
+        if by_code:  # the outliers are exactly the entries whose code is not their level's int8 byte
+            want = [(k, int(lv[rank_of[int(c)]]) - (int(c) - 256 if c > 127 else int(c)))
+                    for k, c in enumerate(gval) if int(lv[rank_of[int(c)]]) % 256 != int(c)]
+            assert [tuple(int(v) for v in o) for o in a["outliers"]] == want
         rows, t = [], 0
         for r in range(mat.shape[0]):
-            rows.append([(int(gval[k]), [int(tok[k])]) for k in range(t, t + int(rowng[r]))])
+            rows.append([(rank_of[int(gval[k])] if by_code else int(gval[k]), [int(tok[k])])
+                         for k in range(t, t + int(rowng[r]))])
             t += int(rowng[r])
         assert t == gval.size == mat.nnz
         return rows
@@ -182,8 +207,9 @@ def test_round_trip_exact(lv, qp):
             assert mat.nnz == expected_nnz
             assert mat.nbytes == sum(a.nbytes for a in mat.arrays.values())
     # the arrays read as documented by a plain-Python reader give the same matrix
-    mat = CSERMatrix.from_levels(lv, step, coding="delta4")
-    assert np.array_equal(reference_dense(mat), dense)
+    for coding in ("delta4", "entries"):
+        mat = CSERMatrix.from_levels(lv, step, coding=coding)
+        assert np.array_equal(reference_dense(mat), dense)
 
 
 def mat_most_frequent(lv):
@@ -277,20 +303,26 @@ PRODUCT_CASES = [  # (m, n, zero_frac, spread, offset)
     (20, 1200, 0.5, 1, 0),     # large groups, long gaps for nibbles
     (33, 17, 0.6, 2, 4),       # most frequent value is not zero
     (5, 3, 0.0, 2, 0),         # tiny
+    (60, 400, 0.5, 200, 0),    # over 256 distinct levels: entries by rank, not by code
 ]
 
 
 @pytest.mark.parametrize("case", PRODUCT_CASES)
 @pytest.mark.parametrize("cls", FORMATS)
-@pytest.mark.parametrize("path", ["absolute", "flat", "delta8", "delta4", "entries"])
+@pytest.mark.parametrize("path", ["absolute", "flat", "delta8", "delta4", "entries", "entries from dense"])
 @pytest.mark.parametrize("parallel", [False, True])
 def test_products_match_numpy_and_reference(case, cls, path, parallel, force):
     m, n, zf, spread, offset = case
     rng = np.random.default_rng(hash(case) % 2**32)
     lv = random_levels(rng, m, n, zero_frac=zf, spread=spread, offset=offset)
     force(flat=(path == "flat"), parallel=parallel)
-    mat = cls.from_levels(lv, 0.125, coding="absolute" if path == "flat" else path)
-    assert mat._kind == KINDS[path]
+    if path == "entries from dense":  # not from levels: entries by rank
+        mat = cls.from_dense(reconstruct(lv, 0.125, np.float32), coding="entries")
+        assert mat._kind == KINDS["entries"]
+    else:
+        mat = cls.from_levels(lv, 0.125, coding="absolute" if path == "flat" else path)
+        by_code = path == "entries" and offset == 0 and np.unique(lv).size <= 256
+        assert mat._kind == KINDS["entries by code" if by_code else path]
     W = mat.to_dense()
     x = rng.standard_normal(n).astype(np.float32)
     X = rng.standard_normal((n, 5)).astype(np.float32)
@@ -331,7 +363,8 @@ def test_entries_split_at_rows_covers_every_row_once(offset):
     lv[17:30] = 0
     lv[-3:] = 0
     lv += np.int32(offset)
-    mat = CSERMatrix.from_levels(lv, 0.5, coding="entries")
+    mat = CSERMatrix.from_dense(reconstruct(lv, 0.5, np.float32), coding="entries")  # by rank
+    assert mat._kind == KINDS["entries"]
     x = rng.standard_normal(60).astype(np.float32)
     serial = mat.matvec(x)
     args = mat._args()
@@ -346,6 +379,54 @@ def test_entries_split_at_rows_covers_every_row_once(offset):
         y = np.full(41, np.nan, dtype=np.float32)
         K._mv_par(4, nchunks, *args, offsets, x, xsum, y)
         assert np.array_equal(y, serial)
+
+
+def test_level_codes_split_at_rows_and_correct_outliers():
+    # The level-coded matvec: chunk cuts at rows (with the token offset and first outlier of each),
+    # every row once whatever the number of chunks, levels beyond int8 corrected from ``outliers``.
+    from deepcabac_py import _matrix_kernels as K
+
+    rng = np.random.default_rng(12)
+    lv = random_levels(rng, 41, 60, zero_frac=0.85, spread=60)
+    lv[:5] = 0
+    lv[17:30] = 0
+    lv[-3:] = 0
+    lv[6, 7], lv[40 - 3 - 1, 59] = 100_000, -3_000  # far outside int8, in the first and last rows used
+    assert np.unique(lv).size <= 256
+    mat = CSERMatrix.from_levels(lv, 0.5, coding="entries")
+    assert mat._kind == KINDS["entries by code"]
+    outliers = mat.arrays["outliers"]
+    assert outliers.shape[0] == int(np.count_nonzero(np.abs(lv) > 127)) > 2
+    assert np.array_equal(mat.to_levels(), lv)
+    x = rng.standard_normal(60).astype(np.float32)
+    W = mat.to_dense()
+    serial = mat.matvec(x)
+    assert_close_product(serial[:, None], W, x[:, None])
+    rowng = mat.arrays["rowng"]
+    starts = np.concatenate([[0], np.cumsum(rowng.astype(np.int64))])
+    codes = mat.arrays["gval"].view(np.int8)
+    for nchunks in (1, 2, 3, 7, 64):
+        cuts = mf._code_cuts(rowng, outliers[:, 0], nchunks)
+        rows = cuts[:, 0].tolist()
+        assert rows[0] == 0 and rows[-1] == 41 and rows == sorted(rows) and len(rows) == nchunks + 1
+        assert np.array_equal(cuts[:, 1], starts[cuts[:, 0]])
+        assert all(int(np.count_nonzero(outliers[:, 0] < t)) == p for t, p in cuts[:, 1:])
+        y = np.full(41, np.nan, dtype=np.float32)
+        K._mv_codes_par(cuts, mat.arrays["tokens"], rowng, codes, outliers, x, y, np.float32(0.5))
+        assert np.array_equal(y, serial)
+
+
+def test_level_code_rule():
+    # levels ranked 0, 1, -1, 300, 2, -200: the in-range ones keep their int8 byte, 300 and -200 take
+    # the smallest unused codes (3 and 4)
+    lv = np.array([[0] * 20 + [1] * 6 + [-1] * 5 + [300] * 4 + [2] * 3 + [-200] * 2], dtype=np.int32)
+    mat = CERMatrix.from_levels(lv, 0.25, coding="entries")
+    assert mat.arrays["levels"].tolist() == [0, 1, -1, 300, 2, -200]
+    assert mat.arrays["gval"].tolist() == [1] * 6 + [255] * 5 + [3] * 4 + [2] * 3 + [4] * 2
+    assert mat.arrays["outliers"].tolist() == [[k, 297] for k in range(11, 15)] + [[18, -204], [19, -204]]
+    assert mat.nbytes == sum(a.nbytes for a in mat.arrays.values())
+    x = np.arange(40, dtype=np.float32)
+    assert_close_product(mat.matvec(x)[:, None], mat.to_dense(), x[:, None])
 
 
 def test_results_do_not_depend_on_threads(force):
