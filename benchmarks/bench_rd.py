@@ -697,7 +697,10 @@ class Ours:
             weights = batchnorm.recalibrated_state(self.h.model, self.h.calib_x, state=weights, qp=qp, threads=t,
                                                    **self.kwargs)
             extra["recalibrate_s"] = time.perf_counter() - t0
-        data, enc_times = bm.timed(lambda: dc.encode_model(weights, qp=qp, threads=t, **self.kwargs),
+        kwargs = dict(self.kwargs)
+        if self.recalibrate and encode_signature(dc)[1]("bias_correction"):
+            kwargs.setdefault("bias_correction", False)  # as encode_recalibrated: the statistics are measured
+        data, enc_times = bm.timed(lambda: dc.encode_model(weights, qp=qp, threads=t, **kwargs),
                                    self.args.repeats)
         decoded, dec_times = bm.timed(lambda: dc.decode_model(data, threads=t), self.args.repeats)
         point = {"qp": qp, "bytes": len(data), "load1": load, "encode_s": statistics.median(enc_times),

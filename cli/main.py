@@ -136,6 +136,10 @@ def _quant_options(f):
                           "TF-trained nets). Given, their running statistics are coded to about 1% of each "
                           "layer's typical channel (never finer than --qp) and weight/bias compensate "
                           "exactly (same eval-mode output, fewer bytes).")(f)
+    f = click.option("--bias-correction/--no-bias-correction", default=True, show_default=True,
+                     help="Take the mean output shift of each layer's quantization error out of the "
+                          "BatchNorm after it (or its bias), estimated without data from the BatchNorm "
+                          "before it.")(f)
     return f
 
 
@@ -155,10 +159,11 @@ def _parse_overrides(items) -> dict[str, int]:
 
 
 def _encode_settings(qp, qp_density, qp_1d, qp_tensor, exact, exact_all, quantizer, lambda_scale,
-                     importance, bn_eps) -> dict:
+                     importance, bn_eps, bias_correction) -> dict:
     return dict(qp=qp, qp_density=qp_density, qp_1d=qp_1d, qp_overrides=_parse_overrides(qp_tensor),
                 keep_exact=True if exact_all else list(exact), quantizer=quantizer, lambda_scale=lambda_scale,
-                importance=None if importance == "none" else importance, batchnorm_eps=bn_eps)
+                importance=None if importance == "none" else importance, batchnorm_eps=bn_eps,
+                bias_correction=bias_correction)
 
 
 @contextmanager
@@ -288,14 +293,14 @@ def _same_file(a: str, b: str) -> bool:
 @_verbosity
 @click.pass_context
 def encode(ctx, input, output, input_format, force, qp, qp_density, qp_1d, qp_tensor, exact, exact_all,
-           quantizer, lambda_scale, importance, bn_eps, target_bpw, target_size, threads, no_progress, quiet,
-           verbose):
+           quantizer, lambda_scale, importance, bn_eps, bias_correction, target_bpw, target_size, threads,
+           no_progress, quiet, verbose):
     """Compress a checkpoint (.pt/.pth/.bin, .safetensors, .npz) into a model stream."""
     from deepcabac_py.checkpoint import load_checkpoint
     from deepcabac_py.codec import encode_model, read_stream_header
 
     settings = _encode_settings(qp, qp_density, qp_1d, qp_tensor, exact, exact_all, quantizer, lambda_scale,
-                                importance, bn_eps)
+                                importance, bn_eps, bias_correction)
     targeted = target_bpw is not None or target_size is not None
     if target_bpw is not None and target_size is not None:
         raise click.UsageError("give --target-bpw or --target-size, not both")
@@ -425,7 +430,7 @@ def info(input, as_json):
 @_progress_option
 @_verbosity
 def report(input, as_json, input_format, show_formats, qp, qp_density, qp_1d, qp_tensor, exact, exact_all,
-           quantizer, lambda_scale, importance, bn_eps, threads, no_progress, quiet, verbose):
+           quantizer, lambda_scale, importance, bn_eps, bias_correction, threads, no_progress, quiet, verbose):
     """Per-tensor and total figures: params, bits/param, ratio vs fp32, SNR and max error.
 
     INPUT is a checkpoint (encoded in memory with the given settings, then decoded to measure the
@@ -447,7 +452,7 @@ def report(input, as_json, input_format, show_formats, qp, qp_density, qp_1d, qp
             rep = build_report(header)
         else:
             settings = _encode_settings(qp, qp_density, qp_1d, qp_tensor, exact, exact_all, quantizer,
-                                        lambda_scale, importance, bn_eps)
+                                        lambda_scale, importance, bn_eps, bias_correction)
             if raw is not None:
                 with tempfile.TemporaryDirectory(prefix="deepcabac-") as tmp:
                     spooled = os.path.join(tmp, "stdin" + _DEFAULT_SUFFIX.get(input_format or "", ""))

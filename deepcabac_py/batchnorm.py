@@ -239,9 +239,12 @@ def recalibrated_state(model, inputs, *, state: Mapping[str, Any] | None = None,
                        batchnorm_eps: float | Mapping[str, float] | None = None, **encode_kwargs) -> dict[str, Any]:
     """``state`` (default: ``model.state_dict()``, as numpy arrays) with its BatchNorm statistics
     recalibrated on ``inputs`` for the weights as ``encode_model(state, **encode_kwargs)`` quantizes
-    them (see :func:`recalibrate`). The model is given back holding ``state``."""
+    them (see :func:`recalibrate`). The model is given back holding ``state``. Encode it with
+    ``bias_correction=False``: its statistics already follow the measured shifts (the data-free
+    estimate on top took them out twice: 1.3-2.3x the mean KL on EfficientNet-Lite0)."""
     from .codec import decode_model, encode_model
 
+    encode_kwargs.setdefault("bias_correction", False)
     if state is None:
         state = {k: v.detach().cpu().numpy().copy() for k, v in model.state_dict().items()}
     first = encode_model(state, batchnorm_eps=batchnorm_eps, **encode_kwargs)
@@ -257,10 +260,11 @@ def encode_recalibrated(model, inputs, *, state: Mapping[str, Any] | None = None
     for the quantized weights on ``inputs`` (:func:`recalibrated_state`, then
     :func:`deepcabac_py.encode_model`; the weights' levels are those of a plain encode).
     ``batchnorm_eps`` defaults to the model's (:func:`epsilons`); other keyword arguments go to
-    ``encode_model``.
+    ``encode_model`` (``bias_correction`` defaults to False: the statistics are measured instead).
     """
     from .codec import encode_model
 
+    encode_kwargs.setdefault("bias_correction", False)
     if batchnorm_eps is None:
         batchnorm_eps = epsilons(model)
     state2 = recalibrated_state(model, inputs, state=state, batchnorm_eps=batchnorm_eps, **encode_kwargs)

@@ -298,12 +298,17 @@ def _chunk_levels(plan: _Plan, start: int, stop: int) -> np.ndarray:
     return flat.astype(np.int32)
 
 
-def _encode_chunk(plan: _Plan, k: int, start: int, stop: int) -> bytes:
+def _encode_chunk(plan: _Plan, k: int, start: int, stop: int) -> tuple[bytes, np.ndarray]:
+    """A chunk's substream and its levels (the reconstruction indices of trellis chunks)."""
     if plan.entry.mode.is_quantized and plan.quantizer == "trellis":
         # one pass: the trellis codes each block as it commits it
         values, step, imp = _quantizer_inputs(plan, start, stop)
-        return quantize.trellis_encode_chunk(values, step, lam=plan.lam, layout=plan.layout, index=k, importance=imp)
-    return levelcoder.encode_chunk(_chunk_levels(plan, start, stop), plan.layout, k)
+        levels = np.empty(stop - start, dtype=np.int32)
+        data = quantize.trellis_encode_chunk(values, step, lam=plan.lam, layout=plan.layout, index=k,
+                                             importance=imp, levels=levels)
+        return data, levels
+    levels = _chunk_levels(plan, start, stop)
+    return levelcoder.encode_chunk(levels, plan.layout, k), levels
 
 
 def _values_from_levels(e: TensorEntry, levels: np.ndarray) -> np.ndarray:
@@ -422,17 +427,95 @@ def _plan_model(model, qp, qp_1d, qp_density, qp_overrides, keep_exact,
     return ckpt, plans, qp_1d, plan_one
 
 
-def _plan(model, qp, qp_1d, qp_density, qp_overrides, keep_exact, quantizer: _Quantizer,
-          batchnorm_eps) -> tuple[Checkpoint, list[_Plan], int]:
+@dataclass
+class _Shift:
+    """A layer's expected output shift (from its quantization error), taken out by another tensor:
+    ``target += factor * shift`` (:func:`deepcabac_py.structure.shift_absorbers`)."""
+
+    layer: str
+    mean_in: np.ndarray
+    target: str
+    factor: Any  # a number or one per channel
+
+
+def _plan(model, qp, qp_1d, qp_density, qp_overrides, keep_exact, quantizer: _Quantizer, batchnorm_eps,
+          correct_shifts: bool = False) -> tuple[Checkpoint, list[_Plan], int, Callable[[str, Any], _Plan], list[_Shift]]:
     """:func:`_plan_model`, with the BatchNorm statistics coded coarsely
     (:func:`~deepcabac_py.batchnorm.statistics_qps`) and their layers' ``weight`` and ``bias``
-    compensating exactly (:mod:`deepcabac_py.batchnorm`) when ``batchnorm_eps`` is given."""
+    compensating exactly (:mod:`deepcabac_py.batchnorm`) when ``batchnorm_eps`` is given; and, if
+    ``correct_shifts``, the layers whose mean output shift a later tensor takes out."""
     from . import batchnorm
 
     eps = batchnorm.check_eps(batchnorm_eps)
     ckpt = model if isinstance(model, Checkpoint) else flatten(model)
+    absorbers = {}
+    if correct_shifts:
+        from .structure import shift_absorbers
+
+        absorbers = shift_absorbers(ckpt)  # (from the statistics as given, before any compensation)
+    planned, plans, qp_1d, plan_one, eps_modules = _plan_batchnorm(ckpt, qp, qp_1d, qp_density, qp_overrides,
+                                                                   keep_exact, quantizer, eps)
+    return planned, plans, qp_1d, plan_one, _shifts(ckpt, plans, absorbers, eps_modules)
+
+
+def _shifts(ckpt: Checkpoint, plans: list[_Plan], absorbers: Mapping[str, tuple[np.ndarray, str]],
+            eps_modules: Mapping[str, float]) -> list[_Shift]:
+    """The shifts to take out, where both the layer and the absorbing tensor are quantized (a tensor
+    kept exact stays exact) and the absorbing tensor is float32 or float64 (``ckpt``: the model as
+    given, before any BatchNorm compensation)."""
+    by_name = {p.entry.name: p for p in plans}
+
+    def quantized(name: str) -> bool:
+        p = by_name.get(name)
+        return p is not None and p.layout is not None and p.entry.mode.is_quantized
+
+    out = []
+    for layer, (mean_in, target) in absorbers.items():
+        factor: Any = -1.0 if target.endswith(".bias") else 1.0
+        module = target.rsplit(".", 1)[0]
+        if target.endswith(".running_mean") and module in eps_modules:
+            # the statistics are coded coarsely and weight and bias compensate: the bias takes it,
+            # scaled as the BN scales its input
+            arrays = {s: tensor_to_numpy(ckpt.tensors[f"{module}.{s}"])[0].astype(np.float64)
+                      for s in ("weight", "running_var")}
+            factor = -arrays["weight"] / np.sqrt(np.maximum(arrays["running_var"], 0.0) + eps_modules[module])
+            target = f"{module}.bias"
+        if quantized(layer) and quantized(target) and by_name[target].array.dtype in (np.float32, np.float64):
+            out.append(_Shift(layer, mean_in, target, factor))
+    return out
+
+
+def _take_out_shifts(plans: list[_Plan], shifts: list[_Shift], plan_one: Callable[[str, Any], _Plan],
+                     ckpt: Checkpoint, decoded: Callable[[str], np.ndarray]) -> list[_Plan]:
+    """``plans`` with every shift's target planned again from its values plus ``factor * shift``,
+    the shift measured on the layer's ``decoded`` values (float64, the tensor's shape)."""
+    from .structure import output_shift
+
+    index = {p.entry.name: i for i, p in enumerate(plans)}
+    totals: dict[str, np.ndarray] = {}
+    for sh in shifts:
+        layer = plans[index[sh.layer]]
+        delta = sh.factor * output_shift(layer.array, decoded(sh.layer), sh.mean_in)
+        totals[sh.target] = totals.get(sh.target, 0.0) + delta
+    out = list(plans)
+    for target, delta in totals.items():
+        plan = plans[index[target]]
+        values = plan.array.astype(np.float64) + delta
+        if not np.all(np.isfinite(values)):
+            continue
+        _, dtype_name, is_torch = tensor_to_numpy(ckpt.tensors[target])
+        out[index[target]] = plan_one(target, numpy_to_tensor(values.astype(plan.array.dtype), dtype_name, is_torch))
+    return out
+
+
+def _plan_batchnorm(ckpt: Checkpoint, qp, qp_1d, qp_density, qp_overrides, keep_exact, quantizer: _Quantizer,
+                    eps) -> tuple[Checkpoint, list[_Plan], int, Callable[[str, Any], _Plan], dict[str, float]]:
+    """:func:`_plan_model` with the BatchNorm treatment of ``batchnorm_eps`` (see :func:`_plan`),
+    and the eps of every BN it applied to."""
+    from . import batchnorm
+
     if eps is None:
-        return _plan_model(ckpt, qp, qp_1d, qp_density, qp_overrides, keep_exact, quantizer)[:3]
+        return (*_plan_model(ckpt, qp, qp_1d, qp_density, qp_overrides, keep_exact, quantizer), {})
     arrays, kinds = {}, {}  # the 1-D float tensors a BatchNorm layer may own, and (dtype, is_torch)
     for name, t in ckpt.tensors.items():
         if name.rsplit(".", 1)[-1] in batchnorm.TENSORS:
@@ -463,7 +546,7 @@ def _plan(model, qp, qp_1d, qp_density, qp_overrides, keep_exact, quantizer: _Qu
         if all(p is not None and p.layout is not None and p.entry.mode.is_quantized for p in stats):
             coded[m] = [np.asarray(_plan_levels(p).dequantize(), dtype=np.float64) for p in stats]
     if not coded:
-        return ckpt, plans, qp_1d
+        return ckpt, plans, qp_1d, plan_one, {}
     # ... and weight and bias made up for them, planned with the settings every other tensor got
     # (so nothing else changes, not even the steps that importance allocated).
     tensors = dict(ckpt.tensors)
@@ -479,7 +562,8 @@ def _plan(model, qp, qp_1d, qp_density, qp_overrides, keep_exact, quantizer: _Qu
             tensors[name] = numpy_to_tensor(value.astype(dtype), dtype, is_torch)
             by_name[name] = plan_one(name, tensors[name])
     ckpt = dataclasses.replace(ckpt, tensors=tensors)
-    return ckpt, [by_name[p.entry.name] if p.array is not None else p for p in plans], qp_1d
+    return (ckpt, [by_name[p.entry.name] if p.array is not None else p for p in plans], qp_1d, plan_one,
+            {m: batchnorm.eps_of(m, eps) for m in coded})
 
 
 def _plan_levels(plan: _Plan) -> QuantizedTensor:
@@ -506,6 +590,7 @@ def encode_model(
     lambda_scale: float = 1.0,
     importance: Mapping[str, Any] | str | None = DEFAULT_IMPORTANCE,
     batchnorm_eps: float | Mapping[str, float] | None = None,
+    bias_correction: bool = True,
     threads: int | None = None,
     progress: Progress | None = None,
 ) -> bytes:
@@ -528,34 +613,64 @@ def encode_model(
     to numbers; :func:`deepcabac_py.batchnorm.epsilons` reads them from a torch model) codes those
     layers' running statistics coarsely (about 1% of each layer's typical channel, never finer than
     ``qp``) and changes their ``weight`` and ``bias`` so that each layer computes the same function in
-    eval mode (:mod:`deepcabac_py.batchnorm`).
+    eval mode (:mod:`deepcabac_py.batchnorm`). ``bias_correction`` takes the mean shift that each
+    layer's quantization error causes out of the BatchNorm after it (its ``running_mean``; the
+    ``bias`` where ``batchnorm_eps`` applies) or out of its own bias, as estimated without data from
+    the BatchNorm before it (:func:`deepcabac_py.structure.shift_absorbers`); models without such
+    layers are not affected.
     The output is deterministic for the same input and settings, whatever ``threads`` is.
     """
     threads = _resolve_threads(threads)
-    ckpt, plans, qp_1d = _plan(model, qp, qp_1d, qp_density, qp_overrides, keep_exact,
-                               _make_quantizer(quantizer, lambda_scale, importance), batchnorm_eps)
+    if not isinstance(bias_correction, bool):
+        raise TypeError(f"bias_correction must be True or False, got {bias_correction!r}")
+    ckpt, plans, qp_1d, plan_one, shifts = _plan(model, qp, qp_1d, qp_density, qp_overrides, keep_exact,
+                                                 _make_quantizer(quantizer, lambda_scale, importance), batchnorm_eps,
+                                                 bias_correction)
+    # The layers first, then the tensors that take out their shifts (from the layers' levels).
+    targets = {sh.target for sh in shifts}
+    layers = {sh.layer for sh in shifts}
+    chunk_levels: dict[tuple[str, int], np.ndarray] = {}
 
-    jobs = [(p, k) for p in plans if p.layout is not None for k in range(p.layout.count)]
-    # Largest chunks first keeps both cores busy to the end; results are put back in table order.
-    order = sorted(range(len(jobs)), key=lambda j: -jobs[j][0].layout.size(jobs[j][1]))
-
-    def run(j: int) -> bytes:
-        plan, k = jobs[j]
+    def run(job: tuple[_Plan, int]) -> bytes:
+        plan, k = job
         start, stop = plan.layout.bounds(k)
-        data = _encode_chunk(plan, k, start, stop)
+        data, levels = _encode_chunk(plan, k, start, stop)
+        if plan.entry.name in layers:
+            chunk_levels[plan.entry.name, k] = levels
         if progress is not None:
             progress(stop - start)
         return data
 
-    if threads == 1 or len(jobs) <= 1:
-        results = {j: run(j) for j in order}
-    else:
+    def run_all(jobs: list[tuple[_Plan, int]]) -> dict[tuple[str, int], bytes]:
+        # Largest chunks first keeps both cores busy to the end; results are put back in table order.
+        jobs = sorted(jobs, key=lambda job: -job[0].layout.size(job[1]))
+        keys = [(p.entry.name, k) for p, k in jobs]
+        if threads == 1 or len(jobs) <= 1:
+            return {key: run(job) for key, job in zip(keys, jobs)}
         with ThreadPoolExecutor(max_workers=threads) as pool:
-            results = dict(zip(order, pool.map(run, order)))
+            return dict(zip(keys, pool.map(run, jobs)))
+
+    def chunk_jobs(names_in: bool) -> list[tuple[_Plan, int]]:
+        return [(p, k) for p in plans if p.layout is not None and (p.entry.name in targets) == names_in
+                for k in range(p.layout.count)]
+
+    results = run_all(chunk_jobs(False))
+    if shifts:
+        by_name = {p.entry.name: p for p in plans}
+
+        def decoded(name: str) -> np.ndarray:
+            e = by_name[name].entry
+            parts = [chunk_levels[name, k] for k in range(by_name[name].layout.count)]
+            if e.mode == Mode.DEPENDENT:
+                parts = [quantize.dq_indices(part) for part in parts]
+            step = quantize.step_from_qp(e.qp, e.qp_density)
+            return (np.concatenate(parts) * step).reshape(e.shape)
+
+        plans = _take_out_shifts(plans, shifts, plan_one, ckpt, decoded)
+        results.update(run_all(chunk_jobs(True)))
 
     payload: list[bytes] = []
     offset = 0
-    j = 0
     for plan in plans:
         e = plan.entry
         if e.flags & FLAG_ALIAS:
@@ -567,8 +682,7 @@ def encode_model(
             if progress is not None:
                 progress(plan.array.size)
         else:
-            chunks = [results[j + k] for k in range(plan.layout.count)]
-            j += plan.layout.count
+            chunks = [results[e.name, k] for k in range(plan.layout.count)]
         e.chunk_sizes = [len(c) for c in chunks]
         e.size = sum(e.chunk_sizes)
         e.offset = offset
@@ -601,6 +715,7 @@ def quantize_model(
     lambda_scale: float = 1.0,
     importance: Mapping[str, Any] | str | None = DEFAULT_IMPORTANCE,
     batchnorm_eps: float | Mapping[str, float] | None = None,
+    bias_correction: bool = True,
 ) -> dict[str, QuantizedTensor]:
     """The levels and steps :func:`encode_model` would code, without entropy coding (same
     arguments). ``levels * step`` are the decoded values (for trellis tensors the levels are the
@@ -608,9 +723,19 @@ def quantize_model(
 
     Tensors stored raw (kept exact, non-finite, complex) are left out.
     """
-    _, plans, _ = _plan(model, qp, qp_1d, qp_density, qp_overrides, keep_exact,
-                        _make_quantizer(quantizer, lambda_scale, importance), batchnorm_eps)
-    return {plan.entry.name: _plan_levels(plan) for plan in plans if plan.layout is not None}
+    if not isinstance(bias_correction, bool):
+        raise TypeError(f"bias_correction must be True or False, got {bias_correction!r}")
+    ckpt, plans, _, plan_one, shifts = _plan(model, qp, qp_1d, qp_density, qp_overrides, keep_exact,
+                                             _make_quantizer(quantizer, lambda_scale, importance), batchnorm_eps,
+                                             bias_correction)
+    out = {plan.entry.name: _plan_levels(plan) for plan in plans if plan.layout is not None}
+    if shifts:
+        plans = _take_out_shifts(plans, shifts, plan_one, ckpt,
+                                 lambda name: out[name].levels.astype(np.float64) * out[name].step)
+        for sh in shifts:
+            plan = next(p for p in plans if p.entry.name == sh.target)
+            out[sh.target] = _plan_levels(plan)
+    return out
 
 
 def _quantized(e: TensorEntry, levels: np.ndarray) -> QuantizedTensor:

@@ -197,16 +197,21 @@ def quantize_rd(values: np.ndarray, step: float, *, method: str, lam: float, nco
 
 
 def trellis_encode_chunk(values: np.ndarray, step: float, *, lam: float, layout: levelcoder.ChunkLayout,
-                         index: int, importance: np.ndarray | None = None) -> bytes:
+                         index: int, importance: np.ndarray | None = None,
+                         levels: np.ndarray | None = None) -> bytes:
     """The level substream of chunk ``index`` of ``layout`` quantized by the trellis: the same bytes
     as ``levelcoder.encode_chunk(quantize_rd(values, step, method="trellis", ...), layout, index)``,
     in one pass (the trellis commits each block of levels straight into the coder, whose modelling
-    state it prices the next block with)."""
+    state it prices the next block with). ``levels`` (flat int32 of the chunk's length), if given,
+    receives the transmitted levels (:func:`dq_indices` gives their reconstruction indices)."""
     flat, imp = _rd_inputs(values, lam, importance)
     start, stop = layout.bounds(index)
     if flat.shape[0] != stop - start:
         raise ValueError(f"chunk {index} has {stop - start} values, got {flat.shape[0]}")
-    levels = np.empty(flat.shape[0], dtype=np.int32)
+    if levels is None:
+        levels = np.empty(flat.shape[0], dtype=np.int32)
+    elif levels.dtype != np.int32 or levels.shape != (flat.shape[0],) or not levels.flags.c_contiguous:
+        raise ValueError(f"levels must be a flat contiguous int32 array of {flat.shape[0]} values")
     return levelcoder.run_encoder(flat.shape[0], lambda out: _rd_kernels.trellis_kernel(
         flat, imp, float(step), float(lam), layout.ncols, layout.first_column(start), layout.k_offset,
         layout.predict, levels, out))

@@ -19,6 +19,14 @@ error costs more than elsewhere (``encode_model(importance="structural")``, the 
   ``gamma**2 * var / (4 * (var + eps)**3)``; the bias of a layer without BN after it weighs 1. Until
   now these one-dimensional tensors took a step 6 octaves finer than the weights' whatever they did.
 
+The same assumption says how a layer's quantization error moves its outputs on average: an error
+``dW`` in a layer reading channel ``j`` of ``relu(N(beta_j, gamma_j**2))`` shifts output channel ``c``
+by ``sum_j dW[c, j, taps] * E[relu(z_j)]``. :func:`shift_absorbers` names, per layer, the tensor
+that can take that shift out (the running mean of the BN after it, or the layer's own bias), and
+``encode_model(bias_correction=True)``, the default, moves it there once the layer is quantized
+(data-free bias correction, as in Nagel et al., "Data-Free Quantization Through Weight Equalization
+and Bias Correction").
+
 Tensors with two or more dimensions that no rule applies to have importance 1, and the BN-derived
 importances are scaled to a geometric mean of 1 over their layers, so ``qp`` keeps its meaning for
 ordinary layers. Other one-dimensional tensors (LayerNorm, biases without BN) keep ``qp_1d``.
@@ -56,43 +64,24 @@ def structural_importance(model: Mapping[str, Any] | Checkpoint) -> dict[str, fl
     ``encode_model(importance=...)``.
     """
     ckpt = model if isinstance(model, Checkpoint) else flatten(model)
-    arrays: dict[str, np.ndarray] = {}
-    for name, t in ckpt.tensors.items():
-        arr, dtype_name, _ = tensor_to_numpy(t)
-        if dtype_name == "bfloat16":  # carried as its 16-bit patterns
-            arr = (arr.astype(np.uint32) << 16).view(np.float32)
-        if dtype_name.startswith(("float", "bfloat")) and arr.size:
-            arrays[name] = arr
-    tied = set(ckpt.aliases.values())
-
+    arrays = _float_arrays(ckpt)
     out: dict[str, float | np.ndarray] = {}
-    layers = [n for n, a in arrays.items() if a.ndim >= 2]
-    # a BN whose statistics are not finite (a damaged or odd checkpoint) gives no rule
-    bn = [m for m in _batchnorm_groups(arrays)
-          if all(np.isfinite(arrays[f"{m}.{s}"]).all() for s in BN_STATS)]
     ruled: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     ruled_1d: dict[str, np.ndarray] = {}
-    for module in bn:
+    for module in _finite_batchnorms(arrays):
         ruled_1d.update(_bn_parameter_importance(arrays, module))
-    previous_bn: str | None = None
-    order = {n: i for i, n in enumerate(arrays)}
-    for i, name in enumerate(layers):
+    for name, module, following, previous_bn in _layer_chain(arrays, set(ckpt.aliases.values())):
         w = arrays[name]
-        module = name.rsplit(".", 1)[0] if "." in name else ""
-        if _EMBEDDING_NAME.search(module) and w.ndim == 2 and name not in tied:
+        if previous_bn is _EMBEDDING:
             out[name] = 1.0 / w.shape[0]
-            previous_bn = None
             continue
-        following = _following_bn(name, w.shape[0], layers[i + 1] if i + 1 < len(layers) else None, arrays, bn,
-                                  order)
         gain = _bn_gain(arrays, following) if following else None
         energy = None
         if previous_bn is not None:
             e = _relu_energy(arrays, previous_bn)
-            depthwise = w.ndim > 2 and w.shape[1] == 1 and e.size == w.shape[0]
+            depthwise = _reads_per_channel(w, e.size)
             if depthwise or e.size == w.shape[1]:
                 energy = (e, depthwise)
-        previous_bn = following
         bias = arrays.get(f"{module}.bias")
         if bias is not None and bias.shape == (w.shape[0],) and (gain is not None or energy is not None):
             # a bias shifts the layer's output: through the BN's scale, or as it is
@@ -128,6 +117,88 @@ def structural_importance(model: Mapping[str, Any] | Checkpoint) -> dict[str, fl
     for name, imp in ruled_1d.items():  # the same units as the layers' (the BN output's error)
         out[name] = _as_float32(imp * scale)
     return out
+
+
+def shift_absorbers(model: Mapping[str, Any] | Checkpoint) -> dict[str, tuple[np.ndarray, str]]:
+    """Where the expected output shift of each layer's quantization error can be taken out, without
+    data: ``layer -> (mean input per input channel, tensor that absorbs the shift)``.
+
+    Under the assumption of :func:`structural_importance` (the layer reads the previous BN's output
+    through a ReLU-family activation, channel ``j`` distributed as ``relu(N(beta_j, gamma_j**2))``),
+    an error ``dW`` shifts output channel ``c`` by ``sum_j dW[c, j, taps] * E[relu(z_j)]`` on
+    average. A BN right after the layer absorbs it in its ``running_mean`` (the shift added); a layer
+    without one, in its own ``bias`` (the shift taken off). Layers with no BN before them, or whose
+    input channels do not match that BN's, get no entry.
+    """
+    ckpt = model if isinstance(model, Checkpoint) else flatten(model)
+    arrays = _float_arrays(ckpt)
+    out: dict[str, tuple[np.ndarray, str]] = {}
+    for name, module, following, previous_bn in _layer_chain(arrays, set(ckpt.aliases.values())):
+        if previous_bn is None or previous_bn is _EMBEDDING:
+            continue
+        w = arrays[name]
+        mean_in = _relu_mean(arrays, previous_bn)
+        if not (_reads_per_channel(w, mean_in.size) or mean_in.size == w.shape[1]):
+            continue
+        if following is not None:
+            out[name] = (mean_in, f"{following}.running_mean")
+        elif arrays.get(f"{module}.bias") is not None and arrays[f"{module}.bias"].shape == (w.shape[0],):
+            out[name] = (mean_in, f"{module}.bias")
+    return out
+
+
+def output_shift(weight: np.ndarray, decoded: np.ndarray, mean_in: np.ndarray) -> np.ndarray:
+    """The mean shift of every output channel that replacing ``weight`` by ``decoded`` causes on
+    inputs of mean ``mean_in`` per channel (float64, one value per output channel)."""
+    dw = decoded.astype(np.float64) - weight.astype(np.float64)
+    dw = dw.reshape(dw.shape[0], dw.shape[1], -1).sum(axis=2)
+    if _reads_per_channel(weight, mean_in.size):  # depthwise: output c reads input c
+        return dw[:, 0] * mean_in
+    return dw @ mean_in
+
+
+_EMBEDDING = object()  # what _layer_chain gives as the input BN of a lookup table
+
+
+def _float_arrays(ckpt: Checkpoint) -> dict[str, np.ndarray]:
+    arrays: dict[str, np.ndarray] = {}
+    for name, t in ckpt.tensors.items():
+        arr, dtype_name, _ = tensor_to_numpy(t)
+        if dtype_name == "bfloat16":  # carried as its 16-bit patterns
+            arr = (arr.astype(np.uint32) << 16).view(np.float32)
+        if dtype_name.startswith(("float", "bfloat")) and arr.size:
+            arrays[name] = arr
+    return arrays
+
+
+def _finite_batchnorms(arrays: Mapping[str, np.ndarray]) -> list[str]:
+    # a BN whose statistics are not finite (a damaged or odd checkpoint) gives no rule
+    return [m for m in _batchnorm_groups(arrays) if all(np.isfinite(arrays[f"{m}.{s}"]).all() for s in BN_STATS)]
+
+
+def _layer_chain(arrays: Mapping[str, np.ndarray], tied: set[str]):
+    """(name, module, the BN after it or None, the BN before it or None, or _EMBEDDING for a lookup
+    table) for every tensor with two or more dimensions, in checkpoint order."""
+    layers = [n for n, a in arrays.items() if a.ndim >= 2]
+    bn = _finite_batchnorms(arrays)
+    order = {n: i for i, n in enumerate(arrays)}
+    previous_bn: str | None = None
+    for i, name in enumerate(layers):
+        w = arrays[name]
+        module = name.rsplit(".", 1)[0] if "." in name else ""
+        if _EMBEDDING_NAME.search(module) and w.ndim == 2 and name not in tied:
+            previous_bn = None
+            yield name, module, None, _EMBEDDING
+            continue
+        following = _following_bn(name, w.shape[0], layers[i + 1] if i + 1 < len(layers) else None, arrays, bn,
+                                  order)
+        yield name, module, following, previous_bn
+        previous_bn = following
+
+
+def _reads_per_channel(w: np.ndarray, channels: int) -> bool:
+    """A depthwise convolution: one input channel per output, as many as the input has."""
+    return w.ndim > 2 and w.shape[1] == 1 and channels == w.shape[0]
 
 
 def _as_float32(x: np.ndarray) -> np.ndarray:
@@ -191,6 +262,16 @@ def _relu_energy(arrays: Mapping[str, np.ndarray], module: str) -> np.ndarray:
     pdf = np.exp(-0.5 * a * a) / math.sqrt(2.0 * math.pi)
     # a dead channel (relu(z) ~ 0 always) has energy ~0: the weights reading it do not matter
     return np.maximum((mu * mu + sigma * sigma) * cdf + mu * sigma * pdf, 0.0)
+
+
+def _relu_mean(arrays: Mapping[str, np.ndarray], module: str) -> np.ndarray:
+    """E[relu(z)] for z ~ N(beta, gamma**2), per channel of the BN ``module``'s output."""
+    mu = arrays[f"{module}.bias"].astype(np.float64)
+    sigma = np.maximum(np.abs(arrays[f"{module}.weight"].astype(np.float64)), 1e-30)
+    a = np.clip(mu / sigma, -40.0, 40.0)
+    cdf = 0.5 * (1.0 + _erf(a / math.sqrt(2.0)))
+    pdf = np.exp(-0.5 * a * a) / math.sqrt(2.0 * math.pi)
+    return np.maximum(mu * cdf + sigma * pdf, 0.0)
 
 
 def _erf(x: np.ndarray) -> np.ndarray:

@@ -740,6 +740,20 @@ def test_qp_tensor_and_exact_options(model_dir):
     assert_tensors_identical(load_checkpoint(model_dir / "lossless.safetensors").tensors, original)
 
 
+def test_bias_correction_option(model_dir):
+    from deepcabac_py import encode_model
+    from deepcabac_py.structure import shift_absorbers
+
+    src = model_dir / "model.safetensors"
+    ckpt = load_checkpoint(src)
+    assert shift_absorbers(ckpt)  # the digits CNN has layers between BatchNorms
+    for flag, on in (([], True), (["--no-bias-correction"], False), (["--bias-correction"], True)):
+        out = model_dir / f"bc{len(flag)}{on}.dcb"
+        ok(["encode", src, "-o", out, "-q", "--qp", "-24", *flag])
+        assert out.read_bytes() == encode_model(ckpt, qp=-24, bias_correction=on), flag
+    assert (model_dir / "bc0True.dcb").read_bytes() != (model_dir / "bc1False.dcb").read_bytes()
+
+
 # --------------------------------------------------------------------------------------------------
 # atomic output
 # --------------------------------------------------------------------------------------------------

@@ -10,8 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deepcabac_py import decode_model, encode_model, read_stream_header
-from deepcabac_py.structure import BN_EPS, structural_importance
+from deepcabac_py import decode_model, encode_model, quantize_model, read_stream_header
+from deepcabac_py.quantize import step_from_qp
+from deepcabac_py.structure import BN_EPS, output_shift, shift_absorbers, structural_importance
 
 
 def _bn(prefix: str, n: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
@@ -216,3 +217,118 @@ def test_structural_importance_costs_at_most_one_float32_copy_of_the_layers():
         finally:
             tracemalloc.stop()
     assert peaks["structural"] - peaks[None] < 1.5 * layer_bytes, (peaks, layer_bytes)
+
+
+# --- bias correction: the mean output shift of the quantization error, taken out without data --------
+
+
+def _relu_mean_by_integration(beta: float, gamma: float) -> float:
+    z = np.linspace(beta - 12 * abs(gamma), beta + 12 * abs(gamma), 200_001)
+    pdf = np.exp(-0.5 * ((z - beta) / gamma) ** 2) / (abs(gamma) * math.sqrt(2 * math.pi))
+    return float(np.trapezoid(np.maximum(z, 0.0) * pdf, z))
+
+
+def test_shift_absorbers_match_a_hand_computation():
+    sd = _conv_bn_net(3)
+
+    def mean_in(p):
+        return np.array([_relu_mean_by_integration(b, g) for b, g in
+                         zip(sd[f"{p}.bias"].astype(np.float64), sd[f"{p}.weight"].astype(np.float64))])
+
+    want = {"block.expand.weight": (mean_in("stem.bn"), "block.bn0.running_mean"),
+            "block.dw.weight": (mean_in("block.bn0"), "block.bn1.running_mean"),
+            "head.weight": (mean_in("block.bn1"), "head.bias")}  # no BN after the head: its own bias
+    got = shift_absorbers(sd)
+    assert set(got) == set(want)  # the stem reads the input: nothing known about it
+    for name, (m, target) in want.items():
+        assert got[name][1] == target
+        np.testing.assert_allclose(got[name][0], m, rtol=1e-6, atol=1e-12)
+
+
+@given(seed=st.integers(0, 2**32 - 1), depthwise=st.booleans())
+@settings(max_examples=30, deadline=None)
+def test_output_shift_matches_a_loop(seed, depthwise):
+    rng = np.random.default_rng(seed)
+    out_c, in_c, kh, kw = int(rng.integers(1, 6)), int(rng.integers(1, 6)), int(rng.integers(1, 4)), int(rng.integers(1, 4))
+    shape = (out_c, 1, kh, kw) if depthwise else (out_c, in_c, kh, kw)
+    w = rng.normal(0, 1, shape).astype(np.float32)
+    dec = w + rng.normal(0, 0.1, shape)
+    mean_in = rng.uniform(0, 2, out_c if depthwise else in_c)
+    want = np.zeros(out_c)
+    for c in range(out_c):
+        for j in range(shape[1]):
+            for a in range(kh):
+                for b in range(kw):
+                    want[c] += (float(dec[c, j, a, b]) - float(w[c, j, a, b])) * mean_in[c if depthwise else j]
+    np.testing.assert_allclose(output_shift(w, dec, mean_in), want, rtol=1e-9, atol=1e-12)
+
+
+def _step_of(data: bytes, name: str) -> float:
+    e = next(e for e in read_stream_header(data).tensors if e.name == name)
+    return step_from_qp(e.qp, e.qp_density)
+
+
+@pytest.mark.parametrize("bn_eps", [None, 1e-3])
+def test_encode_takes_the_estimated_shift_out(bn_eps):
+    sd = _conv_bn_net(4)
+    kw = dict(qp=-14, qp_1d=-60, importance=None, quantizer="nearest", batchnorm_eps=bn_eps)  # (fine steps for the targets)
+    on, off = encode_model(sd, **kw), encode_model(sd, bias_correction=False, **kw)
+    assert encode_model(sd, threads=2, **kw) == on
+    dec_on, dec_off = decode_model(on), decode_model(off)
+    absorbers = shift_absorbers(sd)
+    for name in ("block.expand.weight", "block.dw.weight", "head.weight", "stem.conv.weight"):
+        np.testing.assert_array_equal(dec_on[name], dec_off[name])  # the layers are coded alike
+    for layer, (mean_in, target) in absorbers.items():
+        shift = output_shift(sd[layer], dec_on[layer], mean_in)
+        if target.endswith(".bias"):
+            moved, want = dec_on[target] - dec_off[target], -shift
+        elif bn_eps is None:
+            moved, want = dec_on[target] - dec_off[target], shift
+        else:  # coarse statistics: the BN's bias takes it, scaled by the BN's gain
+            module = target.rsplit(".", 1)[0]
+            gain = sd[f"{module}.weight"] / np.sqrt(sd[f"{module}.running_var"].astype(np.float64) + bn_eps)
+            target = f"{module}.bias"
+            moved, want = dec_on[target] - dec_off[target], -gain * shift
+        assert np.abs(want).max() > 10 * _step_of(on, target)  # (a shift worth taking out)
+        # both streams round the target to its step
+        assert np.all(np.abs(moved - want) <= 1.01 * _step_of(on, target)), target
+    # quantize_model gives the levels encode_model codes
+    q = quantize_model(sd, **kw)
+    for name, qt in q.items():
+        np.testing.assert_array_equal(np.asarray(qt.dequantize()), dec_on[name])
+
+
+def test_bias_correction_shrinks_the_measured_mean_error():
+    # conv -> BN -> relu -> conv -> BN: inputs as the first BN's statistics describe them; the mean
+    # error of the second BN's output, with and without the correction (measured on samples)
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Conv2d(6, 16, 1, bias=False), torch.nn.BatchNorm2d(16), torch.nn.ReLU(),
+                              torch.nn.Conv2d(16, 24, 1, bias=False), torch.nn.BatchNorm2d(24))
+    with torch.no_grad():
+        net[1].weight.uniform_(0.5, 1.5)
+        net[1].bias.normal_(0, 1)
+        net[4].weight.uniform_(0.5, 1.5)
+    net.train()
+    with torch.no_grad():
+        for _ in range(200):  # statistics of the data the test uses
+            net(torch.randn(64, 6, 1, 1) * 1.5 + 0.3)
+    net.eval()
+    sd = {k: v.detach().numpy().copy() for k, v in net.state_dict().items()}
+    x = torch.randn(20_000, 6, 1, 1) * 1.5 + 0.3
+    with torch.no_grad():
+        ref = net(x)
+    errors = {}
+    for on in (True, False):
+        dec = decode_model(encode_model(sd, qp=-16, qp_1d=-60, importance=None, bias_correction=on))
+        net.load_state_dict({k: torch.from_numpy(np.asarray(v)) for k, v in dec.items()})
+        with torch.no_grad():
+            errors[on] = np.abs((net(x) - ref).mean((0, 2, 3)).numpy()).mean()
+        net.load_state_dict({k: torch.from_numpy(v) for k, v in sd.items()})
+    assert errors[True] < 0.4 * errors[False], errors  # (0.043 against 0.176 when written)
+
+
+def test_bias_correction_is_validated():
+    with pytest.raises(TypeError, match="bias_correction"):
+        encode_model(_conv_bn_net(), bias_correction="yes")
+    with pytest.raises(TypeError, match="bias_correction"):
+        quantize_model(_conv_bn_net(), bias_correction=1)
