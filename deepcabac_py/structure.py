@@ -255,23 +255,23 @@ def _bn_gain(arrays: Mapping[str, np.ndarray], module: str) -> np.ndarray:
 
 def _relu_energy(arrays: Mapping[str, np.ndarray], module: str) -> np.ndarray:
     """E[relu(z)**2] for z ~ N(beta, gamma**2), per channel of the BN ``module``'s output."""
-    mu = arrays[f"{module}.bias"].astype(np.float64)
-    sigma = np.maximum(np.abs(arrays[f"{module}.weight"].astype(np.float64)), 1e-30)
-    a = np.clip(mu / sigma, -40.0, 40.0)
-    cdf = 0.5 * (1.0 + _erf(a / math.sqrt(2.0)))
-    pdf = np.exp(-0.5 * a * a) / math.sqrt(2.0 * math.pi)
     # a dead channel (relu(z) ~ 0 always) has energy ~0: the weights reading it do not matter
-    return np.maximum((mu * mu + sigma * sigma) * cdf + mu * sigma * pdf, 0.0)
+    return _relu_moments(arrays, module)[1]
 
 
 def _relu_mean(arrays: Mapping[str, np.ndarray], module: str) -> np.ndarray:
     """E[relu(z)] for z ~ N(beta, gamma**2), per channel of the BN ``module``'s output."""
+    return _relu_moments(arrays, module)[0]
+
+
+def _relu_moments(arrays: Mapping[str, np.ndarray], module: str) -> tuple[np.ndarray, np.ndarray]:
     mu = arrays[f"{module}.bias"].astype(np.float64)
     sigma = np.maximum(np.abs(arrays[f"{module}.weight"].astype(np.float64)), 1e-30)
     a = np.clip(mu / sigma, -40.0, 40.0)
     cdf = 0.5 * (1.0 + _erf(a / math.sqrt(2.0)))
     pdf = np.exp(-0.5 * a * a) / math.sqrt(2.0 * math.pi)
-    return np.maximum(mu * cdf + sigma * pdf, 0.0)
+    return (np.maximum(mu * cdf + sigma * pdf, 0.0),
+            np.maximum((mu * mu + sigma * sigma) * cdf + mu * sigma * pdf, 0.0))
 
 
 def _erf(x: np.ndarray) -> np.ndarray:
