@@ -569,13 +569,21 @@ def _plan_batchnorm(ckpt: Checkpoint, qp, qp_1d, qp_density, qp_overrides, keep_
 def _plan_levels(plan: _Plan) -> QuantizedTensor:
     """A planned tensor's levels, chunk by chunk as the encoder quantizes them (the RD quantizers
     and the trellis state restart with every substream)."""
-    e = plan.entry
-    parts = []
-    for k in range(plan.layout.count):
-        part = _chunk_levels(plan, *plan.layout.bounds(k))
-        parts.append(quantize.dq_indices(part) if e.mode == Mode.DEPENDENT else part)
+    return _assembled(plan.entry, [_chunk_levels(plan, *plan.layout.bounds(k)) for k in range(plan.layout.count)])
+
+
+def _assembled(e: TensorEntry, parts: list[np.ndarray]) -> QuantizedTensor:
+    """A tensor from the levels of its chunks as the encoder makes them (the trellis's transmitted
+    levels become reconstruction indices chunk by chunk: its state restarts with every substream)."""
+    if e.mode == Mode.DEPENDENT:
+        parts = [quantize.dq_indices(part) for part in parts]
     levels = np.concatenate(parts) if len(parts) != 1 else parts[0]
     return _quantized(e, levels.reshape(e.shape))
+
+
+def _decoded64(q: QuantizedTensor) -> np.ndarray:
+    """The decoded values of a quantized tensor in float64 (for the bias correction's sums)."""
+    return q.levels.astype(np.float64) * q.step
 
 
 def encode_model(
@@ -659,12 +667,8 @@ def encode_model(
         by_name = {p.entry.name: p for p in plans}
 
         def decoded(name: str) -> np.ndarray:
-            e = by_name[name].entry
-            parts = [chunk_levels[name, k] for k in range(by_name[name].layout.count)]
-            if e.mode == Mode.DEPENDENT:
-                parts = [quantize.dq_indices(part) for part in parts]
-            step = quantize.step_from_qp(e.qp, e.qp_density)
-            return (np.concatenate(parts) * step).reshape(e.shape)
+            plan = by_name[name]
+            return _decoded64(_assembled(plan.entry, [chunk_levels[name, k] for k in range(plan.layout.count)]))
 
         plans = _take_out_shifts(plans, shifts, plan_one, ckpt, decoded)
         results.update(run_all(chunk_jobs(True)))
@@ -730,11 +734,9 @@ def quantize_model(
                                              bias_correction)
     out = {plan.entry.name: _plan_levels(plan) for plan in plans if plan.layout is not None}
     if shifts:
-        plans = _take_out_shifts(plans, shifts, plan_one, ckpt,
-                                 lambda name: out[name].levels.astype(np.float64) * out[name].step)
-        for sh in shifts:
-            plan = next(p for p in plans if p.entry.name == sh.target)
-            out[sh.target] = _plan_levels(plan)
+        plans = _take_out_shifts(plans, shifts, plan_one, ckpt, lambda name: _decoded64(out[name]))
+        targets = {sh.target for sh in shifts}
+        out.update({p.entry.name: _plan_levels(p) for p in plans if p.entry.name in targets})
     return out
 
 
