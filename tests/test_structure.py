@@ -332,3 +332,16 @@ def test_bias_correction_is_validated():
         encode_model(_conv_bn_net(), bias_correction="yes")
     with pytest.raises(TypeError, match="bias_correction"):
         quantize_model(_conv_bn_net(), bias_correction=1)
+
+
+def test_running_variances_above_eps_never_decode_to_zero():
+    # coarse qps give BatchNorm statistics coarse steps; a variance above the eps it is added to must
+    # still decode above 0 (the channel's scale would jump), unless the user set the tensor's qp
+    sd = _conv_bn_net(5)
+    sd["block.bn0.running_var"] = np.array([0.004, 3.0, 0.5, 2e-4, 0.0], np.float32)
+    for qp in (-16, -8, 0):
+        for quantizer in ("trellis", "nearest"):
+            var = np.asarray(decode_model(encode_model(sd, qp=qp, quantizer=quantizer))["block.bn0.running_var"])
+            assert np.all(var[:3] > 0), (qp, quantizer, var)
+    coarse = decode_model(encode_model(sd, qp=0, qp_overrides={"*.running_var": 0}))["block.bn0.running_var"]
+    assert np.asarray(coarse)[0] == 0.0  # (the user's step wins)
