@@ -16,15 +16,15 @@ Layout shared by CER and CSER (see ``matrix_formats`` for the full description):
   the rank of each group's value. CER has no ``gval``: group i of a row holds rank i + 1 (empty
   groups allowed).
 * ``"entries"`` coding (rows of tiny groups): no groups at all. ``tok`` holds every entry's
-  absolute column, ascending along the row, ``gval`` its rank (CER too), ``rowng`` the entries per
-  row; ``gcnt`` is empty and ``blk_grp`` equals ``blk_tok``.
+  absolute column, ascending along the row, ``gval`` its rank or level code (CER too), ``rowng``
+  the entries per row; ``gcnt`` is empty and ``blk_grp`` equals ``blk_tok``.
 * ``blk_tok`` / ``blk_grp`` (uint32 [nblk + 1]): offsets into ``tok`` and the group arrays of every
   block of ``ROWS_PER_BLOCK`` rows, the only absolute pointers; rows inside a block are walked in order.
 
 CER kernels are the CSER kernels called with ``gval=None`` (Numba compiles the ``gval is None``
 branch away). Every kernel works on a range of row blocks ``[b0, b1)``; the ``*_par`` drivers split
 the blocks into ``nchunks`` ranges of about equal token counts and run them with ``prange`` (the
-entries matvec splits at rows: ``_entries_row_bound``).
+entries matvec splits at rows, at cuts worked out once per matrix).
 
 Dot products follow the distributive law: the inputs of a group are added (four partial sums; in
 matmat, four rows of X at a time), then multiplied once by the group's value. ``_mv_abs_flat`` is the
@@ -32,7 +32,8 @@ exception for rows of many small groups (dozens of groups of four to nine entrie
 unpruned layers): it writes each group's value once per entry into a scratch row and runs one
 multiply-add loop over the row, up to twice as fast there as a short loop per group. Where groups
 are tinier still (many distinct values, few entries per row), the "entries" coding drops groups
-altogether and ``_mv_entries`` looks each entry's value up by rank.
+altogether and ``_mv_entries`` looks each entry's value up by rank, or reads it from the entry's
+level code.
 All sums are float32 in a fixed order, so results do not depend on the number of threads.
 """
 
@@ -41,7 +42,7 @@ from __future__ import annotations
 import numpy as np
 from numba import prange
 
-from ._jit import kernel, parallel_kernel
+from ._jit import inline_helper, kernel, parallel_kernel
 
 ROWS_PER_BLOCK = 16
 PAD_TOKENS = 4
@@ -317,70 +318,24 @@ def _mv_d4(b0, b1, tok, gcnt, rowng, gval, blk_tok, blk_grp, values, x, xsum, y)
         y[r] = base + acc
 
 
-@kernel
-def _mv_entries_rows(r0, r1, t, tok, rowng, gval, offsets, x, xsum, y):
-    # One multiply-add per entry, its coefficient looked up by rank: where groups hold one or two
-    # entries, the per-group work of the other kernels costs more than the multiplications it saves.
-    # ``offsets`` is ``values`` with v0 taken off every rank but 0 (which holds v0 itself: no entry
-    # has rank 0), a subtraction per entry saved (3-9% of this loop).
-    v0 = offsets[0]
-    base = np.float32(v0 * xsum) if v0 != 0 else np.float32(0.0)
-    zero = np.float32(0.0)
-    for r in range(r0, r1):
-        e = t + np.int64(rowng[U(r)])
-        a0 = zero
-        a1 = zero
-        a2 = zero
-        a3 = zero
-        while t + 4 <= e:
-            a0 += offsets[gval[U(t)]] * x[tok[U(t)]]
-            a1 += offsets[gval[U(t + 1)]] * x[tok[U(t + 1)]]
-            a2 += offsets[gval[U(t + 2)]] * x[tok[U(t + 2)]]
-            a3 += offsets[gval[U(t + 3)]] * x[tok[U(t + 3)]]
-            t += 4
-        while t < e:
-            a0 += offsets[gval[U(t)]] * x[tok[U(t)]]
-            t += 1
-        y[r] = base + ((a0 + a1) + (a2 + a3))
+@inline_helper
+def _entry_coefficient(gval, offsets, t):
+    # (``offsets is None`` is decided when the kernel is compiled, as ``gval is None`` elsewhere)
+    if offsets is None:
+        return np.float32(gval[U(t)])  # a level code read as int8
+    return offsets[gval[U(t)]]
 
 
 @kernel
-def _mv_entries(b0, b1, tok, gcnt, rowng, gval, blk_tok, blk_grp, offsets, x, xsum, y):
-    """The entries coding's matvec over row blocks [b0, b1); ``offsets`` as in _mv_entries_rows."""
-    if gval is not None:  # (always in this coding: the test only lets _mv_par compile for grouped CER)
-        r1 = min(y.shape[0], b1 * ROWS_PER_BLOCK)
-        _mv_entries_rows(b0 * ROWS_PER_BLOCK, r1, np.int64(blk_tok[b0]), tok, rowng, gval, offsets, x, xsum, y)
-
-
-@kernel
-def _entries_row_bound(blk_tok, rowng, m, c, nchunks):
-    """First row of chunk ``c`` and its token offset, splitting the entries at row granularity
-    (a block of 16 rows is too coarse for a few hundred rows on two threads: up to 12% apart)."""
-    nblk = blk_tok.shape[0] - 1
-    total = np.int64(blk_tok[nblk])
-    if c >= nchunks:
-        return m, total
-    if c <= 0:
-        return 0, 0  # (below, a zero target would walk past leading empty rows)
-    target = total * c // nchunks
-    b = _chunk_bound(blk_tok, c, nchunks)  # first block starting at or after the target
-    if b > 0 and np.int64(blk_tok[b]) > target:
-        b -= 1  # the cut lies inside block b
-    r = b * ROWS_PER_BLOCK
-    t = np.int64(blk_tok[b])
-    end = min(m, (b + 1) * ROWS_PER_BLOCK)
-    while r < end and t + np.int64(rowng[U(r)]) <= target:
-        t += np.int64(rowng[U(r)])
-        r += 1
-    return r, t
-
-
-@kernel
-def _mv_codes_rows(r0, r1, t, p, tok, rowng, codes, outliers, x, y, step):
-    # The entries coding with level codes: an entry's code, read as int8, is its level, so the
-    # coefficient is converted from the entry itself instead of looked up by rank (one dependent load
-    # less per entry: 1.25x on 90%-pruned layers). The few codes that stand for levels outside int8
-    # are corrected per row from ``outliers`` ([position, level - int8(code)], by position).
+def _mv_entries_rows(r0, r1, t, p, tok, rowng, gval, offsets, outliers, x, base, scale, y):
+    # One multiply-add per entry: where groups hold one or two entries, the per-group work of the
+    # other kernels costs more than the multiplications it saves. The coefficient is looked up by
+    # rank in ``offsets`` (``values`` with v0 taken off every rank but 0, which holds v0 itself: no
+    # entry has rank 0; a subtraction per entry saved, 3-9% of this loop), or, with ``offsets`` None,
+    # read from the entry itself: ``gval`` holds int8 level codes (one dependent load less per entry,
+    # 1.25x on 90%-pruned layers), times ``scale`` (the step) once per row, and the few codes that
+    # stand for levels outside int8 are corrected from ``outliers`` ([position, level - int8(code)],
+    # by position; empty for ranks). Row r gets ``base + scale * sum``.
     zero = np.float32(0.0)
     nout = outliers.shape[0]
     for r in range(r0, r1):
@@ -390,45 +345,42 @@ def _mv_codes_rows(r0, r1, t, p, tok, rowng, codes, outliers, x, y, step):
         a2 = zero
         a3 = zero
         while t + 4 <= e:
-            a0 += np.float32(codes[U(t)]) * x[tok[U(t)]]
-            a1 += np.float32(codes[U(t + 1)]) * x[tok[U(t + 1)]]
-            a2 += np.float32(codes[U(t + 2)]) * x[tok[U(t + 2)]]
-            a3 += np.float32(codes[U(t + 3)]) * x[tok[U(t + 3)]]
+            a0 += _entry_coefficient(gval, offsets, t) * x[tok[U(t)]]
+            a1 += _entry_coefficient(gval, offsets, t + 1) * x[tok[U(t + 1)]]
+            a2 += _entry_coefficient(gval, offsets, t + 2) * x[tok[U(t + 2)]]
+            a3 += _entry_coefficient(gval, offsets, t + 3) * x[tok[U(t + 3)]]
             t += 4
         while t < e:
-            a0 += np.float32(codes[U(t)]) * x[tok[U(t)]]
+            a0 += _entry_coefficient(gval, offsets, t) * x[tok[U(t)]]
             t += 1
         s = (a0 + a1) + (a2 + a3)
         while p < nout and outliers[p, 0] < e:
             s += np.float32(outliers[p, 1]) * x[tok[U(outliers[p, 0])]]
             p += 1
-        y[r] = step * s
+        y[r] = base + scale * s
 
 
 @kernel
-def _mv_codes(cuts, tok, rowng, codes, outliers, x, y, step):
-    """Matvec of the level-coded entries, serially over the chunks of ``cuts`` (int64 [c + 1, 3]:
-    first row, its token offset and its first outlier, of every chunk and of the end)."""
+def _mv_entries(cuts, tok, rowng, gval, offsets, outliers, x, base, scale, y):
+    """The entries coding's matvec, serially over the chunks of ``cuts`` (int64 [c + 1, 3]: first
+    row, its token offset and its first outlier, of every chunk and of the end); the rest as in
+    :func:`_mv_entries_rows`."""
     for c in range(cuts.shape[0] - 1):
-        _mv_codes_rows(cuts[c, 0], cuts[c + 1, 0], cuts[c, 1], cuts[c, 2], tok, rowng, codes, outliers, x, y, step)
+        _mv_entries_rows(cuts[c, 0], cuts[c + 1, 0], cuts[c, 1], cuts[c, 2], tok, rowng, gval, offsets, outliers,
+                         x, base, scale, y)
 
 
 @parallel_kernel
-def _mv_codes_par(cuts, tok, rowng, codes, outliers, x, y, step):
-    """:func:`_mv_codes` with the chunks on threads."""
+def _mv_entries_par(cuts, tok, rowng, gval, offsets, outliers, x, base, scale, y):
+    """:func:`_mv_entries` with the chunks on threads."""
     for c in prange(cuts.shape[0] - 1):
-        _mv_codes_rows(cuts[c, 0], cuts[c + 1, 0], cuts[c, 1], cuts[c, 2], tok, rowng, codes, outliers, x, y, step)
+        _mv_entries_rows(cuts[c, 0], cuts[c + 1, 0], cuts[c, 1], cuts[c, 2], tok, rowng, gval, offsets, outliers,
+                         x, base, scale, y)
 
 
 @parallel_kernel
 def _mv_par(kind, nchunks, tok, gcnt, rowng, gval, blk_tok, blk_grp, values, x, xsum, y):
     for c in prange(nchunks):
-        if kind == 4:
-            if gval is not None:  # (as in _mv_entries)
-                r0, t0 = _entries_row_bound(blk_tok, rowng, y.shape[0], c, nchunks)
-                r1, _ = _entries_row_bound(blk_tok, rowng, y.shape[0], c + 1, nchunks)
-                _mv_entries_rows(r0, r1, t0, tok, rowng, gval, values, x, xsum, y)
-            continue
         b0 = _chunk_bound(blk_tok, c, nchunks)
         b1 = _chunk_bound(blk_tok, c + 1, nchunks)
         if kind == 0:

@@ -118,7 +118,8 @@ _NS_PER_GROUP = (3.0, 0.6, 2.5, 6.0, 0.0, 0.0)
 # entries coding.
 FLAT_GROUPS_PER_ENTRY = 0.1
 FLAT_GROUPS_PER_ROW = 16
-_MV_SERIAL = (K._mv_abs, K._mv_abs_flat, K._mv_d8, K._mv_d4, K._mv_entries)
+_MV_SERIAL = (K._mv_abs, K._mv_abs_flat, K._mv_d8, K._mv_d4)  # (the entries kernels take row cuts)
+_NO_OUTLIERS = np.zeros((0, 2), dtype=np.int64)
 _MAX_LEVEL_SPAN = 1 << 26  # level ranges up to this are counted with bincount, wider ones sorted
 _ZERO = np.float32(0.0)
 
@@ -202,9 +203,10 @@ def _level_codes(levels) -> np.ndarray | None:
     return codes
 
 
-def _code_cuts(rowng: np.ndarray, outlier_pos: np.ndarray, nchunks: int) -> np.ndarray:
-    """Where the level-coded matvec's chunks start (int64 [nchunks + 1, 3]: row, its token offset
-    and its first outlier): at rows, about equal numbers of entries apart."""
+def _entry_cuts(rowng: np.ndarray, outlier_pos: np.ndarray, nchunks: int) -> np.ndarray:
+    """Where the entries matvec's chunks start (int64 [nchunks + 1, 3]: row, its token offset and its
+    first outlier): at rows, about equal numbers of entries apart (a 384-row matrix has only 24
+    blocks of 16 rows: block-sized chunks could differ by 12%)."""
     m = rowng.size
     ends = np.cumsum(rowng, dtype=np.int64)
     total = int(ends[-1]) if m else 0
@@ -593,27 +595,34 @@ class _RowGroupedMatrix:
         plan = self.__dict__.get("_mv_plan")
         if plan is None:  # what every call needs, worked out once (a call costs microseconds)
             plan = self.__dict__["_mv_plan"] = self._matvec_plan()
-        kernel, head, step, nonzero_v0 = plan
-        if step is not None:  # level codes
-            kernel(*head, x, y, step)
-        else:
-            kernel(*head, x, np.float32(x.sum(dtype=np.float64)) if nonzero_v0 else _ZERO, y)
+        kernel, head, scale, v0 = plan
+        xsum = _ZERO if v0 is None else np.float32(x.sum(dtype=np.float64))
+        if scale is None:
+            kernel(*head, x, xsum, y)
+        else:  # the entries kernels: row r = base + scale * (its sum)
+            kernel(*head, x, v0 * xsum if v0 is not None else _ZERO, scale, y)
         return y
 
     def _matvec_plan(self):
-        """(kernel, its leading arguments, float32 step or None, whether v0 != 0): the kernels taking
-        ``step`` end with ``(x, y, step)``, the others with ``(x, xsum, y)``."""
+        """(kernel, its leading arguments, the entries kernels' scale or None, v0 as float32 or None
+        where it is 0): the entries kernels end with ``(x, v0 * xsum, scale, y)``, the others with
+        ``(x, xsum, y)``."""
         kind = self._kind
         nchunks = numba.config.NUMBA_NUM_THREADS if self._chunks(1) > 1 else 1
-        if kind == 5:
-            cuts = _code_cuts(self._rowng, self._outliers[:, 0], nchunks)
-            head = (cuts, self._tokens, self._rowng, self._gval.view(np.int8), self._outliers)
-            return (K._mv_codes_par if nchunks > 1 else K._mv_codes), head, np.float32(self._step), False
-        arrays = self._args() + (_entries_offsets(self._values) if kind == 4 else self._values,)
-        nonzero_v0 = bool(self._values[0] != 0)
+        v0 = None if self._values[0] == 0 else np.float32(self._values[0])
+        if kind in (4, 5):
+            outliers = self._outliers if kind == 5 else _NO_OUTLIERS
+            cuts = _entry_cuts(self._rowng, outliers[:, 0], nchunks)
+            if kind == 5:  # level codes: the coefficient is the code, times the step per row
+                gval, offsets, scale = self._gval.view(np.int8), None, np.float32(self._step)
+            else:
+                gval, offsets, scale = self._gval, _entries_offsets(self._values), np.float32(1.0)
+            head = (cuts, self._tokens, self._rowng, gval, offsets, outliers)
+            return (K._mv_entries_par if nchunks > 1 else K._mv_entries), head, scale, v0
+        arrays = self._args() + (self._values,)
         if nchunks > 1:
-            return K._mv_par, (kind, nchunks) + arrays, None, nonzero_v0
-        return _MV_SERIAL[kind], (0, self._blk_tok.size - 1) + arrays, None, nonzero_v0
+            return K._mv_par, (kind, nchunks) + arrays, None, v0
+        return _MV_SERIAL[kind], (0, self._blk_tok.size - 1) + arrays, None, v0
 
     def matmat(self, X) -> np.ndarray:
         """``W @ X`` for a matrix X of shape (n, B) (B inputs as columns), in float32: (m, B).

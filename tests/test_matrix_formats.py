@@ -367,17 +367,19 @@ def test_entries_split_at_rows_covers_every_row_once(offset):
     assert mat._kind == KINDS["entries"]
     x = rng.standard_normal(60).astype(np.float32)
     serial = mat.matvec(x)
-    args = mat._args()
+    a = mat.arrays
     offsets = mf._entries_offsets(mat._values)
-    xsum = np.float32(x.sum(dtype=np.float64))
+    base = mat._values[0] * np.float32(x.sum(dtype=np.float64))
+    no_outliers = np.zeros((0, 2), dtype=np.int64)
     for nchunks in (1, 2, 3, 7, 64):
-        bounds = [K._entries_row_bound(args[4], args[2], 41, c, nchunks) for c in range(nchunks + 1)]
-        rows = [int(r) for r, _ in bounds]
+        bounds = mf._entry_cuts(a["rowng"], no_outliers[:, 0], nchunks)
+        rows = [int(r) for r in bounds[:, 0]]
         assert rows[0] == 0 and rows[-1] == 41 and rows == sorted(rows)
-        starts = np.concatenate([[0], np.cumsum(args[2].astype(np.int64))])
-        assert all(int(t) == starts[r] for r, t in bounds)  # each cut's token offset is its row's
+        starts = np.concatenate([[0], np.cumsum(a["rowng"].astype(np.int64))])
+        assert all(int(t) == starts[r] for r, t in bounds[:, :2])  # each cut's token offset is its row's
         y = np.full(41, np.nan, dtype=np.float32)
-        K._mv_par(4, nchunks, *args, offsets, x, xsum, y)
+        K._mv_entries_par(bounds, a["tokens"], a["rowng"], a["gval"], offsets, no_outliers, x, base,
+                          np.float32(1.0), y)
         assert np.array_equal(y, serial)
 
 
@@ -406,13 +408,14 @@ def test_level_codes_split_at_rows_and_correct_outliers():
     starts = np.concatenate([[0], np.cumsum(rowng.astype(np.int64))])
     codes = mat.arrays["gval"].view(np.int8)
     for nchunks in (1, 2, 3, 7, 64):
-        cuts = mf._code_cuts(rowng, outliers[:, 0], nchunks)
+        cuts = mf._entry_cuts(rowng, outliers[:, 0], nchunks)
         rows = cuts[:, 0].tolist()
         assert rows[0] == 0 and rows[-1] == 41 and rows == sorted(rows) and len(rows) == nchunks + 1
         assert np.array_equal(cuts[:, 1], starts[cuts[:, 0]])
         assert all(int(np.count_nonzero(outliers[:, 0] < t)) == p for t, p in cuts[:, 1:])
         y = np.full(41, np.nan, dtype=np.float32)
-        K._mv_codes_par(cuts, mat.arrays["tokens"], rowng, codes, outliers, x, y, np.float32(0.5))
+        K._mv_entries_par(cuts, mat.arrays["tokens"], rowng, codes, None, outliers, x, np.float32(0.0),
+                          np.float32(0.5), y)
         assert np.array_equal(y, serial)
 
 
