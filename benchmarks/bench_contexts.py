@@ -29,6 +29,119 @@ from deepcabac_py.quantize import quantize_nearest, step_from_qp
 KERNELS = Path(__file__).resolve().parents[1] / "deepcabac_py" / "_cabac_kernels.py"
 OUT = Path(__file__).resolve().parent / "out"
 
+# --- source substitutions of the variants below the shipped one ----------------------------------
+# (each pattern must occur in the kernel source; a pattern shared by encoder and decoder changes both)
+
+def _context_bin(ctx: str, indent: str, decoder: bool) -> str:
+    """Source of one context-coded bin at context ``ctx`` (the encoder codes ``bit``, the decoder
+    sets it), as _cabac_kernels writes it."""
+    if decoder:
+        body = f"""c = {ctx}
+p = _prob(state[c, 0])
+bound = (rng >> PROB_BITS) * p
+if code < bound:
+    bit = 1
+    rng = bound
+else:
+    bit = 0
+    code -= bound
+    rng -= bound
+state[c, 0], state[c, 1] = _adapt(state[c, 0], state[c, 1], bit)
+while rng < TOP:
+    rng <<= 8
+    code = (code << 8) | (np.int64(buf[pos]) if pos < size else 0)
+    pos += 1
+"""
+    else:
+        body = f"""c = {ctx}
+p = _prob(state[c, 0])
+bound = (rng >> PROB_BITS) * p
+if bit:
+    rng = bound
+else:
+    low += bound
+    rng -= bound
+state[c, 0], state[c, 1] = _adapt(state[c, 0], state[c, 1], bit)
+while rng < TOP:
+    rng <<= 8
+    low, cache, cache_size, pos = _shift_low(low, cache, cache_size, out, pos)
+"""
+    return "".join(indent + line + "\n" for line in body.splitlines())
+
+
+# The bit below the suffix's top bit with contexts of its own (q > 0 or not) instead of a bypass bin.
+_SECOND_SUFFIX_BIT = [
+    ("N_SUFFIX_CTX = 2\n", "N_SUFFIX_CTX = 4\n"),
+    ("            u = (u << 1) | bit\n            remaining = k - 1\n        while remaining > 0:",
+     "            u = (u << 1) | bit\n            remaining = k - 1\n            if k >= 3:\n"
+     + _context_bin("base + N_UNARY_CTX + 2 + (1 if q > 0 else 0)", " " * 16, True)
+     + "                u = (u << 1) | bit\n                remaining = k - 2\n        while remaining > 0:"),
+    ("            remaining = k - 1\n        while remaining > 0:",
+     "            remaining = k - 1\n            if k >= 3:\n                bit = (u >> (k - 2)) & 1\n"
+     + _context_bin("base + N_UNARY_CTX + 2 + (1 if q > 0 else 0)", " " * 16, False)
+     + "                remaining = k - 2\n        while remaining > 0:"),
+]
+# Contexts (and k) chosen from quarter-octave steps of the scale instead of half octaves.
+_QUARTER_OCTAVES = [
+    ("    bucket = 2 * length + ((s >> (length - 2)) & 1) if length >= 2 else 2 * length\n",
+     "    bucket = 4 * length + ((s >> (length - 3)) & 3) if length >= 3 else 4 * length\n"),
+    ("        bucket = 2 * length + ((s >> (length - 2)) & 1)\n",
+     "        bucket = 4 * length + ((s >> (length - 3)) & 3)\n"),
+    ("    k = (bucket - 2 * SCALE_FRAC - k_offset) >> 1\n", "    k = (bucket - 4 * SCALE_FRAC - 2 * k_offset) >> 2\n"),
+    ("N_BUCKETS = 76 ", "N_BUCKETS = 152 "),
+]
+# The row and column scales combined as a product over a slow global scale (a separable model of
+# the magnitudes) instead of their mean.
+_GEOMETRIC_SCALE = [
+    ("            s = (row_scale + col_scale[col]) >> 1\n",
+     "            s = ((row_scale * col_scale[col]) << 10) // (glob + 1)\n"),
+    ("            col_scale[col] += ((u << SCALE_FRAC) - col_scale[col]) >> COL_SHIFT\n",
+     "            if i < ncols:\n                col_scale[col] = row_scale\n"
+     "            else:\n                col_scale[col] += ((u << SCALE_FRAC) - col_scale[col]) >> COL_SHIFT\n"),
+    ("        row_scale += ((u << SCALE_FRAC) - row_scale) >> ROW_SHIFT\n",
+     "        row_scale += ((u << SCALE_FRAC) - row_scale) >> ROW_SHIFT\n"
+     "        glob += ((u << (SCALE_FRAC + 10)) - glob) >> 10\n"),
+    ("    col = es[ENC_COL]\n\n    for i in range(start, stop):",
+     "    col = es[ENC_COL]\n    glob = 1 << (SCALE_FRAC + 10)\n\n    for i in range(start, stop):"),
+    ("    row_scale = 0\n\n    for i in range(n):", "    row_scale = 0\n    glob = 1 << (SCALE_FRAC + 10)\n\n    for i in range(n):"),
+]
+# Each unary bin's probability is the mean of two estimators: the shipped context and one that also
+# knows whether the row's or the column's scale is the larger (by 2x or more).
+_BALANCE = ("        cs = col_scale[col] if use_cols else row_scale\n"
+            "        base2 = N_BUCKETS * CTX_PER_BUCKET + (bucket * 3 + (0 if 2 * row_scale < cs else"
+            " (2 if row_scale > 2 * cs else 1))) * N_UNARY_CTX\n")
+_TWO_ESTIMATORS = [
+    ("N_CTX = N_BUCKETS * CTX_PER_BUCKET\n", "N_CTX = N_BUCKETS * CTX_PER_BUCKET + N_BUCKETS * 3 * N_UNARY_CTX\n"),
+    ("        base = bucket * CTX_PER_BUCKET\n        q = u >> k\n",
+     "        base = bucket * CTX_PER_BUCKET\n        q = u >> k\n" + _BALANCE),
+    ("        base = bucket * CTX_PER_BUCKET\n\n        q = 0\n",
+     "        base = bucket * CTX_PER_BUCKET\n" + _BALANCE + "\n        q = 0\n"),
+    ("            c = base + (j if j < N_UNARY_CTX - 1 else N_UNARY_CTX - 1)\n            p = _prob(state[c, 0])",
+     "            c = base + (j if j < N_UNARY_CTX - 1 else N_UNARY_CTX - 1)\n"
+     "            c2 = base2 + (j if j < N_UNARY_CTX - 1 else N_UNARY_CTX - 1)\n"
+     "            p = (_prob(state[c, 0]) + _prob(state[c2, 0])) >> 1"),
+    ("            c = base + (q if q < N_UNARY_CTX - 1 else N_UNARY_CTX - 1)\n            p = _prob(state[c, 0])",
+     "            c = base + (q if q < N_UNARY_CTX - 1 else N_UNARY_CTX - 1)\n"
+     "            c2 = base2 + (q if q < N_UNARY_CTX - 1 else N_UNARY_CTX - 1)\n"
+     "            p = (_prob(state[c, 0]) + _prob(state[c2, 0])) >> 1"),
+    ("            state[c, 0], state[c, 1] = _adapt(state[c, 0], state[c, 1], bit)\n"
+     "            while rng < TOP:\n                rng <<= 8\n"
+     "                low, cache, cache_size, pos = _shift_low(low, cache, cache_size, out, pos)\n        if q >= Q_MAX:",
+     "            state[c, 0], state[c, 1] = _adapt(state[c, 0], state[c, 1], bit)\n"
+     "            state[c2, 0], state[c2, 1] = _adapt(state[c2, 0], state[c2, 1], bit)\n"
+     "            while rng < TOP:\n                rng <<= 8\n"
+     "                low, cache, cache_size, pos = _shift_low(low, cache, cache_size, out, pos)\n        if q >= Q_MAX:"),
+    ("            state[c, 0], state[c, 1] = _adapt(state[c, 0], state[c, 1], bit)\n"
+     "            while rng < TOP:\n                rng <<= 8\n"
+     "                code = (code << 8) | (np.int64(buf[pos]) if pos < size else 0)\n                pos += 1\n"
+     "            if bit == 0:",
+     "            state[c, 0], state[c, 1] = _adapt(state[c, 0], state[c, 1], bit)\n"
+     "            state[c2, 0], state[c2, 1] = _adapt(state[c2, 0], state[c2, 1], bit)\n"
+     "            while rng < TOP:\n                rng <<= 8\n"
+     "                code = (code << 8) | (np.int64(buf[pos]) if pos < size else 0)\n                pos += 1\n"
+     "            if bit == 0:"),
+]
+
 # name -> (list of (old, new) source substitutions, k_offset, use the column model, predict)
 VARIANTS = {
     "shipped (k_offset 0, column prediction)": ([], 0, True, True),
@@ -62,6 +175,11 @@ VARIANTS = {
          "SHIFT_FOR_COUNT = np.array([5 + 0 * int(np.log2(n + 2))"),
     ], 0, True, True),
     "suffix top bit as bypass": ([("        if k >= 2:\n", "        if k >= 99:\n")], 0, True, True),
+    # Ideas that did not pay (2026-11-30): the bins are about as predictable as these contexts make them.
+    "second suffix bit context-coded too": (_SECOND_SUFFIX_BIT, 0, True, True),
+    "quarter-octave buckets": (_QUARTER_OCTAVES, 0, True, True),
+    "scale = row x column / global": (_GEOMETRIC_SCALE, 0, True, True),
+    "unary: mean of 2 estimators (+ row/col)": (_TWO_ESTIMATORS, 0, True, True),
 }
 
 
@@ -131,6 +249,7 @@ def measure(mod, mats, k_offset: int, use_cols: bool, predict: bool, repeats: in
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--only", metavar="TEXT", help="run the shipped coder and the variants whose name contains TEXT")
     args = ap.parse_args()
     mats = minilm_matrices()
     peer = OUT / "peer_minilm_qp-32.json"
@@ -139,7 +258,9 @@ def main() -> None:
           + (f"; NNCodec whole stream {nnc_bytes:,} bytes" if nnc_bytes else ""))
     print(f"{'variant':<40} {'bytes':>11} {'vs shipped':>10} {'vs NNCodec':>10} {'enc ns/w':>9} {'dec ns/w':>9}")
     base = None
-    for name, (subs, k_offset, use_cols, predict) in VARIANTS.items():
+    for i, (name, (subs, k_offset, use_cols, predict)) in enumerate(VARIANTS.items()):
+        if args.only and i > 0 and args.only not in name:
+            continue
         total, enc, dec = measure(load_variant(name, subs), mats, k_offset, use_cols, predict, args.repeats)
         base = base or total
         vs_nnc = f"{total / nnc_bytes:.4f}" if nnc_bytes else "-"
