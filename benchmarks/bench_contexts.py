@@ -32,41 +32,19 @@ OUT = Path(__file__).resolve().parent / "out"
 # --- source substitutions of the variants below the shipped one ----------------------------------
 # (each pattern must occur in the kernel source; a pattern shared by encoder and decoder changes both)
 
-def _context_bin(ctx: str, indent: str, decoder: bool) -> str:
-    """Source of one context-coded bin at context ``ctx`` (the encoder codes ``bit``, the decoder
-    sets it), as _cabac_kernels writes it."""
+def _suffix_bin(ctx: str, decoder: bool) -> str:
+    """The kernel's own source of the suffix's context-coded top bin (the encoder's or the decoder's),
+    indented one level deeper and at context ``ctx``: a variant's extra bin is coded exactly as the
+    shipped bins are, and follows the kernel when that changes."""
+    src = KERNELS.read_text()
     if decoder:
-        body = f"""c = {ctx}
-p = _prob(state[c, 0])
-bound = (rng >> PROB_BITS) * p
-if code < bound:
-    bit = 1
-    rng = bound
-else:
-    bit = 0
-    code -= bound
-    rng -= bound
-state[c, 0], state[c, 1] = _adapt(state[c, 0], state[c, 1], bit)
-while rng < TOP:
-    rng <<= 8
-    code = (code << 8) | (np.int64(buf[pos]) if pos < size else 0)
-    pos += 1
-"""
+        part, end = src[src.index("def decode_levels_kernel"):], "            u = (u << 1) | bit\n"
     else:
-        body = f"""c = {ctx}
-p = _prob(state[c, 0])
-bound = (rng >> PROB_BITS) * p
-if bit:
-    rng = bound
-else:
-    low += bound
-    rng -= bound
-state[c, 0], state[c, 1] = _adapt(state[c, 0], state[c, 1], bit)
-while rng < TOP:
-    rng <<= 8
-    low, cache, cache_size, pos = _shift_low(low, cache, cache_size, out, pos)
-"""
-    return "".join(indent + line + "\n" for line in body.splitlines())
+        part, end = src[src.index("def _encode_span"):src.index("def _encoder_finish")], "            remaining = k - 1\n"
+    first = "            c = base + N_UNARY_CTX + (1 if q > 0 else 0)\n"
+    i = part.index(first)
+    block = f"            c = {ctx}\n" + part[i + len(first):part.index(end, i)]
+    return "".join("    " + line + "\n" for line in block.splitlines())
 
 
 # The bit below the suffix's top bit with contexts of its own (q > 0 or not) instead of a bypass bin.
@@ -74,11 +52,11 @@ _SECOND_SUFFIX_BIT = [
     ("N_SUFFIX_CTX = 2\n", "N_SUFFIX_CTX = 4\n"),
     ("            u = (u << 1) | bit\n            remaining = k - 1\n        while remaining > 0:",
      "            u = (u << 1) | bit\n            remaining = k - 1\n            if k >= 3:\n"
-     + _context_bin("base + N_UNARY_CTX + 2 + (1 if q > 0 else 0)", " " * 16, True)
+     + _suffix_bin("base + N_UNARY_CTX + 2 + (1 if q > 0 else 0)", decoder=True)
      + "                u = (u << 1) | bit\n                remaining = k - 2\n        while remaining > 0:"),
     ("            remaining = k - 1\n        while remaining > 0:",
      "            remaining = k - 1\n            if k >= 3:\n                bit = (u >> (k - 2)) & 1\n"
-     + _context_bin("base + N_UNARY_CTX + 2 + (1 if q > 0 else 0)", " " * 16, False)
+     + _suffix_bin("base + N_UNARY_CTX + 2 + (1 if q > 0 else 0)", decoder=False)
      + "                remaining = k - 2\n        while remaining > 0:"),
 ]
 # Contexts (and k) chosen from quarter-octave steps of the scale instead of half octaves.
