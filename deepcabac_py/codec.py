@@ -108,8 +108,21 @@ class _Importance:
             part = a[start // per_row:stop // per_row]  # whole rows: only the chunk is materialised
         else:
             part = np.asarray(a).reshape(-1)[start:stop]
-        part = np.asarray(part, dtype=np.float64).reshape(-1)
+        part = np.asarray(part).reshape(-1)
+        if part.dtype in (np.float32, np.float64):
+            out = np.empty(part.shape[0], dtype=np.float32)
+            _relative_kernel(part, self.mean, IMPORTANCE_FLOOR, out)
+            return out
+        part = part.astype(np.float64)
         return ((part / self.mean + IMPORTANCE_FLOOR) / (1.0 + IMPORTANCE_FLOOR)).astype(np.float32)
+
+
+@kernel
+def _relative_kernel(part, mean, floor, out):
+    # The numpy expression of _Importance.chunk in one pass (same float64 operations, so the same
+    # float32 results): four passes over every chunk cost 4% of a trellis encode of MiniLM.
+    for i in range(part.shape[0]):
+        out[i] = np.float32((np.float64(part[i]) / mean + floor) / (1.0 + floor))
 
 
 @dataclass
