@@ -105,10 +105,9 @@ class _Importance:
         rows = a.shape[0] if a.ndim else 1
         per_row = a.size // rows if rows else 0
         if a.ndim >= 2 and per_row and start % per_row == 0 and stop % per_row == 0:
-            part = a[start // per_row:stop // per_row]  # whole rows: only the chunk is materialised
+            part = a[start // per_row:stop // per_row].reshape(-1)  # whole rows: only the chunk is materialised
         else:
-            part = np.asarray(a).reshape(-1)[start:stop]
-        part = np.asarray(part).reshape(-1)
+            part = a.reshape(-1)[start:stop]
         if part.dtype not in (np.float32, np.float64):
             part = part.astype(np.float64)
         out = np.empty(part.shape[0], dtype=np.float32)
@@ -289,7 +288,9 @@ def _relative_importance(name: str, importance, shape: tuple[int, ...]) -> _Impo
 def _quantizer_inputs(plan: _Plan, start: int, stop: int):
     """The float values of a quantized chunk, its step, and its relative importance (or None)."""
     flat = plan.array.reshape(-1)[start:stop]
-    imp = plan.importance.chunk(start, stop) if plan.importance is not None else None
+    # nearest rounding has no use for it: no pass over the chunk's importance then
+    weighted = plan.importance is not None and plan.quantizer != "nearest"
+    imp = plan.importance.chunk(start, stop) if weighted else None
     return (_as_float_for_quantizer(flat, plan.entry.dtype),
             quantize.step_from_qp(plan.entry.qp, plan.entry.qp_density), imp)
 

@@ -232,8 +232,9 @@ def test_trellis_beats_rounding_at_equal_error():
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int64, np.bool_])
 def test_relative_importance_kernel_matches_the_numpy_expression(dtype):
-    # codec._Importance.chunk makes the float32 weights the trellis sees in one Numba pass for float
-    # inputs; it must give exactly the float32 values of the plain numpy expression (bytes depend on it).
+    # codec._Importance.chunk makes the float32 weights the trellis sees in one Numba pass (integer and
+    # boolean importance converted to float64 first); it must give exactly the float32 values of the
+    # plain numpy expression (bytes depend on it).
     from deepcabac_py import codec
     rng = np.random.default_rng(7)
     raw = rng.lognormal(0.0, 3.0, size=(37, 29)) * (rng.random((37, 29)) > 0.1)
@@ -244,7 +245,7 @@ def test_relative_importance_kernel_matches_the_numpy_expression(dtype):
     else:
         arr = raw.astype(dtype)
     imp = codec._relative_importance("t", arr, arr.shape)
-    views = [imp] + [codec._Importance(np.broadcast_to(arr[:, :1], arr.shape), imp.mean)]
+    views = [imp, codec._Importance(np.broadcast_to(arr[:, :1], arr.shape), imp.mean)]
     for im in views:
         for start, stop in [(0, arr.size), (29, 29 * 5), (3, 500), (100, 100)]:
             part = np.asarray(im.array).reshape(-1)[start:stop].astype(np.float64)
