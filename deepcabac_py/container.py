@@ -22,10 +22,12 @@ from dataclasses import dataclass, field
 from .errors import CorruptStreamError, FormatError, InputError, TruncatedStreamError
 
 MAGIC = b"\x89DCB\r\n\x1a\n"
-# Version 2 added Mode.DEPENDENT. A writer stamps the lowest version that describes its stream, so
-# streams without the trellis stay readable by version-1 readers; this reader reads both.
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+# Version 2 added Mode.DEPENDENT, version 3 the linear prediction across columns (LINEAR_BIT). A
+# writer stamps the lowest version that describes its stream, so streams without either stay
+# readable by older readers; this reader reads all three.
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
+LINEAR_VERSION = 3
 PREAMBLE = struct.Struct("<8sHHI")
 MAX_HEADER_SIZE = 1 << 30
 MAX_NDIM = 32
@@ -111,7 +113,7 @@ class TensorEntry:
     qp: int = 0
     qp_density: int = 0
     alias_of: int = NO_ALIAS
-    coder_param: int = 0  # the level coder's k offset | PREDICT_BIT (levelcoder.ChunkLayout)
+    coder_param: int = 0  # the level coder's k offset | PREDICT_BIT | LINEAR_BIT (levelcoder.ChunkLayout)
     chunk_elements: int = 0
     chunk_sizes: list[int] = field(default_factory=list)
     offset: int = 0  # payload offset, relative to the first payload byte
@@ -128,6 +130,17 @@ class TensorEntry:
     @property
     def is_alias(self) -> bool:
         return bool(self.flags & FLAG_ALIAS)
+
+    @property
+    def is_linear(self) -> bool:
+        """The first substream is a linear predictor, the others code its residuals."""
+        from .levelcoder import LINEAR_BIT
+
+        return bool(self.coder_param & LINEAR_BIT) and not self.is_alias
+
+    @property
+    def min_version(self) -> int:
+        return max(self.mode.min_version, LINEAR_VERSION if self.is_linear else 1)
 
     @property
     def step(self) -> float | None:
@@ -180,7 +193,7 @@ def write_header(qp: int, qp_1d: int, qp_density: int, metadata: dict, tensors: 
     # The body is deflated: names and the skeleton repeat themselves, and for small models the
     # header would otherwise be a large share of the stream.
     packed = struct.pack("<I", len(body)) + zlib.compress(body, 9)
-    version = max([1] + [t.mode.min_version for t in tensors])
+    version = max([1] + [t.min_version for t in tensors])
     head = PREAMBLE.pack(MAGIC, version, 0, len(packed) + 4) + packed
     return head + struct.pack("<I", zlib.crc32(head))
 
@@ -294,8 +307,9 @@ def read_header(data, *, total_size: int | None = None) -> StreamHeader:
         offset, size, crc = r.unpack(_ENTRY_TAIL, "payload location")
         entry = TensorEntry(name, dtype, tuple(shape), mode, coder, flags, t_qp, t_density, alias_of,
                             coder_param, chunk_elements, chunk_sizes, offset, size, crc)
-        if mode.min_version > version:
-            raise CorruptStreamError(f"{where}: coding mode {mode.name} needs format version {mode.min_version}, "
+        if entry.min_version > version:
+            what = "linear prediction" if entry.is_linear else f"coding mode {mode.name}"
+            raise CorruptStreamError(f"{where}: {what} needs format version {entry.min_version}, "
                                      f"the stream says {version}")
         _validate_entry(entry, i, where, tensors, next_offset)
         next_offset += entry.size
@@ -360,7 +374,9 @@ def read_header_file(path) -> StreamHeader:
 
 
 def _validate_entry(e: TensorEntry, index: int, where: str, earlier: list[TensorEntry], expected_offset: int) -> None:
-    from .levelcoder import MAX_K_OFFSET, PREDICT_BIT, layout_from_stream, max_elements_for_payload
+    from .levelcoder import (LINEAR_BIT, MAX_K_OFFSET, PREDICT_BIT, layout_from_stream, max_elements_for_payload,
+                             row_length)
+    from .linear_prediction import MAX_COLUMNS, MIN_COLUMNS
 
     numel = 1
     for d in e.shape:
@@ -405,15 +421,25 @@ def _validate_entry(e: TensorEntry, index: int, where: str, earlier: list[Tensor
         raise CorruptStreamError(f"{where}: integer coding of a {e.dtype.name} tensor")
     elif e.qp or e.qp_density:
         raise CorruptStreamError(f"{where}: an integer tensor has no qp")
-    if (e.coder_param & ~PREDICT_BIT) > MAX_K_OFFSET:
+    if (e.coder_param & ~(PREDICT_BIT | LINEAR_BIT)) > MAX_K_OFFSET:
         raise CorruptStreamError(f"{where}: coder parameter 0x{e.coder_param:02x} out of range")
+    level_chunks = e.chunk_sizes
+    if e.is_linear:
+        row = row_length(e.shape)
+        if e.mode != Mode.UNIFORM or e.coder_param & PREDICT_BIT:
+            raise CorruptStreamError(f"{where}: linear prediction with mode {e.mode.name} or column prediction")
+        if not MIN_COLUMNS <= row <= MAX_COLUMNS or e.chunk_elements % row:
+            raise CorruptStreamError(f"{where}: linear prediction over rows of {row} in chunks of {e.chunk_elements}")
+        if not e.chunk_sizes:
+            raise CorruptStreamError(f"{where}: linear prediction without its predictor")
+        level_chunks = e.chunk_sizes[1:]
     # Small chunks would multiply the per-chunk slack of the allocation bound; writers use >= 2**19.
     if e.chunk_elements < min(e.numel, MIN_CHUNK_ELEMENTS) or e.chunk_elements < 1:
         raise CorruptStreamError(f"{where}: chunk size {e.chunk_elements} is below the minimum")
     layout = layout_from_stream(e.shape, e.chunk_elements, e.coder_param)
-    if len(e.chunk_sizes) != layout.count:
-        raise CorruptStreamError(f"{where}: {len(e.chunk_sizes)} chunks, but the shape needs {layout.count}")
-    for k, size in enumerate(e.chunk_sizes):
+    if len(level_chunks) != layout.count:
+        raise CorruptStreamError(f"{where}: {len(level_chunks)} level chunks, but the shape needs {layout.count}")
+    for k, size in enumerate(level_chunks):
         start, stop = layout.bounds(k)
         if stop - start > max_elements_for_payload(size):
             raise CorruptStreamError(f"{where}: chunk {k} claims {stop - start} levels in {size} bytes")

@@ -19,6 +19,9 @@ CHUNK_ELEMENTS = 1 << 20
 DEFAULT_K_OFFSET = _k.DEFAULT_K_OFFSET
 MAX_K_OFFSET = 7
 PREDICT_BIT = 0x10  # coder_param = k_offset | PREDICT_BIT when column prediction is on
+# The chunks code the residuals of a linear prediction across columns (linear_prediction.py) with
+# neither column model nor column prediction; the tensor's first substream is the predictor.
+LINEAR_BIT = 0x20
 PREDICT_MAX_LEVEL = _k.PREDICT_MAX_LEVEL
 LEVEL_MAX = (1 << 31) - 1  # |level| <= LEVEL_MAX; int32's minimum has no zigzag code
 
@@ -41,11 +44,12 @@ class ChunkLayout:
     chunk_elements: int
     k_offset: int = DEFAULT_K_OFFSET  # Rice parameter offset in half octaves (0..MAX_K_OFFSET)
     predict: bool = False  # column prediction (only with the column model)
+    linear: bool = False  # the levels are residuals of a linear prediction (then ncols is 0)
 
     @property
     def coder_param(self) -> int:
-        """The byte that stores k_offset and the prediction switch in the tensor table."""
-        return self.k_offset | (PREDICT_BIT if self.predict else 0)
+        """The byte that stores k_offset and the two switches in the tensor table."""
+        return self.k_offset | (PREDICT_BIT if self.predict else 0) | (LINEAR_BIT if self.linear else 0)
 
     @property
     def count(self) -> int:
@@ -72,13 +76,13 @@ def _numel_and_columns(shape: tuple[int, ...]) -> tuple[int, int]:
 
 
 def layout_for_shape(shape: tuple[int, ...], target: int = CHUNK_ELEMENTS,
-                     k_offset: int = DEFAULT_K_OFFSET, max_abs_level: int = 0) -> ChunkLayout:
+                     k_offset: int = DEFAULT_K_OFFSET, max_abs_level: int = 0, predict: bool = True) -> ChunkLayout:
     """The chunk layout the encoder chooses for a tensor of ``shape``: whole rows when they fit,
-    column prediction wherever the column model runs and the levels allow it."""
+    column prediction wherever the column model runs, the levels allow it and ``predict`` asks."""
     numel, ncols = _numel_and_columns(shape)
     size = (target // ncols) * ncols if ncols and ncols <= target else target
     layout = layout_from_stream(shape, max(1, size), k_offset)
-    if layout.ncols and max_abs_level <= PREDICT_MAX_LEVEL:
+    if layout.ncols and max_abs_level <= PREDICT_MAX_LEVEL and predict:
         layout = ChunkLayout(layout.numel, layout.ncols, layout.chunk_elements, k_offset, predict=True)
     return layout
 
@@ -90,10 +94,17 @@ def layout_from_stream(shape: tuple[int, ...], chunk_elements: int, coder_param:
     which also bounds its per-chunk state by the chunk size.
     """
     numel, ncols = _numel_and_columns(shape)
-    if ncols > chunk_elements:
+    linear = bool(coder_param & LINEAR_BIT)
+    if ncols > chunk_elements or linear:
         ncols = 0
     return ChunkLayout(numel=numel, ncols=ncols, chunk_elements=chunk_elements,
-                       k_offset=coder_param & ~PREDICT_BIT, predict=bool(coder_param & PREDICT_BIT))
+                       k_offset=coder_param & ~(PREDICT_BIT | LINEAR_BIT), predict=bool(coder_param & PREDICT_BIT),
+                       linear=linear)
+
+
+def row_length(shape: tuple[int, ...]) -> int:
+    """Elements per row of the 2-D view (dim0 x the rest); 0 below two dimensions."""
+    return _numel_and_columns(shape)[1]
 
 
 def max_elements_for_payload(nbytes: int) -> int:

@@ -21,7 +21,7 @@ class TensorReport:
     name: str
     shape: list[int]
     dtype: str
-    mode: str
+    mode: str  # the coding mode's name; "+LP" when the levels go through the linear prediction
     qp: int | None
     step: float | None
     params: int
@@ -116,7 +116,7 @@ def build_report(header: StreamHeader, original: Checkpoint | None = None,
         dtype = e.dtype.name.lower()
         params = e.numel
         rep = TensorReport(
-            name=e.name, shape=list(e.shape), dtype=dtype, mode="ALIAS" if e.is_alias else e.mode.name,
+            name=e.name, shape=list(e.shape), dtype=dtype, mode="ALIAS" if e.is_alias else e.mode.name + ("+LP" if e.is_linear else ""),
             qp=e.qp if e.mode.is_quantized and not e.is_alias else None,
             step=e.step if not e.is_alias else None, params=params, bytes=e.size,
             bits_per_param=(8.0 * e.size / params) if params and not e.is_alias else None,
@@ -173,13 +173,13 @@ def format_report(rep: ModelReport, *, per_tensor: bool = True) -> str:
     lines = []
     if per_tensor:
         width = min(60, max([len(t.name) for t in rep.tensors] + [6]))
-        lines.append(f"{'tensor':<{width}} {'shape':>16} {'dtype':>8} {'mode':>9} {'qp':>4} "
+        lines.append(f"{'tensor':<{width}} {'shape':>16} {'dtype':>8} {'mode':>10} {'qp':>4} "
                      f"{'params':>11} {'bytes':>11} {'bits/p':>7} {'x fp32':>8} {'SNR dB':>7} {'max err':>9}")
         for t in rep.tensors:
             name = t.name if len(t.name) <= width else "..." + t.name[-(width - 3):]
             shape = "x".join(map(str, t.shape)) or "scalar"
             lines.append(
-                f"{name:<{width}} {shape:>16} {t.dtype:>8} {t.mode:>9} {num(t.qp, 'd'):>4} "
+                f"{name:<{width}} {shape:>16} {t.dtype:>8} {t.mode:>10} {num(t.qp, 'd'):>4} "
                 f"{t.params:>11,} {t.bytes:>11,} {num(t.bits_per_param, '.3f'):>7} {num(t.ratio_vs_fp32, '.2f'):>8} "
                 f"{num(t.snr_db, '.1f'):>7} {num(t.max_abs_error, '.2e'):>9}"
             )

@@ -82,6 +82,24 @@ def golden_cases() -> dict[str, tuple[object, dict]]:
 CASES = sorted(golden_cases())
 
 
+def linear_case() -> np.ndarray:
+    """Format version 3: a matrix tall enough for the linear prediction across columns (768 x 48,
+    the smallest that qualifies), made of three integer factors plus sparse +-1 noise. At qp -32
+    (step 2**-8) its levels are these integers themselves, so they are the expected values and no
+    .npz is needed."""
+    f = _ints(20, (768, 3), -3, 4)
+    g = _ints(21, (3, 48), -2, 3)
+    u = _ints(22, (768, 48), 0, 8)
+    return f @ g + (u == 0) - (u == 7)
+
+
+LINEAR_SETTINGS = {"qp": -32, "qp_1d": -75, "quantizer": "nearest"}
+
+
+def _linear_input() -> dict[str, np.ndarray]:
+    return {"emb": np.ldexp(linear_case().astype(np.float64), -8).astype(np.float32)}
+
+
 def _expected_arrays(data: bytes) -> dict[str, np.ndarray]:
     ckpt = dc.decode_checkpoint(data, threads=1)
     arrays, dtypes = {}, []
@@ -103,6 +121,7 @@ def _regenerate() -> None:
             assert tensor_to_numpy(qt.dequantize())[0].tobytes() == arrays[tname].tobytes(), tname
         (GOLDEN / f"{name}.dcb").write_bytes(data)
         np.savez_compressed(GOLDEN / f"{name}.npz", **arrays)
+    (GOLDEN / "linear.dcb").write_bytes(dc.encode_model(_linear_input(), threads=1, **LINEAR_SETTINGS))
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -110,6 +129,7 @@ def golden_files():
     if REGEN:
         _regenerate()
     missing = [f"{n}{ext}" for n in CASES for ext in (".dcb", ".npz") if not (GOLDEN / f"{n}{ext}").exists()]
+    missing += [] if (GOLDEN / "linear.dcb").exists() else ["linear.dcb"]
     if missing:
         pytest.fail(f"golden files missing: {missing}; run with DEEPCABAC_REGEN_GOLDEN=1 to create them")
 
@@ -165,6 +185,19 @@ def test_committed_levels_match_values(name):
             assert tensor_to_numpy(qt.dequantize())[0].tobytes() == expected[tname].tobytes()
 
 
+def test_linear_stream_decodes_and_reencodes_exactly():
+    data = (GOLDEN / "linear.dcb").read_bytes()
+    header = dc.read_stream_header(data)
+    assert header.version == 3 and [e.is_linear for e in header.tensors] == [True]
+    expected = linear_case()
+    assert np.array_equal(dc.decode_levels(data)["emb"].levels, expected)
+    for threads in (1, 2):
+        values = dc.decode_model(data, threads=threads)["emb"]
+        assert values.tobytes() == np.ldexp(expected.astype(np.float64), -8).astype(np.float32).tobytes()
+        assert dc.encode_model(_linear_input(), threads=threads, **LINEAR_SETTINGS) == data
+
+
 def test_golden_files_are_small():
+    # about 11 KB of it is linear.dcb: the linear prediction needs 768 x 48 elements at least
     total = sum(p.stat().st_size for p in GOLDEN.iterdir() if p.suffix in (".dcb", ".npz"))
-    assert total < 20_000
+    assert total < 32_000
