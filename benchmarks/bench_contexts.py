@@ -6,6 +6,10 @@ bytes of the 2-D weight tensors, their ratio to the baseline and to NNCodec's wh
 ``benchmarks/out/peer_minilm_qp-32.json`` from bench_minilm.py is there), and the kernel-only encode
 and decode times in ns per weight (best of --repeats, one thread).
 
+Every matrix is coded here as plain levels with column prediction on: the coder's design space. The
+encoder's own choices on top of it (the linear prediction across the word embedding's columns,
+column prediction only where neighbouring rows look alike) are measured by bench_minilm.py.
+
     .venv/bin/python benchmarks/bench_contexts.py
 """
 

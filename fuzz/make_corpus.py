@@ -177,6 +177,13 @@ def main() -> None:
     for name, data in model_streams().items():
         for target in ("model_threads", "matrix"):
             write(target, f"{name}.bin", unpack_model_stream(data))
+    # the linear prediction across columns (format version 3) needs 768 x 48 at least; sealed only
+    # (its mutations get past the checksums), which keeps the corpus small
+    rng = np.random.default_rng(5)
+    tall = rng.integers(-3, 4, (768, 3)) @ rng.integers(-2, 3, (3, 48)) + rng.integers(-1, 2, (768, 48))
+    linear = dc.encode_model({"emb": np.ldexp(tall, -8).astype(np.float32)}, qp=-32, quantizer="nearest", threads=1)
+    assert dc.read_stream_header(linear).tensors[0].is_linear
+    write("model_sealed", "linear.bin", unpack_model_stream(linear))
     sparse = np.zeros((1100, 2000), np.float32)  # three chunks of rows, a small payload
     sparse[::97, ::89] = np.random.default_rng(2).standard_normal(sparse[::97, ::89].shape)
     big = dc.encode_model({"w": sparse}, qp=-30, threads=1)
