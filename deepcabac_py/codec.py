@@ -351,17 +351,21 @@ def _chunk_levels(plan: _Plan, start: int, stop: int) -> np.ndarray:
 
 
 def _with_linear_prediction(plan: _Plan) -> _Plan:
-    """The plan with a linear prediction across columns where one qualifies and pays (nearest
-    rounding only: RDOQ and the trellis choose levels by the plain coder's rates)."""
+    """The plan with a linear prediction across columns where one qualifies and pays. Nearest
+    rounding and RDOQ (its levels are chosen by the plain coder's rates, then coded either way);
+    not the trellis, which codes each block as it chooses it."""
     e, layout = plan.entry, plan.layout
-    if (layout is None or plan.linear is not None or e.mode != Mode.UNIFORM or plan.quantizer != "nearest"
-            or len(e.shape) < 2):
+    if (layout is None or plan.linear is not None or e.mode != Mode.UNIFORM
+            or plan.quantizer not in ("nearest", "rdoq") or len(e.shape) < 2):
         return plan
     ncols = levelcoder.row_length(e.shape)
     if not linear_prediction.qualifies(e.numel // max(ncols, 1), ncols) or layout.chunk_elements % ncols:
         return plan
-    values, step, _ = _quantizer_inputs(plan, 0, e.numel)
-    levels = quantize.quantize_nearest(values, step)
+    if plan.quantizer == "nearest":
+        values, step, _ = _quantizer_inputs(plan, 0, e.numel)
+        levels = quantize.quantize_nearest(values, step)
+    else:  # chunk by chunk, exactly as they would be coded without the prediction
+        levels = np.concatenate([_chunk_levels(plan, *layout.bounds(k)) for k in range(layout.count)])
     with linear_prediction.blas_threads(True):
         predictor = linear_prediction.fit(levels, ncols, level_bound=plan.max_level)
     if predictor is None:

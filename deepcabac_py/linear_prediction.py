@@ -9,7 +9,7 @@ then the other columns. On all-MiniLM-L6-v2's word embedding this saves 2% of th
 coefficients included (``docs/format.md`` §4.2 specifies the bytes and the arithmetic).
 
 Only tall matrices qualify (the coefficients are side information and the fit needs samples), only
-under nearest rounding (the rate-distortion quantizers estimate rates of the plain coder), and only
+under nearest rounding and RDOQ (the trellis codes each block as it chooses its levels), and only
 when the fit promises a clear gain. The predictions are BLAS matrix products over integer-valued
 floats whose magnitudes are bounded so that every partial sum is exact: the same integers on every
 machine, in any summation order.
@@ -186,8 +186,11 @@ def from_bytes(data, ncols: int) -> LinearPredictor:
     pivots = np.frombuffer(data[_HEADER.size:end], dtype="<u2").astype(np.int64)
     if pivots.max() >= ncols or np.unique(pivots).size != m:
         raise CorruptStreamError("linear prediction: pivot columns out of range or repeated")
-    vec = np.empty(coefficient_count(ncols, m), dtype=np.int32)
-    levelcoder.decode_chunk(data[end:], _vector_layout(vec.size), 0, vec)
+    count = coefficient_count(ncols, m)
+    if count > levelcoder.max_elements_for_payload(len(data) - end):  # before allocating for it
+        raise CorruptStreamError(f"linear prediction: {count} coefficients cannot fit in {len(data) - end} bytes")
+    vec = np.empty(count, dtype=np.int32)
+    levelcoder.decode_chunk(data[end:], _vector_layout(count), 0, vec)
     coef = np.zeros((ncols, m), dtype=np.int64)
     intercepts = np.empty(ncols, dtype=np.int64)
     pos = 0

@@ -132,8 +132,15 @@ def test_codec_round_trip(threads):
         assert back[name].tobytes() == np.asarray(q[name].dequantize()).tobytes(), name
 
 
-def test_rd_quantizers_do_not_use_it():
-    data = dc.encode_model(model(), qp=-32, quantizer="rdoq", importance=None)
+def test_rdoq_uses_it_and_the_trellis_does_not():
+    m = model()
+    imp = {"emb": np.random.default_rng(6).random(m["emb"].shape) + 0.5}
+    data = dc.encode_model(m, qp=-32, quantizer="rdoq", importance=imp, threads=2)
+    assert {e.name for e in read_header(data).tensors if e.is_linear} == {"emb"}
+    assert data == dc.encode_model(m, qp=-32, quantizer="rdoq", importance=imp, threads=1)
+    q = dc.quantize_model(m, qp=-32, quantizer="rdoq", importance=imp)
+    assert np.array_equal(dc.decode_levels(data)["emb"].levels, q["emb"].levels)
+    data = dc.encode_model(m, qp=-32, importance=None)  # the trellis, the default
     assert not any(e.is_linear for e in read_header(data).tensors)
 
 
@@ -170,6 +177,13 @@ def valid_coefs(ncols, m, value=1):
 def test_hostile_side_information(data, match):
     with pytest.raises(CorruptStreamError, match=match):
         lp.from_bytes(data, 48)
+
+
+def test_coefficients_the_payload_cannot_hold_are_refused_before_allocation():
+    # 4096 columns and 512 pivots claim about 2 million coefficients; 10 bytes cannot code them
+    data = struct.pack("<HBBI", 512, 6, 0, 100) + np.arange(512, dtype="<u2").tobytes() + bytes(10)
+    with pytest.raises(CorruptStreamError, match="cannot fit"):
+        lp.from_bytes(data, 4096)
 
 
 def test_rebuild_refuses_pivots_beyond_the_bound():
