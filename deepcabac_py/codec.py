@@ -731,7 +731,10 @@ def encode_model(
     layer's quantization error causes out of the BatchNorm after it (its ``running_mean``; the
     ``bias`` where ``batchnorm_eps`` applies) or out of its own bias, as estimated without data from
     the BatchNorm before it (:func:`deepcabac_py.structure.shift_absorbers`); models without such
-    layers are not affected.
+    layers are not affected. Under ``"nearest"`` and ``"rdoq"``, a tall matrix (16 rows per column or
+    more, 48 to 4096 columns) whose columns are correlated, such as a word embedding, is coded as the
+    residuals of a linear prediction across its columns (:mod:`deepcabac_py.linear_prediction`;
+    same levels, fewer bytes).
     The output is deterministic for the same input and settings, whatever ``threads`` is.
     """
     threads = _resolve_threads(threads)
