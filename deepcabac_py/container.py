@@ -22,12 +22,13 @@ from dataclasses import dataclass, field
 from .errors import CorruptStreamError, FormatError, InputError, TruncatedStreamError
 
 MAGIC = b"\x89DCB\r\n\x1a\n"
-# Version 2 added Mode.DEPENDENT, version 3 the linear prediction across columns (LINEAR_BIT). A
+# Version 2 added Mode.DEPENDENT, version 3 the linear prediction across columns (LINEAR_BIT) and
+# the choice to switch the column model off (NO_COLUMNS_BIT). A
 # writer stamps the lowest version that describes its stream, so streams without either stay
 # readable by older readers; this reader reads all three.
 FORMAT_VERSION = 3
 READABLE_VERSIONS = (1, 2, 3)
-LINEAR_VERSION = 3
+SWITCHES_VERSION = 3  # LINEAR_BIT and NO_COLUMNS_BIT
 PREAMBLE = struct.Struct("<8sHHI")
 MAX_HEADER_SIZE = 1 << 30
 MAX_NDIM = 32
@@ -113,7 +114,7 @@ class TensorEntry:
     qp: int = 0
     qp_density: int = 0
     alias_of: int = NO_ALIAS
-    coder_param: int = 0  # the level coder's k offset | PREDICT_BIT | LINEAR_BIT (levelcoder.ChunkLayout)
+    coder_param: int = 0  # the level coder's k offset | its switches (levelcoder.ChunkLayout.coder_param)
     chunk_elements: int = 0
     chunk_sizes: list[int] = field(default_factory=list)
     offset: int = 0  # payload offset, relative to the first payload byte
@@ -140,7 +141,10 @@ class TensorEntry:
 
     @property
     def min_version(self) -> int:
-        return max(self.mode.min_version, LINEAR_VERSION if self.is_linear else 1)
+        from .levelcoder import LINEAR_BIT, NO_COLUMNS_BIT
+
+        new = self.coder_param & (LINEAR_BIT | NO_COLUMNS_BIT) and not self.is_alias
+        return max(self.mode.min_version, SWITCHES_VERSION if new else 1)
 
     @property
     def step(self) -> float | None:
@@ -308,7 +312,8 @@ def read_header(data, *, total_size: int | None = None) -> StreamHeader:
         entry = TensorEntry(name, dtype, tuple(shape), mode, coder, flags, t_qp, t_density, alias_of,
                             coder_param, chunk_elements, chunk_sizes, offset, size, crc)
         if entry.min_version > version:
-            what = "linear prediction" if entry.is_linear else f"coding mode {mode.name}"
+            what = "linear prediction" if entry.is_linear else (
+                "coding mode " + mode.name if mode.min_version > version else "switching the column model off")
             raise CorruptStreamError(f"{where}: {what} needs format version {entry.min_version}, "
                                      f"the stream says {version}")
         _validate_entry(entry, i, where, tensors, next_offset)
@@ -374,8 +379,8 @@ def read_header_file(path) -> StreamHeader:
 
 
 def _validate_entry(e: TensorEntry, index: int, where: str, earlier: list[TensorEntry], expected_offset: int) -> None:
-    from .levelcoder import (LINEAR_BIT, MAX_K_OFFSET, PREDICT_BIT, layout_from_stream, max_elements_for_payload,
-                             row_length)
+    from .levelcoder import (LINEAR_BIT, MAX_K_OFFSET, NO_COLUMNS_BIT, PREDICT_BIT, SWITCH_BITS, layout_from_stream,
+                             max_elements_for_payload, row_length)
     from .linear_prediction import MAX_COLUMNS, MIN_COLUMNS
 
     numel = 1
@@ -421,8 +426,10 @@ def _validate_entry(e: TensorEntry, index: int, where: str, earlier: list[Tensor
         raise CorruptStreamError(f"{where}: integer coding of a {e.dtype.name} tensor")
     elif e.qp or e.qp_density:
         raise CorruptStreamError(f"{where}: an integer tensor has no qp")
-    if (e.coder_param & ~(PREDICT_BIT | LINEAR_BIT)) > MAX_K_OFFSET:
+    if (e.coder_param & ~SWITCH_BITS) > MAX_K_OFFSET:
         raise CorruptStreamError(f"{where}: coder parameter 0x{e.coder_param:02x} out of range")
+    if e.coder_param & NO_COLUMNS_BIT and e.coder_param & (PREDICT_BIT | LINEAR_BIT):
+        raise CorruptStreamError(f"{where}: column model off, but column or linear prediction on")
     level_chunks = e.chunk_sizes
     if e.is_linear:
         row = row_length(e.shape)

@@ -22,6 +22,10 @@ PREDICT_BIT = 0x10  # coder_param = k_offset | PREDICT_BIT when column predictio
 # The chunks code the residuals of a linear prediction across columns (linear_prediction.py) with
 # neither column model nor column prediction; the tensor's first substream is the predictor.
 LINEAR_BIT = 0x20
+# The column model is switched off although the rows fit in a chunk (format version 3): where the
+# rows' scales differ much more than the columns', averaging in a column scale only blurs the row's.
+NO_COLUMNS_BIT = 0x08
+SWITCH_BITS = PREDICT_BIT | LINEAR_BIT | NO_COLUMNS_BIT
 PREDICT_MAX_LEVEL = _k.PREDICT_MAX_LEVEL
 LEVEL_MAX = (1 << 31) - 1  # |level| <= LEVEL_MAX; int32's minimum has no zigzag code
 
@@ -45,11 +49,13 @@ class ChunkLayout:
     k_offset: int = DEFAULT_K_OFFSET  # Rice parameter offset in half octaves (0..MAX_K_OFFSET)
     predict: bool = False  # column prediction (only with the column model)
     linear: bool = False  # the levels are residuals of a linear prediction (then ncols is 0)
+    no_columns: bool = False  # the column model is off by choice (then ncols is 0)
 
     @property
     def coder_param(self) -> int:
-        """The byte that stores k_offset and the two switches in the tensor table."""
-        return self.k_offset | (PREDICT_BIT if self.predict else 0) | (LINEAR_BIT if self.linear else 0)
+        """The byte that stores k_offset and the switches in the tensor table."""
+        return (self.k_offset | (PREDICT_BIT if self.predict else 0) | (LINEAR_BIT if self.linear else 0)
+                | (NO_COLUMNS_BIT if self.no_columns else 0))
 
     @property
     def count(self) -> int:
@@ -76,12 +82,16 @@ def _numel_and_columns(shape: tuple[int, ...]) -> tuple[int, int]:
 
 
 def layout_for_shape(shape: tuple[int, ...], target: int = CHUNK_ELEMENTS,
-                     k_offset: int = DEFAULT_K_OFFSET, max_abs_level: int = 0, predict: bool = True) -> ChunkLayout:
+                     k_offset: int = DEFAULT_K_OFFSET, max_abs_level: int = 0, predict: bool = True,
+                     columns: bool = True) -> ChunkLayout:
     """The chunk layout the encoder chooses for a tensor of ``shape``: whole rows when they fit,
-    column prediction wherever the column model runs, the levels allow it and ``predict`` asks."""
+    the column model unless ``columns`` is False, column prediction wherever the column model runs,
+    the levels allow it and ``predict`` asks."""
     numel, ncols = _numel_and_columns(shape)
     size = (target // ncols) * ncols if ncols and ncols <= target else target
     layout = layout_from_stream(shape, max(1, size), k_offset)
+    if layout.ncols and not columns:
+        return ChunkLayout(layout.numel, 0, layout.chunk_elements, k_offset, no_columns=True)
     if layout.ncols and max_abs_level <= PREDICT_MAX_LEVEL and predict:
         layout = ChunkLayout(layout.numel, layout.ncols, layout.chunk_elements, k_offset, predict=True)
     return layout
@@ -95,11 +105,12 @@ def layout_from_stream(shape: tuple[int, ...], chunk_elements: int, coder_param:
     """
     numel, ncols = _numel_and_columns(shape)
     linear = bool(coder_param & LINEAR_BIT)
-    if ncols > chunk_elements or linear:
+    no_columns = bool(coder_param & NO_COLUMNS_BIT)
+    if ncols > chunk_elements or linear or no_columns:
         ncols = 0
     return ChunkLayout(numel=numel, ncols=ncols, chunk_elements=chunk_elements,
-                       k_offset=coder_param & ~(PREDICT_BIT | LINEAR_BIT), predict=bool(coder_param & PREDICT_BIT),
-                       linear=linear)
+                       k_offset=coder_param & ~SWITCH_BITS, predict=bool(coder_param & PREDICT_BIT),
+                       linear=linear, no_columns=no_columns)
 
 
 def row_length(shape: tuple[int, ...]) -> int:

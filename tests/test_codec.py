@@ -518,19 +518,23 @@ def test_tiny_chunks_are_refused():
         decode_model(_rewrite(data, shrink))
 
 
-def test_column_prediction_only_where_neighbouring_rows_look_alike():
+def test_column_model_and_prediction_only_where_they_pay():
     from deepcabac_py.container import read_header
-    from deepcabac_py.levelcoder import PREDICT_BIT
+    from deepcabac_py.levelcoder import NO_COLUMNS_BIT, PREDICT_BIT
 
     rng = np.random.default_rng(50)
     iid = rng.standard_normal((300, 256)).astype(np.float32) * 0.05
     smooth = np.cumsum(rng.standard_normal((300, 256)), axis=0).astype(np.float32) * 0.01  # position-like
-    small = iid[:100, :100].copy()  # below the size worth testing: keeps it
-    model = {"iid": iid, "smooth": smooth, "small": small}
+    small = iid[:100, :100].copy()  # below the size worth testing: keeps both
+    rows_vary = iid * np.exp(rng.standard_normal((300, 1))).astype(np.float32)  # row scales spread
+    model = {"iid": iid, "smooth": smooth, "small": small, "rows_vary": rows_vary}
     for quantizer in ("nearest", "rdoq", "trellis"):
         data = dc.encode_model(model, qp=-32, quantizer=quantizer, importance=None)
-        param = {e.name: e.coder_param for e in read_header(data).tensors}
-        assert not param["iid"] & PREDICT_BIT and param["smooth"] & PREDICT_BIT and param["small"] & PREDICT_BIT
+        header = read_header(data)
+        param = {e.name: e.coder_param for e in header.tensors}
+        assert param["iid"] & (PREDICT_BIT | NO_COLUMNS_BIT) == 0
+        assert param["smooth"] & PREDICT_BIT and param["small"] & PREDICT_BIT
+        assert param["rows_vary"] & NO_COLUMNS_BIT and header.version == 3
         q = dc.quantize_model(model, qp=-32, quantizer=quantizer, importance=None)
         back = dc.decode_levels(data)
         for name in model:
@@ -538,16 +542,22 @@ def test_column_prediction_only_where_neighbouring_rows_look_alike():
 
 
 @pytest.mark.parametrize("rows, cols, dtype", [(2, 5, np.float32), (300, 7, np.float64), (1000, 3, np.float32)])
-def test_similar_neighbour_share_matches_numpy(rows, cols, dtype):
-    from deepcabac_py.codec import _similar_neighbour_share
+def test_row_statistics_match_numpy(rows, cols, dtype):
+    from deepcabac_py.codec import _row_statistics
 
     rng = np.random.default_rng(rows)
     x = rng.standard_normal((rows, cols)).astype(dtype)
     x[rng.random(rows) < 0.3] *= 0.01  # some rows close to the one above... or not
     x[1::7] = x[0:-1:7] + 0.01 * x[1::7]  # and some clearly close
+    x[min(5, rows - 1)] = 0  # an all-zero row
     count = min(128, rows - 1)
     r = 1 + (np.arange(count) * (rows - 1)) // count
     xd = x.astype(np.float64)
     near = np.abs(xd[r] - xd[r - 1]).sum(axis=1)
     far = np.abs(xd[r]).sum(axis=1)
-    assert _similar_neighbour_share(x, 128) == pytest.approx(float(np.mean(near < far)), abs=0)
+    col = np.abs(xd[r]).mean(axis=0)
+    floor = 1e-6 * col.mean() + 1e-300
+    share, row_spread, col_spread = _row_statistics(x, 128)
+    assert share == float(np.mean(near < 0.875 * far))
+    assert row_spread == pytest.approx(np.std(np.log(far / cols + floor)) if count > 1 else 0.0, rel=1e-12)
+    assert col_spread == pytest.approx(np.std(np.log(col + floor)), rel=1e-12)

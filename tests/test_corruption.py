@@ -517,3 +517,24 @@ def test_max_elements_is_the_callers_own_bound():
             decode(data, max_elements=total - 1)
     with pytest.raises(ValueError):
         dc.decode_model(data, max_elements=-1)
+
+
+def test_column_model_switched_off():
+    from deepcabac_py import levelcoder
+
+    levels = np.arange(-8, 8, dtype=np.int32)
+    layout = levelcoder.layout_for_shape((4, 4), columns=False)
+    assert layout.ncols == 0 and layout.coder_param == levelcoder.NO_COLUMNS_BIT
+    chunk = levelcoder.encode_chunk(levels, layout, 0)
+    data = craft([uniform(chunk_elements=layout.chunk_elements, chunk_sizes=[len(chunk)],
+                          coder_param=layout.coder_param)], chunk)
+    assert dc.read_stream_header(data).version == 3
+    np.testing.assert_array_equal(dc.decode_model(data)["w"], (levels * 2.0**-8).reshape(4, 4).astype(np.float32))
+    # a column model that is off cannot predict columns
+    both = levelcoder.NO_COLUMNS_BIT | levelcoder.PREDICT_BIT
+    assert_refused(craft([uniform(chunk_elements=16, chunk_sizes=[len(chunk)], coder_param=both)], chunk))
+    # and the switch needs version 3
+    old = bytearray(data)
+    struct.pack_into("<H", old, 8, 2)
+    with pytest.raises(CorruptStreamError, match="needs format version 3"):
+        dc.decode_model(reseal_header(old))
