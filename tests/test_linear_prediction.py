@@ -271,3 +271,16 @@ def test_crafted_linear_stream_decodes():
 def test_hostile_linear_entries(kw, match):
     with pytest.raises(CorruptStreamError, match=match):
         dc.decode_model(crafted(**kw))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float64"])
+def test_other_float_dtypes(dtype):
+    import torch
+
+    w = torch.from_numpy(model()["emb"]).to(getattr(torch, dtype))
+    data = dc.encode_model({"emb": w}, qp=-32, quantizer="nearest")
+    assert read_header(data).tensors[0].is_linear
+    back = dc.decode_model(data)["emb"]
+    q = dc.quantize_model({"emb": w}, qp=-32, quantizer="nearest")["emb"].dequantize()
+    q = q if isinstance(q, torch.Tensor) else torch.from_numpy(q)  # numpy, except for bfloat16
+    assert back.dtype == w.dtype and torch.equal(back, q)
