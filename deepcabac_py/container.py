@@ -23,9 +23,9 @@ from .errors import CorruptStreamError, FormatError, InputError, TruncatedStream
 
 MAGIC = b"\x89DCB\r\n\x1a\n"
 # Version 2 added Mode.DEPENDENT, version 3 the linear prediction across columns (LINEAR_BIT) and
-# the choice to switch the column model off (NO_COLUMNS_BIT). A
-# writer stamps the lowest version that describes its stream, so streams without either stay
-# readable by older readers; this reader reads all three.
+# the choice to switch the column model off (NO_COLUMNS_BIT). A writer stamps the lowest version
+# that describes its stream, so streams without them stay readable by older readers; this reader
+# reads all three.
 FORMAT_VERSION = 3
 READABLE_VERSIONS = (1, 2, 3)
 SWITCHES_VERSION = 3  # LINEAR_BIT and NO_COLUMNS_BIT
