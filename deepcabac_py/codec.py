@@ -400,11 +400,11 @@ def _with_linear_prediction(plan: _Plan) -> _Plan:
     ncols = levelcoder.row_length(e.shape)
     if not linear_prediction.qualifies(e.numel // max(ncols, 1), ncols) or layout.chunk_elements % ncols:
         return plan
-    if plan.quantizer == "nearest":
+    if plan.quantizer == "nearest":  # in one pass
         values, step, _ = _quantizer_inputs(plan, 0, e.numel)
         levels = quantize.quantize_nearest(values, step)
     else:  # chunk by chunk, exactly as they would be coded without the prediction
-        levels = np.concatenate([_chunk_levels(plan, *layout.bounds(k)) for k in range(layout.count)])
+        levels = _plan_levels(plan).levels.reshape(-1)
     with linear_prediction.blas_threads(True):
         predictor = linear_prediction.fit(levels, ncols, level_bound=plan.max_level)
     if predictor is None:
