@@ -400,9 +400,8 @@ def _with_linear_prediction(plan: _Plan) -> _Plan:
     ncols = levelcoder.row_length(e.shape)
     if not linear_prediction.qualifies(e.numel // max(ncols, 1), ncols) or layout.chunk_elements % ncols:
         return plan
-    if plan.quantizer == "nearest":  # in one pass
-        values, step, _ = _quantizer_inputs(plan, 0, e.numel)
-        levels = quantize.quantize_nearest(values, step)
+    if plan.quantizer == "nearest":  # rounding does not depend on the chunks: one pass
+        levels = _chunk_levels(plan, 0, e.numel)
     else:  # chunk by chunk, exactly as they would be coded without the prediction
         levels = _plan_levels(plan).levels.reshape(-1)
     with linear_prediction.blas_threads(True):
@@ -810,9 +809,14 @@ def encode_model(
         return [(p, k) for p in plans if p.layout is not None and (p.entry.name in targets) == names_in
                 for k in range(p.layout.count)]
 
-    plans = [_with_linear_prediction(p) if p.entry.name not in targets else p for p in plans]
-    with linear_prediction.blas_threads(any(p.linear is not None for p in plans)):
-        results = run_all(chunk_jobs(False))
+    def run_phase(names_in: bool) -> dict[tuple[str, int], bytes]:
+        # the phase's tensors get their linear predictions, then its chunks are coded
+        nonlocal plans
+        plans = [_with_linear_prediction(p) if (p.entry.name in targets) == names_in else p for p in plans]
+        with linear_prediction.blas_threads(any(p.linear is not None for p in plans)):
+            return run_all(chunk_jobs(names_in))
+
+    results = run_phase(False)
     if shifts:
         by_name = {p.entry.name: p for p in plans}
 
@@ -821,9 +825,7 @@ def encode_model(
             return _decoded64(_assembled(plan.entry, [chunk_levels[name, k] for k in range(plan.layout.count)]))
 
         plans = _take_out_shifts(plans, shifts, plan_one, ckpt, decoded)
-        plans = [_with_linear_prediction(p) if p.entry.name in targets else p for p in plans]
-        with linear_prediction.blas_threads(any(p.linear is not None for p in plans)):
-            results.update(run_all(chunk_jobs(True)))
+        results.update(run_phase(True))
 
     payload: list[bytes] = []
     offset = 0

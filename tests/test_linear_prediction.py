@@ -234,25 +234,18 @@ def test_every_damaged_byte_of_the_side_information():
 
 def crafted(shape=(1024, 48), *, mode=Mode.UNIFORM, coder_param=levelcoder.LINEAR_BIT, chunk_elements=None,
             with_predictor=True, version=None):
-    import zlib
-
-    from deepcabac_py.container import PREAMBLE, Coder, DType, TensorEntry, write_header
+    from test_corruption import craft, reseal_header, uniform
 
     numel = shape[0] * shape[1]
-    chunk_elements = chunk_elements or numel
     pred = side(16, 6, 100, range(16), valid_coefs(shape[1], 16, 0))
     levels = levelcoder.encode_chunk(np.zeros(numel, np.int32), levelcoder.ChunkLayout(numel, 0, numel), 0)
     chunks = ([pred] if with_predictor else []) + [levels]
-    payload = b"".join(chunks)
-    entry = TensorEntry("w", DType.FLOAT32, shape, mode, Coder.ADAPTIVE_SCALE, qp=-32, qp_density=2,
-                        coder_param=coder_param, chunk_elements=chunk_elements,
-                        chunk_sizes=[len(c) for c in chunks], size=len(payload), crc32=zlib.crc32(payload))
-    head = bytearray(write_header(-32, -75, 2, {"kind": "mapping"}, [entry]))
+    data = bytearray(craft([uniform(shape=shape, mode=mode, coder_param=coder_param, chunk_elements=chunk_elements,
+                                    chunk_sizes=[len(c) for c in chunks])], b"".join(chunks)))
     if version is not None:
-        struct.pack_into("<H", head, 8, version)
-        struct.pack_into("<I", head, len(head) - 4, zlib.crc32(bytes(head[:-4])))
-    assert len(head) > PREAMBLE.size
-    return bytes(head) + payload
+        struct.pack_into("<H", data, 8, version)
+        return reseal_header(data)
+    return bytes(data)
 
 
 def test_crafted_linear_stream_decodes():
