@@ -27,8 +27,10 @@ from pathlib import Path
 
 import numpy as np
 
-from deepcabac_py import load_checkpoint, levelcoder
-from deepcabac_py.quantize import quantize_nearest, step_from_qp
+from deepcabac_py import load_checkpoint
+from deepcabac_py.entropy import levelcoder
+from deepcabac_py.quant.quantizers import quantize_nearest
+from deepcabac_py.quant.steps import step_from_qp
 
 KERNELS = Path(__file__).resolve().parents[1] / "deepcabac_py" / "_cabac_kernels.py"
 OUT = Path(__file__).resolve().parent / "out"

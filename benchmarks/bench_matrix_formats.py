@@ -194,7 +194,7 @@ def prepare(model: str, name: str, w: np.ndarray, qp: int, zeros: float, rng) ->
     """One row's storage figures, and its operands (every format's matrix and the inputs), checked."""
     import scipy.sparse as sp
 
-    from deepcabac_py.matrix_formats import CERMatrix, CSERMatrix, level_entropy
+    from deepcabac_py.matrix.formats import CERMatrix, CSERMatrix, level_entropy
 
     levels, step, stream_bytes = quantize_via_stream(name, prune(w, zeros), qp)
     m, n = levels.shape
@@ -257,7 +257,7 @@ KERNEL_FAMILIES = ("grouped", "flat", "entries")
 
 def _with_kernel(levels: np.ndarray, step: float, family: str):
     """A CSER matrix whose matvec runs ``family`` (the flat rule's thresholds forced for the build)."""
-    from deepcabac_py import matrix_formats as mf
+    from deepcabac_py.matrix import formats as mf
 
     saved = mf.FLAT_GROUPS_PER_ENTRY, mf.FLAT_GROUPS_PER_ROW
     if family != "entries":
@@ -273,7 +273,7 @@ def _with_kernel(levels: np.ndarray, step: float, family: str):
 
 def prepare_kernels(model: str, name: str, w: np.ndarray, qp: int, zeros: float, rng) -> tuple[dict, dict]:
     """One layer variant as a matrix per kernel family (checked), and what auto picks."""
-    from deepcabac_py import matrix_formats as mf
+    from deepcabac_py.matrix import formats as mf
 
     levels, step, _ = quantize_via_stream(name, prune(w, zeros), qp)
     x = rng.standard_normal(levels.shape[1]).astype(np.float32)
@@ -471,7 +471,7 @@ def main() -> None:
     if args.quick:
         args.rounds = 1
     if args.kernels:
-        from deepcabac_py import matrix_formats as mf
+        from deepcabac_py.matrix import formats as mf
 
         # One thread: the kernels themselves, not the pool (set before any matrix plans its products).
         mf.PARALLEL_MIN_NS = float("inf")

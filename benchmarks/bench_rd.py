@@ -27,7 +27,7 @@ thread. Ours: named configurations, each a dict of keyword arguments to
   importance  {"importance": <Fisher>,        what the Python API does with calibration data: the Fisher,
                "batchnorm_eps": <eps>,        BatchNorm eps from the model, and the BatchNorm statistics
                "recalibrate": true}           recalibrated for the quantized weights on the calibration
-                                              inputs (deepcabac_py.batchnorm.encode_recalibrated; the
+                                              inputs (deepcabac_py.tuning.recalibration.encode_recalibrated; the
                                               timed encode is its final encode_model call)
   trellis     {"quantizer": "trellis"}        (shown as "= default" when that is encode_model's default)
   more with --config NAME=JSON, where the string "@fisher" stands for the Fisher dict and "@bn_eps"
@@ -37,7 +37,7 @@ thread. Ours: named configurations, each a dict of keyword arguments to
 A configuration whose keywords encode_model does not take, or that raises on a small warm-up call, is
 skipped with the reason printed. The Fisher dict maps parameter names to float32 arrays of the
 parameter's shape (buffers such as BatchNorm running statistics have none): mean over calibration
-batches of grad**2 from ``deepcabac_py.rd.diagonal_fisher(model, batches, loss_fn)`` (loss_fn(model,
+batches of grad**2 from ``deepcabac_py.tuning.fisher.diagonal_fisher(model, batches, loss_fn)`` (loss_fn(model,
 batch) -> scalar), or, only while that module does not exist, the plain-torch stand-in below. Losses:
 MiniLM, sum(normalised embedding * v) with v ~ N(0, I) drawn afresh for every (batch, draw), whose
 squared gradient estimates the Gauss-Newton diagonal of the embedding change; EfficientNet,
@@ -252,8 +252,8 @@ def _fallback_diagonal_fisher(model, batches, loss_fn) -> dict[str, np.ndarray]:
 
 def diagonal_fisher(model, batches, loss_fn) -> tuple[dict[str, np.ndarray], str]:
     try:
-        from deepcabac_py import rd
-        fn, source = rd.diagonal_fisher, "deepcabac_py.rd.diagonal_fisher"
+        from deepcabac_py.tuning.fisher import diagonal_fisher as fn
+        source = "deepcabac_py.tuning.fisher.diagonal_fisher"
     except (ImportError, AttributeError) as exc:
         fn, source = _fallback_diagonal_fisher, f"bench_rd's plain-torch stand-in ({exc})"
     raw = fn(model, batches, loss_fn)
@@ -414,7 +414,7 @@ class EffNetHarness:
         with contextlib.redirect_stdout(io.StringIO()):  # it prints "Loaded pretrained weights ..."
             self.model = EfficientNet.from_pretrained("efficientnet-lite0", weights_path=path).eval()
         self.weights = torch_to_numpy_state(self.model.state_dict())
-        from deepcabac_py.batchnorm import epsilons
+        from deepcabac_py.model.batchnorm import epsilons
         self.bn_eps = epsilons(self.model)
 
         imagenet = _foolbox_images("imagenet")
@@ -745,10 +745,10 @@ class Ours:
         load = os.getloadavg()[0]
         weights, extra = self.weights, {}
         if self.recalibrate:
-            # batchnorm.encode_recalibrated in two steps: only its final encode_model call is timed
-            from deepcabac_py import batchnorm
+            # recalibration.encode_recalibrated in two steps: only its final encode_model call is timed
+            from deepcabac_py.tuning import recalibration
             t0 = time.perf_counter()
-            weights = batchnorm.recalibrated_state(self.h.model, self.h.calib_x, state=weights, qp=qp, threads=t,
+            weights = recalibration.recalibrated_state(self.h.model, self.h.calib_x, state=weights, qp=qp, threads=t,
                                                    **self.kwargs)
             extra["recalibrate_s"] = time.perf_counter() - t0
         kwargs = dict(self.kwargs)

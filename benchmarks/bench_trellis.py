@@ -26,7 +26,10 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import bench_minilm as bm  # noqa: E402
 
-from deepcabac_py import levelcoder, quantize  # noqa: E402
+from deepcabac_py.entropy import levelcoder
+from deepcabac_py.quant.quantizers import DEFAULT_LAMBDA, quantize_nearest, quantize_rd, trellis_encode_chunk  # noqa: E402
+from deepcabac_py.quant.reconstruct import dq_indices, reconstruct_f32_inplace  # noqa: E402
+from deepcabac_py.quant.steps import step_from_qp  # noqa: E402
 
 KERNEL = HERE.parent / "deepcabac_py" / "_rd_kernels.py"
 
@@ -44,8 +47,8 @@ def kernel_with_block(block_min: int):
 
 
 def staleness(weights, names, blocks, qp=-32) -> None:
-    step = quantize.step_from_qp(qp)
-    lam = quantize.DEFAULT_LAMBDA["trellis"]
+    step = step_from_qp(qp)
+    lam = DEFAULT_LAMBDA["trellis"]
     print(f"1. context staleness: trellis at qp {qp}, {len(names)} tensors "
           f"({sum(weights[n].size for n in names):,} weights)")
     print(f"{'BLOCK_MIN':>9} {'rows/block (384 cols)':>22} {'bytes':>12} {'vs 256':>8} {'squared error':>14}")
@@ -63,7 +66,7 @@ def staleness(weights, names, blocks, qp=-32) -> None:
                                    layout.first_column(a), layout.k_offset, layout.predict, out,
                                    np.empty(0, np.uint8))
                 nbytes += len(levelcoder.encode_chunk(out, layout, k))
-                err = x[a:b].astype(np.float64) - quantize.dq_indices(out) * step
+                err = x[a:b].astype(np.float64) - dq_indices(out) * step
                 sse += float(err @ err)
         rows.append((block_min, nbytes, sse))
     ref = dict((b, n) for b, n, _ in rows).get(256, rows[0][1])
@@ -72,7 +75,7 @@ def staleness(weights, names, blocks, qp=-32) -> None:
 
 
 def speed(weights, names, repeats=3, qp=-32) -> None:
-    step = quantize.step_from_qp(qp)
+    step = step_from_qp(qp)
     print("\n2. speed, one thread (best of", repeats, "runs)")
     totals = {}
     n = 0
@@ -85,28 +88,28 @@ def speed(weights, names, repeats=3, qp=-32) -> None:
             n += part.size
             kw = dict(ncols=layout.ncols, col0=layout.first_column(a), k_offset=layout.k_offset,
                       predict=layout.predict)
-            lam = quantize.DEFAULT_LAMBDA["trellis"]
+            lam = DEFAULT_LAMBDA["trellis"]
             for method in ("nearest", "rdoq", "trellis"):
                 add(totals, f"{method} (levels only)", min(
-                    _timed(lambda: quantize.quantize_rd(part, step, method=method,
-                                                        lam=quantize.DEFAULT_LAMBDA[method], **kw))
+                    _timed(lambda: quantize_rd(part, step, method=method,
+                                                        lam=DEFAULT_LAMBDA[method], **kw))
                     for _ in range(repeats)))
-            levels = quantize.quantize_rd(part, step, method="trellis", lam=lam, **kw)
+            levels = quantize_rd(part, step, method="trellis", lam=lam, **kw)
             add(totals, "level coder on trellis levels", min(
                 _timed(lambda: levelcoder.encode_chunk(levels, layout, k)) for _ in range(repeats)))
             # what encode_model runs: the trellis codes each block as it commits it
             add(totals, "trellis + coding, one pass", min(
-                _timed(lambda: quantize.trellis_encode_chunk(part, step, lam=lam, layout=layout, index=k))
+                _timed(lambda: trellis_encode_chunk(part, step, lam=lam, layout=layout, index=k))
                 for _ in range(repeats)))
             # the decoder's last pass, levels to float32 in place: plain levels times the step, or
             # the trellis' levels through the state machine
-            plain = quantize.quantize_nearest(part, step)
-            for what, src, fn in (("decode: plain levels -> float32", plain, quantize.reconstruct_f32_inplace),
-                                  ("decode: trellis levels -> float32", levels, quantize.dq_reconstruct_f32_inplace)):
+            plain = quantize_nearest(part, step)
+            for what, src, dependent in (("decode: plain levels -> float32", plain, False),
+                                         ("decode: trellis levels -> float32", levels, True)):
                 best = math.inf
                 for _ in range(repeats):
                     buf = src.copy()
-                    best = min(best, _timed(lambda: fn(buf, step)))
+                    best = min(best, _timed(lambda: reconstruct_f32_inplace(buf, step, dependent=dependent)))
                 add(totals, what, best)
     for what, seconds in totals.items():
         print(f"{what:>34}: {seconds / n * 1e9:7.2f} ns/weight")
@@ -131,7 +134,7 @@ def main(argv=None) -> int:
     weights = bm.load_weights()
     names = [k for k in weights if weights[k].ndim == 2 and weights[k].dtype == np.float32][:args.tensors]
     # compile once before timing
-    quantize.quantize_rd(weights[names[0]].reshape(-1)[:4096], 2.0**-8, method="trellis", lam=0.46)
+    quantize_rd(weights[names[0]].reshape(-1)[:4096], 2.0**-8, method="trellis", lam=0.46)
     staleness(weights, names, [int(b) for b in args.blocks.split(",")])
     speed(weights, names, args.repeats)
     return 0

@@ -29,10 +29,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fl_common as fc  # noqa: E402
 
-from deepcabac_py import golomb  # noqa: E402
-from deepcabac_py import _update_kernels as K  # noqa: E402
-from deepcabac_py.sparsify import ErrorFeedback, stc  # noqa: E402
-from deepcabac_py.updates import UpdateSession, encode_sparse, read_update_header  # noqa: E402
+from deepcabac_py.updates import golomb  # noqa: E402
+from deepcabac_py.updates.messages import _update_kernels as K  # noqa: E402
+from deepcabac_py.updates.sparsify import ErrorFeedback, stc  # noqa: E402
+from deepcabac_py.updates.messages import UpdateSession, encode_sparse, read_update_header  # noqa: E402
 
 DENSITIES = (0.1, 0.01, 0.001)
 LOCAL_STEPS = 10
@@ -95,7 +95,7 @@ def code_stream(stream, *, coder: str, features: int | None = None, session_id: 
 
 def position_only_bits(sent, parent, features) -> int:
     """Our coder on the positions alone (signs made positive, sent as SBC-like one-sided levels)."""
-    from deepcabac_py.sparsify import SparseTensor
+    from deepcabac_py.updates.sparsify import SparseTensor
 
     pos = {n: SparseTensor(np.abs(s.levels), s.step if s.step > 0 else 1.0, "sbc") for n, s in sent.items() if s.nnz}
     data = encode_sparse(pos, parent, session=UpdateSession(99), features=features, table=False)

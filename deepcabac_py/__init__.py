@@ -1,7 +1,18 @@
 """deepcabac_py: neural-network weight compression.
 
 A uniform quantizer (NNC's step from ``qp``) feeds a context-adaptive binary arithmetic coder
-written in Numba. The public surface is small::
+written in Numba. The subpackages are layers; each imports only those below it::
+
+    io          checkpoints in and out, dtypes, atomic output
+    entropy     the level coder (CABAC kernels) and the linear prediction across columns
+    quant       step of qp, nearest / RDOQ / trellis, every reconstruction
+    model       model streams: settings, planning, encoder, decoder, container, data-free policies
+    tuning      workflows around the encoder: Fisher importance, rate control, recalibration
+    updates     sparse weight updates of distributed and federated training
+    matrix      entropy-bounded matrix formats (CER/CSER) and torch modules on them
+    integrations, cli
+
+The public surface is small::
 
     data = encode_model(state_dict, qp=-32)      # bytes
     model = decode_model(data)                   # the same structure back
@@ -19,16 +30,16 @@ import importlib
 # Names are resolved on first use (PEP 562), so that `import deepcabac_py` and header-only work such
 # as `deepcabac info` do not pay for importing torch.
 _EXPORTS = {
-    "QuantizedTensor": "codec",
-    "decode_checkpoint": "codec",
-    "decode_levels": "codec",
-    "decode_model": "codec",
-    "encode_model": "codec",
-    "quantize_model": "codec",
-    "read_stream_header": "codec",
-    "Checkpoint": "checkpoint",
-    "load_checkpoint": "checkpoint",
-    "save_checkpoint": "checkpoint",
+    "QuantizedTensor": "model.levels",
+    "decode_checkpoint": "model.decoder",
+    "decode_levels": "model.decoder",
+    "decode_model": "model.decoder",
+    "encode_model": "model.encoder",
+    "quantize_model": "model.encoder",
+    "read_stream_header": "model.decoder",
+    "Checkpoint": "io.checkpoint",
+    "load_checkpoint": "io.files",
+    "save_checkpoint": "io.files",
     "CheckpointError": "errors",
     "CorruptStreamError": "errors",
     "DeepCabacError": "errors",
@@ -38,20 +49,20 @@ _EXPORTS = {
     "OutputError": "errors",
     "OutputExistsError": "errors",
     "TruncatedStreamError": "errors",
-    "step_from_qp": "quantize",
-    "ErrorFeedback": "sparsify",
-    "SparseTensor": "sparsify",
-    "sparsify": "sparsify",
+    "step_from_qp": "quant.steps",
+    "ErrorFeedback": "updates.sparsify",
+    "SparseTensor": "updates.sparsify",
+    "sparsify": "updates.sparsify",
     "UpdateMismatchError": "errors",
-    "UpdateSession": "updates",
-    "UpdateStreamWriter": "updates",
-    "apply_update": "updates",
-    "decode_update": "updates",
-    "encode_sparse": "updates",
-    "encode_update": "updates",
-    "iter_messages": "updates",
-    "model_hash": "updates",
-    "read_update_header": "updates",
+    "UpdateSession": "updates.messages",
+    "UpdateStreamWriter": "updates.messages",
+    "apply_update": "updates.messages",
+    "decode_update": "updates.messages",
+    "encode_sparse": "updates.messages",
+    "encode_update": "updates.messages",
+    "iter_messages": "updates.messages",
+    "model_hash": "updates.messages",
+    "read_update_header": "updates.messages",
 }
 
 

@@ -51,9 +51,9 @@ import zlib
 import numpy as np
 
 import deepcabac_py as dc
-from deepcabac_py import updates as up
-from deepcabac_py.checkpoint import load_checkpoint
-from deepcabac_py.container import MAGIC, PREAMBLE, read_header, write_header
+from deepcabac_py.updates import messages as up
+from deepcabac_py.io.files import load_checkpoint
+from deepcabac_py.model.container import MAGIC, PREAMBLE, read_header, write_header
 from deepcabac_py.errors import DeepCabacError, UpdateMismatchError
 
 
@@ -245,7 +245,7 @@ def target_model_threads(data: bytes) -> None:
 
 
 def target_matrix(data: bytes) -> None:
-    from deepcabac_py.matrix_formats import from_stream, matrix_view
+    from deepcabac_py.matrix.formats import from_stream, matrix_view
 
     stream = seal_model_stream(data)
     if _too_slow(stream):

@@ -47,23 +47,23 @@ def main(argv: list[str]) -> int:
         # The kernels run as plain Python: instrument them too, so that the fuzzer is guided by the
         # branches of the arithmetic decoders themselves (slow, but it sees inside the kernels).
         with atheris.instrument_imports(include=["deepcabac_py"]):
-            import deepcabac_py.codec, deepcabac_py.updates, deepcabac_py.matrix_formats  # noqa: E401,F401
+            import deepcabac_py.model.encoder, deepcabac_py.model.decoder, deepcabac_py.model.levels, deepcabac_py.model.settings, deepcabac_py.model.tensor_plan, deepcabac_py.model.model_plan, deepcabac_py.model.parallel, deepcabac_py.model._planning_kernels, deepcabac_py.updates.messages, deepcabac_py.matrix.formats  # noqa: E401,F401
             import deepcabac_py.integrations.zarr_codec  # noqa: F401,F811
-            import deepcabac_py.report, deepcabac_py.cli.main, deepcabac_py.cli.update  # noqa: E401,F401
+            import deepcabac_py.model.report, deepcabac_py.cli.main, deepcabac_py.cli.update  # noqa: E401,F401
     else:
         # Modules holding numba kernels (incl. codec, golomb, quantize) are not instrumented: numba
         # cannot compile instrumented bytecode. They are imported in dependency order so that the
         # Python parsers and validators around them are instrumented.
-        import deepcabac_py._jit, deepcabac_py._cabac_kernels, deepcabac_py._matrix_kernels  # noqa: E401,F401
-        import deepcabac_py._rd_kernels, deepcabac_py._update_kernels  # noqa: E401,F401
-        import deepcabac_py.golomb, deepcabac_py.quantize  # noqa: E401,F401
+        import deepcabac_py._jit, deepcabac_py.entropy._cabac_kernels, deepcabac_py.matrix._matrix_kernels  # noqa: E401,F401
+        import deepcabac_py.quant._quantizer_kernels, deepcabac_py.quant._reconstruct_kernels, deepcabac_py.updates._update_kernels  # noqa: E401,F401
+        import deepcabac_py.updates.golomb, deepcabac_py.quant.steps, deepcabac_py.quant.quantizers, deepcabac_py.quant.reconstruct  # noqa: E401,F401
         with atheris.instrument_imports(include=["deepcabac_py"]):
-            import deepcabac_py.errors, deepcabac_py.container, deepcabac_py.levelcoder  # noqa: E401,F401
-            import deepcabac_py.checkpoint, deepcabac_py.sparsify, deepcabac_py.updates  # noqa: E401,F401
-        import deepcabac_py.codec  # noqa: F401
+            import deepcabac_py.errors, deepcabac_py.model.container, deepcabac_py.io.dtypes, deepcabac_py.entropy.levelcoder  # noqa: E401,F401
+            import deepcabac_py.io.checkpoint, deepcabac_py.io.files, deepcabac_py.io.dtypes, deepcabac_py.updates.sparsify, deepcabac_py.updates.messages  # noqa: E401,F401
+        import deepcabac_py.model.encoder, deepcabac_py.model.decoder, deepcabac_py.model.levels, deepcabac_py.model.settings, deepcabac_py.model.tensor_plan, deepcabac_py.model.model_plan, deepcabac_py.model.parallel, deepcabac_py.model._planning_kernels  # noqa: F401
         with atheris.instrument_imports(include=["deepcabac_py"]):
-            import deepcabac_py.matrix_formats, deepcabac_py.integrations.zarr_codec  # noqa: E401,F401
-            import deepcabac_py.report, deepcabac_py.cli.main, deepcabac_py.cli.update  # noqa: E401,F401
+            import deepcabac_py.matrix.formats, deepcabac_py.integrations.zarr_codec  # noqa: E401,F401
+            import deepcabac_py.model.report, deepcabac_py.cli.main, deepcabac_py.cli.update  # noqa: E401,F401
     if target.startswith("ckpt_pt"):
         # torch's weights-only unpickler is pure Python: instrumenting its opcode loop lets the
         # fuzzer steer through pickle opcodes instead of guessing blindly behind the zip framing.

@@ -21,8 +21,9 @@ from reference_coder import (
     zigzag,
 )
 
-from deepcabac_py._cabac_kernels import PROB_ONE
-from deepcabac_py._rd_kernels import BIT_COST, BLOCK_MIN, MAX_DQ_LEVEL, NEXT_STATE
+from deepcabac_py.entropy._cabac_kernels import PROB_ONE
+from deepcabac_py.quant._quantizer_kernels import BIT_COST, BLOCK_MIN, MAX_DQ_LEVEL
+from deepcabac_py.quant._reconstruct_kernels import NEXT_STATE
 
 LEVEL_MAX = (1 << 31) - 1
 

@@ -13,7 +13,7 @@ stripped as the level coder does); :func:`decode` returns the levels per tensor.
 
 from __future__ import annotations
 
-from deepcabac_py import _update_kernels as K
+from deepcabac_py.updates.messages import _update_kernels as K
 from reference_coder import OVERRUN_SLACK, RangeDecoder, RangeEncoder, ReferenceDecodeError
 
 MAX_STRIPPED = 4

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import deepcabac_py as dc
-from deepcabac_py.quantize import QP_DENSITY_MAX, QP_MAX, QP_MIN
+from deepcabac_py.quant.steps import QP_DENSITY_MAX, QP_MAX, QP_MIN
 
 EXPECTED_ALL = [
     "Checkpoint",
@@ -154,11 +154,17 @@ def test_step_is_finite_normal_or_refused_at_the_range_ends(density):
         assert math.isfinite(step) and step >= 2.0**-1022
 
 
-def test_cli_mirrors_library_defaults():
-    # cli/main.py repeats a few constants so that `deepcabac info` does not import torch.
-    from deepcabac_py import checkpoint, codec
-    from deepcabac_py.cli import main as cli
+def test_header_only_work_does_not_import_torch(tmp_path):
+    # `deepcabac info` and the CLI's option defaults read the settings and the container, which must
+    # not pay for torch (most of a second); the model commands import it when they run.
+    import subprocess
+    import sys
 
-    assert cli.KINDS == checkpoint.KINDS
-    assert (cli.DEFAULT_QP, cli.DEFAULT_QP_DENSITY, cli.DEFAULT_QUANTIZER) == (
-        codec.DEFAULT_QP, codec.DEFAULT_QP_DENSITY, codec.DEFAULT_QUANTIZER)
+    stream = tmp_path / "m.dcb"
+    stream.write_bytes(dc.encode_model({"w": np.ones((4, 4), np.float32)}))
+    code = ("import sys; from deepcabac_py.cli.main import main; "
+            f"sys.argv = ['deepcabac', 'info', {str(stream)!r}]\n"
+            "try:\n    main()\nexcept SystemExit:\n    pass\n"
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "False"

@@ -11,9 +11,10 @@ from hypothesis import strategies as st
 
 import deepcabac_py as dc
 from deepcabac_py.cli.main import main as cli
-from deepcabac_py import batchnorm
+from deepcabac_py.model import batchnorm
+from deepcabac_py.tuning import recalibration
 from deepcabac_py.errors import CheckpointError
-from deepcabac_py.quantize import QP_MAX
+from deepcabac_py.quant.steps import QP_MAX
 
 EPS = 1e-3
 
@@ -224,7 +225,7 @@ def test_recalibrate_matches_input_moments():
     original = _numpy_state(net)
     x = torch.randn(32, 3, 8, 8) * 2 + 0.5
     # unchanged weights: nothing to correct
-    same = batchnorm.recalibrate(net, original, original, x)
+    same = recalibration.recalibrate(net, original, original, x)
     for k, v in same.items():
         np.testing.assert_allclose(v, original[k], rtol=1e-5, atol=1e-6)
     # perturbed first convolution: bn1's statistics follow its input's moments (computed here
@@ -233,14 +234,14 @@ def test_recalibrate_matches_input_moments():
     rng = np.random.default_rng(0)
     quantized["conv1.weight"] = (original["conv1.weight"] * 1.3
                                  + rng.standard_normal(original["conv1.weight"].shape) * 0.05).astype(np.float32)
-    new = batchnorm.recalibrate(net, original, quantized, [x[:16], x[16:]])
+    new = recalibration.recalibrate(net, original, quantized, [x[:16], x[16:]])
     conv = lambda w: torch.nn.functional.conv2d(x.double(), torch.from_numpy(w).double(), padding=1)  # noqa: E731
     zo, zq = conv(original["conv1.weight"]), conv(quantized["conv1.weight"])
     mo, mq = zo.mean((0, 2, 3)).numpy(), zq.mean((0, 2, 3)).numpy()
     vo, vq = zo.var((0, 2, 3), unbiased=False).numpy(), zq.var((0, 2, 3), unbiased=False).numpy()
     rv = original["bn1.running_var"].astype(np.float64)
-    floor = batchnorm.VAR_FLOOR * rv + 1e-12
-    np.testing.assert_allclose(new["bn1.running_mean"], original["bn1.running_mean"] + batchnorm.MEAN_SHIFT * (mq - mo),
+    floor = recalibration.VAR_FLOOR * rv + 1e-12
+    np.testing.assert_allclose(new["bn1.running_mean"], original["bn1.running_mean"] + recalibration.MEAN_SHIFT * (mq - mo),
                                rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(new["bn1.running_var"], rv * (vq + floor) / (vo + floor), rtol=1e-5)
     assert not net.training
@@ -250,7 +251,7 @@ def test_encode_recalibrated_moves_only_statistics():
     net = _trained_net(1)
     state = _numpy_state(net)
     x = torch.randn(24, 3, 8, 8) * 2 + 0.5
-    data = batchnorm.encode_recalibrated(net, x, qp=-18, importance=None)
+    data = recalibration.encode_recalibrated(net, x, qp=-18, importance=None)
     plain = dc.encode_model(state, qp=-18, importance=None, batchnorm_eps=batchnorm.epsilons(net))
     q_new, q_plain = dc.decode_levels(data), dc.decode_levels(plain)
     for name in ("conv1.weight", "conv2.weight", "fc.weight"):
@@ -262,7 +263,7 @@ def test_encode_recalibrated_moves_only_statistics():
         np.testing.assert_array_equal(v.numpy(), state[k])
     assert batchnorm.epsilons(net) == {"bn1": 1e-3, "bn2": 1e-5}
     # a state of torch tensors gives the same stream and decodes to torch tensors
-    as_torch = batchnorm.encode_recalibrated(net, x, state=dict(net.state_dict()), qp=-18, importance=None)
+    as_torch = recalibration.encode_recalibrated(net, x, state=dict(net.state_dict()), qp=-18, importance=None)
     out = dc.decode_model(as_torch)
     assert isinstance(out["bn1.running_var"], torch.Tensor)
     np.testing.assert_array_equal(out["conv1.weight"].numpy(), dc.decode_model(data)["conv1.weight"])
@@ -272,11 +273,11 @@ def test_recalibrate_needs_batchnorm_and_inputs():
     lin = torch.nn.Linear(3, 2)
     st_ = _numpy_state(lin)
     with pytest.raises(ValueError, match="no BatchNorm"):
-        batchnorm.recalibrate(lin, st_, st_, torch.zeros(1, 3))
+        recalibration.recalibrate(lin, st_, st_, torch.zeros(1, 3))
     stateless = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 1), torch.nn.BatchNorm2d(4, track_running_stats=False))
     assert batchnorm.epsilons(stateless) == {}
     with pytest.raises(ValueError, match="no BatchNorm"):
-        batchnorm.recalibrate(stateless, _numpy_state(stateless), _numpy_state(stateless), torch.zeros(1, 3, 2, 2))
+        recalibration.recalibrate(stateless, _numpy_state(stateless), _numpy_state(stateless), torch.zeros(1, 3, 2, 2))
     net = _trained_net()
     with pytest.raises(ValueError, match="no calibration inputs"):
-        batchnorm.recalibrate(net, _numpy_state(net), _numpy_state(net), [])
+        recalibration.recalibrate(net, _numpy_state(net), _numpy_state(net), [])

@@ -17,19 +17,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from deepcabac_py.checkpoint import (
-    DTYPE_NAMES,
-    Checkpoint,
-    flatten,
-    kind_from_suffix,
-    load_checkpoint,
-    numpy_to_tensor,
-    save_checkpoint,
-    tensor_to_numpy,
-    unflatten,
-)
-from deepcabac_py.errors import CheckpointError, DeepCabacError, OutputError, OutputExistsError
-from deepcabac_py.fileio import write_atomic
+from deepcabac_py.io.checkpoint import DTYPE_NAMES, Checkpoint, flatten, numpy_to_tensor, tensor_to_numpy, unflatten
+from deepcabac_py.io.files import kind_from_suffix, load_checkpoint, save_checkpoint
+from deepcabac_py.errors import CheckpointError, DeepCabacError, InputError, OutputError, OutputExistsError
+from deepcabac_py.io.atomic import write_atomic
 
 SUFFIX = {"torch": ".pt", "safetensors": ".safetensors", "npz": ".npz"}
 
@@ -354,7 +345,7 @@ def test_garbage_torch_file(tmp_path):
     path.write_bytes(b"this is not a checkpoint")
     with pytest.raises(CheckpointError):
         load_checkpoint(path)
-    with pytest.raises(CheckpointError, match="no such file"):
+    with pytest.raises(InputError, match="no such file"):
         load_checkpoint(tmp_path / "missing.pt")
 
 

@@ -23,11 +23,12 @@ import torch
 from click.testing import CliRunner
 
 from deepcabac_py import decode_model, read_stream_header
-from deepcabac_py.checkpoint import flatten, load_checkpoint, tensor_to_numpy
+from deepcabac_py.io.checkpoint import flatten, tensor_to_numpy
+from deepcabac_py.io.files import load_checkpoint
 from deepcabac_py.cli.main import main
-from deepcabac_py.container import Mode
-from deepcabac_py.rd import allocate_qps
-from deepcabac_py.structure import structural_importance
+from deepcabac_py.model.container import Mode
+from deepcabac_py.model.allocation import allocate_qps
+from deepcabac_py.model.structural_importance import structural_importance
 
 REPO = Path(__file__).resolve().parents[1]
 MODELS = REPO / "models"
@@ -569,7 +570,7 @@ def test_info_reads_only_the_header(model_dir, monkeypatch):
         for name in ("decode_checkpoint", "decode_model"):
             if hasattr(cli_main, name):
                 m.setattr(cli_main, name, forbidden)
-        m.setattr("deepcabac_py.codec.decode_checkpoint", forbidden)
+        m.setattr("deepcabac_py.model.decoder.decode_checkpoint", forbidden)
         result = ok(["info", stream])
         js = json.loads(ok(["info", "--json", stream]).stdout)
     assert f"{len(data):,} bytes" in result.stdout
@@ -742,7 +743,7 @@ def test_qp_tensor_and_exact_options(model_dir):
 
 def test_bias_correction_option(model_dir):
     from deepcabac_py import encode_model
-    from deepcabac_py.structure import shift_absorbers
+    from deepcabac_py.model.structural_importance import shift_absorbers
 
     src = model_dir / "model.safetensors"
     ckpt = load_checkpoint(src)

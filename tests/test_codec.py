@@ -13,11 +13,11 @@ import pytest
 import torch
 
 import deepcabac_py as dc
-from deepcabac_py import levelcoder
-from deepcabac_py.checkpoint import tensor_to_numpy
-from deepcabac_py.container import FLAG_ALIAS, FLAG_TORCH, DType, Mode
+from deepcabac_py.entropy import levelcoder
+from deepcabac_py.io.checkpoint import tensor_to_numpy
+from deepcabac_py.model.container import FLAG_ALIAS, FLAG_TORCH, DType, Mode
 from deepcabac_py.errors import CorruptStreamError
-from deepcabac_py.quantize import step_from_qp
+from deepcabac_py.quant.steps import step_from_qp
 
 decode_model, encode_model = dc.decode_model, dc.encode_model
 
@@ -428,27 +428,28 @@ def test_bfloat16_is_rounded_once():
     # bfloat16 is 1 + 2**-7; rounding through float32 first would give a tie and round to 1.0.
     import torch
 
-    from deepcabac_py.quantize import reconstruct_bf16_bits, step_from_qp
+    from deepcabac_py.quant.reconstruct import reconstruct
+    from deepcabac_py.quant.steps import step_from_qp
 
-    bits = reconstruct_bf16_bits(np.array([2**30 + 2**22 + 1], np.int32), step_from_qp(-120))
+    bits = reconstruct(np.array([2**30 + 2**22 + 1], np.int32), step_from_qp(-120), "bfloat16")
     value = torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16).float().item()
     assert value == 1.0078125
     # and it agrees with float32 -> bfloat16 wherever float32 holds the value exactly
     levels = np.random.default_rng(3).integers(-(2**20), 2**20, 5000).astype(np.int32)
     step = step_from_qp(-40)
     expect = torch.from_numpy(levels.astype(np.float64) * step).float().to(torch.bfloat16)
-    assert np.array_equal(reconstruct_bf16_bits(levels, step), expect.view(torch.int16).numpy().view(np.uint16))
+    assert np.array_equal(reconstruct(levels, step, "bfloat16"), expect.view(torch.int16).numpy().view(np.uint16))
 
 
 def _entries_of(data):
-    from deepcabac_py.container import read_header
+    from deepcabac_py.model.container import read_header
 
     return read_header(memoryview(data))
 
 
 def _rewrite(data, mutate):
     """Re-serialize a stream's header after ``mutate(header)``, keeping the payload."""
-    from deepcabac_py.container import write_header
+    from deepcabac_py.model.container import write_header
 
     h = _entries_of(data)
     mutate(h)
@@ -469,7 +470,7 @@ def test_boolean_levels_must_be_zero_or_one():
     data = encode_model({"mask": np.array([0, 5, 1], np.int64)})
 
     def as_bool(h):
-        from deepcabac_py.container import DType
+        from deepcabac_py.model.container import DType
 
         h.tensors[0].dtype = DType.BOOL
 
@@ -491,7 +492,7 @@ def test_alias_entries_carry_no_coding_parameters():
 
 
 def test_column_model_needs_a_whole_row_per_chunk():
-    from deepcabac_py.levelcoder import layout_for_shape, layout_from_stream
+    from deepcabac_py.entropy.levelcoder import layout_for_shape, layout_from_stream
 
     assert layout_from_stream((4, 1000), 500, 0).ncols == 0
     assert layout_from_stream((4, 1000), 2000, 0).ncols == 1000
@@ -499,7 +500,7 @@ def test_column_model_needs_a_whole_row_per_chunk():
 
 
 def test_raw_tensors_are_cut_into_chunks():
-    from deepcabac_py.container import raw_chunk_elements
+    from deepcabac_py.model.container import raw_chunk_elements
 
     h = _entries_of(encode_model({"x": np.arange(10, dtype=np.complex64)}))
     e = h.tensors[0]
@@ -519,8 +520,8 @@ def test_tiny_chunks_are_refused():
 
 
 def test_column_model_and_prediction_only_where_they_pay():
-    from deepcabac_py.container import read_header
-    from deepcabac_py.levelcoder import NO_COLUMNS_BIT, PREDICT_BIT
+    from deepcabac_py.model.container import read_header
+    from deepcabac_py.entropy.levelcoder import NO_COLUMNS_BIT, PREDICT_BIT
 
     rng = np.random.default_rng(50)
     iid = rng.standard_normal((300, 256)).astype(np.float32) * 0.05
@@ -543,7 +544,7 @@ def test_column_model_and_prediction_only_where_they_pay():
 
 @pytest.mark.parametrize("rows, cols, dtype", [(2, 5, np.float32), (300, 7, np.float64), (1000, 3, np.float32)])
 def test_row_statistics_match_numpy(rows, cols, dtype):
-    from deepcabac_py.codec import _row_statistics
+    from deepcabac_py.model._planning_kernels import row_statistics
 
     rng = np.random.default_rng(rows)
     x = rng.standard_normal((rows, cols)).astype(dtype)
@@ -557,7 +558,7 @@ def test_row_statistics_match_numpy(rows, cols, dtype):
     far = np.abs(xd[r]).sum(axis=1)
     col = np.abs(xd[r]).mean(axis=0)
     floor = 1e-6 * col.mean() + 1e-300
-    share, row_spread, col_spread = _row_statistics(x, 128)
+    share, row_spread, col_spread = row_statistics(x, 128, 0.875)
     assert share == float(np.mean(near < 0.875 * far))
     assert row_spread == pytest.approx(np.std(np.log(far / cols + floor)) if count > 1 else 0.0, rel=1e-12)
     assert col_spread == pytest.approx(np.std(np.log(col + floor)), rel=1e-12)

@@ -14,22 +14,10 @@ import pytest
 import torch
 
 import deepcabac_py as dc
-from deepcabac_py.checkpoint import flatten, tensor_to_numpy
-from deepcabac_py.container import (
-    FLAG_ALIAS,
-    FORMAT_VERSION,
-    MAGIC,
-    NO_ALIAS,
-    PREAMBLE,
-    Coder,
-    DType,
-    Mode,
-    TensorEntry,
-    read_header,
-    write_header,
-)
+from deepcabac_py.io.checkpoint import flatten, tensor_to_numpy
+from deepcabac_py.model.container import FLAG_ALIAS, FORMAT_VERSION, MAGIC, NO_ALIAS, PREAMBLE, Coder, DType, Mode, TensorEntry, read_header, write_header
 from deepcabac_py.errors import CorruptStreamError, DeepCabacError, FormatError, TruncatedStreamError
-from deepcabac_py.levelcoder import DEFAULT_K_OFFSET
+from deepcabac_py.entropy.levelcoder import DEFAULT_K_OFFSET
 from timeouts import no_hang
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -330,7 +318,7 @@ def assert_refused(data: bytes, error=CorruptStreamError):
 
 def test_crafted_valid_stream_decodes():
     # the crafting helpers themselves produce a decodable stream
-    from deepcabac_py import levelcoder
+    from deepcabac_py.entropy import levelcoder
 
     levels = np.arange(-8, 8, dtype=np.int32)
     layout = levelcoder.layout_for_shape((4, 4))
@@ -353,7 +341,7 @@ def test_huge_shape_tiny_payload():
 
 
 def test_largest_allowed_claim_stays_proportional_to_the_payload():
-    from deepcabac_py.levelcoder import max_elements_for_payload
+    from deepcabac_py.entropy.levelcoder import max_elements_for_payload
 
     n = max_elements_for_payload(40)
     payload = bytes(np.random.default_rng(1).integers(0, 256, 40, dtype=np.uint8))
@@ -430,7 +418,7 @@ def test_hostile_entry_fields():
     for entry in cases:
         assert_refused(craft([entry], bytes(10) if entry.size else b""))
     assert_refused(craft([uniform(coder=Coder.NONE)], bytes(10)), FormatError)  # no level coder
-    from deepcabac_py.levelcoder import MAX_K_OFFSET
+    from deepcabac_py.entropy.levelcoder import MAX_K_OFFSET
 
     assert_refused(craft([uniform(coder_param=MAX_K_OFFSET + 1)], bytes(10)))
     # an alias of a tensor of another shape / an alias of an alias
@@ -465,7 +453,7 @@ def test_bad_metadata_and_skeleton():
                  {"kind": "mapping", "skeleton": {"format": "deepcabac.skeleton", "version": 1,
                                                   "root": {"$tensor": "missing"}}},
                  {"kind": "mapping", "skeleton": {"format": "other", "root": None}}):
-        from deepcabac_py import levelcoder
+        from deepcabac_py.entropy import levelcoder
 
         chunk = levelcoder.encode_chunk(np.zeros(16, np.int32), levelcoder.layout_for_shape((4, 4)), 0)
         data = craft([uniform(chunk_sizes=[len(chunk)])], chunk, metadata=meta)
@@ -485,7 +473,7 @@ def test_bad_metadata_and_skeleton():
 
 
 def test_decoded_integers_outside_their_dtype():
-    from deepcabac_py import levelcoder
+    from deepcabac_py.entropy import levelcoder
 
     for dtype, values in ((DType.UINT8, [3, 300]), (DType.UINT8, [-1, 0]), (DType.INT8, [-129, 5]),
                           (DType.UINT64, [-5, 1])):
@@ -520,7 +508,7 @@ def test_max_elements_is_the_callers_own_bound():
 
 
 def test_column_model_switched_off():
-    from deepcabac_py import levelcoder
+    from deepcabac_py.entropy import levelcoder
 
     levels = np.arange(-8, 8, dtype=np.int32)
     layout = levelcoder.layout_for_shape((4, 4), columns=False)

@@ -18,18 +18,9 @@ import torch.distributed as dist
 from torch import nn
 
 from deepcabac_py.errors import CorruptStreamError, UpdateMismatchError
-from deepcabac_py.integrations.ddp import (
-    LENGTH_BYTES,
-    BucketLayout,
-    DeepCabacState,
-    bucket_values,
-    decode_bucket,
-    deepcabac_hook,
-    encode_bucket,
-    sparsify_bucket,
-)
-from deepcabac_py.sparsify import SparseTensor
-from deepcabac_py.updates import UpdateSession
+from deepcabac_py.integrations.ddp import LENGTH_BYTES, BucketLayout, DeepCabacState, bucket_values, decode_bucket, deepcabac_hook, encode_bucket, sparsify_bucket
+from deepcabac_py.updates.sparsify import SparseTensor
+from deepcabac_py.updates.messages import UpdateSession
 
 SHAPES = [(6, 4, 3), (6,), (10, 7), (10,)]
 

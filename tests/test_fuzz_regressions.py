@@ -113,7 +113,7 @@ def test_update_table_without_base_claims_a_huge_tensor():
     """Finding 3 (by review while writing the update target): with no base, the shapes come from the
     message's tensor table, unchecked against anything; a 2**40-element claim raised MemoryError (a
     smaller one, e.g. 2**33, allocated tens of GB). Now bounded by decode_update's max_elements."""
-    from deepcabac_py import updates as up
+    from deepcabac_py.updates import messages as up
 
     data = (HERE.parent / "fuzz" / "corpus" / "update" / "stc_table.dcu").read_bytes()
     h = up.read_update_header(data)

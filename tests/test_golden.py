@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import deepcabac_py as dc
-from deepcabac_py.checkpoint import flatten, tensor_to_numpy
+from deepcabac_py.io.checkpoint import flatten, tensor_to_numpy
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 REGEN = os.environ.get("DEEPCABAC_REGEN_GOLDEN") == "1"

@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from deepcabac_py import _update_kernels as _k
-from deepcabac_py import updates as up
+from deepcabac_py.updates.messages import _update_kernels as _k
+from deepcabac_py.updates import messages as up
 from test_golden import _floats, _ints
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "updates"

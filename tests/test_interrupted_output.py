@@ -34,7 +34,7 @@ WRAPPER = textwrap.dedent("""
             time.sleep(60)
         os.fsync = stalled_fsync
     else:  # a worker thread of the decoder's pool, before its chunk
-        from deepcabac_py import levelcoder
+        from deepcabac_py.entropy import levelcoder
         decode_chunk = levelcoder.decode_chunk
         def stalled_decode_chunk(*args):
             open(flag, "w").close()
@@ -60,7 +60,7 @@ def model(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def stream(model) -> Path:
     from deepcabac_py import encode_model
-    from deepcabac_py.checkpoint import load_checkpoint
+    from deepcabac_py.io.files import load_checkpoint
 
     path = model.with_suffix(".dcb")
     path.write_bytes(encode_model(load_checkpoint(model)))

@@ -11,8 +11,8 @@ from hypothesis.extra import numpy as hnp
 
 import reference_coder as ref
 from timeouts import no_hang
-from deepcabac_py import _cabac_kernels as _k
-from deepcabac_py import levelcoder as lc
+from deepcabac_py.entropy import _cabac_kernels as _k
+from deepcabac_py.entropy import levelcoder as lc
 from deepcabac_py.errors import CorruptStreamError
 
 LEVEL_MAX = 2**31 - 1

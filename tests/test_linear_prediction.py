@@ -11,9 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import deepcabac_py as dc
-from deepcabac_py import levelcoder
-from deepcabac_py import linear_prediction as lp
-from deepcabac_py.container import Mode, read_header
+from deepcabac_py.entropy import levelcoder
+from deepcabac_py.entropy import linear_prediction as lp
+from deepcabac_py.model.container import Mode, read_header
 from deepcabac_py.errors import CorruptStreamError, DeepCabacError
 
 

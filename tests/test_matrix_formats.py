@@ -15,10 +15,11 @@ from hypothesis import strategies as st
 from torch import nn
 
 import deepcabac_py as dc
-from deepcabac_py import matrix_formats as mf
-from deepcabac_py.matrix_formats import CERMatrix, CSERMatrix, csr_nbytes, from_stream, level_entropy, matrix_view
-from deepcabac_py.quantize import reconstruct, step_from_qp
-from deepcabac_py.torch_modules import CompressedConv2d, CompressedLinear, compress_module
+from deepcabac_py.matrix import formats as mf
+from deepcabac_py.matrix.formats import CERMatrix, CSERMatrix, csr_nbytes, from_stream, level_entropy, matrix_view
+from deepcabac_py.quant.reconstruct import reconstruct
+from deepcabac_py.quant.steps import step_from_qp
+from deepcabac_py.matrix.torch_modules import CompressedConv2d, CompressedLinear, compress_module
 
 ROOT = Path(__file__).resolve().parent.parent
 DIGITS = ROOT / "models" / "digits_cnn.safetensors"
@@ -199,7 +200,7 @@ def level_matrices(draw):
 @example(lv=np.array([[0, 1, 2, 3, 4, 0], [5, 6, 7, 8, 9, 0], [-246, 0, 0, 0, 0, 0]], dtype=np.int32), qp=0)
 def test_round_trip_exact(lv, qp):
     step = step_from_qp(qp)
-    dense = reconstruct(lv, step, np.float32)
+    dense = reconstruct(lv, step, "float32")
     for cls in FORMATS:
         for coding in CODINGS + ("auto",):
             mat = cls.from_levels(lv, step, coding=coding)
@@ -320,7 +321,7 @@ def test_products_match_numpy_and_reference(case, cls, path, parallel, force):
     lv = random_levels(rng, m, n, zero_frac=zf, spread=spread, offset=offset)
     force(flat=(path == "flat"), parallel=parallel)
     if path == "entries from dense":  # not from levels: entries by rank
-        mat = cls.from_dense(reconstruct(lv, 0.125, np.float32), coding="entries")
+        mat = cls.from_dense(reconstruct(lv, 0.125, "float32"), coding="entries")
         assert mat._kind == KINDS["entries"]
     else:
         mat = cls.from_levels(lv, 0.125, coding="absolute" if path == "flat" else path)
@@ -358,7 +359,7 @@ def test_products_property(lv, batch, seed):
 def test_entries_split_at_rows_covers_every_row_once(offset):
     # The threaded entries matvec cuts between rows, not blocks: empty rows at the start, at the end
     # and in runs, and more chunks than rows, must still give every row exactly once.
-    from deepcabac_py import _matrix_kernels as K
+    from deepcabac_py.matrix import _matrix_kernels as K
 
     rng = np.random.default_rng(11)
     lv = random_levels(rng, 41, 60, zero_frac=0.9, spread=40)
@@ -366,7 +367,7 @@ def test_entries_split_at_rows_covers_every_row_once(offset):
     lv[17:30] = 0
     lv[-3:] = 0
     lv += np.int32(offset)
-    mat = CSERMatrix.from_dense(reconstruct(lv, 0.5, np.float32), coding="entries")  # by rank
+    mat = CSERMatrix.from_dense(reconstruct(lv, 0.5, "float32"), coding="entries")  # by rank
     assert mat._kind == KINDS["entries"]
     x = rng.standard_normal(60).astype(np.float32)
     serial = mat.matvec(x)
@@ -389,7 +390,7 @@ def test_entries_split_at_rows_covers_every_row_once(offset):
 def test_level_codes_split_at_rows_and_correct_outliers():
     # The level-coded matvec: chunk cuts at rows (with the token offset and first outlier of each),
     # every row once whatever the number of chunks, levels beyond int8 corrected from ``outliers``.
-    from deepcabac_py import _matrix_kernels as K
+    from deepcabac_py.matrix import _matrix_kernels as K
 
     rng = np.random.default_rng(12)
     lv = random_levels(rng, 41, 60, zero_frac=0.85, spread=60)
@@ -515,7 +516,7 @@ def test_docstring_examples():
 
 def quantized(weight: torch.Tensor, step: float):
     lv = np.rint(weight.detach().numpy() / step).astype(np.int32)
-    return lv, torch.from_numpy(reconstruct(lv, step, np.float32))
+    return lv, torch.from_numpy(reconstruct(lv, step, "float32"))
 
 
 @pytest.mark.parametrize("batch_shape", [(1,), (4,), (2, 3)])

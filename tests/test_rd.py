@@ -10,8 +10,16 @@ from hypothesis import strategies as st
 
 import deepcabac_py as dc
 import reference_rd
-from deepcabac_py import levelcoder, quantize, rd
-from deepcabac_py.container import Mode
+from deepcabac_py.entropy import levelcoder
+from deepcabac_py.entropy.levelcoder import LEVEL_MAX
+from deepcabac_py.model import allocation, tensor_plan
+from deepcabac_py.quant import _quantizer_kernels
+from deepcabac_py.quant.quantizers import DEFAULT_LAMBDA, quantize_nearest, quantize_rd, trellis_encode_chunk
+from deepcabac_py.quant.reconstruct import MAX_DQ_LEVEL, dq_indices, reconstruct_f32_inplace
+from deepcabac_py.quant.steps import step_from_qp
+from deepcabac_py.tuning.fisher import diagonal_fisher
+from deepcabac_py.tuning.rate_control import encode_for_fidelity, encode_to_size
+from deepcabac_py.model.container import Mode
 from deepcabac_py.errors import CorruptStreamError
 
 
@@ -42,12 +50,12 @@ def test_kernels_match_reference(seed, rows, cols, lam_scale, weighted, predict,
     step = 2.0**-7
     ncols = cols if rows > 1 else 0
     for method in ("rdoq", "trellis"):
-        lam = quantize.DEFAULT_LAMBDA[method] * lam_scale
-        got = quantize.quantize_rd(values, step, method=method, lam=lam, ncols=ncols, col0=0, k_offset=0,
+        lam = DEFAULT_LAMBDA[method] * lam_scale
+        got = quantize_rd(values, step, method=method, lam=lam, ncols=ncols, col0=0, k_offset=0,
                                    predict=predict and ncols > 0, importance=imp if weighted else None)
         if method == "rdoq":
             want = reference_rd.rdoq(values, imp, step, lam, ncols, 0, 0, predict and ncols > 0,
-                                     quantize.MAX_DQ_LEVEL if predict and ncols > 0 else reference_rd.LEVEL_MAX)
+                                     MAX_DQ_LEVEL if predict and ncols > 0 else reference_rd.LEVEL_MAX)
         else:
             want = reference_rd.trellis(values, imp, step, lam, ncols, 0, 0, predict and ncols > 0)
         assert got.tolist() == want, method
@@ -56,7 +64,7 @@ def test_kernels_match_reference(seed, rows, cols, lam_scale, weighted, predict,
 def test_trellis_reference_spans_several_blocks():
     # rows of 40: blocks of 7 rows (>= 256 elements), so the commit-and-snapshot path is exercised
     values = _weights(3, (20 * 40,), 0.05)
-    got = quantize.quantize_rd(values, 2.0**-6, method="trellis", lam=0.46, ncols=40, predict=True)
+    got = quantize_rd(values, 2.0**-6, method="trellis", lam=0.46, ncols=40, predict=True)
     want = reference_rd.trellis(values, np.empty(0), 2.0**-6, 0.46, 40, 0, 0, True)
     assert got.tolist() == want
 
@@ -69,8 +77,8 @@ def test_trellis_keeps_exact_zeros_zero():
     values[:, :3] = 1e-6  # tiny but nonzero: free to become +-1
     zeros = values == 0
     for lam_scale in (0.0, 1.0):
-        lam = quantize.DEFAULT_LAMBDA["trellis"] * lam_scale
-        levels = quantize.quantize_rd(values.reshape(-1), 2.0**-7, method="trellis", lam=lam, ncols=96,
+        lam = DEFAULT_LAMBDA["trellis"] * lam_scale
+        levels = quantize_rd(values.reshape(-1), 2.0**-7, method="trellis", lam=lam, ncols=96,
                                       predict=True).reshape(values.shape)
         assert not np.any(levels[zeros]), int(np.count_nonzero(levels[zeros]))
         assert np.count_nonzero(levels[~zeros]) > 0.5 * np.count_nonzero(~zeros)
@@ -95,11 +103,11 @@ def test_trellis_codes_what_it_commits(seed, rows, cols, rows_per_chunk, weighte
     for k in range(layout.count):
         a, b = layout.bounds(k)
         chunk_imp = imp[a:b] if weighted else None
-        levels = quantize.quantize_rd(values[a:b], step, method="trellis", lam=lam, ncols=layout.ncols,
+        levels = quantize_rd(values[a:b], step, method="trellis", lam=lam, ncols=layout.ncols,
                                       col0=layout.first_column(a), k_offset=layout.k_offset,
                                       predict=layout.predict, importance=chunk_imp)
         want = levelcoder.encode_chunk(levels, layout, k)
-        got = quantize.trellis_encode_chunk(values[a:b], step, lam=lam, layout=layout, index=k,
+        got = trellis_encode_chunk(values[a:b], step, lam=lam, layout=layout, index=k,
                                             importance=chunk_imp)
         assert got == want
 
@@ -108,11 +116,11 @@ def test_trellis_reports_a_full_buffer_and_is_given_a_larger_one():
     values = _weights(4, (8, 64), 0.05).reshape(-1)
     layout = levelcoder.layout_for_shape((8, 64))
     step, lam = 2.0**-7, 0.46
-    want_levels = quantize.quantize_rd(values, step, method="trellis", lam=lam, ncols=64, predict=layout.predict)
+    want_levels = quantize_rd(values, step, method="trellis", lam=lam, ncols=64, predict=layout.predict)
     want = levelcoder.encode_chunk(want_levels, layout, 0)
     levels = np.zeros(values.size, dtype=np.int32)
     small = np.zeros(len(want) // 2, dtype=np.uint8)
-    size = quantize._rd_kernels.trellis_kernel(values, np.empty(0, np.float32), step, lam, 64, 0, layout.k_offset,
+    size = _quantizer_kernels.trellis_kernel(values, np.empty(0, np.float32), step, lam, 64, 0, layout.k_offset,
                                               layout.predict, levels, small)
     assert size == -1 and np.array_equal(levels, want_levels)  # the levels are whole even so
     # the Python side retries with room for any chunk
@@ -120,7 +128,7 @@ def test_trellis_reports_a_full_buffer_and_is_given_a_larger_one():
 
     def encode(out):
         calls.append(out.size)
-        return -1 if len(calls) == 1 else quantize._rd_kernels.trellis_kernel(
+        return -1 if len(calls) == 1 else _quantizer_kernels.trellis_kernel(
             values, np.empty(0, np.float32), step, lam, 64, 0, layout.k_offset, layout.predict, levels, out)
 
     assert levelcoder.run_encoder(values.size, encode) == want
@@ -131,20 +139,20 @@ def test_trellis_saturates_values_beyond_the_level_range():
     # |x| / step past int64 (or NaN) saturates at the largest level instead of wrapping around
     values = np.array([1e30, -1e30, 3.0, np.nan, -np.inf, 0.5] * 50, dtype=np.float64)
     layout = levelcoder.layout_for_shape(values.shape)
-    levels = quantize.quantize_rd(values, 2.0**-8, method="trellis", lam=0.46)
-    assert np.abs(levels).max() == quantize.MAX_DQ_LEVEL
+    levels = quantize_rd(values, 2.0**-8, method="trellis", lam=0.46)
+    assert np.abs(levels).max() == MAX_DQ_LEVEL
     assert levels[0] > 0 and levels[1] < 0
-    assert quantize.trellis_encode_chunk(values, 2.0**-8, lam=0.46, layout=layout, index=0) == \
+    assert trellis_encode_chunk(values, 2.0**-8, lam=0.46, layout=layout, index=0) == \
         levelcoder.encode_chunk(levels, layout, 0)
-    rdoq = quantize.quantize_rd(values, 2.0**-8, method="rdoq", lam=0.116)
-    assert rdoq[0] == quantize.MAX_LEVEL and rdoq[1] == -quantize.MAX_LEVEL
+    rdoq = quantize_rd(values, 2.0**-8, method="rdoq", lam=0.116)
+    assert rdoq[0] == LEVEL_MAX and rdoq[1] == -LEVEL_MAX
 
 
 def test_dq_indices_follow_the_state_machine():
     levels = np.array([0, 1, -1, 2, 3, 0, -4, 5, 1, 1, 0, -2], dtype=np.int32)
-    assert quantize.dq_indices(levels).tolist() == reference_rd.dq_indices(levels.tolist())
+    assert dq_indices(levels).tolist() == reference_rd.dq_indices(levels.tolist())
     # state 0 uses the even grid, the first odd level moves to an odd-grid state
-    assert quantize.dq_indices(np.array([1, 1], dtype=np.int32)).tolist() == [2, 1]
+    assert dq_indices(np.array([1, 1], dtype=np.int32)).tolist() == [2, 1]
 
 
 @settings(max_examples=60, deadline=None)
@@ -153,9 +161,9 @@ def test_dq_kernels_match_reference(seed, n, spread):
     # the kernels work 64 levels at a time and finish level by level: lengths around multiples of 64
     levels = np.random.default_rng(seed).integers(-spread, spread + 1, n).astype(np.int32)
     ref = reference_rd.dq_indices(levels.tolist())
-    assert quantize.dq_indices(levels).tolist() == ref
+    assert dq_indices(levels).tolist() == ref
     buf = levels.copy()
-    quantize.dq_reconstruct_f32_inplace(buf, 0.375)
+    reconstruct_f32_inplace(buf, 0.375, dependent=True)
     assert np.array_equal(buf.view(np.float32), (np.array(ref, dtype=np.float64) * 0.375).astype(np.float32))
 
 
@@ -165,11 +173,11 @@ def test_dq_indices_refuse_levels_beyond_the_grid(pos, bad):
     levels = np.zeros(130, dtype=np.int32)
     levels[pos] = bad
     with pytest.raises(CorruptStreamError, match="trellis level"):
-        quantize.dq_indices(levels)
+        dq_indices(levels)
     with pytest.raises(CorruptStreamError, match="trellis level"):
-        quantize.dq_reconstruct_f32_inplace(levels.copy(), 1.0)
-    levels[pos] = quantize.MAX_DQ_LEVEL if bad > 0 else -quantize.MAX_DQ_LEVEL
-    quantize.dq_indices(levels)  # the largest level the grid takes is accepted
+        reconstruct_f32_inplace(levels.copy(), 1.0, dependent=True)
+    levels[pos] = MAX_DQ_LEVEL if bad > 0 else -MAX_DQ_LEVEL
+    dq_indices(levels)  # the largest level the grid takes is accepted
 
 
 # --- properties of the quantizers ------------------------------------------------------------
@@ -189,9 +197,9 @@ def test_rdoq_never_costs_more_than_rounding(seed, lam_scale, scale):
     values = _weights(seed, shape, scale).reshape(-1)
     step = 2.0**-6
     kw = _layout_args(shape)
-    lam = quantize.DEFAULT_LAMBDA["rdoq"] * lam_scale
-    nearest = quantize.quantize_nearest(values, step)
-    chosen = quantize.quantize_rd(values, step, method="rdoq", lam=lam, **kw)
+    lam = DEFAULT_LAMBDA["rdoq"] * lam_scale
+    nearest = quantize_nearest(values, step)
+    chosen = quantize_rd(values, step, method="rdoq", lam=lam, **kw)
 
     def cost(levels):
         err = values / step - levels
@@ -200,7 +208,7 @@ def test_rdoq_never_costs_more_than_rounding(seed, lam_scale, scale):
     # The real coded size is the rate. RDOQ guarantees its cost with the coder's ideal code length;
     # the range coder adds at most a few bytes to either (terminate bin, flush).
     assert cost(chosen) <= cost(nearest) + lam * 32
-    exact = quantize._rd_kernels.sequence_cost
+    exact = _quantizer_kernels.sequence_cost
     args = (values, np.empty(0, np.float32), step, lam, kw["ncols"], 0, kw["k_offset"], kw["predict"])
     assert exact(chosen, *args) <= exact(nearest, *args)
 
@@ -214,13 +222,13 @@ def test_trellis_beats_rounding_at_equal_error():
     for method, qps in (("nearest", range(-36, -19, 2)), ("trellis", range(-32, -15, 2))):
         curve = []
         for qp in qps:
-            step = quantize.step_from_qp(qp)
+            step = step_from_qp(qp)
             if method == "nearest":
-                levels = quantize.quantize_nearest(values, step)
+                levels = quantize_nearest(values, step)
                 recon = levels
             else:
-                levels = quantize.quantize_rd(values, step, method="trellis", lam=0.46, **kw)
-                recon = quantize.dq_indices(levels)
+                levels = quantize_rd(values, step, method="trellis", lam=0.46, **kw)
+                recon = dq_indices(levels)
             sse = float(np.sum((values - recon * step).astype(np.float64) ** 2))
             curve.append((np.log(sse), np.log(_chunk_bits(levels, kw))))
         points.append(sorted(curve))
@@ -232,10 +240,9 @@ def test_trellis_beats_rounding_at_equal_error():
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int64, np.bool_])
 def test_relative_importance_kernel_matches_the_numpy_expression(dtype):
-    # codec._Importance.chunk makes the float32 weights the trellis sees in one Numba pass (integer and
+    # tensor_plan.Importance.chunk makes the float32 weights the trellis sees in one Numba pass (integer and
     # boolean importance converted to float64 first); it must give exactly the float32 values of the
     # plain numpy expression (bytes depend on it).
-    from deepcabac_py import codec
     rng = np.random.default_rng(7)
     raw = rng.lognormal(0.0, 3.0, size=(37, 29)) * (rng.random((37, 29)) > 0.1)
     if dtype is np.bool_:
@@ -244,12 +251,12 @@ def test_relative_importance_kernel_matches_the_numpy_expression(dtype):
         arr = np.round(raw * 5).astype(dtype)
     else:
         arr = raw.astype(dtype)
-    imp = codec._relative_importance("t", arr, arr.shape)
-    views = [imp, codec._Importance(np.broadcast_to(arr[:, :1], arr.shape), imp.mean)]
+    imp = tensor_plan.relative_importance("t", arr, arr.shape)
+    views = [imp, tensor_plan.Importance(np.broadcast_to(arr[:, :1], arr.shape), imp.mean)]
     for im in views:
         for start, stop in [(0, arr.size), (29, 29 * 5), (3, 500), (100, 100)]:
             part = np.asarray(im.array).reshape(-1)[start:stop].astype(np.float64)
-            want = ((part / im.mean + codec.IMPORTANCE_FLOOR) / (1.0 + codec.IMPORTANCE_FLOOR)).astype(np.float32)
+            want = ((part / im.mean + tensor_plan.IMPORTANCE_FLOOR) / (1.0 + tensor_plan.IMPORTANCE_FLOOR)).astype(np.float32)
             got = im.chunk(start, stop)
             assert got.dtype == np.float32 and np.array_equal(got, want)
 
@@ -334,33 +341,33 @@ def test_allocation_follows_the_importance(monkeypatch):
     imp = {"a": np.full((8, 8), 1.0), "b": np.full((8, 8), 4.0), "c": np.full((8, 8), 0.25)}
     shapes = {k: v.shape for k, v in imp.items()}
     # the high-rate optimum: four times the importance, half the step (4 qp at density 2)
-    monkeypatch.setattr(rd, "ALLOCATION_EXPONENT", 0.5)
-    qps = rd.allocate_qps(imp, shapes, -30)
+    monkeypatch.setattr(allocation, "ALLOCATION_EXPONENT", 0.5)
+    qps = allocation.allocate_qps(imp, shapes, -30)
     # reference: geometric mean of the means (1): a keeps qp, b one octave finer, c one coarser
     assert qps == {"a": -30, "b": -34, "c": -26}
-    steps = {k: quantize.step_from_qp(q) for k, q in qps.items()}
+    steps = {k: step_from_qp(q) for k, q in qps.items()}
     assert steps["b"] == steps["a"] / 2 and steps["c"] == steps["a"] * 2
     # the default exponent is milder (measured on real models: noisy importance, low rates)
     monkeypatch.undo()
-    qps = rd.allocate_qps(imp, shapes, -30)
-    offset = round(4 * rd.ALLOCATION_EXPONENT * 2)
+    qps = allocation.allocate_qps(imp, shapes, -30)
+    offset = round(4 * allocation.ALLOCATION_EXPONENT * 2)
     assert qps == {"a": -30, "b": -30 - offset, "c": -30 + offset}
 
 
 def test_allocation_is_bounded():
     imp = {"a": np.full((4, 4), 1.0), "huge": np.full((4, 4), 1e12), "bias": np.full((4,), 1e-12)}
-    qps = rd.allocate_qps(imp, {k: v.shape for k, v in imp.items()}, -30, qp_1d=-40)
-    assert qps["huge"] >= -30 - 4 * rd.MAX_OCTAVES
-    assert qps["bias"] <= -30 + 4 * rd.MAX_OCTAVES
+    qps = allocation.allocate_qps(imp, {k: v.shape for k, v in imp.items()}, -30, qp_1d=-40)
+    assert qps["huge"] >= -30 - 4 * allocation.MAX_OCTAVES
+    assert qps["bias"] <= -30 + 4 * allocation.MAX_OCTAVES
 
 
 def test_a_tensor_of_zero_importance_gets_the_coarsest_step():
     # e.g. a pooler that the calibration loss never reads: as coarse as the cap allows, not ignored
     imp = {"a": np.full((4, 4), 1.0), "unused": np.zeros((4, 4)), "unused_bias": np.zeros(4)}
-    qps = rd.allocate_qps(imp, {k: v.shape for k, v in imp.items()}, -30, qp_1d=-40)
-    assert qps == {"a": -30, "unused": -30 + 4 * rd.MAX_OCTAVES, "unused_bias": -30 + 4 * rd.MAX_OCTAVES}
+    qps = allocation.allocate_qps(imp, {k: v.shape for k, v in imp.items()}, -30, qp_1d=-40)
+    assert qps == {"a": -30, "unused": -30 + 4 * allocation.MAX_OCTAVES, "unused_bias": -30 + 4 * allocation.MAX_OCTAVES}
     # negative or non-finite importance is no statement: such tensors keep their qp
-    assert "bad" not in rd.allocate_qps({"a": np.ones(3), "bad": np.array([np.nan, 1, 1])}, {}, -30)
+    assert "bad" not in allocation.allocate_qps({"a": np.ones(3), "bad": np.array([np.nan, 1, 1])}, {}, -30)
 
 
 def test_diagonal_fisher_is_the_mean_squared_gradient():
@@ -371,7 +378,7 @@ def test_diagonal_fisher_is_the_mean_squared_gradient():
     def loss_fn(m, x):
         return (m(x) ** 2).sum()
 
-    fisher = rd.diagonal_fisher(model, batches, loss_fn)
+    fisher = diagonal_fisher(model, batches, loss_fn)
     assert set(fisher) == {n for n, _ in model.named_parameters()}
     for name, p in model.named_parameters():
         want = torch.zeros_like(p)
@@ -380,7 +387,7 @@ def test_diagonal_fisher_is_the_mean_squared_gradient():
             want += g**2
         np.testing.assert_allclose(fisher[name], (want / 3).numpy(), rtol=1e-5)
     with pytest.raises(ValueError, match="no calibration"):
-        rd.diagonal_fisher(model, [], loss_fn)
+        diagonal_fisher(model, [], loss_fn)
 
 
 @pytest.mark.parametrize("quantizer", ["trellis", "nearest"])
@@ -388,7 +395,7 @@ def test_rate_control_hits_the_budget(quantizer):
     model = {"a": _weights(16, (96, 128), 0.05), "b": _weights(17, (64, 64), 0.02)}
     reference = len(dc.encode_model(model, qp=-28, quantizer=quantizer))
     target = int(reference * 0.9)
-    data = rd.encode_to_size(model, target_bytes=target, quantizer=quantizer)
+    data = encode_to_size(model, target_bytes=target, quantizer=quantizer)
     assert len(data) <= target
     header = dc.read_stream_header(data)
     qp = header.qp
@@ -399,16 +406,16 @@ def test_rate_control_hits_the_budget(quantizer):
         assert len(data) >= 0.99 * target
     n = sum(v.size for v in model.values())
     bpw = 3.0
-    data = rd.encode_to_size(model, target_bpw=bpw, quantizer=quantizer)
+    data = encode_to_size(model, target_bpw=bpw, quantizer=quantizer)
     assert 8 * len(data) / n <= bpw
 
 
 def test_rate_control_refuses_impossible_budgets():
     model = {"a": _weights(18, (16, 16))}
     with pytest.raises(ValueError, match="budget"):
-        rd.encode_to_size(model, target_bytes=10)
+        encode_to_size(model, target_bytes=10)
     with pytest.raises(ValueError, match="exactly one"):
-        rd.encode_to_size(model)
+        encode_to_size(model)
 
 
 def test_fidelity_search_finds_the_coarsest_qp_that_keeps_it():
@@ -418,9 +425,9 @@ def test_fidelity_search_finds_the_coarsest_qp_that_keeps_it():
         err = decoded["w"] - w
         return float(10 * np.log10(np.sum(w.astype(np.float64) ** 2) / np.sum(err.astype(np.float64) ** 2)))
 
-    data = rd.encode_for_fidelity({"w": w}, snr, 30.0)
+    data = encode_for_fidelity({"w": w}, snr, 30.0)
     qp = dc.read_stream_header(data).qp
     assert snr(dc.decode_model(data)) >= 30.0
     assert snr(dc.decode_model(dc.encode_model({"w": w}, qp=qp + 1))) < 30.0
     with pytest.raises(ValueError, match="threshold"):
-        rd.encode_for_fidelity({"w": w}, snr, 1e9)
+        encode_for_fidelity({"w": w}, snr, 1e9)

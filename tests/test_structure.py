@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from deepcabac_py import decode_model, encode_model, quantize_model, read_stream_header
-from deepcabac_py.quantize import step_from_qp
-from deepcabac_py.structure import BN_EPS, output_shift, shift_absorbers, structural_importance
+from deepcabac_py.quant.steps import step_from_qp
+from deepcabac_py.model.structural_importance import BN_EPS, output_shift, shift_absorbers, structural_importance
 
 
 def _bn(prefix: str, n: int, rng: np.random.Generator) -> dict[str, np.ndarray]:

@@ -11,8 +11,8 @@ from click.testing import CliRunner
 
 from deepcabac_py.cli.main import main
 from deepcabac_py.errors import UpdateMismatchError
-from deepcabac_py.federated import FedClient, FedServer, crc_of_model
-from deepcabac_py.updates import read_update_header
+from deepcabac_py.updates.federated import FedClient, FedServer, crc_of_model
+from deepcabac_py.updates.messages import read_update_header
 
 
 def _runner() -> CliRunner:
@@ -154,7 +154,7 @@ def test_zero_dimensional_tensors_keep_their_shape_through_rounds():
 
 
 def test_cli_test_checks_update_files(models):
-    from deepcabac_py.updates import UpdateSession, apply_update, encode_update
+    from deepcabac_py.updates.messages import UpdateSession, apply_update, encode_update
 
     r = _runner()
     out = models / "r1.dcu"

@@ -9,7 +9,7 @@ import zlib
 import numpy as np
 import pytest
 
-from deepcabac_py import updates as up
+from deepcabac_py.updates import messages as up
 from deepcabac_py.errors import CorruptStreamError, FormatError, UpdateMismatchError
 
 

@@ -15,14 +15,11 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 import reference_update_coder as ref  # noqa: E402
 
-from deepcabac_py import _update_kernels as K  # noqa: E402
-from deepcabac_py import golomb  # noqa: E402
-from deepcabac_py.errors import CorruptStreamError, DeepCabacError, FormatError, TruncatedStreamError, \
-    UpdateMismatchError  # noqa: E402
-from deepcabac_py.sparsify import ErrorFeedback, SparseTensor, keep_count, sbc, sparsify, stc, \
-    structured_rows, topk_mask  # noqa: E402
-from deepcabac_py.updates import UpdateSession, UpdateStreamWriter, apply_update, decode_update, \
-    encode_sparse, encode_update, iter_messages, model_hash, read_update_header  # noqa: E402
+from deepcabac_py.updates.messages import _update_kernels as K  # noqa: E402
+from deepcabac_py.updates import golomb  # noqa: E402
+from deepcabac_py.errors import CorruptStreamError, DeepCabacError, FormatError, TruncatedStreamError, UpdateMismatchError  # noqa: E402
+from deepcabac_py.updates.sparsify import ErrorFeedback, SparseTensor, keep_count, sbc, sparsify, stc, structured_rows, topk_mask  # noqa: E402
+from deepcabac_py.updates.messages import UpdateSession, UpdateStreamWriter, apply_update, decode_update, encode_sparse, encode_update, iter_messages, model_hash, read_update_header  # noqa: E402
 
 
 def _model(seed=0, torch_tensors=True):
@@ -343,7 +340,7 @@ def test_more_rounds_cost_fewer_bits_with_contexts():
 
 
 def test_session_history_tracks_age_count_and_sign():
-    from deepcabac_py.updates import _next_hist
+    from deepcabac_py.updates.messages import _next_hist
 
     h = np.zeros(4, np.uint16)
     for levels in ([1, 0, 0, 0], [-1, 0, 0, 0], None, [0, 1, 0, 0]):
@@ -356,7 +353,7 @@ def test_session_history_tracks_age_count_and_sign():
 
 
 def test_session_advance_kernel_matches_next_hist():
-    from deepcabac_py.updates import _next_hist
+    from deepcabac_py.updates.messages import _next_hist
 
     g = np.random.default_rng(5)
     for listed in (True, False):

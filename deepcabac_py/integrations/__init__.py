@@ -1,1 +1,5 @@
-"""Adapters to other frameworks (Flower, zarr/numcodecs, DDP), each behind its own optional extra."""
+"""Adapters to other engines, each behind its own extra: PyTorch DDP (``ddp``), Flower
+(``flower``), zarr/numcodecs (``zarr_codec``).
+
+May import: anything below ``cli``.
+"""

@@ -48,8 +48,8 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from ..errors import CorruptStreamError, UpdateMismatchError
-from ..sparsify import ErrorFeedback, SparseTensor, reconstruct, sparsify
-from ..updates import UpdateSession, _Tensor, decode_update, encode_sparse, read_update_header
+from ..updates.sparsify import ErrorFeedback, SparseTensor, reconstruct, sparsify
+from ..updates.messages import UpdateSession, _Tensor, decode_update, encode_sparse, read_update_header
 
 METHODS = ("stc", "sbc")
 CODERS = ("cabac", "golomb")

@@ -58,11 +58,12 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 from flwr.serverapp.strategy.strategy_utils import sample_nodes
 
-from ..codec import decode_checkpoint, encode_model
+from ..model.decoder import decode_checkpoint
+from ..model.encoder import encode_model
 from ..errors import DeepCabacError, UpdateMismatchError
-from ..federated import CatchUp, FedClient, FedServer, check_server_lr
-from ..sparsify import METHODS
-from ..updates import UpdateSession, model_hash, read_update_header
+from ..updates.federated import CatchUp, FedClient, FedServer, check_server_lr
+from ..updates.sparsify import METHODS
+from ..updates.messages import UpdateSession, model_hash, read_update_header
 
 __all__ = ["KEY", "DeepCabacStrategy", "deepcabac_mod", "make_deepcabac_mod"]
 

@@ -28,9 +28,10 @@ import numpy as np
 from numcodecs.abc import Codec
 from numcodecs.compat import ensure_contiguous_ndarray, ensure_ndarray, ndarray_copy
 
-from ..codec import decode_checkpoint, encode_model, read_stream_header
+from ..model.decoder import decode_checkpoint, read_stream_header
+from ..model.encoder import encode_model
 from ..errors import FormatError
-from ..quantize import QP_DENSITY_MAX, QP_MAX, QP_MIN, qp_for_range, step_from_qp
+from ..quant.steps import QP_DENSITY_MAX, QP_MAX, QP_MIN, qp_for_range, step_from_qp
 
 __all__ = ["DeepCabac", "DeepCabacZarr3"]
 

@@ -1,0 +1,436 @@
+"""The ``deepcabac`` command line: encode, decode, info, report and test model streams.
+
+Habits of zstd/xz: ``-o`` names the output, ``-f`` allows overwriting, ``-`` is stdin/stdout (binary
+is never written to a terminal), ``-q``/``-v`` set verbosity, progress goes to stderr. Exit status:
+0 success, 1 an error about the data or files (one line on stderr, no traceback), 2 a usage error.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+from contextlib import contextmanager
+
+import click
+
+from deepcabac_py import __version__
+from deepcabac_py.errors import DeepCabacError, InputError
+from deepcabac_py.io.kinds import KINDS
+from deepcabac_py.model.container import is_model_stream, read_header_file
+from deepcabac_py.model.report import build_report, format_report
+from deepcabac_py.model.settings import DEFAULT_QP, DEFAULT_QP_DENSITY, DEFAULT_QUANTIZER
+from deepcabac_py.quant.quantizers import QUANTIZERS
+from deepcabac_py.quant.steps import QP_MAX, QP_MIN
+
+from .common import (
+    about,
+    check_output,
+    checkpoint_path,
+    echo_info,
+    input_mode,
+    param_count,
+    peek,
+    ratio_words,
+    read_input,
+    same_file,
+    write_output,
+)
+from .update import dispatch_if_update, is_update_file, test_update_file, update_group
+
+# Commands import the library's codec and checkpoint modules (torch, most of a second) when they
+# need them, so that `info` stays fast.
+STREAM_SUFFIX = ".dcb"
+
+
+class _Terminated(BaseException):
+    """SIGTERM, raised in the main thread so that cleanup (temporary output files) runs as for ^C."""
+
+
+def _raise_terminated(signum, frame):
+    raise _Terminated()
+
+
+@contextmanager
+def _sigterm_unwinds():
+    """Python's default SIGTERM action kills the process without unwinding, which would leave the
+    temporary file of an interrupted atomic write behind."""
+    try:
+        previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    except ValueError:  # not the main thread: leave signals alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+class _Group(click.Group):
+    """Turns library errors into one line on stderr and exit status 1, ^C into 130, SIGTERM into 143."""
+
+    def invoke(self, ctx):
+        try:
+            with _sigterm_unwinds():
+                return super().invoke(ctx)
+        except DeepCabacError as exc:
+            click.echo(f"deepcabac: error: {exc}", err=True)
+            ctx.exit(1)
+        except KeyboardInterrupt:
+            click.echo("deepcabac: interrupted", err=True)
+            ctx.exit(130)
+        except _Terminated:
+            click.echo("deepcabac: terminated", err=True)
+            ctx.exit(128 + signal.SIGTERM)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, "-V", "--version", prog_name="deepcabac")
+def main():
+    """Compress neural-network checkpoints with a quantizer and a context-adaptive arithmetic coder.
+
+    \b
+    deepcabac encode model.safetensors -o model.dcb --qp -32
+    deepcabac info model.dcb
+    deepcabac decode model.dcb -o model.decoded.safetensors
+    deepcabac report model.pt
+    """
+
+
+# --- shared options ----------------------------------------------------------------------------
+
+def _verbosity(f):
+    f = click.option("-q", "--quiet", is_flag=True, help="Print nothing but errors.")(f)
+    f = click.option("-v", "--verbose", is_flag=True, help="Print more detail.")(f)
+    return f
+
+
+def _threads(f):
+    return click.option("-T", "--threads", type=click.IntRange(min=0), default=0,
+                        callback=lambda ctx, param, value: value or None,
+                        help="Worker threads (default 0: all cores).")(f)
+
+
+def _progress_option(f):
+    return click.option("--no-progress", is_flag=True, help="Do not show progress bars.")(f)
+
+
+def _quant_options(f):
+    f = click.option("--qp", type=click.IntRange(QP_MIN, QP_MAX), default=DEFAULT_QP, show_default=True,
+                     help="Quantization parameter: step = (4 + qp mod 4) * 2**(qp // 4 - 2) at density 2.")(f)
+    f = click.option("--qp-density", type=click.IntRange(0, 6), default=DEFAULT_QP_DENSITY, show_default=True,
+                     help="Steps per octave = 2**qp_density.")(f)
+    f = click.option("--qp-1d", type=click.IntRange(QP_MIN, QP_MAX), default=None,
+                     help="qp of tensors with at most one dimension (biases, norms) "
+                          "[default: qp - 6 octaves, i.e. qp - 6 * 2**qp_density].")(f)
+    f = click.option("--qp-tensor", "qp_tensor", multiple=True, metavar="NAME=QP",
+                     help="Per-tensor qp; NAME may be a glob pattern. Repeatable.")(f)
+    f = click.option("--exact", "exact", multiple=True, metavar="PATTERN",
+                     help="Store float tensors matching PATTERN bit-exactly. Repeatable.")(f)
+    f = click.option("--exact-all", is_flag=True, help="Store every float tensor bit-exactly (lossless).")(f)
+    f = click.option("--quantizer", type=click.Choice(QUANTIZERS), default=DEFAULT_QUANTIZER, show_default=True,
+                     help="trellis: dependent quantization (fewest bytes at a given fidelity; its effective "
+                          "step is about twice qp's); rdoq: rate-distortion optimised rounding; nearest: "
+                          "plain rounding.")(f)
+    f = click.option("--lambda-scale", type=click.FloatRange(0.0, 1e6), default=1.0, show_default=True,
+                     help="Scale of the rate-distortion trade-off of trellis and rdoq (larger: fewer bytes).")(f)
+    f = click.option("--importance", type=click.Choice(("structural", "none")), default="structural",
+                     show_default=True,
+                     help="structural: steps and error weights from the model's own structure, without "
+                          "data (embedding tables coarser, BatchNorm scales); none: every tensor at --qp "
+                          "(--qp-1d for biases and norms), every weight alike.")(f)
+    f = click.option("--bn-eps", type=click.FloatRange(0.0, 1.0, min_open=True), default=None, metavar="EPS",
+                     help="The eps of the model's BatchNorm layers (e.g. 1e-5, PyTorch's default; 1e-3 for "
+                          "TF-trained nets). Given, their running statistics are coded to about 1% of each "
+                          "layer's typical channel (never finer than --qp) and weight/bias compensate "
+                          "exactly (same eval-mode output, fewer bytes).")(f)
+    f = click.option("--bias-correction/--no-bias-correction", default=True, show_default=True,
+                     help="Take the mean output shift of each layer's quantization error out of the "
+                          "BatchNorm after it (or its bias), estimated without data from the BatchNorm "
+                          "before it.")(f)
+    return f
+
+
+def _parse_overrides(items) -> dict[str, int]:
+    out = {}
+    for item in items:
+        name, sep, value = item.rpartition("=")
+        try:
+            qp = int(value)
+        except ValueError:
+            qp = None
+        if not sep or not name or qp is None or not QP_MIN <= qp <= QP_MAX:
+            raise click.BadParameter(f"expected NAME=QP with QP in [{QP_MIN}, {QP_MAX}], got {item!r}",
+                                     param_hint="--qp-tensor")
+        out[name] = qp
+    return out
+
+
+def _encode_settings(qp, qp_density, qp_1d, qp_tensor, exact, exact_all, quantizer, lambda_scale,
+                     importance, bn_eps, bias_correction) -> dict:
+    return dict(qp=qp, qp_density=qp_density, qp_1d=qp_1d, qp_overrides=_parse_overrides(qp_tensor),
+                keep_exact=True if exact_all else list(exact), quantizer=quantizer, lambda_scale=lambda_scale,
+                importance=None if importance == "none" else importance, batchnorm_eps=bn_eps,
+                bias_correction=bias_correction)
+
+
+@contextmanager
+def _progress(total: int, desc: str, enabled: bool):
+    if not enabled:
+        yield None
+        return
+    from tqdm import tqdm
+
+    # disable=None: shown only when stderr is a terminal.
+    with tqdm(total=total, desc=desc, unit="w", unit_scale=True, file=sys.stderr, disable=None,
+              leave=False, dynamic_ncols=True) as bar:
+        yield bar.update
+
+
+# --- commands ----------------------------------------------------------------------------------
+
+@main.command()
+@click.argument("input", metavar="INPUT", type=click.Path(allow_dash=True, dir_okay=False))
+@click.option("-o", "--output", type=click.Path(allow_dash=True, dir_okay=False),
+              help=f"Output stream (default: INPUT{STREAM_SUFFIX}; stdout when INPUT is -).")
+@click.option("--input-format", type=click.Choice(KINDS), default=None,
+              help="Checkpoint kind when it cannot be told from the suffix (e.g. on stdin).")
+@click.option("-f", "--force", is_flag=True, help="Overwrite an existing output file.")
+@_quant_options
+@click.option("--target-bpw", type=click.FloatRange(0.0, 64.0, min_open=True), default=None,
+              help="Rate control: choose qp (and lambda) for this many bits per parameter.")
+@click.option("--target-size", type=click.IntRange(1), default=None, metavar="BYTES",
+              help="Rate control: the largest stream that fits in BYTES.")
+@_threads
+@_progress_option
+@_verbosity
+@click.pass_context
+def encode(ctx, input, output, input_format, force, qp, qp_density, qp_1d, qp_tensor, exact, exact_all,
+           quantizer, lambda_scale, importance, bn_eps, bias_correction, target_bpw, target_size, threads,
+           no_progress, quiet, verbose):
+    """Compress a checkpoint (.pt/.pth/.bin, .safetensors, .npz) into a model stream."""
+    from deepcabac_py.io.files import load_checkpoint
+    from deepcabac_py.model.encoder import encode_model
+    from deepcabac_py.model.decoder import read_stream_header
+
+    settings = _encode_settings(qp, qp_density, qp_1d, qp_tensor, exact, exact_all, quantizer, lambda_scale,
+                                importance, bn_eps, bias_correction)
+    targeted = target_bpw is not None or target_size is not None
+    if target_bpw is not None and target_size is not None:
+        raise click.UsageError("give --target-bpw or --target-size, not both")
+    if targeted and ctx.get_parameter_source("qp") != click.core.ParameterSource.DEFAULT:
+        raise click.UsageError("--qp cannot be combined with --target-bpw/--target-size (rate control picks it)")
+    if output is None:
+        output = "-" if input == "-" else input + STREAM_SUFFIX
+    if same_file(input, output):
+        raise click.UsageError("the output would overwrite the input")
+    check_output(output, force)
+    with about(input):
+        with checkpoint_path(input, input_format) as path:
+            ckpt = load_checkpoint(path, input_format)
+        try:
+            if targeted:
+                from deepcabac_py.tuning.rate_control import encode_to_size
+
+                del settings["qp"]
+                try:
+                    data = encode_to_size(ckpt, target_bytes=target_size, target_bpw=target_bpw,
+                                          threads=threads, **settings)
+                except ValueError as exc:  # the budget cannot be met
+                    raise InputError(str(exc)) from None
+            else:
+                with _progress(param_count(ckpt), "encode", not (quiet or no_progress)) as update:
+                    data = encode_model(ckpt, threads=threads, progress=update, **settings)
+        except TypeError as exc:  # an unsupported tensor type inside the checkpoint
+            raise InputError(str(exc)) from None
+    write_output(output, data, force, input_mode(input))
+    rep = build_report(read_stream_header(data))
+    echo_info(quiet, f"{input}: {rep.original_bytes:,} bytes of tensors -> {len(data):,} bytes "
+                 f"({ratio_words(rep.ratio_vs_original)}), {rep.bits_per_param:.3f} bits/param"
+                 + (f" -> {output}" if verbose else ""))
+    if verbose and not quiet:
+        click.echo(format_report(rep), err=True)
+
+
+@main.command()
+@click.argument("input", metavar="INPUT", type=click.Path(allow_dash=True, dir_okay=False))
+@click.option("-o", "--output", type=click.Path(allow_dash=True, dir_okay=False),
+              help=f"Output checkpoint (default: INPUT without {STREAM_SUFFIX}).")
+@click.option("--format", "kind", type=click.Choice(KINDS), default=None,
+              help="Checkpoint kind to write (default: from the output suffix, else the original kind).")
+@click.option("-f", "--force", is_flag=True, help="Overwrite an existing output file.")
+@click.option("--max-elements", type=click.IntRange(min=0), default=None, metavar="N",
+              help="Refuse a stream whose tensors hold more than N elements (for untrusted input; "
+                   "without it, memory is bounded by what the payload can code).")
+@_threads
+@_progress_option
+@_verbosity
+def decode(input, output, kind, force, max_elements, threads, no_progress, quiet, verbose):
+    """Decompress a model stream into a checkpoint."""
+    from deepcabac_py.io.files import checkpoint_writer, kind_from_suffix
+    from deepcabac_py.model.decoder import decode_checkpoint, read_stream_header
+
+    if output is None:
+        if input == "-":
+            output = "-"
+        elif input.lower().endswith(STREAM_SUFFIX) and len(input) > len(STREAM_SUFFIX):
+            output = input[: -len(STREAM_SUFFIX)]
+        else:
+            raise click.UsageError(f"cannot derive an output name from {input!r}: use -o")
+    suffix_kind = kind_from_suffix(output) if output != "-" else None
+    if kind and suffix_kind and kind != suffix_kind:
+        raise click.UsageError(f"--format {kind} contradicts the output name {output!r}")
+    if same_file(input, output):
+        raise click.UsageError("the output would overwrite the input")
+    check_output(output, force)
+    with about(input):
+        data = read_input(input)
+        header = read_stream_header(data)
+        original_kind = header.metadata.get("kind")
+        kind = kind or suffix_kind or (original_kind if original_kind in KINDS else "torch")
+        params = sum(e.numel for e in header.tensors if not e.is_alias)
+        with _progress(params, "decode", not (quiet or no_progress)) as update:
+            ckpt = decode_checkpoint(data, threads=threads, progress=update, max_elements=max_elements)
+    write_output(output, checkpoint_writer(ckpt, kind), force, input_mode(input))
+    echo_info(quiet, f"{input}: {len(data):,} bytes -> {params:,} params ({kind})"
+                 + (f" -> {output}" if verbose else ""))
+
+
+@main.command()
+@click.argument("input", metavar="INPUT", type=click.Path(allow_dash=True, dir_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def info(input, as_json):
+    """Show a stream's header: tensors, shapes, dtypes, coding modes, qp and sizes (no decoding)."""
+    from deepcabac_py.model.container import read_header
+
+    if dispatch_if_update(input, as_json, "info"):  # an update stream (cli/update.py)
+        return
+    with about(input):
+        header = read_header(memoryview(read_input("-"))) if input == "-" else read_header_file(input)
+    rep = build_report(header)
+    if as_json:
+        out = {"format_version": header.version, "qp": header.qp, "qp_1d": header.qp_1d,
+               "qp_density": header.qp_density, "kind": header.metadata.get("kind"), **rep.to_dict()}
+        for t in out["tensors"]:
+            for k in ("snr_db", "max_abs_error"):
+                t.pop(k, None)
+        out.pop("snr_db"), out.pop("max_abs_error"), out.pop("fidelity")
+        click.echo(json.dumps(out, indent=1))
+        return
+    click.echo(f"deepcabac stream, format {header.version}: {header.total_size:,} bytes, "
+               f"{len(header.tensors)} tensors, original kind {header.metadata.get('kind', '?')}")
+    click.echo(f"settings: qp {header.qp}, qp_1d {header.qp_1d}, qp_density {header.qp_density}")
+    # Drop the SNR and max-error columns (unknown without the original) from the header line *and*
+    # the per-tensor rows: the table is fixed-width, so every row is cut where the header's SNR column starts.
+    lines = format_report(rep).splitlines()
+    cut = lines[0].rfind(" SNR dB") if lines else -1
+    if cut >= 0:
+        for i, line in enumerate(lines):
+            if not line:  # the blank line that ends the table
+                break
+            lines[i] = line[:cut].rstrip()
+    click.echo("\n".join(lines))
+
+
+@main.command()
+@click.argument("input", metavar="INPUT", type=click.Path(allow_dash=True, dir_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.option("--input-format", type=click.Choice(KINDS), default=None,
+              help="Checkpoint kind when it cannot be told from the suffix.")
+@click.option("--formats", "show_formats", is_flag=True,
+              help="Also show each weight matrix's size as dense fp32, CSR, CER, CSER and in the stream.")
+@_quant_options
+@_threads
+@_progress_option
+@_verbosity
+def report(input, as_json, input_format, show_formats, qp, qp_density, qp_1d, qp_tensor, exact, exact_all,
+           quantizer, lambda_scale, importance, bn_eps, bias_correction, threads, no_progress, quiet, verbose):
+    """Per-tensor and total figures: params, bits/param, ratio vs fp32, SNR and max error.
+
+    INPUT is a checkpoint (encoded in memory with the given settings, then decoded to measure the
+    error) or a model stream (sizes only: the original is not known). --formats adds, for every
+    quantized tensor with two or more dimensions (conv weights as out x in*kh*kw), its bytes as dense
+    fp32, scipy-style CSR, CER and CSER built from the decoded levels, and in the stream.
+    """
+    from deepcabac_py.io.files import load_checkpoint
+    from deepcabac_py.model.decoder import decode_checkpoint, read_stream_header
+    from deepcabac_py.model.encoder import encode_model
+
+    if dispatch_if_update(input, as_json, "report"):  # an update stream (cli/update.py)
+        return
+    with about(input):
+        raw = read_input(input) if input == "-" else None
+        is_stream = is_model_stream(raw if raw is not None else peek(input))
+        if is_stream:
+            data = raw if raw is not None else read_input(input)
+            header = read_stream_header(data)
+            rep = build_report(header)
+        else:
+            settings = _encode_settings(qp, qp_density, qp_1d, qp_tensor, exact, exact_all, quantizer,
+                                        lambda_scale, importance, bn_eps, bias_correction)
+            with checkpoint_path(input, input_format, raw) as path:
+                original = load_checkpoint(path, input_format)
+            params = param_count(original)
+            with _progress(2 * params, "report", not (quiet or no_progress)) as update:
+                try:
+                    data = encode_model(original, threads=threads, progress=update, **settings)
+                except TypeError as exc:
+                    raise InputError(str(exc)) from None
+                decoded = decode_checkpoint(data, threads=threads, progress=update)
+            rep = build_report(read_stream_header(data), original, decoded)
+        sizes = None
+        if show_formats:
+            from deepcabac_py.matrix.formats import stream_format_sizes
+
+            sizes = stream_format_sizes(data, threads=threads)
+    if as_json:
+        out = rep.to_dict()
+        if sizes is not None:
+            out["formats"] = sizes
+        click.echo(json.dumps(out, indent=1))
+    else:
+        click.echo(format_report(rep))
+        if sizes is not None:
+            from deepcabac_py.model.report import format_matrix_sizes
+
+            click.echo("")
+            click.echo(format_matrix_sizes(sizes))
+
+
+@main.command()
+@click.argument("inputs", metavar="INPUT...", nargs=-1, required=True,
+                type=click.Path(allow_dash=True, dir_okay=False))
+@click.option("--base", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="For update files: the parent model, to apply every message in order.")
+@_threads
+@_verbosity
+def test(inputs, base, threads, quiet, verbose):
+    """Decode streams and discard the result: checks that they are intact (all are checked).
+
+    Update files are checked message by message: decoded in full with --base (or when a message
+    carries its tensor table), else by their checksums.
+    """
+    from deepcabac_py.model.decoder import decode_checkpoint
+
+    failed = 0
+    for path in inputs:
+        summary = ""
+        try:
+            with about(path):
+                if path != "-" and is_update_file(peek(path)):
+                    summary = " (" + test_update_file(path, base) + ")"
+                else:
+                    decode_checkpoint(read_input(path), threads=threads)
+        except DeepCabacError as exc:
+            click.echo(f"deepcabac: error: {exc}", err=True)
+            failed += 1
+            continue
+        echo_info(quiet, f"{path}: OK{summary}")
+    if failed:
+        raise SystemExit(1)
+
+
+main.add_command(update_group, "update")
+
+if __name__ == "__main__":
+    main()

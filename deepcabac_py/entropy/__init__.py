@@ -1,0 +1,10 @@
+"""Entropy coding of integer levels: the context-adaptive binary arithmetic coder and the linear
+prediction across columns whose residuals it codes.
+
+May import: ``errors`` and ``_jit``. The range coder and modelling kernels in ``_cabac_kernels``
+are shared with the quantizers (which price levels with the coder's own contexts) and with the
+update coder (which reuses the range coder).
+
+* :mod:`.levelcoder`: chunk layouts, the ``coder_param`` byte, ``encode_chunk``/``decode_chunk``.
+* :mod:`.linear_prediction`: pivots, integer coefficients and the exact residual arithmetic.
+"""

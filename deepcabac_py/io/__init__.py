@@ -1,0 +1,13 @@
+"""Checkpoints in and out: what a checkpoint is, its files, dtypes, and atomic output.
+
+May import: ``errors`` only (it is the bottom layer; torch is imported by ``checkpoint`` and
+``files``, never by ``dtypes``, ``atomic`` or ``inputs``).
+
+* :mod:`.checkpoint`: :class:`Checkpoint` (flat tensors plus the structure around them),
+  ``flatten``/``unflatten``, tensor <-> numpy carrier arrays.
+* :mod:`.files`: ``load_checkpoint``/``save_checkpoint`` for ``.pt``/``.pth``/``.bin``,
+  safetensors and ``.npz``, weights-only and bounded.
+* :mod:`.dtypes`: dtype names, their frozen codes in the bitstreams, their numpy carriers.
+* :mod:`.atomic`: ``write_atomic`` and the wording of operating-system errors.
+* :mod:`.inputs`: one error and one wording for a file that cannot be read.
+"""

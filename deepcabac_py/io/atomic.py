@@ -1,0 +1,169 @@
+"""Atomic file output, and the wording of operating-system errors.
+
+:func:`write_atomic` writes to a temporary file in the destination directory, flushes and fsyncs it,
+then moves it into place with :func:`os.replace` (or a hard link when overwriting is not allowed, so
+that a file created concurrently is never clobbered). Readers therefore see either the old file or the
+complete new one, and a failure never leaves a partial output or a stray temporary file behind.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import secrets
+import stat
+from typing import BinaryIO, Callable, Union
+
+from ..errors import OutputError, OutputExistsError
+
+__all__ = ["write_atomic", "os_reason"]
+
+Writer = Callable[[BinaryIO], None]
+
+
+def _exists_error(path: str) -> OutputExistsError:
+    return OutputExistsError(f"output file {path} already exists; use --force to overwrite it")
+
+
+_REASONS = {
+    errno.ENOSPC: "no space left on device",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "permission denied",
+    errno.ENOENT: "no such file",
+    errno.EISDIR: "it is a directory",
+}
+
+
+def os_reason(exc: OSError) -> str:
+    """A short, lower-case reason for an operating-system error: one wording per kind of failure,
+    on input and on output alike."""
+    reason = _REASONS.get(exc.errno) if exc.errno is not None else None
+    return reason or exc.strerror or str(exc) or type(exc).__name__
+
+
+def _os_error(path: str, exc: OSError) -> OutputError:
+    return OutputError(f"cannot write {path}: {os_reason(exc)}")
+
+
+def _open_temp(directory: str, base: str) -> tuple[str, int]:
+    """Create a fresh temporary file next to the output (mode 0o666 minus the umask, like open())."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
+    for _ in range(100):
+        name = os.path.join(directory, f".{base}.{secrets.token_hex(6)}.tmp")
+        try:
+            return name, os.open(name, flags, 0o666)
+        except FileExistsError:
+            continue
+    raise FileExistsError(errno.EEXIST, "could not create a unique temporary file", directory)
+
+
+def _fsync_dir(directory: str) -> None:
+    """Best effort: make the rename durable. Not all platforms/filesystems allow opening a directory."""
+    try:
+        fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _remove_quietly(name: str) -> None:
+    try:
+        os.unlink(name)
+    except FileNotFoundError:
+        pass
+    except OSError:
+        pass
+
+
+def write_atomic(
+    path: Union[str, os.PathLike],
+    data: Union[bytes, bytearray, memoryview, Writer],
+    *,
+    force: bool = False,
+    mode: int | None = None,
+) -> None:
+    """Write ``data`` to ``path`` atomically.
+
+    ``data`` is either a bytes-like object or a callable that receives a writable, seekable binary file
+    object and writes the content into it. If ``path`` already exists and ``force`` is false,
+    :class:`OutputExistsError` is raised and nothing is written. Operating-system errors (disk full,
+    permission denied, missing directory, ...) are raised as :class:`OutputError`; any other exception
+    from the writer callable propagates unchanged. In every failure case the temporary file is removed
+    and an existing ``path`` is left untouched. ``mode`` sets the new file's permission bits (default:
+    those of the file it replaces, else 0o666 minus the umask).
+    """
+    if not (isinstance(data, (bytes, bytearray, memoryview)) or callable(data)):
+        raise TypeError(f"data must be bytes-like or a callable taking a binary file, not {type(data).__name__}")
+    path = os.fspath(path)
+    if isinstance(path, bytes):
+        path = os.fsdecode(path)
+    directory = os.path.dirname(path) or os.curdir
+    base = os.path.basename(path)
+    if not base:
+        raise OutputError(f"cannot write {path}: not a file path")
+
+    # Cheap early refusal (the final link below is the authoritative, race-free check).
+    existing_mode = None
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        st = None
+    except OSError as exc:
+        raise _os_error(path, exc) from exc
+    if st is not None or os.path.islink(path):
+        if not force:
+            raise _exists_error(path)
+        if st is not None and stat.S_ISDIR(st.st_mode):
+            raise OutputError(f"cannot write {path}: it is a directory")
+        if st is not None and stat.S_ISREG(st.st_mode):
+            existing_mode = stat.S_IMODE(st.st_mode)
+
+    tmp_name = None
+    try:
+        try:
+            tmp_name, fd = _open_temp(directory, base)
+        except OSError as exc:
+            raise _os_error(path, exc) from exc
+        with os.fdopen(fd, "w+b") as f:
+            if callable(data) and not isinstance(data, (bytes, bytearray, memoryview)):
+                data(f)
+            else:
+                f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        if mode is not None or existing_mode is not None:
+            try:
+                os.chmod(tmp_name, mode if mode is not None else existing_mode)
+            except OSError:
+                pass
+
+        if force:
+            os.replace(tmp_name, path)
+        else:
+            try:
+                # link() fails if the destination exists: no window in which a new file could be clobbered.
+                os.link(tmp_name, path)
+            except FileExistsError:
+                raise _exists_error(path) from None
+            except OSError:
+                # Filesystem without hard links: fall back to check-then-rename.
+                if os.path.lexists(path):
+                    raise _exists_error(path) from None
+                os.replace(tmp_name, path)
+            else:
+                _remove_quietly(tmp_name)
+        tmp_name = None
+        _fsync_dir(directory)
+    except OSError as exc:
+        if tmp_name is not None:
+            _remove_quietly(tmp_name)
+        raise _os_error(path, exc) from exc
+    except BaseException:
+        if tmp_name is not None:
+            _remove_quietly(tmp_name)
+        raise

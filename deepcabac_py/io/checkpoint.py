@@ -1,0 +1,557 @@
+"""What a checkpoint is, whatever file it came from: flat tensors plus the structure around them.
+
+A checkpoint is represented as a :class:`Checkpoint`: a flat, ordered ``name -> tensor`` dictionary plus
+a JSON-serialisable *skeleton* describing the whole original object (nested containers, non-tensor
+values, references to tensors by name) and the tensors that were tied to an earlier one.
+
+Skeleton schema (``Checkpoint.skeleton``)::
+
+    {"format": "deepcabac.skeleton", "version": 1, "root": NODE}
+
+    NODE :=  null | true | false | "string"
+           | integer                      (|i| <= 2**53; larger ones use {"$int": "0x..."} / "-0x...")
+           | finite float                 (non-finite ones use {"$float": "nan" | "inf" | "-inf"})
+           | [NODE, ...]                  list
+           | {"$tuple": [NODE, ...]}
+           | {"$dict" | "$odict" | "$counter": [[KEY_NODE, NODE], ...]}   dict / OrderedDict / Counter
+           | {"$set" | "$frozenset": [NODE, ...]}                         (elements sorted by their JSON)
+           | {"$complex": [FLOAT_NODE, FLOAT_NODE]}
+           | {"$bytes" | "$bytearray": "<base64>"}
+           | {"$dtype": "float32"}  | {"$size": [int, ...]} | {"$device": "cpu"}
+           | {"$npscalar": ["<numpy dtype str>", "<base64 of the raw bytes>"]}
+           | {"$tensor": "name"[, "parameter": true][, "requires_grad": bool]}
+
+Every tagged node is a JSON object whose first key starts with ``$``. Tensor names are the key path joined
+with ``"."`` (list items use their index); the root tensor of a bare-tensor checkpoint is called
+``"tensor"``. A name that collides with another one gets a ``~1``, ``~2``, ... suffix (first occurrence in
+traversal order keeps the plain name). Tensors may not appear as dict keys or set elements.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import os
+from collections import Counter, OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Union
+
+import numpy as np
+import torch
+
+from ..errors import CheckpointError
+from .dtypes import DTYPE_NAMES, carrier, name_of_carrier
+
+__all__ = [
+    "Checkpoint",
+    "SKELETON_FORMAT",
+    "SKELETON_VERSION",
+    "flatten",
+    "unflatten",
+    "is_plain",
+    "plain_skeleton",
+    "skeleton_refs",
+    "tensor_to_numpy",
+    "numpy_to_tensor",
+    "torch_dtype",
+]
+
+TensorLike = Union[torch.Tensor, np.ndarray]
+PathLike = Union[str, "os.PathLike[str]"]
+
+SKELETON_FORMAT = "deepcabac.skeleton"
+SKELETON_VERSION = 1
+
+_MAX_JSON_INT = 2**53
+
+# --------------------------------------------------------------------------------------------------
+# dtype tables
+# --------------------------------------------------------------------------------------------------
+
+_TORCH_BY_NAME: dict[str, torch.dtype] = {
+    "float64": torch.float64, "float32": torch.float32, "float16": torch.float16,
+    "bfloat16": torch.bfloat16, "int64": torch.int64, "int32": torch.int32, "int16": torch.int16,
+    "int8": torch.int8, "uint8": torch.uint8, "uint16": torch.uint16, "uint32": torch.uint32,
+    "uint64": torch.uint64, "bool": torch.bool, "complex64": torch.complex64,
+    "complex128": torch.complex128,
+}
+_NAME_BY_TORCH = {v: k for k, v in _TORCH_BY_NAME.items()}
+
+# --------------------------------------------------------------------------------------------------
+# Checkpoint
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Checkpoint:
+    """A flattened checkpoint.
+
+    ``tensors``: insertion-ordered ``name -> tensor`` (torch tensors or numpy arrays), unique names.
+    ``skeleton``: JSON-serialisable description of the whole object (see the module docstring).
+    ``kind``: ``"torch"``, ``"safetensors"``, ``"npz"`` or ``"mapping"`` (built by :func:`flatten`).
+    ``metadata``: safetensors ``__metadata__`` (``str -> str``) or ``None``.
+    ``aliases``: ``name -> name of an earlier tensor`` it is tied to; alias names are not in ``tensors``.
+    """
+
+    tensors: dict[str, TensorLike]
+    skeleton: dict
+    kind: str = "mapping"
+    metadata: Optional[dict[str, str]] = None
+    aliases: dict[str, str] = field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------------------------------
+# tensor <-> numpy
+# --------------------------------------------------------------------------------------------------
+
+
+def tensor_to_numpy(t: TensorLike) -> tuple[np.ndarray, str, bool]:
+    """Return ``(array, dtype_name, is_torch)``: a C-contiguous, native-byte-order numpy array holding the
+    tensor's values bit-exactly. ``bfloat16`` is returned as a ``uint16`` view of the raw bits.
+
+    The array may share memory with ``t`` (non-contiguous inputs are copied). Raises ``TypeError`` for
+    unsupported dtypes, layouts or object types.
+    """
+    if isinstance(t, torch.Tensor):
+        if t.layout != torch.strided or t.is_quantized or t.is_nested:
+            raise TypeError(f"unsupported tensor layout {t.layout} (only dense, non-quantized tensors are supported)")
+        if t.device.type == "meta":
+            raise TypeError("meta tensors have no data")
+        name = _NAME_BY_TORCH.get(t.dtype)
+        if name is None:
+            raise TypeError(
+                f"unsupported tensor dtype {t.dtype}; supported: {', '.join(DTYPE_NAMES)}"
+            )
+        x = t.detach()
+        if x.device.type != "cpu":
+            x = x.cpu()
+        x = x.resolve_conj().resolve_neg()
+        if not x.is_contiguous():
+            x = x.contiguous()
+        if name == "bfloat16":
+            arr = x.view(torch.int16).numpy().view(np.uint16)
+        else:
+            arr = x.numpy()
+        return arr, name, True
+    if isinstance(t, np.ndarray):
+        dt = t.dtype
+        key = dt.newbyteorder("=") if dt.byteorder not in ("|", "=") else dt
+        name = name_of_carrier(key) if not dt.fields and not dt.subdtype else None
+        if name is None:
+            raise TypeError(
+                f"unsupported array dtype {dt}; supported: {', '.join(n for n in DTYPE_NAMES if n != 'bfloat16')}"
+            )
+        arr = t
+        if not dt.isnative:
+            arr = arr.astype(key)
+        if not arr.flags.c_contiguous:
+            arr = np.ascontiguousarray(arr)
+        return arr, name, False
+    raise TypeError(f"expected a torch.Tensor or numpy.ndarray, got {type(t).__name__}")
+
+
+def numpy_to_tensor(arr: np.ndarray, dtype_name: str, is_torch: bool) -> TensorLike:
+    """Exact inverse of :func:`tensor_to_numpy`: rebuild a torch tensor (``is_torch``) or numpy array of
+    ``dtype_name`` from ``arr`` (whose dtype must be the carrier dtype, ``uint16`` for ``bfloat16``).
+
+    The result may share memory with ``arr`` (read-only arrays are copied for torch)."""
+    expected = carrier(dtype_name)
+    if not isinstance(arr, np.ndarray):
+        raise TypeError(f"expected a numpy.ndarray, got {type(arr).__name__}")
+    if arr.dtype.fields or arr.dtype.newbyteorder("=") != expected:
+        raise TypeError(f"array dtype {arr.dtype} does not carry {dtype_name} data (expected {expected})")
+    if not arr.dtype.isnative:
+        arr = arr.astype(expected)
+    if not arr.flags.c_contiguous:
+        arr = np.ascontiguousarray(arr)
+    if not is_torch:
+        if dtype_name == "bfloat16":
+            raise TypeError("bfloat16 data can only be rebuilt as a torch tensor (numpy has no bfloat16)")
+        return arr
+    if not arr.flags.writeable:
+        arr = arr.copy()
+    if dtype_name == "bfloat16":
+        return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(arr)
+
+
+# --------------------------------------------------------------------------------------------------
+# flatten / unflatten
+# --------------------------------------------------------------------------------------------------
+
+
+def _float_node(x: float) -> Any:
+    if math.isfinite(x):
+        return x
+    return {"$float": "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")}
+
+
+def _key_component(k: Any) -> str:
+    if isinstance(k, (str, int, float)) or k is None:
+        return str(k)
+    return f"<{type(k).__name__}>"
+
+
+def _alias_key(t: TensorLike) -> Any:
+    """Identity of the memory a tensor views: equal keys mean equal bits forever (tied tensors)."""
+    if isinstance(t, torch.Tensor):
+        try:
+            if t.layout != torch.strided or t.is_quantized or t.is_nested or t.device.type == "meta":
+                return ("id", id(t))
+            storage = t.untyped_storage()
+            if storage.nbytes() == 0:
+                return ("id", id(t))
+            return ("torch", str(t.device), storage.data_ptr(), t.storage_offset(), tuple(t.shape),
+                    tuple(t.stride()), t.dtype, t.is_conj(), t.is_neg())
+        except (RuntimeError, NotImplementedError, TypeError):
+            return ("id", id(t))
+    if t.nbytes == 0 or t.dtype.hasobject:
+        return ("id", id(t))
+    return ("numpy", t.__array_interface__["data"][0], t.shape, t.strides, t.dtype.str)
+
+
+# A pickle can reference one container many times over (a list holding the same list twice, 40 levels
+# deep, is 2 KB of pickle and 2**40 entries when expanded). Flattening copies every reference, so the
+# copies made of containers already seen are bounded.
+MAX_SHARED_ENTRIES = 100_000
+
+
+class _Flattener:
+    def __init__(self) -> None:
+        self.leaves: list[tuple[list[str], TensorLike, dict]] = []
+        self.active: set[int] = set()
+        self.seen: set[int] = set()  # containers already flattened once (all alive: reachable from the root)
+        self.inside_repeat = 0
+        self.copied = 0
+
+    def encode(self, obj: Any, path: list[str], tensors_ok: bool = True) -> Any:
+        if self.inside_repeat:
+            self.copied += 1
+            if self.copied > MAX_SHARED_ENTRIES:
+                raise TypeError(f"containers shared by reference expand to more than {MAX_SHARED_ENTRIES:,} "
+                                f"copied entries (at {'.'.join(path[:8]) or '<root>'})")
+        t = type(obj)
+        if obj is None or t is bool or t is str:
+            return obj
+        if t is int:
+            return obj if abs(obj) <= _MAX_JSON_INT else {"$int": hex(obj)}
+        if t is float:
+            return _float_node(obj)
+        if t is complex:
+            return {"$complex": [_float_node(obj.real), _float_node(obj.imag)]}
+        if t is bytes:
+            return {"$bytes": base64.b64encode(obj).decode("ascii")}
+        if t is bytearray:
+            return {"$bytearray": base64.b64encode(bytes(obj)).decode("ascii")}
+        if isinstance(obj, (torch.Tensor, np.ndarray)):
+            if not tensors_ok:
+                raise TypeError(f"tensors cannot be dict keys or set elements (at {'.'.join(path) or '<root>'})")
+            node: dict[str, Any] = {"$tensor": None}
+            if isinstance(obj, torch.nn.Parameter):
+                node["parameter"] = True
+                node["requires_grad"] = bool(obj.requires_grad)
+            elif isinstance(obj, torch.Tensor) and obj.requires_grad:
+                node["requires_grad"] = True
+            self.leaves.append((path, obj, node))
+            return node
+        if isinstance(obj, torch.dtype):
+            return {"$dtype": str(obj).removeprefix("torch.")}
+        if isinstance(obj, torch.Size):
+            return {"$size": [int(d) for d in obj]}
+        if isinstance(obj, torch.device):
+            return {"$device": str(obj)}
+        if isinstance(obj, np.generic):
+            if obj.dtype.hasobject:
+                raise TypeError(f"numpy object scalars are not supported (at {'.'.join(path) or '<root>'})")
+            return {"$npscalar": [obj.dtype.str, base64.b64encode(obj.tobytes()).decode("ascii")]}
+        # lossy fall-backs for subclasses of the plain scalar types (IntEnum, str subclasses, ...)
+        if isinstance(obj, bool):
+            return bool(obj)
+        if isinstance(obj, int):
+            return self.encode(int(obj), path, tensors_ok)
+        if isinstance(obj, float):
+            return _float_node(float(obj))
+        if isinstance(obj, str):
+            return str(obj)
+        if isinstance(obj, (bytes, bytearray)):
+            return self.encode(bytes(obj), path, tensors_ok)
+        if isinstance(obj, (Mapping, list, tuple, set, frozenset)):
+            oid = id(obj)
+            if oid in self.active:
+                raise TypeError(f"the structure contains a reference cycle (at {'.'.join(path) or '<root>'})")
+            repeat = oid in self.seen
+            self.seen.add(oid)
+            self.active.add(oid)
+            self.inside_repeat += repeat
+            try:
+                return self._encode_container(obj, path, tensors_ok)
+            finally:
+                self.active.discard(oid)
+                self.inside_repeat -= repeat
+        raise TypeError(f"unsupported object of type {t.__name__} at {'.'.join(path) or '<root>'}")
+
+    def _encode_container(self, obj: Any, path: list[str], tensors_ok: bool) -> Any:
+        if isinstance(obj, Mapping):
+            tag = "$odict" if type(obj) is OrderedDict else "$counter" if type(obj) is Counter else "$dict"
+            items = []
+            for k, v in obj.items():
+                key_node = self.encode(k, path, tensors_ok=False)
+                items.append([key_node, self.encode(v, path + [_key_component(k)], tensors_ok)])
+            return {tag: items}
+        if isinstance(obj, list):
+            return [self.encode(v, path + [str(i)], tensors_ok) for i, v in enumerate(obj)]
+        if isinstance(obj, tuple):
+            return {"$tuple": [self.encode(v, path + [str(i)], tensors_ok) for i, v in enumerate(obj)]}
+        tag = "$frozenset" if isinstance(obj, frozenset) else "$set"
+        nodes = [self.encode(v, path, tensors_ok=False) for v in obj]
+        nodes.sort(key=lambda n: json.dumps(n, sort_keys=True))
+        return {tag: nodes}
+
+
+def flatten(obj: Any) -> Checkpoint:
+    """Flatten any nested structure of containers, tensors/arrays and plain values into a
+    :class:`Checkpoint` of kind ``"mapping"``. Raises ``TypeError`` for unsupported objects."""
+    fl = _Flattener()
+    try:
+        root = fl.encode(obj, [])
+    except RecursionError:
+        raise TypeError("the structure is nested too deeply to flatten") from None
+
+    bases = [".".join(path) if path else "tensor" for path, _, _ in fl.leaves]
+    reserved = set(bases)
+    used: set[str] = set()
+    tensors: dict[str, TensorLike] = {}
+    aliases: dict[str, str] = {}
+    first_by_key: dict[Any, str] = {}
+    for base, (_, t, node) in zip(bases, fl.leaves):
+        name = base
+        if name in used:
+            i = 1
+            while f"{base}~{i}" in used or f"{base}~{i}" in reserved:
+                i += 1
+            name = f"{base}~{i}"
+        used.add(name)
+        node["$tensor"] = name
+        key = _alias_key(t)
+        target = first_by_key.get(key)
+        if target is not None:  # keys embed "torch"/"numpy", so a tie never mixes the two
+            aliases[name] = target
+        else:
+            first_by_key[key] = name
+            tensors[name] = t
+    skeleton = {"format": SKELETON_FORMAT, "version": SKELETON_VERSION, "root": root}
+    return Checkpoint(tensors=tensors, skeleton=skeleton, kind="mapping", metadata=None, aliases=aliases)
+
+
+def _bad_skeleton(msg: str) -> CheckpointError:
+    return CheckpointError(f"malformed checkpoint skeleton: {msg}")
+
+
+def _decode_float(node: Any) -> float:
+    if isinstance(node, (int, float)) and not isinstance(node, bool):
+        return float(node)
+    if isinstance(node, dict) and set(node) == {"$float"}:
+        v = node["$float"]
+        if v in ("nan", "inf", "-inf"):
+            return float(v)
+    raise _bad_skeleton(f"expected a float, got {node!r:.80}")
+
+
+def _b64(value: Any) -> bytes:
+    if not isinstance(value, str):
+        raise _bad_skeleton("expected a base64 string")
+    try:
+        return base64.b64decode(value.encode("ascii"), validate=True)
+    except (ValueError, UnicodeEncodeError) as exc:
+        raise _bad_skeleton(f"invalid base64 ({exc})") from None
+
+
+class _Unflattener:
+    def __init__(self, resolve: Callable[[dict], Any]) -> None:
+        self.resolve = resolve
+
+    def decode(self, node: Any) -> Any:
+        if node is None or isinstance(node, (bool, str)):
+            return node
+        if isinstance(node, int):
+            return node
+        if isinstance(node, float):
+            return node
+        if isinstance(node, list):
+            return [self.decode(n) for n in node]
+        if not isinstance(node, dict) or not node:
+            raise _bad_skeleton(f"unexpected node {node!r:.80}")
+        tag = "$tensor" if "$tensor" in node else next(iter(node))
+        if tag == "$tensor":
+            if not set(node) <= {"$tensor", "parameter", "requires_grad"}:
+                raise _bad_skeleton(f"unexpected keys in tensor reference {sorted(node)}")
+            return self.resolve(node)
+        if len(node) != 1:
+            raise _bad_skeleton(f"tagged node with several keys {sorted(node)[:5]}")
+        value = node[tag]
+        if tag in ("$dict", "$odict", "$counter"):
+            if not isinstance(value, list):
+                raise _bad_skeleton(f"{tag} needs a list of [key, value] pairs")
+            out = OrderedDict() if tag == "$odict" else Counter() if tag == "$counter" else {}
+            for pair in value:
+                if not isinstance(pair, list) or len(pair) != 2:
+                    raise _bad_skeleton(f"{tag} needs a list of [key, value] pairs")
+                key = self.decode(pair[0])
+                value_obj = self.decode(pair[1])
+                try:
+                    out[key] = value_obj
+                except TypeError:
+                    raise _bad_skeleton(f"unhashable dict key {key!r:.80}") from None
+            return out
+        if tag == "$tuple":
+            if not isinstance(value, list):
+                raise _bad_skeleton("$tuple needs a list")
+            return tuple(self.decode(n) for n in value)
+        if tag in ("$set", "$frozenset"):
+            if not isinstance(value, list):
+                raise _bad_skeleton(f"{tag} needs a list")
+            try:
+                items = [self.decode(n) for n in value]
+                return frozenset(items) if tag == "$frozenset" else set(items)
+            except TypeError:
+                raise _bad_skeleton("unhashable set element") from None
+        if tag == "$int":
+            if isinstance(value, str):
+                try:
+                    return int(value, 16)
+                except ValueError:
+                    pass
+            raise _bad_skeleton(f"invalid $int {value!r:.80}")
+        if tag == "$float":
+            return _decode_float(node)
+        if tag == "$complex":
+            if not isinstance(value, list) or len(value) != 2:
+                raise _bad_skeleton("$complex needs [real, imag]")
+            return complex(_decode_float(value[0]), _decode_float(value[1]))
+        if tag == "$bytes":
+            return _b64(value)
+        if tag == "$bytearray":
+            return bytearray(_b64(value))
+        if tag == "$dtype":
+            dt = getattr(torch, value, None) if isinstance(value, str) else None
+            if not isinstance(dt, torch.dtype):
+                raise _bad_skeleton(f"unknown torch dtype {value!r:.80}")
+            return dt
+        if tag == "$size":
+            if not isinstance(value, list) or not all(type(d) is int and d >= 0 for d in value):
+                raise _bad_skeleton("$size needs a list of non-negative integers")
+            return torch.Size(value)
+        if tag == "$device":
+            try:
+                return torch.device(value)
+            except (RuntimeError, TypeError, ValueError):
+                raise _bad_skeleton(f"invalid device {value!r:.80}") from None
+        if tag == "$npscalar":
+            if not isinstance(value, list) or len(value) != 2 or not isinstance(value[0], str):
+                raise _bad_skeleton("$npscalar needs [dtype, base64]")
+            try:
+                dt = np.dtype(value[0])
+            except TypeError:
+                raise _bad_skeleton(f"invalid numpy dtype {value[0]!r:.80}") from None
+            raw = _b64(value[1])
+            if dt.hasobject or len(raw) != dt.itemsize:
+                raise _bad_skeleton("invalid $npscalar")
+            return np.frombuffer(raw, dtype=dt)[0]
+        raise _bad_skeleton(f"unknown tag {tag!r:.80}")
+
+
+def _with_grad_flags(t: torch.Tensor, parameter: bool, requires_grad: bool) -> torch.Tensor:
+    can_grad = t.is_floating_point() or t.is_complex()
+    if parameter:
+        if isinstance(t, torch.nn.Parameter) and t.requires_grad == requires_grad:
+            return t
+        return torch.nn.Parameter(t.detach(), requires_grad=requires_grad and can_grad)
+    if not requires_grad or t.requires_grad or not can_grad:
+        return t
+    return t.detach().requires_grad_(True)
+
+
+def unflatten(ckpt: Checkpoint) -> Any:
+    """Rebuild the original object from a :class:`Checkpoint` (containers, key types and values exactly
+    as flattened; tied tensors become the same tensor object again)."""
+    skeleton = ckpt.skeleton
+    if not isinstance(skeleton, dict) or skeleton.get("format") != SKELETON_FORMAT or "root" not in skeleton:
+        raise _bad_skeleton("missing format/root")
+    if skeleton.get("version") != SKELETON_VERSION:
+        raise _bad_skeleton(f"unsupported skeleton version {skeleton.get('version')!r:.40}")
+    tensors, aliases = ckpt.tensors, ckpt.aliases or {}
+    cache: dict[tuple, Any] = {}
+
+    def resolve(node: dict) -> Any:
+        name = node["$tensor"]
+        if not isinstance(name, str):
+            raise _bad_skeleton("tensor reference must be a string")
+        base = name
+        if base not in tensors:
+            base = aliases.get(name)
+            if base is None or base not in tensors:
+                raise CheckpointError(f"checkpoint skeleton refers to unknown tensor {name!r}")
+        obj = tensors[base]
+        parameter = node.get("parameter", False) is True
+        requires_grad = node.get("requires_grad", parameter) is True
+        if isinstance(obj, torch.Tensor) and (parameter or requires_grad):
+            key = (base, parameter, requires_grad)
+            if key not in cache:
+                cache[key] = _with_grad_flags(obj, parameter, requires_grad)
+            return cache[key]
+        return obj
+
+    try:
+        return _Unflattener(resolve).decode(skeleton["root"])
+    except RecursionError:
+        raise _bad_skeleton("nested too deeply") from None
+
+
+def skeleton_refs(node: Any, out: list[str]) -> None:
+    """Collect tensor names referenced by a (well-formed) skeleton node, in traversal order."""
+    if isinstance(node, list):
+        for n in node:
+            skeleton_refs(n, out)
+    elif isinstance(node, dict):
+        if "$tensor" in node:
+            out.append(node["$tensor"])
+        else:
+            for v in node.values():
+                skeleton_refs(v, out)
+
+
+def plain_skeleton(names: list[str]) -> dict:
+    return {
+        "format": SKELETON_FORMAT,
+        "version": SKELETON_VERSION,
+        "root": {"$dict": [[n, {"$tensor": n}] for n in names]},
+    }
+
+
+def is_plain(ckpt: Checkpoint, *, allow_ordered: bool = True) -> bool:
+    """True when the skeleton is just ``{name: tensor}`` for every tensor in order (no aliases), i.e. a
+    file without a stored skeleton reloads to the same checkpoint. With ``allow_ordered`` an
+    OrderedDict root counts as plain too (it then comes back as a dict: fine for safetensors files,
+    not for the codec's streams)."""
+    if ckpt.aliases:
+        return False
+    sk = ckpt.skeleton
+    if not isinstance(sk, dict) or sk.get("format") != SKELETON_FORMAT or sk.get("version") != SKELETON_VERSION:
+        return False
+    root = sk.get("root")
+    if not isinstance(root, dict) or len(root) != 1:
+        return False
+    items = root.get("$dict", root.get("$odict") if allow_ordered else None)
+    if not isinstance(items, list) or len(items) != len(ckpt.tensors):
+        return False
+    for pair, name in zip(items, ckpt.tensors):
+        if pair != [name, {"$tensor": name}]:
+            return False
+    return True
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a dtype name (:data:`deepcabac_py.io.dtypes.DTYPE_NAMES`)."""
+    return _TORCH_BY_NAME[name]

@@ -1,0 +1,89 @@
+"""Element types: their names, their frozen codes in the bitstreams, and their numpy carriers.
+
+A dtype is named as torch and numpy name it (``"float32"``, ``"bfloat16"``, ...). Its numpy
+*carrier* holds its values bit for bit; numpy has no bfloat16, so bfloat16 travels as the uint16 bit
+patterns. The integer codes of :class:`DType` are in the bytes of both stream formats (model streams
+and update streams) and never change. No torch here: header-only work must not import it.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import numpy as np
+
+DTYPE_NAMES = (
+    "float64", "float32", "float16", "bfloat16",
+    "int64", "int32", "int16", "int8",
+    "uint8", "uint16", "uint32", "uint64",
+    "bool", "complex64", "complex128",
+)
+FLOAT_NAMES = ("float32", "float16", "bfloat16", "float64")
+
+_CARRIER = {name: np.dtype(name if name != "bfloat16" else "uint16") for name in DTYPE_NAMES}
+
+
+def carrier(name: str) -> np.dtype:
+    """The numpy dtype that carries ``name``'s values bit for bit (uint16 for bfloat16)."""
+    try:
+        return _CARRIER[name]
+    except KeyError:
+        raise TypeError(f"unsupported dtype name {name!r}; supported: {', '.join(DTYPE_NAMES)}") from None
+
+
+def name_of_carrier(dtype: np.dtype) -> str | None:
+    """The dtype name a numpy array of ``dtype`` (native byte order) carries, None if unsupported."""
+    return _NAME_BY_CARRIER.get(dtype)
+
+
+_NAME_BY_CARRIER = {v: k for k, v in _CARRIER.items() if k != "bfloat16"}
+
+
+class DType(enum.IntEnum):
+    """Element types; the integer codes are frozen (they are in the bytes)."""
+
+    FLOAT32 = 1
+    FLOAT16 = 2
+    BFLOAT16 = 3
+    FLOAT64 = 4
+    INT8 = 5
+    INT16 = 6
+    INT32 = 7
+    INT64 = 8
+    UINT8 = 9
+    UINT16 = 10
+    UINT32 = 11
+    UINT64 = 12
+    BOOL = 13
+    COMPLEX64 = 14
+    COMPLEX128 = 15
+
+    @classmethod
+    def from_name(cls, name: str) -> DType:
+        return cls[name.upper()]
+
+    @property
+    def dtype_name(self) -> str:
+        """The name torch and numpy give it (``"bfloat16"``)."""
+        return self.name.lower()
+
+    @property
+    def carrier(self) -> np.dtype:
+        return _CARRIER[self.dtype_name]
+
+    @property
+    def itemsize(self) -> int:
+        return self.carrier.itemsize
+
+    @property
+    def is_float(self) -> bool:
+        return self.dtype_name in FLOAT_NAMES
+
+    @property
+    def is_complex(self) -> bool:
+        return self in (DType.COMPLEX64, DType.COMPLEX128)
+
+
+def bfloat16_to_float32(bits: np.ndarray) -> np.ndarray:
+    """float32 values of bfloat16 bit patterns (uint16): exact, bfloat16 is float32's top half."""
+    return (bits.astype(np.uint32) << 16).view(np.float32)

@@ -1,0 +1,650 @@
+"""Checkpoint files: PyTorch pickles (weights-only), safetensors and numpy ``.npz``, read into and
+written from a :class:`~deepcabac_py.io.checkpoint.Checkpoint`.
+
+Every problem with a file's content raises :class:`CheckpointError`; a file that cannot be opened at
+all raises :class:`InputError`. Writers produce their bytes into a file object handed to them by
+:func:`~deepcabac_py.io.atomic.write_atomic`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pickle
+import zipfile
+import zlib
+from tokenize import TokenError
+from typing import Any, Callable, Optional, Union
+
+import numpy as np
+import torch
+
+from ..errors import CheckpointError
+from .atomic import write_atomic
+from .inputs import check_readable_file, unreadable
+from .kinds import KINDS, check_kind, kind_from_suffix, sniff_kind
+from .checkpoint import (
+    Checkpoint,
+    TensorLike,
+    flatten,
+    is_plain,
+    numpy_to_tensor,
+    plain_skeleton,
+    skeleton_refs,
+    tensor_to_numpy,
+    torch_dtype,
+    unflatten,
+)
+
+__all__ = ["KINDS", "load_checkpoint", "save_checkpoint", "checkpoint_writer", "kind_from_suffix"]
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+SKELETON_FORMAT = "deepcabac.skeleton"
+SKELETON_VERSION = 1
+
+#: safetensors ``__metadata__`` keys (and npz member names) reserved for this library.
+ST_SKELETON_KEY = "deepcabac.skeleton"
+ST_ALIASES_KEY = "deepcabac.aliases"
+NPZ_SKELETON_KEY = "__deepcabac_skeleton__"
+NPZ_ALIASES_KEY = "__deepcabac_aliases__"
+NPZ_METADATA_KEY = "__deepcabac_metadata__"
+_NPZ_RESERVED = (NPZ_SKELETON_KEY, NPZ_ALIASES_KEY, NPZ_METADATA_KEY)
+
+#: Largest safetensors header accepted (the reference implementation uses the same bound).
+MAX_HEADER_BYTES = 100_000_000
+# safetensors code -> (torch dtype, itemsize, numpy little-endian dtype used to read the raw bytes)
+_ST_DTYPES: dict[str, tuple[torch.dtype, int, str]] = {
+    "F64": (torch.float64, 8, "<f8"),
+    "F32": (torch.float32, 4, "<f4"),
+    "F16": (torch.float16, 2, "<f2"),
+    "BF16": (torch.bfloat16, 2, "<u2"),
+    "I64": (torch.int64, 8, "<i8"),
+    "I32": (torch.int32, 4, "<i4"),
+    "I16": (torch.int16, 2, "<i2"),
+    "I8": (torch.int8, 1, "i1"),
+    "U64": (torch.uint64, 8, "<u8"),
+    "U32": (torch.uint32, 4, "<u4"),
+    "U16": (torch.uint16, 2, "<u2"),
+    "U8": (torch.uint8, 1, "u1"),
+    "BOOL": (torch.bool, 1, "u1"),
+    "C64": (torch.complex64, 8, "<c8"),
+    "F8_E4M3": (torch.float8_e4m3fn, 1, "u1"),
+    "F8_E5M2": (torch.float8_e5m2, 1, "u1"),
+}
+_ST_CODE_BY_TORCH = {v[0]: k for k, v in _ST_DTYPES.items()}
+# torch dtypes read/written through an integer view of their bits
+_BIT_VIEW = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.uint8, torch.float8_e5m2: torch.uint8}
+
+
+# --------------------------------------------------------------------------------------------------
+# loading
+# --------------------------------------------------------------------------------------------------
+
+
+def load_checkpoint(path: PathLike, kind: Optional[str] = None, *, max_bytes: Optional[int] = None) -> Checkpoint:
+    """Load a checkpoint file. ``kind`` defaults to the one implied by the suffix (``.pt``, ``.pth``,
+    ``.bin``, ``.ckpt`` → torch; ``.safetensors``; ``.npz``); unknown suffixes are sniffed from content.
+    A file that cannot be read raises :class:`InputError`, every problem with its content
+    :class:`CheckpointError`, each with a one-line reason.
+
+    Zip-based files (``.npz`` and torch's own format) may not expand to more than ``max_bytes`` of
+    uncompressed members; the default, ``64 MiB + 100 x the file size``, refuses zip bombs while no
+    checkpoint of real weights comes near it (weights hardly compress). Formats without compression
+    are bounded by the file size itself."""
+    check_kind(kind)
+    if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0):
+        raise ValueError(f"max_bytes must be a non-negative int or None, not {max_bytes!r}")
+    path = os.fspath(path)
+    check_readable_file(path)
+    if kind is None:
+        kind = kind_from_suffix(path) or sniff_kind(path)
+    if kind == "torch":
+        return _load_torch(path, max_bytes)
+    if kind == "safetensors":
+        return _load_safetensors(path)
+    return _load_npz(path, max_bytes)
+
+
+ZIP_EXPANSION = 100
+ZIP_SLACK = 64 << 20
+
+
+def _check_zip_sizes(path: str, zf: zipfile.ZipFile, max_bytes: Optional[int]) -> None:
+    """Refuse, before anything is extracted, members that reach past the end of the file and archives
+    that would expand beyond ``max_bytes`` (see :func:`load_checkpoint`). Readers allocate what a
+    member's directory entry declares, so these numbers are what bounds their memory."""
+    try:
+        file_size = os.path.getsize(path)
+    except OSError as exc:
+        raise unreadable(path, exc) from None
+    total = 0
+    for info in zf.infolist():
+        name = f"{info.filename!r:.80}"
+        if info.header_offset + info.compress_size > file_size:
+            raise CheckpointError(f"{path}: zip member {name} claims {info.compress_size:,} bytes that "
+                                  f"reach past the end of the {file_size:,}-byte file")
+        if info.compress_type == zipfile.ZIP_STORED and info.file_size != info.compress_size:
+            raise CheckpointError(f"{path}: stored zip member {name} declares {info.file_size:,} bytes but "
+                                  f"holds {info.compress_size:,}")
+        total += info.file_size
+    limit = ZIP_SLACK + ZIP_EXPANSION * file_size if max_bytes is None else max_bytes
+    if total > limit:
+        why = (f"more than {ZIP_EXPANSION}x its size: a zip bomb? pass a larger max_bytes to load it anyway"
+               if max_bytes is None else f"more than max_bytes={max_bytes:,}")
+        raise CheckpointError(f"{path}: the {file_size:,}-byte archive expands to {total:,} bytes ({why})")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0][:300]
+
+
+def _load_torch(path: str, max_bytes: Optional[int] = None) -> Checkpoint:
+    try:
+        with zipfile.ZipFile(path) as zf:
+            _check_zip_sizes(path, zf, max_bytes)
+    except (zipfile.BadZipFile, NotImplementedError, RuntimeError, ValueError, EOFError):
+        # Not a zip (torch's legacy pickle format), or a damaged one: torch's reader says what it finds.
+        # (zipfile.is_zipfile is no shortcut: it raises BadZipFile itself for some damaged archives.)
+        pass
+    except OSError as exc:
+        raise unreadable(path, exc) from None
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        text = str(exc)
+        reason = _first_line(exc)
+        marker = "WeightsUnpickler error:"
+        if marker in text:
+            reason = text.split(marker, 1)[1].strip().splitlines()[0]
+            reason = reason.split(". Please", 1)[0].strip()
+            raise CheckpointError(
+                f"refused to load {path}: the pickle needs code or objects that weights-only loading "
+                f"does not allow ({reason})"
+            ) from None
+        raise CheckpointError(f"cannot load {path} as a torch checkpoint: {reason}") from None
+    except OSError as exc:
+        raise unreadable(path, exc) from None
+    except Exception as exc:  # torch raises many types (RuntimeError, EOFError, ValueError, ...)
+        raise CheckpointError(f"cannot load {path} as a torch checkpoint: {_first_line(exc)}") from None
+    try:
+        ckpt = flatten(obj)
+    except TypeError as exc:
+        raise CheckpointError(f"cannot use {path}: {exc}") from None
+    for name, t in ckpt.tensors.items():
+        if isinstance(t, torch.Tensor) and (
+            t.layout != torch.strided or t.is_quantized or t.is_nested or t.device.type == "meta"
+        ):
+            raise CheckpointError(f"{path}: tensor {name!r} has an unsupported layout ({t.layout})")
+    ckpt.kind = "torch"
+    return ckpt
+
+
+def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"duplicate key {k!r:.80}")
+        out[k] = v
+    return out
+
+
+def _parse_json(text: str, what: str, path: str) -> Any:
+    try:
+        return json.loads(text, object_pairs_hook=_reject_duplicates)
+    except (ValueError, RecursionError) as exc:
+        raise CheckpointError(f"{path}: invalid {what} JSON ({_first_line(exc)})") from None
+
+
+def _is_nonneg_int(x: Any) -> bool:
+    return type(x) is int and x >= 0
+
+
+def _load_safetensors(path: str) -> Checkpoint:
+    def bad(msg: str) -> CheckpointError:
+        return CheckpointError(f"{path}: invalid safetensors file: {msg}")
+
+    try:
+        f = open(path, "rb")
+    except OSError as exc:
+        raise unreadable(path, exc) from None
+    with f:
+        try:
+            size = os.fstat(f.fileno()).st_size
+            if size < 8:
+                raise bad(f"file is only {size} bytes long")
+            n = int.from_bytes(f.read(8), "little")
+            if n > size - 8:
+                raise bad(f"header length {n} exceeds the file size ({size} bytes)")
+            if n > MAX_HEADER_BYTES:
+                raise bad(f"header length {n} exceeds the {MAX_HEADER_BYTES}-byte limit")
+            if n < 2:
+                raise bad(f"header length {n} is too small")
+            raw = f.read(n)
+            if len(raw) != n:
+                raise bad("file truncated inside the header")
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise bad("header is not UTF-8") from None
+            header = _parse_json(text, "safetensors header", path)
+            if not isinstance(header, dict):
+                raise bad("header is not a JSON object")
+            data_start = 8 + n
+            data_len = size - data_start
+
+            metadata = header.pop("__metadata__", None)
+            if metadata is not None:
+                if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+                    raise bad("__metadata__ must map strings to strings")
+
+            entries = []
+            for name, info in header.items():
+                if not isinstance(info, dict):
+                    raise bad(f"entry {name!r:.80} is not an object")
+                code, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+                if not isinstance(code, str) or code not in _ST_DTYPES:
+                    raise bad(f"tensor {name!r:.80} has unknown dtype {code!r:.40}")
+                if not isinstance(shape, list) or not all(_is_nonneg_int(d) and d < 2**63 for d in shape):
+                    raise bad(f"tensor {name!r:.80} has an invalid shape {shape!r:.80}")
+                if (not isinstance(offsets, list) or len(offsets) != 2
+                        or not all(_is_nonneg_int(o) for o in offsets)):
+                    raise bad(f"tensor {name!r:.80} has invalid data_offsets {offsets!r:.80}")
+                begin, end = offsets
+                if begin > end or end > data_len:
+                    raise bad(f"tensor {name!r:.80} data_offsets [{begin}, {end}] are outside the "
+                              f"{data_len}-byte data section")
+                numel = math.prod(shape)
+                itemsize = _ST_DTYPES[code][1]
+                if numel * itemsize != end - begin:
+                    raise bad(f"tensor {name!r:.80}: shape {shape} x {code} needs {numel * itemsize} bytes "
+                              f"but data_offsets span {end - begin}")
+                entries.append((name, code, shape, begin, end))
+
+            spans = sorted((b, e, nm) for nm, _, _, b, e in entries if e > b)
+            for (b0, e0, n0), (b1, _e1, n1) in zip(spans, spans[1:]):
+                if b1 < e0:
+                    raise bad(f"tensors {n0!r:.80} and {n1!r:.80} overlap")
+
+            tensors: dict[str, torch.Tensor] = {}
+            for name, code, shape, begin, end in entries:
+                tensors[name] = _read_st_tensor(f, data_start + begin, end - begin, code, shape, bad, name)
+        except OSError as exc:
+            raise unreadable(path, exc) from None
+
+    metadata = dict(metadata) if metadata is not None else None
+    skeleton_json = aliases_json = None
+    if metadata is not None:
+        skeleton_json = metadata.pop(ST_SKELETON_KEY, None)
+        aliases_json = metadata.pop(ST_ALIASES_KEY, None)
+        if not metadata and (skeleton_json is not None or aliases_json is not None):
+            metadata = None
+    return _finish_loaded(path, "safetensors", tensors, skeleton_json, aliases_json, metadata)
+
+
+def _read_st_tensor(f, offset: int, nbytes: int, code: str, shape: list[int],
+                    bad: Callable[[str], CheckpointError], name: str) -> torch.Tensor:
+    tdtype, _, np_code = _ST_DTYPES[code]
+    if nbytes == 0:
+        try:
+            return torch.empty(shape, dtype=tdtype)
+        except (RuntimeError, ValueError, OverflowError):
+            raise bad(f"tensor {name!r:.80} has an invalid shape {shape}") from None
+    buf = bytearray(nbytes)
+    f.seek(offset)
+    if f.readinto(buf) != nbytes:
+        raise bad(f"file truncated inside tensor {name!r:.80}")
+    arr = np.frombuffer(buf, dtype=np.dtype(np_code))
+    if code == "BOOL":
+        if arr.max() > 1:
+            raise bad(f"bool tensor {name!r:.80} holds values other than 0 and 1")
+        arr = arr.view(np.bool_)
+    if not arr.dtype.isnative:
+        arr = arr.astype(arr.dtype.newbyteorder("="))
+    arr = arr.reshape(shape)
+    if tdtype in _BIT_VIEW:
+        carrier = _BIT_VIEW[tdtype]
+        np_carrier = np.int16 if carrier == torch.int16 else np.uint8
+        return torch.from_numpy(arr.view(np_carrier)).view(tdtype)
+    return torch.from_numpy(arr)
+
+
+def _raw_equal(a: TensorLike, b: TensorLike) -> bool:
+    if isinstance(a, torch.Tensor) != isinstance(b, torch.Tensor):
+        return False
+    if isinstance(a, torch.Tensor):
+        if a.dtype != b.dtype or a.shape != b.shape:
+            return False
+        x, y = a.detach().contiguous(), b.detach().contiguous()
+        if x.numel() == 0:
+            return True
+        return bool(torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)))
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return np.ascontiguousarray(a).tobytes() == np.ascontiguousarray(b).tobytes()
+
+
+def _finish_loaded(path: str, kind: str, tensors: dict[str, TensorLike], skeleton_json: Optional[str],
+                   aliases_json: Optional[str], metadata: Optional[dict[str, str]]) -> Checkpoint:
+    """Restore aliases and the skeleton stored by :func:`save_checkpoint` (safetensors / npz)."""
+    header_order = list(tensors)
+    aliases: dict[str, str] = {}
+    if aliases_json is not None:
+        parsed = _parse_json(aliases_json, "alias table", path)
+        if not isinstance(parsed, dict) or not all(isinstance(v, str) for v in parsed.values()):
+            raise CheckpointError(f"{path}: the alias table must map tensor names to tensor names")
+        for name, target in parsed.items():
+            if name == target or name not in tensors or target not in tensors or target in parsed:
+                raise CheckpointError(f"{path}: invalid alias {name!r:.80} -> {target!r:.80}")
+        for name, target in parsed.items():
+            if _raw_equal(tensors[name], tensors[target]):  # a tie whose copies differ is not restored
+                aliases[name] = target
+                del tensors[name]
+    if skeleton_json is not None:
+        skeleton = _parse_json(skeleton_json, "skeleton", path)
+    else:
+        skeleton = plain_skeleton(header_order)
+    ckpt = Checkpoint(tensors=tensors, skeleton=skeleton, kind=kind, metadata=metadata, aliases=aliases)
+    if skeleton_json is not None:
+        try:
+            unflatten(ckpt)  # full validation of the stored skeleton
+        except CheckpointError as exc:
+            raise CheckpointError(f"{path}: {exc}") from None
+        refs: list[str] = []
+        skeleton_refs(skeleton["root"], refs)
+        missing = set(tensors) - set(refs)
+        if missing:
+            raise CheckpointError(
+                f"{path}: the stored skeleton does not refer to tensor {sorted(missing)[0]!r:.80}"
+            )
+    return ckpt
+
+
+def _npy_header(m) -> Optional[tuple[tuple, bool, np.dtype]]:
+    fmt = np.lib.format
+    version = fmt.read_magic(m)
+    if version == (1, 0):
+        return fmt.read_array_header_1_0(m)
+    if version == (2, 0):
+        return fmt.read_array_header_2_0(m)
+    return None  # version 3.0: left to np.load
+
+
+def _load_npz(path: str, max_bytes: Optional[int] = None) -> Checkpoint:
+    # Pre-flight with zipfile: refuse object arrays and sizes that disagree with the member sizes before
+    # numpy allocates anything.
+    try:
+        with zipfile.ZipFile(path) as zf:
+            _check_zip_sizes(path, zf, max_bytes)
+            for info in zf.infolist():
+                if not info.filename.endswith(".npy"):
+                    continue
+                key = info.filename[:-4]
+                with zf.open(info) as m:
+                    try:
+                        hdr = _npy_header(m)
+                    except (ValueError, EOFError, SyntaxError, TokenError) as exc:
+                        # numpy tokenizes the header dict: an unbalanced one raises tokenize.TokenError
+                        raise CheckpointError(f"{path}: array {key!r:.80} has an invalid header "
+                                              f"({_first_line(exc)})") from None
+                    if hdr is None:
+                        continue
+                    shape, _fortran, dtype = hdr
+                    if dtype.hasobject:
+                        raise CheckpointError(f"{path}: array {key!r:.80} is an object array; refused "
+                                              f"(it would need pickle)")
+                    need = math.prod(shape) * dtype.itemsize
+                    have = info.file_size - m.tell()
+                    if need != have:
+                        raise CheckpointError(f"{path}: array {key!r:.80} declares {need} bytes of data "
+                                              f"but holds {have}")
+    except OSError as exc:
+        raise unreadable(path, exc) from None
+    except (zipfile.BadZipFile, NotImplementedError, RuntimeError, zlib.error, EOFError, ValueError) as exc:
+        # zipfile raises NotImplementedError for an unknown zip version or compression method and
+        # RuntimeError for an encrypted member; a damaged deflate stream raises zlib.error
+        raise CheckpointError(f"{path}: not a valid npz archive ({_first_line(exc)})") from None
+
+    arrays: dict[str, np.ndarray] = {}
+    try:
+        res = np.load(path, allow_pickle=False)
+        if not isinstance(res, np.lib.npyio.NpzFile):
+            raise CheckpointError(f"{path}: not an npz archive")
+        with res:
+            for key in res.files:
+                try:
+                    arrays[key] = res[key]
+                except ValueError as exc:
+                    if "allow_pickle" in str(exc) or "Object arrays" in str(exc):
+                        raise CheckpointError(f"{path}: array {key!r:.80} is an object array; refused "
+                                              f"(it would need pickle)") from None
+                    raise
+    except CheckpointError:
+        raise
+    except OSError as exc:
+        raise unreadable(path, exc) from None
+    except Exception as exc:
+        raise CheckpointError(f"cannot load {path} as npz: {_first_line(exc)}") from None
+
+    extras: dict[str, Optional[str]] = {}
+    for key in _NPZ_RESERVED:
+        arr = arrays.pop(key, None)
+        if arr is None:
+            extras[key] = None
+            continue
+        if arr.shape != () or arr.dtype.kind != "U":
+            raise CheckpointError(f"{path}: reserved entry {key} must be a string scalar")
+        extras[key] = str(arr[()])
+    for key, arr in arrays.items():
+        if not isinstance(arr, np.ndarray):
+            raise CheckpointError(f"{path}: member {key!r:.80} is not a .npy array")
+        try:
+            tensor_to_numpy(arr)
+        except TypeError:
+            raise CheckpointError(f"{path}: array {key!r:.80} has unsupported dtype {arr.dtype}") from None
+
+    metadata = None
+    if extras[NPZ_METADATA_KEY] is not None:
+        metadata = _parse_json(extras[NPZ_METADATA_KEY], "metadata", path)
+        if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+            raise CheckpointError(f"{path}: stored metadata must map strings to strings")
+    return _finish_loaded(path, "npz", arrays, extras[NPZ_SKELETON_KEY], extras[NPZ_ALIASES_KEY], metadata)
+
+
+# --------------------------------------------------------------------------------------------------
+# saving
+# --------------------------------------------------------------------------------------------------
+
+
+def _validate_for_save(ckpt: Checkpoint) -> None:
+    if not isinstance(ckpt, Checkpoint):
+        raise TypeError(f"expected a Checkpoint, got {type(ckpt).__name__}")
+    for name, t in ckpt.tensors.items():
+        if not isinstance(name, str):
+            raise CheckpointError(f"tensor names must be strings, got {name!r:.80}")
+        if not isinstance(t, (torch.Tensor, np.ndarray)):
+            raise CheckpointError(f"tensor {name!r:.80} is a {type(t).__name__}, not a tensor")
+    for name, target in (ckpt.aliases or {}).items():
+        if name in ckpt.tensors:
+            raise CheckpointError(f"alias {name!r:.80} is also a tensor name")
+        if target not in ckpt.tensors:
+            raise CheckpointError(f"alias {name!r:.80} points to unknown tensor {target!r:.80}")
+    if ckpt.metadata is not None and (
+        not isinstance(ckpt.metadata, dict)
+        or not all(isinstance(k, str) and isinstance(v, str) for k, v in ckpt.metadata.items())
+    ):
+        raise CheckpointError("checkpoint metadata must map strings to strings")
+
+
+def _skeleton_json(ckpt: Checkpoint) -> str:
+    try:
+        return json.dumps(ckpt.skeleton, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"checkpoint skeleton is not JSON-serialisable ({exc})") from None
+
+
+def save_checkpoint(ckpt: Checkpoint, path: PathLike, *, kind: Optional[str] = None, force: bool = False) -> None:
+    """Write ``ckpt`` atomically. ``kind`` defaults to the output suffix, else ``ckpt.kind``. Refuses to
+    overwrite an existing file unless ``force`` (:class:`OutputExistsError`)."""
+    check_kind(kind)
+    path = os.fspath(path)
+    kind = kind or kind_from_suffix(path) or (ckpt.kind if ckpt.kind in KINDS else None)
+    if kind is None:
+        raise CheckpointError(
+            f"cannot tell the checkpoint format of {path} from its suffix; use .pt/.pth/.bin/.ckpt, "
+            f".safetensors or .npz"
+        )
+    write_atomic(path, checkpoint_writer(ckpt, kind), force=force)
+
+
+def checkpoint_writer(ckpt: Checkpoint, kind: str) -> Callable:
+    """A callable that writes ``ckpt`` as a ``kind`` checkpoint to a binary file object (for streams
+    such as stdout; :func:`save_checkpoint` is the file-path front)."""
+    check_kind(kind)
+    if kind is None:
+        raise ValueError("checkpoint_writer needs a kind")
+    _validate_for_save(ckpt)
+    if kind == "torch":
+        return _torch_writer(ckpt)
+    if kind == "safetensors":
+        return _safetensors_writer(ckpt)
+    return _npz_writer(ckpt)
+
+
+def _torch_writer(ckpt: Checkpoint) -> Callable:
+    # numpy arrays (e.g. from .npz) become torch tensors: a pickled ndarray is not weights-only loadable.
+    if any(isinstance(t, np.ndarray) for t in ckpt.tensors.values()):
+        tensors: dict[str, TensorLike] = {}
+        for name, t in ckpt.tensors.items():
+            if isinstance(t, np.ndarray):
+                try:
+                    arr, dname, _ = tensor_to_numpy(t)
+                except TypeError as exc:
+                    raise CheckpointError(f"array {name!r:.80} cannot be stored in a torch checkpoint ({exc})") from None
+                t = numpy_to_tensor(arr, dname, True)
+            tensors[name] = t
+        ckpt = Checkpoint(tensors, ckpt.skeleton, ckpt.kind, ckpt.metadata, dict(ckpt.aliases or {}))
+    obj = unflatten(ckpt)
+
+    def write(f) -> None:
+        try:
+            torch.save(obj, f)
+        except (pickle.PicklingError, RuntimeError, TypeError) as exc:
+            raise CheckpointError(f"cannot save the checkpoint with torch: {_first_line(exc)}") from None
+
+    return write
+
+
+def _st_raw(name: str, t: TensorLike) -> tuple[str, list[int], np.ndarray]:
+    """(safetensors dtype code, shape, little-endian contiguous uint8 bytes) of one tensor."""
+    if isinstance(t, torch.Tensor):
+        code = _ST_CODE_BY_TORCH.get(t.dtype)
+        if code is None or t.layout != torch.strided or t.is_quantized or t.is_nested or t.device.type == "meta":
+            what = t.dtype if code is None else t.layout
+            raise CheckpointError(f"tensor {name!r:.80} ({what}) cannot be stored in safetensors; use .pt")
+        x = t.detach().cpu().resolve_conj().resolve_neg().contiguous()
+        shape = list(x.shape)
+        if x.dtype in _BIT_VIEW:
+            x = x.view(_BIT_VIEW[x.dtype])
+        arr = x.numpy()
+    else:
+        try:
+            arr, dname, _ = tensor_to_numpy(t)
+        except TypeError:
+            raise CheckpointError(f"array {name!r:.80} ({t.dtype}) cannot be stored in safetensors") from None
+        code = _ST_CODE_BY_TORCH.get(torch_dtype(dname))
+        if code is None:
+            raise CheckpointError(f"array {name!r:.80} ({t.dtype}) cannot be stored in safetensors; use .npz")
+        shape = list(arr.shape)
+    if arr.dtype.byteorder == ">" or (arr.dtype.byteorder == "=" and not np.little_endian):
+        arr = arr.astype(arr.dtype.newbyteorder("<"))
+    return code, shape, np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
+
+
+def _safetensors_writer(ckpt: Checkpoint) -> Callable:
+    if "__metadata__" in ckpt.tensors or "__metadata__" in (ckpt.aliases or {}):
+        raise CheckpointError("a tensor named '__metadata__' cannot be stored in safetensors")
+    entries = [(name, *_st_raw(name, t)) for name, t in ckpt.tensors.items()]
+    # Tied tensors are written as separate copies (safetensors forbids shared storage).
+    entries += [(name, *_st_raw(name, ckpt.tensors[target])) for name, target in (ckpt.aliases or {}).items()]
+
+    metadata = dict(ckpt.metadata) if ckpt.metadata is not None else None
+    if not is_plain(ckpt):
+        metadata = metadata or {}
+        metadata[ST_SKELETON_KEY] = _skeleton_json(ckpt)
+    if ckpt.aliases:
+        metadata = metadata if metadata is not None else {}
+        metadata[ST_ALIASES_KEY] = json.dumps(ckpt.aliases, separators=(",", ":"), ensure_ascii=False)
+
+    # Data layout: largest element size first (stable), so every tensor starts at a multiple of its own
+    # element size without holes (the format forbids gaps); the header is space-padded to 8 bytes.
+    order = sorted(range(len(entries)), key=lambda i: -_ST_DTYPES[entries[i][1]][1])
+    offsets: dict[int, tuple[int, int]] = {}
+    pos = 0
+    for i in order:
+        n = entries[i][3].nbytes
+        offsets[i] = (pos, pos + n)
+        pos += n
+    header: dict[str, Any] = {}
+    if metadata is not None:
+        header["__metadata__"] = metadata
+    for i, (name, code, shape, _raw) in enumerate(entries):  # header lists tensors in checkpoint order
+        header[name] = {"dtype": code, "shape": shape, "data_offsets": list(offsets[i])}
+    try:
+        hbytes = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise CheckpointError("tensor names and metadata must be valid Unicode") from None
+    hbytes += b" " * (-len(hbytes) % 8)
+
+    def write(f) -> None:
+        f.write(len(hbytes).to_bytes(8, "little"))
+        f.write(hbytes)
+        for i in order:
+            raw = entries[i][3]
+            if raw.nbytes:
+                f.write(memoryview(raw))
+
+    return write
+
+
+def _npz_writer(ckpt: Checkpoint) -> Callable:
+    items: list[tuple[str, np.ndarray]] = []
+
+    def to_np(name: str, t: TensorLike) -> np.ndarray:
+        if name in _NPZ_RESERVED:
+            raise CheckpointError(f"tensor name {name!r} is reserved in .npz output")
+        if "\x00" in name:
+            raise CheckpointError(f"tensor name {name!r:.80} contains a NUL character")
+        if isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16:
+            raise CheckpointError(f"tensor {name!r:.80} is bfloat16, which .npz cannot hold; "
+                                  f"save as .safetensors or .pt instead")
+        try:
+            arr, _, _ = tensor_to_numpy(t)
+        except TypeError as exc:
+            raise CheckpointError(f"tensor {name!r:.80} cannot be stored in .npz ({exc}); "
+                                  f"save as .safetensors or .pt instead") from None
+        return arr
+
+    for name, t in ckpt.tensors.items():
+        items.append((name, to_np(name, t)))
+    for name, target in (ckpt.aliases or {}).items():
+        items.append((name, to_np(name, ckpt.tensors[target])))
+    if not is_plain(ckpt):
+        items.append((NPZ_SKELETON_KEY, np.array(_skeleton_json(ckpt))))
+    if ckpt.aliases:
+        items.append((NPZ_ALIASES_KEY, np.array(json.dumps(ckpt.aliases, separators=(",", ":"), ensure_ascii=False))))
+    if ckpt.metadata is not None:
+        items.append((NPZ_METADATA_KEY, np.array(json.dumps(ckpt.metadata, separators=(",", ":"), ensure_ascii=False))))
+
+    def write(f) -> None:
+        with zipfile.ZipFile(f, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
+            for name, arr in items:
+                info = zipfile.ZipInfo(name + ".npy", date_time=(1980, 1, 1, 0, 0, 0))  # deterministic
+                info.compress_type = zipfile.ZIP_STORED
+                info.external_attr = 0o644 << 16
+                with zf.open(info, "w", force_zip64=True) as m:
+                    np.lib.format.write_array(m, arr, allow_pickle=False)
+
+    return write

@@ -1,0 +1,420 @@
+"""The model stream container: one description of the byte layout, used by writer and reader.
+
+Layout (little-endian; ``docs/format.md`` is the normative description):
+
+    magic(8) version:u16 flags:u16 header_size:u32
+    header body:  settings, metadata JSON, tensor table
+    header_crc:u32                      (CRC-32 of every byte before it)
+    payload:      the tensors' substreams, in table order
+
+The header parses without touching the payload. Every length is checked against the bytes that
+are really there before anything is allocated from it.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import math
+import os
+import struct
+import zlib
+from dataclasses import dataclass, field
+
+from ..entropy.levelcoder import (
+    LINEAR_BIT,
+    MAX_K_OFFSET,
+    NO_COLUMNS_BIT,
+    PREDICT_BIT,
+    SWITCH_BITS,
+    layout_from_stream,
+    max_elements_for_payload,
+    row_length,
+)
+from ..entropy.linear_prediction import MAX_COLUMNS, MIN_COLUMNS
+from ..errors import CorruptStreamError, FormatError, TruncatedStreamError
+from ..io.dtypes import DType
+from ..io.inputs import unreadable
+from ..quant.steps import QP_DENSITY_MAX, QP_MAX, QP_MIN, step_from_qp
+
+MAGIC = b"\x89DCB\r\n\x1a\n"
+# Version 2 added Mode.DEPENDENT, version 3 the linear prediction across columns (LINEAR_BIT) and
+# the choice to switch the column model off (NO_COLUMNS_BIT). A writer stamps the lowest version
+# that describes its stream, so streams without them stay readable by older readers; this reader
+# reads all three.
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
+SWITCHES_VERSION = 3  # LINEAR_BIT and NO_COLUMNS_BIT
+PREAMBLE = struct.Struct("<8sHHI")
+MAX_HEADER_SIZE = 1 << 30
+MAX_NDIM = 32
+MAX_DIM = 1 << 48
+NO_ALIAS = 0xFFFFFFFF
+MIN_CHUNK_ELEMENTS = 1 << 16  # level-coded chunks hold at least this many elements (or the tensor)
+
+
+class Mode(enum.IntEnum):
+    """How a tensor's payload is coded; frozen codes."""
+
+    RAW = 0  # the little-endian bytes of the elements, unchanged
+    UNIFORM = 1  # levels (level coder) times the step of (qp, qp_density)
+    INTEGER = 2  # the integer values themselves through the level coder: lossless
+    DEPENDENT = 3  # transmitted levels of the 4-state trellis (format version 2); see docs/format.md
+
+    @property
+    def is_quantized(self) -> bool:
+        return self in (Mode.UNIFORM, Mode.DEPENDENT)
+
+    @property
+    def min_version(self) -> int:
+        return 2 if self == Mode.DEPENDENT else 1
+
+
+class Coder(enum.IntEnum):
+    """Which level coder produced the substreams; frozen codes."""
+
+    NONE = 0  # RAW payloads
+    ADAPTIVE_SCALE = 1  # levelcoder / _cabac_kernels, format version 1
+
+
+FLAG_TORCH = 1  # the tensor was a torch.Tensor (decode returns one)
+FLAG_ALIAS = 2  # the tensor shares storage with the tensor named by ``alias_of``
+_KNOWN_FLAGS = FLAG_TORCH | FLAG_ALIAS
+
+
+@dataclass
+class TensorEntry:
+    """One row of the tensor table."""
+
+    name: str
+    dtype: DType
+    shape: tuple[int, ...]
+    mode: Mode
+    coder: Coder = Coder.NONE
+    flags: int = 0
+    qp: int = 0
+    qp_density: int = 0
+    alias_of: int = NO_ALIAS
+    coder_param: int = 0  # the level coder's k offset | its switches (levelcoder.ChunkLayout.coder_param)
+    chunk_elements: int = 0
+    chunk_sizes: list[int] = field(default_factory=list)
+    offset: int = 0  # payload offset, relative to the first payload byte
+    size: int = 0
+    crc32: int = 0
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def is_alias(self) -> bool:
+        return bool(self.flags & FLAG_ALIAS)
+
+    @property
+    def is_linear(self) -> bool:
+        """The first substream is a linear predictor, the others code its residuals."""
+        return bool(self.coder_param & LINEAR_BIT) and not self.is_alias
+
+    @property
+    def min_version(self) -> int:
+        new = self.coder_param & (LINEAR_BIT | NO_COLUMNS_BIT) and not self.is_alias
+        return max(self.mode.min_version, SWITCHES_VERSION if new else 1)
+
+    @property
+    def step(self) -> float | None:
+        """The (fine) quantization step of a quantized tensor, else None."""
+        if not self.mode.is_quantized:
+            return None
+        return step_from_qp(self.qp, self.qp_density)
+
+
+@dataclass
+class StreamHeader:
+    """What :func:`read_header` returns: everything but the payload."""
+
+    version: int
+    qp: int
+    qp_1d: int
+    qp_density: int
+    metadata: dict
+    tensors: list[TensorEntry]
+    header_size: int  # bytes before the payload
+    payload_size: int
+
+    @property
+    def total_size(self) -> int:
+        return self.header_size + self.payload_size
+
+
+_SETTINGS = struct.Struct("<IhhBB")  # tensor_count, qp, qp_1d, qp_density, reserved
+_ENTRY_FIXED = struct.Struct("<BBBBB")  # dtype, mode, coder, flags, ndim
+_ENTRY_QUANT = struct.Struct("<hBBIQI")  # qp, qp_density, coder_param, alias_of, chunk_elements, chunk_count
+_ENTRY_TAIL = struct.Struct("<QQI")  # offset, size, crc32
+
+
+def write_header(qp: int, qp_1d: int, qp_density: int, metadata: dict, tensors: list[TensorEntry]) -> bytes:
+    """Serialize the header; ``tensors`` must carry final offsets, sizes and checksums."""
+    meta = json.dumps(metadata, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+    body = [_SETTINGS.pack(len(tensors), qp, qp_1d, qp_density, 0), struct.pack("<I", len(meta)), meta]
+    for t in tensors:
+        name = t.name.encode("utf-8")
+        if len(name) > 0xFFFF:
+            raise ValueError(f"tensor name too long ({len(name)} bytes): {t.name[:40]}...")
+        body += [struct.pack("<H", len(name)), name, _ENTRY_FIXED.pack(t.dtype, t.mode, t.coder, t.flags, len(t.shape))]
+        body.append(struct.pack(f"<{len(t.shape)}Q", *t.shape))
+        body.append(_ENTRY_QUANT.pack(t.qp, t.qp_density, t.coder_param, t.alias_of, t.chunk_elements, len(t.chunk_sizes)))
+        body.append(struct.pack(f"<{len(t.chunk_sizes)}I", *t.chunk_sizes))
+        body.append(_ENTRY_TAIL.pack(t.offset, t.size, t.crc32))
+    body = b"".join(body)
+    # The body is deflated: names and the skeleton repeat themselves, and for small models the
+    # header would otherwise be a large share of the stream.
+    packed = struct.pack("<I", len(body)) + zlib.compress(body, 9)
+    version = max([1] + [t.min_version for t in tensors])
+    head = PREAMBLE.pack(MAGIC, version, 0, len(packed) + 4) + packed
+    return head + struct.pack("<I", zlib.crc32(head))
+
+
+class _Reader:
+    """Bounds-checked cursor over the header bytes."""
+
+    def __init__(self, data, start: int, end: int):
+        self.data, self.pos, self.end = data, start, end
+
+    def take(self, n: int, what: str):
+        if n < 0 or self.pos + n > self.end:
+            raise CorruptStreamError(f"header field '{what}' runs past the end of the header")
+        chunk = self.data[self.pos:self.pos + n]
+        self.pos += n
+        return chunk
+
+    def unpack(self, st: struct.Struct, what: str):
+        return st.unpack(self.take(st.size, what))
+
+
+def check_preamble(data, *, magic: bytes, versions: tuple[int, ...], known_flags: int, kind: str, noun: str,
+                   label: str, max_header_size: int = MAX_HEADER_SIZE) -> tuple[int, int, int]:
+    """Check the 16-byte preamble shared by the model and update formats (magic, version, flags,
+    header size); return (version, flags, header_size). ``kind``, ``noun`` and ``label`` word the
+    errors."""
+    if len(data) < PREAMBLE.size:
+        if bytes(data[: len(magic)]) != magic[: len(data)]:
+            raise FormatError(f"not a deepcabac {kind} stream (wrong magic bytes)")
+        raise TruncatedStreamError(f"{noun} is {len(data)} bytes, shorter than the {PREAMBLE.size}-byte preamble")
+    found, found_version, flags, header_size = PREAMBLE.unpack(bytes(data[: PREAMBLE.size]))
+    if found != magic:
+        raise FormatError(f"not a deepcabac {kind} stream (wrong magic bytes)")
+    if found_version not in versions:
+        readable = " and ".join(map(str, versions))
+        raise FormatError(f"unsupported {label}format version {found_version} (this library reads version {readable})")
+    if flags & ~known_flags:
+        raise FormatError(f"unknown {label}header flags 0x{flags:04x}")
+    if not 4 <= header_size <= max_header_size:
+        raise CorruptStreamError(f"implausible {label}header size {header_size}")
+    return found_version, flags, header_size
+
+
+def is_model_stream(head: bytes) -> bool:
+    """Whether bytes that begin a file are those of a model stream (its magic's first four bytes)."""
+    return bytes(head[:4]) == MAGIC[:4]
+
+
+def read_preamble(data) -> tuple[int, int]:
+    """Check magic and version; return (version, header_size including the CRC)."""
+    version, _, header_size = check_preamble(data, magic=MAGIC, versions=READABLE_VERSIONS, known_flags=0,
+                                             kind="model", noun="stream", label="")
+    return version, header_size
+
+
+def read_header(data, *, total_size: int | None = None) -> StreamHeader:
+    """Parse and validate the header of a stream (``data`` may hold just the header).
+
+    ``total_size`` is the length of the whole stream when ``data`` holds only its beginning.
+    """
+    version, header_size = read_preamble(data)
+    end = PREAMBLE.size + header_size
+    if len(data) < end:
+        raise TruncatedStreamError(f"stream ends inside its header ({len(data)} of {end} bytes)")
+    stored_crc = struct.unpack("<I", bytes(data[end - 4:end]))[0]
+    if zlib.crc32(bytes(data[: end - 4])) != stored_crc:
+        raise CorruptStreamError("header checksum mismatch: the header is damaged")
+    total = len(data) if total_size is None else total_size
+    payload_size = total - end
+
+    body = _inflate_body(data, end)
+    r = _Reader(body, 0, len(body))
+    count, qp, qp_1d, qp_density, reserved = r.unpack(_SETTINGS, "settings")
+    if reserved:
+        raise FormatError(f"unknown settings byte 0x{reserved:02x}")
+    _check_qp_pair(qp, qp_density, "model qp")
+    _check_qp_pair(qp_1d, qp_density, "model qp_1d")
+    (meta_len,) = r.unpack(struct.Struct("<I"), "metadata size")
+    try:
+        metadata = json.loads(bytes(r.take(meta_len, "metadata")).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CorruptStreamError(f"metadata is not valid JSON: {exc}") from None
+    if not isinstance(metadata, dict):
+        raise CorruptStreamError("metadata must be a JSON object")
+    # Each entry takes at least 47 bytes: refuse counts the header cannot hold before looping.
+    if count > (r.end - r.pos) // 47:
+        raise CorruptStreamError(f"tensor count {count} does not fit in a {header_size}-byte header")
+
+    tensors: list[TensorEntry] = []
+    names: set[str] = set()
+    next_offset = 0
+    for i in range(count):
+        (name_len,) = r.unpack(struct.Struct("<H"), "name length")
+        try:
+            name = bytes(r.take(name_len, "name")).decode("utf-8")
+        except UnicodeDecodeError:
+            raise CorruptStreamError(f"tensor {i}: name is not UTF-8") from None
+        dtype, mode, coder, flags, ndim = r.unpack(_ENTRY_FIXED, "tensor type")
+        where = f"tensor {i} ({name!r})"
+        if name in names:
+            raise CorruptStreamError(f"{where}: a second tensor of the same name")
+        names.add(name)
+        try:
+            dtype, mode, coder = DType(dtype), Mode(mode), Coder(coder)
+        except ValueError as exc:
+            raise FormatError(f"{where}: {exc}") from None
+        if flags & ~_KNOWN_FLAGS:
+            raise FormatError(f"{where}: unknown flags 0x{flags:02x}")
+        if ndim > MAX_NDIM:
+            raise CorruptStreamError(f"{where}: {ndim} dimensions")
+        shape = struct.unpack(f"<{ndim}Q", bytes(r.take(8 * ndim, "shape")))
+        t_qp, t_density, coder_param, alias_of, chunk_elements, chunk_count = r.unpack(_ENTRY_QUANT, "coding parameters")
+        if chunk_count > (r.end - r.pos) // 4:
+            raise CorruptStreamError(f"{where}: chunk count {chunk_count} does not fit in the header")
+        chunk_sizes = list(struct.unpack(f"<{chunk_count}I", bytes(r.take(4 * chunk_count, "chunk sizes"))))
+        offset, size, crc = r.unpack(_ENTRY_TAIL, "payload location")
+        entry = TensorEntry(name, dtype, tuple(shape), mode, coder, flags, t_qp, t_density, alias_of,
+                            coder_param, chunk_elements, chunk_sizes, offset, size, crc)
+        if entry.min_version > version:
+            what = "linear prediction" if entry.is_linear else (
+                "coding mode " + mode.name if mode.min_version > version else "switching the column model off")
+            raise CorruptStreamError(f"{where}: {what} needs format version {entry.min_version}, "
+                                     f"the stream says {version}")
+        _validate_entry(entry, i, where, tensors, next_offset)
+        next_offset += entry.size
+        tensors.append(entry)
+    if r.pos != r.end:
+        raise CorruptStreamError(f"{r.end - r.pos} unexplained bytes at the end of the header")
+    if next_offset != payload_size:
+        if next_offset > payload_size:
+            raise TruncatedStreamError(f"truncated stream: the payload has {payload_size} bytes but the tensor "
+                                       f"table needs {next_offset}")
+        raise CorruptStreamError(f"{payload_size - next_offset} unexplained bytes after the last tensor")
+    return StreamHeader(version, qp, qp_1d, qp_density, metadata, tensors, end, next_offset)
+
+
+def _inflate_body(data, end: int) -> bytes:
+    if end - 4 < PREAMBLE.size + 4:
+        raise CorruptStreamError("header too short for its body")
+    (raw_size,) = struct.unpack("<I", bytes(data[PREAMBLE.size:PREAMBLE.size + 4]))
+    packed = bytes(data[PREAMBLE.size + 4:end - 4])
+    # A deflate stream expands at most ~1032x: refuse sizes the packed bytes cannot produce.
+    if raw_size > MAX_HEADER_SIZE or raw_size > 1100 * len(packed) + 64:
+        raise CorruptStreamError(f"implausible header body size {raw_size}")
+    inflater = zlib.decompressobj()
+    try:
+        body = inflater.decompress(packed, raw_size)
+    except zlib.error as exc:
+        raise CorruptStreamError(f"header body does not inflate: {exc}") from None
+    if len(body) != raw_size or inflater.unconsumed_tail or not inflater.eof or inflater.unused_data:
+        raise CorruptStreamError("header body size does not match its declared size")
+    return body
+
+
+def raw_chunk_elements(dtype: DType) -> int:
+    """Elements per chunk of a RAW tensor: chunk sizes are u32, so chunks stay below 1 GiB."""
+    return (1 << 30) // dtype.itemsize
+
+
+def _check_qp_pair(qp: int, qp_density: int, what: str) -> None:
+    if not (QP_MIN <= qp <= QP_MAX and 0 <= qp_density <= QP_DENSITY_MAX):
+        raise CorruptStreamError(f"{what} {qp} / qp_density {qp_density} out of range")
+    try:
+        step_from_qp(qp, qp_density)
+    except ValueError:
+        raise CorruptStreamError(f"{what} {qp} at qp_density {qp_density} has no usable step") from None
+
+
+def read_header_file(path) -> StreamHeader:
+    """Read and parse only the header of a stream file (the payload is not read)."""
+    try:
+        with open(path, "rb") as f:
+            total = os.fstat(f.fileno()).st_size
+            head = f.read(PREAMBLE.size)
+            _, header_size = read_preamble(head)
+            head += f.read(header_size)
+    except OSError as exc:
+        raise unreadable(path, exc) from None
+    return read_header(head, total_size=total)
+
+
+def _validate_entry(e: TensorEntry, index: int, where: str, earlier: list[TensorEntry], expected_offset: int) -> None:
+    for d in e.shape:
+        if d > MAX_DIM:
+            raise CorruptStreamError(f"{where}: dimension {d} is absurd")
+    numel = e.numel
+    if numel > MAX_DIM:
+        raise CorruptStreamError(f"{where}: {numel} elements is absurd")
+    if e.is_alias:
+        if e.alias_of >= index:
+            raise CorruptStreamError(f"{where}: aliases tensor {e.alias_of}, which does not precede it")
+        target = earlier[e.alias_of]
+        if target.is_alias or target.shape != e.shape or target.dtype != e.dtype:
+            raise CorruptStreamError(f"{where}: alias target {e.alias_of} does not match it")
+        if (e.size or e.chunk_sizes or e.coder_param or e.offset or e.crc32 or e.qp or e.qp_density
+                or e.chunk_elements or e.coder != Coder.NONE or e.mode != target.mode):
+            raise CorruptStreamError(f"{where}: an alias carries no payload and no coding parameters")
+        return
+    if e.alias_of != NO_ALIAS:
+        raise CorruptStreamError(f"{where}: alias index without the alias flag")
+    if e.offset != expected_offset:
+        raise CorruptStreamError(f"{where}: payload offset {e.offset}, expected {expected_offset}")
+    if sum(e.chunk_sizes) != e.size:
+        raise CorruptStreamError(f"{where}: chunk sizes do not add up to the payload size")
+    if e.mode == Mode.RAW:
+        if (e.coder != Coder.NONE or e.qp or e.qp_density or e.coder_param
+                or e.chunk_elements != raw_chunk_elements(e.dtype) or e.size != numel * e.dtype.itemsize):
+            raise CorruptStreamError(f"{where}: raw payload of {e.size} bytes does not match its shape and dtype")
+        chunks = -(-numel // e.chunk_elements)
+        if len(e.chunk_sizes) != chunks or any(
+                size != min(e.chunk_elements, numel - k * e.chunk_elements) * e.dtype.itemsize
+                for k, size in enumerate(e.chunk_sizes)):
+            raise CorruptStreamError(f"{where}: raw chunk sizes do not match its shape and dtype")
+        return
+    if e.coder != Coder.ADAPTIVE_SCALE:
+        raise FormatError(f"{where}: coding mode {e.mode.name} needs a level coder")
+    if e.mode.is_quantized:
+        if not e.dtype.is_float:
+            raise CorruptStreamError(f"{where}: quantization of a {e.dtype.name} tensor")
+        _check_qp_pair(e.qp, e.qp_density, f"{where}: qp")
+    elif e.dtype.is_float or e.dtype.is_complex:
+        raise CorruptStreamError(f"{where}: integer coding of a {e.dtype.name} tensor")
+    elif e.qp or e.qp_density:
+        raise CorruptStreamError(f"{where}: an integer tensor has no qp")
+    if (e.coder_param & ~SWITCH_BITS) > MAX_K_OFFSET:
+        raise CorruptStreamError(f"{where}: coder parameter 0x{e.coder_param:02x} out of range")
+    if e.coder_param & NO_COLUMNS_BIT and e.coder_param & (PREDICT_BIT | LINEAR_BIT):
+        raise CorruptStreamError(f"{where}: column model off, but column or linear prediction on")
+    level_chunks = e.chunk_sizes
+    if e.is_linear:
+        row = row_length(e.shape)
+        if e.mode != Mode.UNIFORM or e.coder_param & PREDICT_BIT:
+            raise CorruptStreamError(f"{where}: linear prediction with mode {e.mode.name} or column prediction")
+        if not MIN_COLUMNS <= row <= MAX_COLUMNS or e.chunk_elements % row:
+            raise CorruptStreamError(f"{where}: linear prediction over rows of {row} in chunks of {e.chunk_elements}")
+        if not e.chunk_sizes:
+            raise CorruptStreamError(f"{where}: linear prediction without its predictor")
+        level_chunks = e.chunk_sizes[1:]
+    # Small chunks would multiply the per-chunk slack of the allocation bound; writers use >= 2**19.
+    if e.chunk_elements < min(e.numel, MIN_CHUNK_ELEMENTS) or e.chunk_elements < 1:
+        raise CorruptStreamError(f"{where}: chunk size {e.chunk_elements} is below the minimum")
+    layout = layout_from_stream(e.shape, e.chunk_elements, e.coder_param)
+    if len(level_chunks) != layout.count:
+        raise CorruptStreamError(f"{where}: {len(level_chunks)} level chunks, but the shape needs {layout.count}")
+    for k, size in enumerate(level_chunks):
+        start, stop = layout.bounds(k)
+        if stop - start > max_elements_for_payload(size):
+            raise CorruptStreamError(f"{where}: chunk {k} claims {stop - start} levels in {size} bytes")

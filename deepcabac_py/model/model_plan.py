@@ -1,0 +1,242 @@
+"""How a whole model is coded: a plan per tensor, with the choices that look across tensors.
+
+:func:`plan_model` resolves the settings against the model once: importance (given, or structural),
+the bit allocation across tensors it implies, the BatchNorm treatment (statistics coded coarsely,
+weight and bias compensating) and the data-free bias correction (which tensor takes out which
+layer's mean output shift, once that layer's levels are known).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..errors import CheckpointError
+from ..io.checkpoint import Checkpoint, flatten, numpy_to_tensor, tensor_to_numpy
+from ..quant.steps import QP_MIN, step_from_qp
+from . import batchnorm
+from .allocation import allocate_qps
+from .container import FLAG_ALIAS, FLAG_TORCH, Coder, TensorEntry
+from .settings import EncodeSettings, lookup_qp
+from .structural_importance import BN_EPS, output_shift, shift_absorbers, structural_importance
+from .tensor_plan import TensorPlan, TensorPlanner, importance_array
+
+
+@dataclass
+class Shift:
+    """A layer's expected output shift (from its quantization error), taken out by another tensor:
+    ``target += factor * shift`` (:func:`~deepcabac_py.model.structural_importance.shift_absorbers`)."""
+
+    layer: str
+    mean_in: np.ndarray
+    target: str
+    factor: Any  # a number or one per channel
+
+
+@dataclass
+class ModelPlan:
+    """A plan per tensor (aliases included, in table order) and what the encoder needs besides."""
+
+    checkpoint: Checkpoint  # the model as it is coded (BatchNorm weight and bias compensated)
+    tensors: list[TensorPlan]
+    planner: TensorPlanner  # plans a tensor with the same resolved settings (the shift targets)
+    shifts: list[Shift]
+
+    @property
+    def shift_targets(self) -> set[str]:
+        return {sh.target for sh in self.shifts}
+
+    @property
+    def shift_layers(self) -> set[str]:
+        return {sh.layer for sh in self.shifts}
+
+    def take_out_shifts(self, decoded: Callable[[str], np.ndarray]) -> ModelPlan:
+        """The plan with every shift's target planned again from its values plus
+        ``factor * shift``, the shift measured on the layer's ``decoded`` values (float64, the
+        tensor's shape)."""
+        index = {p.name: i for i, p in enumerate(self.tensors)}
+        totals: dict[str, np.ndarray] = {}
+        for sh in self.shifts:
+            layer = self.tensors[index[sh.layer]]
+            delta = sh.factor * output_shift(layer.array, decoded(sh.layer), sh.mean_in)
+            totals[sh.target] = totals.get(sh.target, 0.0) + delta
+        tensors = list(self.tensors)
+        for target, delta in totals.items():
+            plan = self.tensors[index[target]]
+            values = plan.array.astype(np.float64) + delta
+            if not np.all(np.isfinite(values)):
+                continue
+            _, dtype_name, is_torch = tensor_to_numpy(self.checkpoint.tensors[target])
+            tensors[index[target]] = self.planner.plan(
+                target, numpy_to_tensor(values.astype(plan.array.dtype), dtype_name, is_torch))
+        return dataclasses.replace(self, tensors=tensors)
+
+
+def plan_model(model: Mapping[str, Any] | Checkpoint, settings: EncodeSettings) -> ModelPlan:
+    """Plan every tensor of ``model`` (a mapping of tensors or a :class:`Checkpoint`)."""
+    ckpt = model if isinstance(model, Checkpoint) else flatten(model)
+    # (the absorbers are found from the statistics as given, before any compensation)
+    absorbers = shift_absorbers(ckpt) if settings.bias_correction else {}
+    bn = _BatchNorms.find(ckpt, settings)
+    planner = _planner(ckpt, settings, bn.overrides(settings))
+    plans = [planner.plan(name, t) for name, t in ckpt.tensors.items()]
+    index = {p.name: i for i, p in enumerate(plans)}
+    for alias, target in ckpt.aliases.items():
+        base = plans[index[target]].entry
+        plans.append(TensorPlan(TensorEntry(name=alias, dtype=base.dtype, shape=base.shape, mode=base.mode,
+                                            coder=Coder.NONE, flags=FLAG_ALIAS | (base.flags & FLAG_TORCH),
+                                            alias_of=index[target]), None))
+    coded, plans, eps_modules = bn.compensate(ckpt, plans, planner)
+    return ModelPlan(coded, plans, planner, _shifts(ckpt, plans, absorbers, eps_modules))
+
+
+def _planner(ckpt: Checkpoint, settings: EncodeSettings, overrides_in: Mapping[str, int]) -> TensorPlanner:
+    """The planner of ``ckpt``'s tensors: importance resolved, the qps it allocates, variance floors."""
+    reference = None
+    if settings.structural:
+        importance = structural_importance(ckpt)
+        reference = 0.0  # importance 1 (a dense layer without BN) is the reference that gets qp itself
+    else:
+        importance = dict(settings.importance or {})
+    unknown = sorted(set(importance) - set(ckpt.tensors))
+    if unknown:
+        raise ValueError(f"importance names tensors the model does not have: {', '.join(unknown[:5])}")
+    overrides = dict(overrides_in)
+    if importance:
+        # Importance also allocates the bits across tensors; explicit overrides still win.
+        shapes = {name: tuple(int(d) for d in t.shape) for name, t in ckpt.tensors.items()}
+        allocated = allocate_qps({n: importance_array(v) for n, v in importance.items()}, shapes, settings.qp,
+                                 qp_density=settings.qp_density, qp_1d=settings.qp_1d_resolved, reference=reference)
+        overrides = {**{n: q for n, q in allocated.items() if lookup_qp(n, overrides) is None}, **overrides}
+    _floor_variance_steps(ckpt, overrides, overrides_in, settings)
+    return TensorPlanner(settings, overrides, importance)
+
+
+def _floor_variance_steps(ckpt: Checkpoint, overrides: dict[str, int], fixed: Mapping[str, int],
+                          settings: EncodeSettings) -> None:
+    """Keep every BatchNorm running variance above the eps it is added to from decoding to 0 (the
+    channel's scale would jump by sqrt(var / eps)): the step of a ``*.running_var`` tensor stays at
+    most a quarter of its smallest such variance, unless its qp is ``fixed`` (by the user or the
+    BatchNorm treatment). Allocation can give these tensors coarse steps."""
+    for name, t in ckpt.tensors.items():
+        if not name.endswith(".running_var") or lookup_qp(name, fixed) is not None:
+            continue
+        arr, dtype_name, _ = tensor_to_numpy(t)
+        if arr.ndim != 1 or dtype_name not in ("float32", "float64"):
+            continue
+        above = arr[np.isfinite(arr) & (arr > BN_EPS)]
+        if not above.size:
+            continue
+        bound = float(above.min()) / 4.0
+        chosen = lookup_qp(name, overrides)
+        chosen = settings.qp_1d_resolved if chosen is None else chosen
+        while chosen > QP_MIN and step_from_qp(chosen, settings.qp_density) > bound:
+            chosen -= 1
+        overrides[name] = chosen
+
+
+@dataclass
+class _BatchNorms:
+    """The BatchNorm layers that ``batchnorm_eps`` applies to, with their float tensors."""
+
+    eps: float | Mapping[str, float] | None
+    modules: list[str]
+    arrays: dict[str, np.ndarray]  # the 1-D float tensors a BatchNorm layer may own
+    kinds: dict[str, tuple[str, bool]]  # their (dtype, is_torch)
+
+    @classmethod
+    def find(cls, ckpt: Checkpoint, settings: EncodeSettings) -> _BatchNorms:
+        eps = settings.batchnorm_eps
+        if eps is None:
+            return cls(None, [], {}, {})
+        arrays, kinds = {}, {}
+        for name, t in ckpt.tensors.items():
+            if name.rsplit(".", 1)[-1] in batchnorm.TENSORS:
+                a, dtype, is_torch = tensor_to_numpy(t)
+                if dtype in ("float32", "float64") and a.ndim == 1:
+                    arrays[name], kinds[name] = a, (dtype, is_torch)
+        found = batchnorm.groups(arrays)
+        if isinstance(eps, Mapping):
+            unknown = sorted(set(eps) - set(found))
+            if unknown:
+                raise ValueError(f"batchnorm_eps names no BatchNorm layer of the model: {', '.join(unknown[:5])}")
+        modules = [m for m in found if batchnorm.eps_of(m, eps) is not None]
+        return cls(eps, modules, arrays, kinds)
+
+    def eps_of(self, module: str) -> float:
+        return batchnorm.eps_of(module, self.eps)
+
+    def overrides(self, settings: EncodeSettings) -> dict[str, int]:
+        """The user's qp overrides, and the coarse qps of the statistics the user did not set."""
+        user = settings.qp_overrides
+        out = dict(user)
+        for m in self.modules:
+            qps = batchnorm.statistics_qps(self.arrays[f"{m}.running_mean"], self.arrays[f"{m}.running_var"],
+                                           self.eps_of(m), settings.qp, settings.qp_density)
+            for stat, stat_qp in zip(batchnorm.STATISTICS, qps):
+                if lookup_qp(f"{m}.{stat}", user) is None:
+                    out[f"{m}.{stat}"] = stat_qp
+        return out
+
+    def compensate(self, ckpt: Checkpoint, plans: list[TensorPlan],
+                   planner: TensorPlanner) -> tuple[Checkpoint, list[TensorPlan], dict[str, float]]:
+        """The checkpoint and plans with each layer's weight and bias made up for its statistics
+        exactly as the stream will carry them, and the eps of every layer this applied to."""
+        by_name = {p.name: p for p in plans}
+        coded = {}
+        for m in self.modules:
+            stats = [by_name.get(f"{m}.{stat}") for stat in batchnorm.STATISTICS]
+            # (weight and bias may be kept exact: then the layer's function is kept to float rounding)
+            if all(p is not None and p.is_quantized for p in stats):
+                coded[m] = [np.asarray(p.quantized().dequantize(), dtype=np.float64) for p in stats]
+        if not coded:
+            return ckpt, plans, {}
+        # Weight and bias are planned with the settings every other tensor got (so nothing else
+        # changes, not even the steps that importance allocated).
+        tensors = dict(ckpt.tensors)
+        for m, (mean_c, var_c) in coded.items():
+            a = self.arrays
+            new = batchnorm.compensate(a[f"{m}.weight"], a[f"{m}.bias"], a[f"{m}.running_mean"],
+                                       a[f"{m}.running_var"], mean_c, var_c, self.eps_of(m))
+            if new is None:
+                raise CheckpointError(f"BatchNorm {m}: running_var must be finite and > -eps to code its statistics"
+                                      " coarsely (leave the layer out of batchnorm_eps)")
+            for suffix, value in zip(("weight", "bias"), new):
+                name = f"{m}.{suffix}"
+                dtype, is_torch = self.kinds[name]
+                tensors[name] = numpy_to_tensor(value.astype(dtype), dtype, is_torch)
+                by_name[name] = planner.plan(name, tensors[name])
+        return (dataclasses.replace(ckpt, tensors=tensors),
+                [by_name[p.name] if p.array is not None else p for p in plans],
+                {m: self.eps_of(m) for m in coded})
+
+
+def _shifts(ckpt: Checkpoint, plans: list[TensorPlan], absorbers: Mapping[str, tuple[np.ndarray, str]],
+            eps_modules: Mapping[str, float]) -> list[Shift]:
+    """The shifts to take out, where both the layer and the absorbing tensor are quantized (a tensor
+    kept exact stays exact) and the absorbing tensor is float32 or float64 (``ckpt``: the model as
+    given, before any BatchNorm compensation)."""
+    by_name = {p.name: p for p in plans}
+
+    def quantized(name: str) -> bool:
+        p = by_name.get(name)
+        return p is not None and p.is_quantized
+
+    out = []
+    for layer, (mean_in, target) in absorbers.items():
+        factor: Any = -1.0 if target.endswith(".bias") else 1.0
+        module = target.rsplit(".", 1)[0]
+        if target.endswith(".running_mean") and module in eps_modules:
+            # the statistics are coded coarsely and weight and bias compensate: the bias takes it,
+            # scaled as the BN scales its input
+            arrays = {s: tensor_to_numpy(ckpt.tensors[f"{module}.{s}"])[0].astype(np.float64)
+                      for s in ("weight", "running_var")}
+            factor = -arrays["weight"] / np.sqrt(np.maximum(arrays["running_var"], 0.0) + eps_modules[module])
+            target = f"{module}.bias"
+        if quantized(layer) and quantized(target) and by_name[target].array.dtype in (np.float32, np.float64):
+            out.append(Shift(layer, mean_in, target, factor))
+    return out
