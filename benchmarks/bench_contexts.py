@@ -1,6 +1,6 @@
 """Ablations of the level coder's design on all-MiniLM-L6-v2 at qp -32 (nearest rounding).
 
-Each row is one variant of deepcabac_py/_cabac_kernels.py, built by patching a copy of its source
+Each row is one variant of deepcabac_py/entropy/_cabac_kernels.py, built by patching a copy of its source
 (so the shipped kernel is the baseline and every variant differs from it in one idea). It prints the
 bytes of the 2-D weight tensors, their ratio to the baseline and to NNCodec's whole stream (if
 ``benchmarks/out/peer_minilm_qp-32.json`` from bench_minilm.py is there), and the kernel-only encode
@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
 import site
 import sys
 import tempfile
@@ -32,7 +31,7 @@ from deepcabac_py.entropy import levelcoder
 from deepcabac_py.quant.quantizers import quantize_nearest
 from deepcabac_py.quant.steps import step_from_qp
 
-KERNELS = Path(__file__).resolve().parents[1] / "deepcabac_py" / "_cabac_kernels.py"
+KERNELS = Path(__file__).resolve().parents[1] / "deepcabac_py" / "entropy" / "_cabac_kernels.py"
 OUT = Path(__file__).resolve().parent / "out"
 
 # --- source substitutions of the variants below the shipped one ----------------------------------
@@ -169,9 +168,8 @@ VARIANTS = {
 
 def load_variant(name: str, subs) -> object:
     src = KERNELS.read_text()
-    src = src.replace("from ._jit import inline_helper, kernel, scalar_helper",
-                      "import numba\nkernel = numba.njit(nogil=True)\nscalar_helper = numba.njit(inline='always')\n"
-                      "inline_helper = numba.njit(inline='always')")
+    src = src.replace("from .._jit import inline, kernel",
+                      "import numba\nkernel = numba.njit(nogil=True)\ninline = numba.njit(inline='always')")
     for old, new in subs:
         count = src.count(old)
         if count == 0:

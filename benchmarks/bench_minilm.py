@@ -486,7 +486,7 @@ def fmt_table(rows: list[list[str]]) -> str:
 def build_table(res: dict) -> str:
     peer, ours, n = res["nncodec"], res.get("ours"), res["n_params"]
     threads = list(ours["threads"]) if ours else []
-    header = ["all-MiniLM-L6-v2, qp %d" % res["qp"], "NNCodec 2.1.3 (1 thr)"] + \
+    header = [f"all-MiniLM-L6-v2, qp {res['qp']}", "NNCodec 2.1.3 (1 thr)"] + \
              [f"ours ({t} thr)" for t in threads]
     rows = [header]
 

@@ -232,7 +232,7 @@ def load_into(model, state: dict) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# Diagonal Fisher: the library's, or a plain-torch stand-in while deepcabac_py.rd does not exist
+# Diagonal Fisher: the library's, or a plain-torch stand-in where deepcabac_py.tuning.fisher does not exist
 # ----------------------------------------------------------------------------------------------
 
 def _fallback_diagonal_fisher(model, batches, loss_fn) -> dict[str, np.ndarray]:
@@ -584,10 +584,10 @@ def sweep(measure, qps: list[int], model: str, step: int, max_extend: int) -> li
 
 def peer_defaults(venv: str) -> dict:
     """NNCodec's compress() defaults for the settings we pass, read from its own signature."""
-    code = ("import sys, json, inspect; sys.path.insert(0, %r); import peer_nncodec as p; "
+    code = ("import sys, json, inspect; sys.path.insert(0, " + repr(str(HERE)) + "); import peer_nncodec as p; "
             "p._stub_torchvision(); from nncodec import nnc; "
             "d = {k: v.default for k, v in inspect.signature(nnc.compress).parameters.items()}; "
-            "print(json.dumps({k: d[k] for k in %r}))" % (str(HERE), sorted(PEER_SETTINGS)))
+            "print(json.dumps({k: d[k] for k in " + repr(sorted(PEER_SETTINGS)) + "}))")
     proc = subprocess.run([bm.nncodec_python(venv), "-c", code], capture_output=True, text=True,
                           env=dict(os.environ, **bm.SINGLE_THREAD_ENV))
     if proc.returncode != 0:
@@ -756,7 +756,7 @@ class Ours:
             kwargs.setdefault("bias_correction", False)  # as encode_recalibrated: the statistics are measured
         data, enc_times = bm.timed(lambda: dc.encode_model(weights, qp=qp, threads=t, **kwargs),
                                    self.args.repeats)
-        decoded, dec_times = bm.timed(lambda: dc.decode_model(data, threads=t), self.args.repeats)
+        decoded, dec_times = bm.timed(lambda d=data: dc.decode_model(d, threads=t), self.args.repeats)
         point = {"qp": qp, "bytes": len(data), "load1": load, "encode_s": statistics.median(enc_times),
                  "decode_s": statistics.median(dec_times), "encode_s_all": enc_times, "decode_s_all": dec_times,
                  **extra}

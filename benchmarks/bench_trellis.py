@@ -31,15 +31,16 @@ from deepcabac_py.quant.quantizers import DEFAULT_LAMBDA, quantize_nearest, quan
 from deepcabac_py.quant.reconstruct import dq_indices, reconstruct_f32_inplace  # noqa: E402
 from deepcabac_py.quant.steps import step_from_qp  # noqa: E402
 
-KERNEL = HERE.parent / "deepcabac_py" / "_rd_kernels.py"
+KERNEL = HERE.parent / "deepcabac_py" / "quant" / "_quantizer_kernels.py"
 
 
 def kernel_with_block(block_min: int):
     """The trellis kernels compiled with another BLOCK_MIN (no cache: a private copy)."""
     src = KERNEL.read_text()
-    src = ("import numba\nkernel = numba.njit(nogil=True)\ninline_helper = scalar_helper = numba.njit(inline='always')\n"
-           + src.replace("from ._jit import inline_helper, kernel, scalar_helper", "")
-           .replace("from ._cabac_kernels import", "from deepcabac_py._cabac_kernels import"))
+    src = ("import numba\nkernel = numba.njit(nogil=True)\ninline = numba.njit(inline='always')\n"
+           + src.replace("from .._jit import inline, kernel", "")
+           .replace("from ..entropy._cabac_kernels import", "from deepcabac_py.entropy._cabac_kernels import")
+           .replace("from ._reconstruct_kernels import", "from deepcabac_py.quant._reconstruct_kernels import"))
     assert "BLOCK_MIN = 256" in src, "the kernel's BLOCK_MIN line changed"
     mod = types.ModuleType(f"trellis_block_{block_min}")
     exec(compile(src.replace("BLOCK_MIN = 256", f"BLOCK_MIN = {block_min}"), mod.__name__, "exec"), mod.__dict__)

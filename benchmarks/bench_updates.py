@@ -29,10 +29,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fl_common as fc  # noqa: E402
 
+from deepcabac_py.updates import _update_kernels as K  # noqa: E402
 from deepcabac_py.updates import golomb  # noqa: E402
-from deepcabac_py.updates.messages import _update_kernels as K  # noqa: E402
-from deepcabac_py.updates.sparsify import ErrorFeedback, stc  # noqa: E402
 from deepcabac_py.updates.messages import UpdateSession, encode_sparse, read_update_header  # noqa: E402
+from deepcabac_py.updates.sparsify import ErrorFeedback, stc  # noqa: E402
 
 DENSITIES = (0.1, 0.01, 0.001)
 LOCAL_STEPS = 10

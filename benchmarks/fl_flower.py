@@ -37,14 +37,12 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fl_common as fc  # noqa: E402
 import fl_simulation as fs  # noqa: E402
-
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict  # noqa: E402
 from flwr.clientapp import ClientApp  # noqa: E402
 from flwr.serverapp import Grid, ServerApp  # noqa: E402
 from flwr.simulation import run_simulation  # noqa: E402
 
 from deepcabac_py.integrations.flower import DeepCabacStrategy, make_deepcabac_mod  # noqa: E402
-
 
 # --------------------------------------------------------------------------------------------------
 # client: runs in Flower's simulation actors (one process per CPU)

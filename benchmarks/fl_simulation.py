@@ -36,9 +36,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fl_common as fc  # noqa: E402
 
-from deepcabac_py.updates import golomb  # noqa: E402
 from deepcabac_py.updates.federated import FedClient, FedServer  # noqa: E402
-from deepcabac_py.updates.messages import decode_update, read_update_header  # noqa: E402
+from deepcabac_py.updates.messages import read_update_header  # noqa: E402
 
 CLIENTS = 20
 PARTICIPATION = 0.25

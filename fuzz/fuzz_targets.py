@@ -51,10 +51,10 @@ import zlib
 import numpy as np
 
 import deepcabac_py as dc
-from deepcabac_py.updates import messages as up
+from deepcabac_py.errors import DeepCabacError, UpdateMismatchError
 from deepcabac_py.io.files import load_checkpoint
 from deepcabac_py.model.container import MAGIC, PREAMBLE, read_header, write_header
-from deepcabac_py.errors import DeepCabacError, UpdateMismatchError
+from deepcabac_py.updates import messages as up
 
 
 class Finding(Exception):

@@ -18,11 +18,12 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-import deepcabac_py as dc  # noqa: E402
-from deepcabac_py.updates import messages as up  # noqa: E402
-from deepcabac_py.io.files import checkpoint_writer
-from deepcabac_py.io.checkpoint import flatten  # noqa: E402
 from fuzz_targets import BASE, unpack_model_stream  # noqa: E402
+
+import deepcabac_py as dc  # noqa: E402
+from deepcabac_py.io.checkpoint import flatten  # noqa: E402
+from deepcabac_py.io.files import checkpoint_writer
+from deepcabac_py.updates import messages as up  # noqa: E402
 
 CORPUS = HERE / "corpus"
 

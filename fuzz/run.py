@@ -47,23 +47,57 @@ def main(argv: list[str]) -> int:
         # The kernels run as plain Python: instrument them too, so that the fuzzer is guided by the
         # branches of the arithmetic decoders themselves (slow, but it sees inside the kernels).
         with atheris.instrument_imports(include=["deepcabac_py"]):
-            import deepcabac_py.model.encoder, deepcabac_py.model.decoder, deepcabac_py.model.levels, deepcabac_py.model.settings, deepcabac_py.model.tensor_plan, deepcabac_py.model.model_plan, deepcabac_py.model.parallel, deepcabac_py.model._planning_kernels, deepcabac_py.updates.messages, deepcabac_py.matrix.formats  # noqa: E401,F401
+            import deepcabac_py.cli.main
+            import deepcabac_py.cli.update
             import deepcabac_py.integrations.zarr_codec  # noqa: F401,F811
-            import deepcabac_py.model.report, deepcabac_py.cli.main, deepcabac_py.cli.update  # noqa: E401,F401
+            import deepcabac_py.matrix.formats
+            import deepcabac_py.model._planning_kernels
+            import deepcabac_py.model.decoder
+            import deepcabac_py.model.encoder  # noqa: E401,F401
+            import deepcabac_py.model.levels
+            import deepcabac_py.model.model_plan
+            import deepcabac_py.model.parallel
+            import deepcabac_py.model.report  # noqa: E401,F401
+            import deepcabac_py.model.settings
+            import deepcabac_py.model.tensor_plan
+            import deepcabac_py.updates.messages
     else:
         # Modules holding numba kernels (incl. codec, golomb, quantize) are not instrumented: numba
         # cannot compile instrumented bytecode. They are imported in dependency order so that the
         # Python parsers and validators around them are instrumented.
-        import deepcabac_py._jit, deepcabac_py.entropy._cabac_kernels, deepcabac_py.matrix._matrix_kernels  # noqa: E401,F401
-        import deepcabac_py.quant._quantizer_kernels, deepcabac_py.quant._reconstruct_kernels, deepcabac_py.updates._update_kernels  # noqa: E401,F401
-        import deepcabac_py.updates.golomb, deepcabac_py.quant.steps, deepcabac_py.quant.quantizers, deepcabac_py.quant.reconstruct  # noqa: E401,F401
+        import deepcabac_py._jit  # noqa: E401,F401
+        import deepcabac_py.entropy._cabac_kernels
+        import deepcabac_py.matrix._matrix_kernels
+        import deepcabac_py.quant._quantizer_kernels  # noqa: E401,F401
+        import deepcabac_py.quant._reconstruct_kernels
+        import deepcabac_py.quant.quantizers
+        import deepcabac_py.quant.reconstruct
+        import deepcabac_py.quant.steps
+        import deepcabac_py.updates._update_kernels
+        import deepcabac_py.updates.golomb  # noqa: E401,F401
         with atheris.instrument_imports(include=["deepcabac_py"]):
-            import deepcabac_py.errors, deepcabac_py.model.container, deepcabac_py.io.dtypes, deepcabac_py.entropy.levelcoder  # noqa: E401,F401
-            import deepcabac_py.io.checkpoint, deepcabac_py.io.files, deepcabac_py.io.dtypes, deepcabac_py.updates.sparsify, deepcabac_py.updates.messages  # noqa: E401,F401
-        import deepcabac_py.model.encoder, deepcabac_py.model.decoder, deepcabac_py.model.levels, deepcabac_py.model.settings, deepcabac_py.model.tensor_plan, deepcabac_py.model.model_plan, deepcabac_py.model.parallel, deepcabac_py.model._planning_kernels  # noqa: F401
+            import deepcabac_py.entropy.levelcoder
+            import deepcabac_py.errors  # noqa: E401,F401
+            import deepcabac_py.io.checkpoint  # noqa: E401,F401
+            import deepcabac_py.io.dtypes
+            import deepcabac_py.io.files
+            import deepcabac_py.model.container
+            import deepcabac_py.updates.messages
+            import deepcabac_py.updates.sparsify
+        import deepcabac_py.model._planning_kernels  # noqa: F401
+        import deepcabac_py.model.decoder
+        import deepcabac_py.model.encoder
+        import deepcabac_py.model.levels
+        import deepcabac_py.model.model_plan
+        import deepcabac_py.model.parallel
+        import deepcabac_py.model.settings
+        import deepcabac_py.model.tensor_plan
         with atheris.instrument_imports(include=["deepcabac_py"]):
-            import deepcabac_py.matrix.formats, deepcabac_py.integrations.zarr_codec  # noqa: E401,F401
-            import deepcabac_py.model.report, deepcabac_py.cli.main, deepcabac_py.cli.update  # noqa: E401,F401
+            import deepcabac_py.cli.main
+            import deepcabac_py.cli.update
+            import deepcabac_py.integrations.zarr_codec
+            import deepcabac_py.matrix.formats  # noqa: E401,F401
+            import deepcabac_py.model.report  # noqa: E401,F401
     if target.startswith("ckpt_pt"):
         # torch's weights-only unpickler is pure Python: instrumenting its opcode loop lets the
         # fuzzer steer through pickle opcodes instead of guessing blindly behind the zip framing.

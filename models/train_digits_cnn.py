@@ -12,15 +12,10 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
-
 from digits_cnn import (
     CHECKPOINT_PATH,
     EVAL_SET_PATH,
@@ -29,6 +24,9 @@ from digits_cnn import (
     DigitsCNN,
     accuracy,
 )
+from safetensors.torch import save_file
+from sklearn.datasets import load_digits
+from sklearn.model_selection import train_test_split
 
 SEED = 0
 EVAL_SIZE = 360  # 1797 images -> 1437 train / 360 eval

@@ -129,13 +129,3 @@ def ratio_words(ratio: float | None) -> str:
     if not ratio:
         return "-"
     return f"{ratio:.2f}x smaller" if ratio >= 1 else f"{1 / ratio:.2f}x larger"
-
-
-def param_count(ckpt) -> int:
-    total = 0
-    for t in ckpt.tensors.values():
-        n = 1
-        for d in t.shape:
-            n *= int(d)
-        total += n
-    return total

@@ -29,7 +29,6 @@ from .common import (
     checkpoint_path,
     echo_info,
     input_mode,
-    param_count,
     peek,
     ratio_words,
     read_input,
@@ -210,8 +209,8 @@ def encode(ctx, input, output, input_format, force, qp, qp_density, qp_1d, qp_te
            no_progress, quiet, verbose):
     """Compress a checkpoint (.pt/.pth/.bin, .safetensors, .npz) into a model stream."""
     from deepcabac_py.io.files import load_checkpoint
-    from deepcabac_py.model.encoder import encode_model
     from deepcabac_py.model.decoder import read_stream_header
+    from deepcabac_py.model.encoder import encode_model
 
     settings = _encode_settings(qp, qp_density, qp_1d, qp_tensor, exact, exact_all, quantizer, lambda_scale,
                                 importance, bn_eps, bias_correction)
@@ -239,7 +238,7 @@ def encode(ctx, input, output, input_format, force, qp, qp_density, qp_1d, qp_te
                 except ValueError as exc:  # the budget cannot be met
                     raise InputError(str(exc)) from None
             else:
-                with _progress(param_count(ckpt), "encode", not (quiet or no_progress)) as update:
+                with _progress(ckpt.numel, "encode", not (quiet or no_progress)) as update:
                     data = encode_model(ckpt, threads=threads, progress=update, **settings)
         except TypeError as exc:  # an unsupported tensor type inside the checkpoint
             raise InputError(str(exc)) from None
@@ -370,7 +369,7 @@ def report(input, as_json, input_format, show_formats, qp, qp_density, qp_1d, qp
                                         lambda_scale, importance, bn_eps, bias_correction)
             with checkpoint_path(input, input_format, raw) as path:
                 original = load_checkpoint(path, input_format)
-            params = param_count(original)
+            params = original.numel
             with _progress(2 * params, "report", not (quiet or no_progress)) as update:
                 try:
                     data = encode_model(original, threads=threads, progress=update, **settings)

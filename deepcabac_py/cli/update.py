@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+from typing import Any
 
 import click
 
@@ -112,7 +113,7 @@ def update_report_dict(message: bytes) -> dict:
     from deepcabac_py.updates.messages import UpdateCoder, decode_update, read_update_header
 
     h = read_update_header(message)
-    rep = {"round": h.round, "parent_round": h.parent_round, "parent_sha256": h.parent_hash.hex(),
+    rep: dict[str, Any] = {"round": h.round, "parent_round": h.parent_round, "parent_sha256": h.parent_hash.hex(),
            "session_id": h.session_id, "session_seq": h.session_seq, "coder": h.coder.name.lower(),
            "bytes": h.total_size, "header_bytes": h.header_size + 4, "payload_bytes": h.payload_size, "nnz": h.nnz,
            "bits_per_nonzero": 8 * h.payload_size / h.nnz if h.nnz else 0.0,
@@ -125,7 +126,7 @@ def update_report_dict(message: bytes) -> dict:
         gbits = 0
         ternary = True
         for e in h.entries:
-            t = upd.tensors[e.name]
+            t = upd.tensors[e.name if e.name is not None else h.table[e.index][0]]
             levels = t.levels if hasattr(t, "levels") else t
             if e.maxabs != 1:
                 ternary = False

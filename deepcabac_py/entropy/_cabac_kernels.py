@@ -1,6 +1,6 @@
 """Numba kernels of the level coder: a binary arithmetic coder with adaptive contexts.
 
-Private: call them through :mod:`deepcabac_py.levelcoder`, which validates every argument. The
+Private: call them through :mod:`deepcabac_py.entropy.levelcoder`, which validates every argument. The
 bitstream they produce is specified in ``docs/format.md`` ("Level substreams"); the plain-Python
 reference in ``tests/reference_coder.py`` must produce the same bytes.
 

@@ -1,10 +1,11 @@
-"""Numba passes of the linear prediction across columns (see :mod:`deepcabac_py.linear_prediction`).
+"""Numba passes of the linear prediction across columns (see :mod:`.linear_prediction`).
 
 Private: call them through ``linear_prediction``, which validates every argument. The sums of
 products themselves are BLAS matrix products over integer-valued floats, exact because the caller
 has checked that the magnitudes stay below 2**24 (float32) or 2**53 (float64); these passes gather,
-add the products within a block of pivots (in the same exact float arithmetic) and round. ``docs/format.md`` ("Linear prediction") specifies the
-arithmetic; ``tests/test_linear_prediction.py`` holds a plain-Python reference.
+add the products within a block of pivots (in the same exact float arithmetic) and round.
+``docs/format.md`` ("Linear prediction") specifies the arithmetic; ``tests/test_linear_prediction.py``
+holds a plain-Python reference.
 """
 
 import numpy as np

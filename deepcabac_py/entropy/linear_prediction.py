@@ -5,8 +5,8 @@ column per model dimension) a third of the dimensions predict the others well. T
 ``m`` pivot columns, predicts each pivot from the pivots chosen before it and every other column
 from all pivots, with integer coefficients fitted by least squares on a sample of rows, and codes
 the residuals (pivots first) instead of the levels. The decoder rebuilds a row's pivots in order,
-then the other columns. On all-MiniLM-L6-v2's word embedding this saves 2% of that tensor,
-coefficients included (``docs/format.md`` §4.2 specifies the bytes and the arithmetic).
+then the other columns (``docs/format.md`` §4.2 specifies the bytes and the arithmetic; what it saves
+and the variants measured: ``docs/design-notes.md``).
 
 Only tall matrices qualify (the coefficients are side information and the fit needs samples), only
 under nearest rounding and RDOQ (the trellis codes each block as it chooses its levels), and only
@@ -135,10 +135,11 @@ class LinearPredictor:
                 acc = self._float[j0:j1, :j0] @ xpt[:j0]
             else:
                 acc = np.zeros((j1 - j0, res.shape[0]), dtype=dtype)
-            status = _linear_kernels.rebuild_pivots(res, j0, j1, acc, self._float, self.intercepts, self.frac_bits, self.pivots,
-                                        self.pivot_bound, x, xpt)
+            status = _linear_kernels.rebuild_pivots(res, j0, j1, acc, self._float, self.intercepts, self.frac_bits,
+                                                    self.pivots, self.pivot_bound, x, xpt)
             if status != _linear_kernels.OK:
-                raise CorruptStreamError(f"linear prediction: a pivot level exceeds the declared bound {self.pivot_bound}")
+                raise CorruptStreamError(
+                    f"linear prediction: a pivot level exceeds the declared bound {self.pivot_bound}")
         acc = xpt.T @ self._float[m:].T
         status = _linear_kernels.rebuild_rest(res, m, acc, self.intercepts, self.frac_bits, self.order, x)
         if status != _linear_kernels.OK:

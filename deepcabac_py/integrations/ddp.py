@@ -13,7 +13,7 @@ For every gradient bucket of a step, each rank
 
 1. adds its error-feedback residual to its local gradient, parameter by parameter (the residual is
    kept per parameter, so it survives DDP rebuilding its buckets after the first iteration);
-2. sparsifies each parameter's slice with :func:`~deepcabac_py.sparsify.sparsify` (``"stc"``: top-k,
+2. sparsifies each parameter's slice with :func:`~deepcabac_py.updates.sparsify.sparsify` (``"stc"``: top-k,
    ternary; ``"sbc"``: binary, one sign per tensor) at ``density``;
 3. codes the bucket as one table-less update message (:func:`~deepcabac_py.updates.encode_sparse`;
    the bucket's layout plays the parent model) with our arithmetic coder (``"cabac"``, contexts and
@@ -36,6 +36,7 @@ traffic a rank *receives* grows faster than with all-reduce; on two ranks the tw
 # No ``from __future__ import annotations``: DDP's register_comm_hook compares the hook's annotations
 # with the real objects (dist.GradBucket, torch.futures.Future[torch.Tensor]) and refuses strings.
 import hashlib
+import math
 import struct
 from collections import deque
 from collections.abc import Sequence
@@ -48,8 +49,8 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from ..errors import CorruptStreamError, UpdateMismatchError
-from ..updates.sparsify import ErrorFeedback, SparseTensor, reconstruct, sparsify
 from ..updates.messages import UpdateSession, _Tensor, decode_update, encode_sparse, read_update_header
+from ..updates.sparsify import ErrorFeedback, SparseTensor, reconstruct, sparsify
 
 METHODS = ("stc", "sbc")
 CODERS = ("cabac", "golomb")
@@ -84,18 +85,18 @@ class BucketLayout:
         if len(self.shapes) != len(self.offsets) or not self.shapes:
             raise ValueError("a bucket layout needs one offset per shape and at least one shape")
         for shape, off in zip(self.shapes, self.offsets):
-            if off < 0 or off + _numel(shape) > self.numel:
+            if off < 0 or off + math.prod(shape) > self.numel:
                 raise ValueError(f"a gradient of shape {shape} at offset {off} does not fit a bucket of {self.numel}")
 
     @classmethod
     def contiguous(cls, shapes: Sequence[Sequence[int]]) -> "BucketLayout":
         """The layout of gradients packed one after the other."""
-        shapes = tuple(tuple(int(d) for d in s) for s in shapes)
+        exact = tuple(tuple(int(d) for d in s) for s in shapes)
         offsets, off = [], 0
-        for s in shapes:
+        for s in exact:
             offsets.append(off)
-            off += _numel(s)
-        return cls(shapes, tuple(offsets), off)
+            off += math.prod(s)
+        return cls(exact, tuple(offsets), off)
 
     @classmethod
     def of(cls, bucket) -> "BucketLayout":
@@ -136,11 +137,7 @@ class BucketLayout:
 
     def segments(self, flat: np.ndarray) -> list[np.ndarray]:
         """Views of each gradient in the flat bucket ``flat``, shaped."""
-        return [flat[o:o + _numel(s)].reshape(s) for s, o in zip(self.shapes, self.offsets)]
-
-
-def _numel(shape) -> int:
-    return int(np.prod(shape, dtype=np.int64)) if shape else 1
+        return [flat[o:o + math.prod(s)].reshape(s) for s, o in zip(self.shapes, self.offsets)]
 
 
 def _check_sparse(sparse: Sequence[SparseTensor], layout: BucketLayout) -> None:
@@ -205,7 +202,7 @@ def decode_bucket(data, layout: BucketLayout, *, session: UpdateSession | None =
     out = np.zeros(layout.numel, dtype=np.float32)
     segments = dict(zip(layout.names, layout.segments(out)))
     for name, tensor in update.tensors.items():
-        segments[name][...] = tensor.values()
+        segments[name][...] = tensor.values() if isinstance(tensor, SparseTensor) else tensor
     return out
 
 
@@ -222,6 +219,7 @@ class StepBytes:
     sent: int  # bytes passed to collectives: lengths and padded messages, or dense buckets in warm-up
     payload: int  # the messages themselves (no padding, no lengths); the buckets' bytes in warm-up
     dense_fp32: int  # what a dense float32 all-reduce would have passed: 4 bytes per element
+    dense: int  # what a dense all-reduce in the gradients' own dtype passes (2 bytes per element in bf16)
     compressed: bool
 
 
@@ -278,18 +276,24 @@ class DeepCabacState:
         self._codings: dict[int, _BucketCoding] = {}
         self._param_keys: dict[int, str] = {}
         self._params: dict[int, torch.Tensor] = {}  # keeps each id() above bound to its parameter
-        self._step = [0, 0, 0, False]  # sent, payload, dense_fp32, compressed: of the step in progress
-        self._totals = {"steps": 0, "compressed_steps": 0, "bytes_sent": 0, "payload_bytes": 0, "dense_fp32_bytes": 0}
+        # of the step in progress: bytes sent, payload, dense fp32, dense in the gradients' dtype; whether a
+        # bucket was coded
+        self._step_bytes = [0, 0, 0, 0]
+        self._step_compressed = False
+        self._totals = {"steps": 0, "compressed_steps": 0, "bytes_sent": 0, "payload_bytes": 0, "dense_fp32_bytes": 0,
+                        "dense_bytes": 0}
 
     # -- reports ------------------------------------------------------------------------------------
 
     def stats(self) -> dict[str, float | int]:
         """Totals over every finished step, and bytes per step: ``ratio`` is dense fp32 over sent."""
-        t = dict(self._totals)
+        t: dict[str, float | int] = dict(self._totals)
         steps = t["steps"]
         t["bytes_per_step"] = t["bytes_sent"] / steps if steps else 0.0
         t["dense_fp32_bytes_per_step"] = t["dense_fp32_bytes"] / steps if steps else 0.0
         t["ratio"] = t["dense_fp32_bytes"] / t["bytes_sent"] if t["bytes_sent"] else 0.0
+        t["dense_bytes_per_step"] = t["dense_bytes"] / steps if steps else 0.0
+        t["ratio_vs_dense"] = t["dense_bytes"] / t["bytes_sent"] if t["bytes_sent"] else 0.0
         return t
 
     @property
@@ -329,21 +333,22 @@ class DeepCabacState:
         self._codings[index] = coding
         return coding
 
-    def _record(self, bucket, sent: int, payload: int, dense_fp32: int, compressed: bool) -> None:
-        self._step[0] += sent
-        self._step[1] += payload
-        self._step[2] += dense_fp32
-        self._step[3] = self._step[3] or compressed
+    def _record(self, bucket, sent: int, payload: int, compressed: bool) -> None:
+        buffer = bucket.buffer()
+        for i, n in enumerate((sent, payload, 4 * buffer.numel(), buffer.element_size() * buffer.numel())):
+            self._step_bytes[i] += n
+        self._step_compressed = self._step_compressed or compressed
         if bucket.is_last():  # DDP's last bucket of the step (PowerSGD counts iterations the same way)
-            sent, payload, dense, compressed = self._step
-            self.log.append(StepBytes(self.iter, sent, payload, dense, compressed))
+            (sent, payload, dense_fp32, dense), compressed = self._step_bytes, self._step_compressed
+            self.log.append(StepBytes(self.iter, sent, payload, dense_fp32, dense, compressed))
             t = self._totals
             t["steps"] += 1
             t["compressed_steps"] += int(compressed)
             t["bytes_sent"] += sent
             t["payload_bytes"] += payload
-            t["dense_fp32_bytes"] += dense
-            self._step = [0, 0, 0, False]
+            t["dense_fp32_bytes"] += dense_fp32
+            t["dense_bytes"] += dense
+            self._step_bytes, self._step_compressed = [0, 0, 0, 0], False
             self.iter += 1
 
 
@@ -357,7 +362,7 @@ def deepcabac_hook(state: DeepCabacState, bucket: dist.GradBucket) -> torch.futu
     if state.iter < state.warmup_steps:
         nbytes = buffer.numel() * buffer.element_size()
         fut = allreduce_hook(group, bucket)
-        state._record(bucket, nbytes, nbytes, 4 * buffer.numel(), compressed=False)
+        state._record(bucket, nbytes, nbytes, compressed=False)
         return fut
 
     rank, world = dist.get_rank(group), dist.get_world_size(group)
@@ -376,9 +381,9 @@ def deepcabac_hook(state: DeepCabacState, bucket: dist.GradBucket) -> torch.futu
     own = bucket_values(sent, layout)
 
     device = buffer.device
-    lengths = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
-    dist.all_gather(lengths, torch.tensor([len(message)], dtype=torch.int64, device=device), group=group)
-    lengths = [int(n.item()) for n in lengths]
+    announced = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
+    dist.all_gather(announced, torch.tensor([len(message)], dtype=torch.int64, device=device), group=group)
+    lengths = [int(n.item()) for n in announced]
     limit = _MAX_MESSAGE_BYTES_PER_ELEMENT * layout.numel + _MAX_MESSAGE_OVERHEAD
     for r, n in enumerate(lengths):
         if not 0 < n <= limit:
@@ -388,7 +393,7 @@ def deepcabac_hook(state: DeepCabacState, bucket: dist.GradBucket) -> torch.futu
     padded[:len(message)] = torch.frombuffer(bytearray(message), dtype=torch.uint8)
     received = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(world)]
     work = dist.all_gather(received, padded.to(device), group=group, async_op=True)
-    state._record(bucket, LENGTH_BYTES + longest, len(message), 4 * layout.numel, compressed=True)
+    state._record(bucket, LENGTH_BYTES + longest, len(message), compressed=True)
 
     def average(fut: torch.futures.Future) -> torch.Tensor:
         fut.wait()

@@ -8,7 +8,7 @@ Two pieces that work together:
   one update message (STC/SBC levels against the global model, error feedback, our coder with a
   session) that travels as bytes.
 * :class:`DeepCabacStrategy`, a server strategy (a :class:`flwr.serverapp.strategy.FedAvg` whose
-  transport and aggregation are those of :class:`deepcabac_py.federated.FedServer`): it decodes the
+  transport and aggregation are those of :class:`deepcabac_py.updates.federated.FedServer`): it decodes the
   updates, averages them, re-sparsifies the mean with its own error feedback and sends every sampled
   client only the downstream messages it missed (or the full model and a session snapshot when
   that is smaller, or when the client is new).
@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 from flwr.app import (
@@ -58,12 +58,12 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 from flwr.serverapp.strategy.strategy_utils import sample_nodes
 
+from ..errors import DeepCabacError, FormatError, UpdateMismatchError
 from ..model.decoder import decode_checkpoint
 from ..model.encoder import encode_model
-from ..errors import DeepCabacError, UpdateMismatchError
 from ..updates.federated import CatchUp, FedClient, FedServer, check_server_lr
-from ..updates.sparsify import METHODS
 from ..updates.messages import UpdateSession, model_hash, read_update_header
+from ..updates.sparsify import METHODS
 
 __all__ = ["KEY", "DeepCabacStrategy", "deepcabac_mod", "make_deepcabac_mod"]
 
@@ -72,6 +72,7 @@ STATE = f"{KEY}.state"  # the ConfigRecord the mod keeps in the client's context
 _CODERS = ("cabac", "golomb")
 
 # A child of Flower's logger: our lines come out with Flower's own formatting and level.
+_T = TypeVar("_T")
 _log = logging.getLogger("flwr.deepcabac")
 
 
@@ -95,7 +96,18 @@ def _pack(model: Mapping[str, np.ndarray]) -> bytes:
 
 
 def _unpack(data) -> dict[str, np.ndarray]:
-    return dict(decode_checkpoint(bytes(data), threads=1).tensors)
+    # (a stream packed from numpy arrays decodes to numpy arrays)
+    return {k: np.asarray(v) for k, v in decode_checkpoint(bytes(data), threads=1).tensors.items()}
+
+
+def _field(cfg: ConfigRecord, key: str, kind: type[_T]) -> _T:
+    """``cfg[key]`` if it holds a ``kind`` (the strategy and the Mod write them), else FormatError."""
+    value = cfg[key]
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise FormatError(f"deepcabac: config field {key!r} holds {type(value).__name__}, not {kind.__name__}")
+    return value
 
 
 def _session_from(blob: bytes) -> UpdateSession | None:
@@ -105,21 +117,23 @@ def _session_from(blob: bytes) -> UpdateSession | None:
 def _load_client(state: RecordDict, cfg: ConfigRecord) -> tuple[FedClient, list[str]] | None:
     """The client as the previous round left it, under the settings the server sends now."""
     saved = state.config_records.get(STATE)
-    if saved is None or int(saved["client-id"]) != int(cfg["client-id"]):
+    if saved is None or _field(saved, "client-id", int) != _field(cfg, "client-id", int):
         return None  # first contact, or the server gave this node another identity: start over
-    model = _unpack(saved["model"])
+    model = _unpack(_field(saved, "model", bytes))
     client = _new_client(cfg, model)
-    client.round = int(saved["round"])
-    client.up_session = _session_from(saved["up-session"])
-    client.down_session = _session_from(saved["down-session"])
+    client.round = _field(saved, "round", int)
+    client.up_session = _session_from(_field(saved, "up-session", bytes))
+    client.down_session = _session_from(_field(saved, "down-session", bytes))
     if client.feedback is not None and "residual" in saved:
-        client.feedback.residual = {k: v.astype(np.float64) for k, v in _unpack(saved["residual"]).items()}
+        residual = _unpack(_field(saved, "residual", bytes))
+        client.feedback.residual = {k: v.astype(np.float64) for k, v in residual.items()}
     return client, list(model)
 
 
 def _new_client(cfg: ConfigRecord, model: Mapping[str, Any]) -> FedClient:
-    return FedClient(int(cfg["client-id"]), model, density=float(cfg["density"]), method=str(cfg["method"]),
-                     coder=str(cfg["coder"]), feedback=bool(cfg["feedback"]))
+    return FedClient(_field(cfg, "client-id", int), model, density=_field(cfg, "density", float),
+                     method=_field(cfg, "method", str), coder=_field(cfg, "coder", str),
+                     feedback=_field(cfg, "feedback", bool))
 
 
 def _save_client(state: RecordDict, client: FedClient, order: list[str]) -> None:
@@ -139,30 +153,31 @@ def _sync(state: RecordDict, cfg: ConfigRecord,
           initial: Callable[[], Mapping[str, Any]] | Mapping[str, Any] | None) -> tuple[FedClient, list[str]]:
     """Bring the client to the server's round with what the message carries."""
     loaded = _load_client(state, cfg)
-    target = int(cfg["round"])
+    target = _field(cfg, "round", int)
     if "model" in cfg:  # full download: the model and the downstream session
-        model = _unpack(cfg["model"])
+        model = _unpack(_field(cfg, "model", bytes))
         client = loaded[0] if loaded is not None else _new_client(cfg, model)
         order = list(model)
-        client.sync(CatchUp([], model, bytes(cfg["snapshot"]), round=target))
+        client.sync(CatchUp([], model, _field(cfg, "snapshot", bytes), round=target))
     else:
         if loaded is None:
             if initial is None:
                 raise UpdateMismatchError(
                     "deepcabac_mod: the server assumes this client holds the initial model "
                     "(clients_hold_initial=True) but none was given: use make_deepcabac_mod(initial=...)")
-            model = initial() if callable(initial) else initial
-            loaded = (_new_client(cfg, model), list(model.keys()))
+            given = initial() if callable(initial) else initial
+            loaded = (_new_client(cfg, given), list(given.keys()))
         client, order = loaded
         # The server counts a client as synchronised only when its reply arrives; after a lost reply
         # it resends messages this client already applied (its sessions moved on with them).
-        messages = [bytes(m) for m in cfg.get("messages", []) if read_update_header(m).round > client.round]
+        sent = _field(cfg, "messages", list) if "messages" in cfg else []
+        messages = [bytes(m) for m in sent if read_update_header(m).round > client.round]
         client.sync(CatchUp(messages, round=target))
-    if model_hash(client.model) != bytes(cfg["model-hash"]):
+    if model_hash(client.model) != _field(cfg, "model-hash", bytes):
         raise UpdateMismatchError(
             f"deepcabac_mod: after applying round {target} this client's model differs from the server's "
             "(with clients_hold_initial=True: is make_deepcabac_mod's initial model the server's?)")
-    up_seq = int(cfg["up-seq"])
+    up_seq = _field(cfg, "up-seq", int)
     if client.up_session is not None and client.up_session.seq != up_seq:
         # An upstream message was lost after this client coded it: both ends restart the stream
         # (the server does the same when a message starts a session it had advanced).
@@ -174,7 +189,7 @@ def make_deepcabac_mod(initial: Callable[[], Mapping[str, Any]] | Mapping[str, A
     """A :func:`deepcabac_mod` for clients that already hold the initial model.
 
     With ``DeepCabacStrategy(clients_hold_initial=True)`` a new client downloads only the
-    messages since round 0 (as in :mod:`deepcabac_py.federated`, where every client starts from the
+    messages since round 0 (as in :mod:`deepcabac_py.updates.federated`, where every client starts from the
     same model) instead of the full model; ``initial`` is that model (a flat mapping of tensors or
     a function returning one, e.g. the network built from a shared seed). The server's model hash
     is checked after the update is applied, so a different initial model is refused.
@@ -200,7 +215,7 @@ def _run_mod(msg: Message, context: Context, call_next, initial) -> Message:
         return call_next(msg, context)
     cfg = msg.content.config_records[KEY]
     client, order = _sync(context.state, cfg, initial)
-    arrays_key = str(cfg["arrays-key"])
+    arrays_key = _field(cfg, "arrays-key", str)
     # What the user's function sees is exactly a FedAvg message: the model and the other records.
     inner = RecordDict({k: v for k, v in msg.content.items() if k not in (KEY, arrays_key)})
     inner[arrays_key] = _array_record(client.model, order)
@@ -210,7 +225,7 @@ def _run_mod(msg: Message, context: Context, call_next, initial) -> Message:
         if reply.has_error():
             return reply
         category = msg.metadata.message_type.split(".")[0]
-        out = {"client-id": client.client_id, "round": client.round}
+        out: dict[str, Any] = {"client-id": client.client_id, "round": client.round}
         if category == MessageType.TRAIN:
             out["update"] = _upstream(client, reply.content)
         reply.content[KEY] = ConfigRecord(out)
@@ -249,7 +264,7 @@ class DeepCabacStrategy(FedAvg):
     sessions; ``"golomb"``: the STC papers' position code, ternary levels only, so integer tensors
     may move by at most 1 a round), ``feedback`` (error feedback on both ends) and
     ``keep_messages`` and ``server_lr`` (a server learning rate: the averaged update is scaled by it
-    before it is re-sparsified) are those of :class:`~deepcabac_py.federated.FedServer`.
+    before it is re-sparsified) are those of :class:`~deepcabac_py.updates.federated.FedServer`.
     ``clients_hold_initial`` lets new clients build their model from the messages since round 0
     (their mod needs ``make_deepcabac_mod(initial=...)``); otherwise a new client downloads the full
     model once. ``client_ids`` maps Flower node ids to small integers (the session ids; by default
@@ -260,7 +275,7 @@ class DeepCabacStrategy(FedAvg):
     Every other keyword goes to :class:`~flwr.serverapp.strategy.FedAvg`.
 
     Traffic is in :attr:`traffic` (totals) and :attr:`rounds` (one entry per round); the byte
-    counts are those of :mod:`deepcabac_py.federated` (messages, or fp32 model plus snapshot),
+    counts are those of :mod:`deepcabac_py.updates.federated` (messages, or fp32 model plus snapshot),
     comparable with ``benchmarks/fl_simulation.py``.
     """
 
@@ -313,6 +328,13 @@ class DeepCabacStrategy(FedAvg):
 
     # -- state -------------------------------------------------------------------------------------
 
+    @property
+    def _fed(self) -> FedServer:
+        """The server side of the federated round (made by ``start`` or the first configure call)."""
+        if self.server is None:
+            raise RuntimeError("DeepCabacStrategy: the federated server is made by start() or configure_train()")
+        return self.server
+
     def _ensure_server(self, arrays: ArrayRecord) -> FedServer:
         if self.server is None:
             self._order = list(arrays.keys())
@@ -330,13 +352,13 @@ class DeepCabacStrategy(FedAvg):
         return cid
 
     def _model_hash(self) -> bytes:
-        if self._hash is None or self._hash[0] != self.server.round:
-            self._hash = (self.server.round, model_hash(self.server.model))
+        if self._hash is None or self._hash[0] != self._fed.round:
+            self._hash = (self._fed.round, model_hash(self._fed.model))
         return self._hash[1]
 
     def global_arrays(self) -> ArrayRecord:
         """The current global model as an ArrayRecord, in the initial model's key order."""
-        return _array_record(self.server.model, self._order)
+        return _array_record(self._fed.model, self._order)
 
     def _round_entry(self, server_round: int) -> dict[str, int]:
         if not self.rounds or self.rounds[-1]["round"] != server_round:
@@ -362,7 +384,7 @@ class DeepCabacStrategy(FedAvg):
         return sorted(chosen)
 
     def _message(self, node: int, config: ConfigRecord, message_type: str, server_round: int) -> Message:
-        server = self.server
+        server = self._fed
         cid = self._client_id(node)
         known = self._node_round.get(node)
         if known is None and not self.clients_hold_initial:
@@ -395,7 +417,7 @@ class DeepCabacStrategy(FedAvg):
         if self.fraction_train == 0.0 and self.sample_fn is None:
             return []
         nodes = self._sample(grid, server_round, self.fraction_train, self.min_train_nodes)
-        _log.info("configure_train: %d nodes, global model at round %d", len(nodes), self.server.round)
+        _log.info("configure_train: %d nodes, global model at round %d", len(nodes), self._fed.round)
         config["server-round"] = server_round
         return [self._message(n, config, MessageType.TRAIN, server_round) for n in nodes]
 
@@ -415,15 +437,15 @@ class DeepCabacStrategy(FedAvg):
     def _note_round(self, msg: Message) -> None:
         cfg = msg.content.config_records.get(KEY)
         if cfg is not None and "round" in cfg:
-            self._node_round[msg.metadata.src_node_id] = int(cfg["round"])
+            self._node_round[msg.metadata.src_node_id] = _field(cfg, "round", int)
 
     def _receive(self, cid: int, data: bytes) -> None:
         header = read_update_header(data)
-        session = self.server.up_sessions.get(cid)
+        session = self._fed.up_sessions.get(cid)
         if session is not None and header.session_id and header.session_seq == 0 and session.seq != 0:
             # the client restarted its stream after a lost message (see _sync): so do we
-            self.server.up_sessions[cid] = UpdateSession(session.session_id)
-        self.server.receive(cid, data)
+            self._fed.up_sessions[cid] = UpdateSession(session.session_id)
+        self._fed.receive(cid, data)
 
     def aggregate_train(self, server_round: int,
                         replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
@@ -438,7 +460,7 @@ class DeepCabacStrategy(FedAvg):
                 _log.warning("aggregate_train: node %d replied without a deepcabac update (is deepcabac_mod among "
                              "its ClientApp's mods?)", node)
                 continue
-            data = bytes(cfg["update"])
+            data = _field(cfg, "update", bytes)
             self._count(server_round, up=len(data), wire_up=_wire_size(msg) if self.measure_wire else 0)
             entries.append((self._client_id(node), node, data, msg))
         # The mean is summed in client order: the same clients give the same bits whatever order
@@ -455,7 +477,7 @@ class DeepCabacStrategy(FedAvg):
         self._count(server_round, clients=len(accepted))
         if not accepted:
             return None, None
-        self.server.aggregate()
+        self._fed.aggregate()
         metrics = self._train_metrics(accepted)
         entry = self._round_entry(server_round)
         metrics["deepcabac-up-bytes"] = entry["up"]

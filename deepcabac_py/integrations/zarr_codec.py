@@ -28,12 +28,12 @@ import numpy as np
 from numcodecs.abc import Codec
 from numcodecs.compat import ensure_contiguous_ndarray, ensure_ndarray, ndarray_copy
 
+from ..errors import FormatError
 from ..model.decoder import decode_checkpoint, read_stream_header
 from ..model.encoder import encode_model
-from ..errors import FormatError
 from ..quant.steps import QP_DENSITY_MAX, QP_MAX, QP_MIN, qp_for_range, step_from_qp
 
-__all__ = ["DeepCabac", "DeepCabacZarr3"]
+__all__ = ["DeepCabac", "DeepCabacZarr3"]  # noqa: F822 (DeepCabacZarr3 comes from __getattr__, with zarr)
 
 _TENSOR = "data"  # the one tensor of a chunk's stream
 _KINDS = "fiubc"  # numeric dtypes; datetimes are coded as their int64 ticks
@@ -95,6 +95,7 @@ class DeepCabac(Codec):
             raise ValueError(f"qp_density must be an integer in [0, {QP_DENSITY_MAX}], got {qp_density!r}")
         if not isinstance(keep_exact, bool):
             raise TypeError(f"keep_exact must be True or False, got {keep_exact!r}")
+        self._qp: int | None
         if step is not None:
             self._qp = qp_at_most(step, qp_density)
         elif qp is not None:

@@ -12,7 +12,8 @@ import errno
 import os
 import secrets
 import stat
-from typing import BinaryIO, Callable, Union
+from collections.abc import Callable
+from typing import BinaryIO
 
 from ..errors import OutputError, OutputExistsError
 
@@ -81,8 +82,8 @@ def _remove_quietly(name: str) -> None:
 
 
 def write_atomic(
-    path: Union[str, os.PathLike],
-    data: Union[bytes, bytearray, memoryview, Writer],
+    path: str | os.PathLike,
+    data: bytes | bytearray | memoryview | Writer,
     *,
     force: bool = False,
     mode: int | None = None,
@@ -136,9 +137,10 @@ def write_atomic(
                 f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        if mode is not None or existing_mode is not None:
+        new_mode = mode if mode is not None else existing_mode
+        if new_mode is not None:
             try:
-                os.chmod(tmp_name, mode if mode is not None else existing_mode)
+                os.chmod(tmp_name, new_mode)
             except OSError:
                 pass
 

@@ -32,11 +32,10 @@ from __future__ import annotations
 import base64
 import json
 import math
-import os
 from collections import Counter, OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Union
+from typing import Any, Union
 
 import numpy as np
 import torch
@@ -58,8 +57,7 @@ __all__ = [
     "torch_dtype",
 ]
 
-TensorLike = Union[torch.Tensor, np.ndarray]
-PathLike = Union[str, "os.PathLike[str]"]
+TensorLike = Union[torch.Tensor, np.ndarray]  # noqa: UP007 (a runtime alias: `|` on torch.Tensor is not a type)
 
 SKELETON_FORMAT = "deepcabac.skeleton"
 SKELETON_VERSION = 1
@@ -98,8 +96,13 @@ class Checkpoint:
     tensors: dict[str, TensorLike]
     skeleton: dict
     kind: str = "mapping"
-    metadata: Optional[dict[str, str]] = None
+    metadata: dict[str, str] | None = None
     aliases: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def numel(self) -> int:
+        """Elements in all its tensors (an alias's are its target's, not counted twice)."""
+        return sum(math.prod(t.shape) for t in self.tensors.values())
 
 
 # --------------------------------------------------------------------------------------------------
@@ -394,7 +397,7 @@ class _Unflattener:
         if tag in ("$dict", "$odict", "$counter"):
             if not isinstance(value, list):
                 raise _bad_skeleton(f"{tag} needs a list of [key, value] pairs")
-            out = OrderedDict() if tag == "$odict" else Counter() if tag == "$counter" else {}
+            out: dict = OrderedDict() if tag == "$odict" else Counter() if tag == "$counter" else {}
             for pair in value:
                 if not isinstance(pair, list) or len(pair) != 2:
                     raise _bad_skeleton(f"{tag} needs a list of [key, value] pairs")
@@ -490,9 +493,10 @@ def unflatten(ckpt: Checkpoint) -> Any:
             raise _bad_skeleton("tensor reference must be a string")
         base = name
         if base not in tensors:
-            base = aliases.get(name)
-            if base is None or base not in tensors:
+            target = aliases.get(name)
+            if target is None or target not in tensors:
                 raise CheckpointError(f"checkpoint skeleton refers to unknown tensor {name!r}")
+            base = target
         obj = tensors[base]
         parameter = node.get("parameter", False) is True
         requires_grad = node.get("requires_grad", parameter) is True

@@ -14,16 +14,15 @@ import os
 import pickle
 import zipfile
 import zlib
+from collections.abc import Callable
 from tokenize import TokenError
-from typing import Any, Callable, Optional, Union
+from typing import Any, Union
 
 import numpy as np
 import torch
 
 from ..errors import CheckpointError
 from .atomic import write_atomic
-from .inputs import check_readable_file, unreadable
-from .kinds import KINDS, check_kind, kind_from_suffix, sniff_kind
 from .checkpoint import (
     Checkpoint,
     TensorLike,
@@ -36,6 +35,8 @@ from .checkpoint import (
     torch_dtype,
     unflatten,
 )
+from .inputs import check_readable_file, unreadable
+from .kinds import KINDS, check_kind, kind_from_suffix, sniff_kind
 
 __all__ = ["KINDS", "load_checkpoint", "save_checkpoint", "checkpoint_writer", "kind_from_suffix"]
 
@@ -83,16 +84,34 @@ _BIT_VIEW = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.uint8, torc
 # --------------------------------------------------------------------------------------------------
 
 
-def load_checkpoint(path: PathLike, kind: Optional[str] = None, *, max_bytes: Optional[int] = None) -> Checkpoint:
-    """Load a checkpoint file. ``kind`` defaults to the one implied by the suffix (``.pt``, ``.pth``,
-    ``.bin``, ``.ckpt`` → torch; ``.safetensors``; ``.npz``); unknown suffixes are sniffed from content.
-    A file that cannot be read raises :class:`InputError`, every problem with its content
-    :class:`CheckpointError`, each with a one-line reason.
+def load_checkpoint(path: PathLike, kind: str | None = None, *, max_bytes: int | None = None) -> Checkpoint:
+    """Load a checkpoint file: torch (weights-only), safetensors or ``.npz`` (without pickle).
 
-    Zip-based files (``.npz`` and torch's own format) may not expand to more than ``max_bytes`` of
-    uncompressed members; the default, ``64 MiB + 100 x the file size``, refuses zip bombs while no
-    checkpoint of real weights comes near it (weights hardly compress). Formats without compression
-    are bounded by the file size itself."""
+    Parameters
+    ----------
+    path : str or PathLike
+        The file.
+    kind : {"torch", "safetensors", "npz"} or None
+        None: from the suffix (``.pt``, ``.pth``, ``.bin``, ``.ckpt`` are torch), else sniffed from
+        the content.
+    max_bytes : int or None
+        Zip-based files (``.npz`` and torch's own format) may not expand to more than this many
+        bytes of uncompressed members. The default, ``64 MiB + 100 x the file size``, refuses zip
+        bombs while no checkpoint of real weights comes near it (weights hardly compress). Formats
+        without compression are bounded by the file size itself.
+
+    Returns
+    -------
+    Checkpoint
+        The tensors and the structure around them.
+
+    Raises
+    ------
+    InputError
+        The file cannot be read.
+    CheckpointError
+        Its content is not a checkpoint this library reads (with a one-line reason).
+    """
     check_kind(kind)
     if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0):
         raise ValueError(f"max_bytes must be a non-negative int or None, not {max_bytes!r}")
@@ -111,7 +130,7 @@ ZIP_EXPANSION = 100
 ZIP_SLACK = 64 << 20
 
 
-def _check_zip_sizes(path: str, zf: zipfile.ZipFile, max_bytes: Optional[int]) -> None:
+def _check_zip_sizes(path: str, zf: zipfile.ZipFile, max_bytes: int | None) -> None:
     """Refuse, before anything is extracted, members that reach past the end of the file and archives
     that would expand beyond ``max_bytes`` (see :func:`load_checkpoint`). Readers allocate what a
     member's directory entry declares, so these numbers are what bounds their memory."""
@@ -141,7 +160,7 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0][:300]
 
 
-def _load_torch(path: str, max_bytes: Optional[int] = None) -> Checkpoint:
+def _load_torch(path: str, max_bytes: int | None = None) -> Checkpoint:
     try:
         with zipfile.ZipFile(path) as zf:
             _check_zip_sizes(path, zf, max_bytes)
@@ -264,7 +283,7 @@ def _load_safetensors(path: str) -> Checkpoint:
                 entries.append((name, code, shape, begin, end))
 
             spans = sorted((b, e, nm) for nm, _, _, b, e in entries if e > b)
-            for (b0, e0, n0), (b1, _e1, n1) in zip(spans, spans[1:]):
+            for (_b0, e0, n0), (b1, _e1, n1) in zip(spans, spans[1:]):
                 if b1 < e0:
                     raise bad(f"tensors {n0!r:.80} and {n1!r:.80} overlap")
 
@@ -314,7 +333,7 @@ def _read_st_tensor(f, offset: int, nbytes: int, code: str, shape: list[int],
 def _raw_equal(a: TensorLike, b: TensorLike) -> bool:
     if isinstance(a, torch.Tensor) != isinstance(b, torch.Tensor):
         return False
-    if isinstance(a, torch.Tensor):
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
         if a.dtype != b.dtype or a.shape != b.shape:
             return False
         x, y = a.detach().contiguous(), b.detach().contiguous()
@@ -326,8 +345,8 @@ def _raw_equal(a: TensorLike, b: TensorLike) -> bool:
     return np.ascontiguousarray(a).tobytes() == np.ascontiguousarray(b).tobytes()
 
 
-def _finish_loaded(path: str, kind: str, tensors: dict[str, TensorLike], skeleton_json: Optional[str],
-                   aliases_json: Optional[str], metadata: Optional[dict[str, str]]) -> Checkpoint:
+def _finish_loaded(path: str, kind: str, tensors: dict[str, Any], skeleton_json: str | None,
+                   aliases_json: str | None, metadata: dict[str, str] | None) -> Checkpoint:
     """Restore aliases and the skeleton stored by :func:`save_checkpoint` (safetensors / npz)."""
     header_order = list(tensors)
     aliases: dict[str, str] = {}
@@ -362,7 +381,7 @@ def _finish_loaded(path: str, kind: str, tensors: dict[str, TensorLike], skeleto
     return ckpt
 
 
-def _npy_header(m) -> Optional[tuple[tuple, bool, np.dtype]]:
+def _npy_header(m) -> tuple[tuple, bool, np.dtype] | None:
     fmt = np.lib.format
     version = fmt.read_magic(m)
     if version == (1, 0):
@@ -372,7 +391,7 @@ def _npy_header(m) -> Optional[tuple[tuple, bool, np.dtype]]:
     return None  # version 3.0: left to np.load
 
 
-def _load_npz(path: str, max_bytes: Optional[int] = None) -> Checkpoint:
+def _load_npz(path: str, max_bytes: int | None = None) -> Checkpoint:
     # Pre-flight with zipfile: refuse object arrays and sizes that disagree with the member sizes before
     # numpy allocates anything.
     try:
@@ -428,7 +447,7 @@ def _load_npz(path: str, max_bytes: Optional[int] = None) -> Checkpoint:
     except Exception as exc:
         raise CheckpointError(f"cannot load {path} as npz: {_first_line(exc)}") from None
 
-    extras: dict[str, Optional[str]] = {}
+    extras: dict[str, str | None] = {}
     for key in _NPZ_RESERVED:
         arr = arrays.pop(key, None)
         if arr is None:
@@ -446,8 +465,9 @@ def _load_npz(path: str, max_bytes: Optional[int] = None) -> Checkpoint:
             raise CheckpointError(f"{path}: array {key!r:.80} has unsupported dtype {arr.dtype}") from None
 
     metadata = None
-    if extras[NPZ_METADATA_KEY] is not None:
-        metadata = _parse_json(extras[NPZ_METADATA_KEY], "metadata", path)
+    stored = extras[NPZ_METADATA_KEY]
+    if stored is not None:
+        metadata = _parse_json(stored, "metadata", path)
         if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
             raise CheckpointError(f"{path}: stored metadata must map strings to strings")
     return _finish_loaded(path, "npz", arrays, extras[NPZ_SKELETON_KEY], extras[NPZ_ALIASES_KEY], metadata)
@@ -485,9 +505,20 @@ def _skeleton_json(ckpt: Checkpoint) -> str:
         raise CheckpointError(f"checkpoint skeleton is not JSON-serialisable ({exc})") from None
 
 
-def save_checkpoint(ckpt: Checkpoint, path: PathLike, *, kind: Optional[str] = None, force: bool = False) -> None:
-    """Write ``ckpt`` atomically. ``kind`` defaults to the output suffix, else ``ckpt.kind``. Refuses to
-    overwrite an existing file unless ``force`` (:class:`OutputExistsError`)."""
+def save_checkpoint(ckpt: Checkpoint, path: PathLike, *, kind: str | None = None, force: bool = False) -> None:
+    """Write ``ckpt`` to ``path`` atomically.
+
+    Parameters
+    ----------
+    ckpt : Checkpoint
+        What to write.
+    path : str or PathLike
+        The output file.
+    kind : {"torch", "safetensors", "npz"} or None
+        None: from the suffix of ``path``, else ``ckpt.kind``.
+    force : bool
+        Overwrite an existing file (else :class:`OutputExistsError`).
+    """
     check_kind(kind)
     path = os.fspath(path)
     kind = kind or kind_from_suffix(path) or (ckpt.kind if ckpt.kind in KINDS else None)
@@ -522,7 +553,8 @@ def _torch_writer(ckpt: Checkpoint) -> Callable:
                 try:
                     arr, dname, _ = tensor_to_numpy(t)
                 except TypeError as exc:
-                    raise CheckpointError(f"array {name!r:.80} cannot be stored in a torch checkpoint ({exc})") from None
+                    raise CheckpointError(
+                        f"array {name!r:.80} cannot be stored in a torch checkpoint ({exc})") from None
                 t = numpy_to_tensor(arr, dname, True)
             tensors[name] = t
         ckpt = Checkpoint(tensors, ckpt.skeleton, ckpt.kind, ckpt.metadata, dict(ckpt.aliases or {}))
@@ -604,7 +636,7 @@ def _safetensors_writer(ckpt: Checkpoint) -> Callable:
         for i in order:
             raw = entries[i][3]
             if raw.nbytes:
-                f.write(memoryview(raw))
+                f.write(raw.data)
 
     return write
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import zipfile
-from typing import Optional, Union
+from typing import Union
 
 from .inputs import unreadable
 
@@ -15,7 +15,7 @@ SUFFIX_OF_KIND = {"torch": ".pt", "safetensors": ".safetensors", "npz": ".npz"}
 PathLike = Union[str, "os.PathLike[str]"]
 
 
-def kind_from_suffix(path: PathLike) -> Optional[str]:
+def kind_from_suffix(path: PathLike) -> str | None:
     """``"torch"``, ``"safetensors"`` or ``"npz"`` from the file suffix (case-insensitive), else ``None``."""
     suffix = os.path.splitext(os.fspath(path))[1].lower()
     if suffix in TORCH_SUFFIXES:
@@ -47,6 +47,6 @@ def sniff_kind(path: str) -> str:
     return "torch"
 
 
-def check_kind(kind: Optional[str]) -> None:
+def check_kind(kind: str | None) -> None:
     if kind is not None and kind not in KINDS:
         raise ValueError(f"unknown checkpoint kind {kind!r}; expected one of {', '.join(KINDS)}")

@@ -1,4 +1,4 @@
-"""Numba kernels behind :mod:`deepcabac_py.matrix_formats` (private: flat arrays and integers only).
+"""Numba kernels behind :mod:`deepcabac_py.matrix.formats` (private: flat arrays and integers only).
 
 Layout shared by CER and CSER (see ``matrix_formats`` for the full description):
 

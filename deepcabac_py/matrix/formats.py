@@ -65,11 +65,12 @@ Convolution weights are used through their 2-D view ``(out_channels, in_channels
 from __future__ import annotations
 
 import math
+
 import numba
 import numpy as np
 
-from . import _matrix_kernels
 from ..quant.reconstruct import reconstruct
+from . import _matrix_kernels
 
 __all__ = [
     "AUTO_DELTA4_MAX_TOKENS",
@@ -87,8 +88,8 @@ __all__ = [
 ]
 
 CODINGS = ("absolute", "delta8", "delta4", "entries")
-_CODING_CODE = {"absolute": _matrix_kernels.CODING_ABSOLUTE, "delta8": _matrix_kernels.CODING_DELTA8, "delta4": _matrix_kernels.CODING_DELTA4,
-                "entries": _matrix_kernels.CODING_ENTRIES}
+_CODING_CODE = {"absolute": _matrix_kernels.CODING_ABSOLUTE, "delta8": _matrix_kernels.CODING_DELTA8,
+                "delta4": _matrix_kernels.CODING_DELTA4, "entries": _matrix_kernels.CODING_ENTRIES}
 # "auto" drops the groups ("entries") when there are at least this many per stored entry (groups of
 # five entries or fewer on average; CER counts its empty groups). Measured on the benchmark layers
 # (benchmarks/bench_matrix_formats.py): from about 0.2 up, matvec runs 1.2-2.5x faster that way;
@@ -118,7 +119,8 @@ _NS_PER_GROUP = (3.0, 0.6, 2.5, 6.0, 0.0, 0.0)
 # entries coding.
 FLAT_GROUPS_PER_ENTRY = 0.1
 FLAT_GROUPS_PER_ROW = 16
-_MV_SERIAL = (_matrix_kernels._mv_abs, _matrix_kernels._mv_abs_flat, _matrix_kernels._mv_d8, _matrix_kernels._mv_d4)  # (the entries kernels take row cuts)
+# (the entries kernels take row cuts)
+_MV_SERIAL = (_matrix_kernels._mv_abs, _matrix_kernels._mv_abs_flat, _matrix_kernels._mv_d8, _matrix_kernels._mv_d4)
 _NO_OUTLIERS = np.zeros((0, 2), dtype=np.int64)
 _MAX_LEVEL_SPAN = 1 << 26  # level ranges up to this are counted with bincount, wider ones sorted
 _ZERO = np.float32(0.0)
@@ -214,9 +216,10 @@ def _entry_cuts(rowng: np.ndarray, outlier_pos: np.ndarray, nchunks: int) -> np.
     for c in range(1, nchunks):
         rows.append(max(rows[-1], int(np.searchsorted(ends, total * c // nchunks, side="right"))))
     rows.append(m)
-    rows = np.array(rows, dtype=np.int64)
-    starts = np.concatenate([[0], ends])[rows]
-    return np.ascontiguousarray(np.stack([rows, starts, np.searchsorted(outlier_pos, starts)], axis=1), dtype=np.int64)
+    row_cuts = np.array(rows, dtype=np.int64)
+    starts = np.concatenate([[0], ends])[row_cuts]
+    cuts = np.stack([row_cuts, starts, np.searchsorted(outlier_pos, starts)], axis=1)
+    return np.ascontiguousarray(cuts, dtype=np.int64)
 
 
 def _integer_matrix(arr, what: str) -> np.ndarray:
@@ -408,8 +411,8 @@ class _RowGroupedMatrix:
         rowng = np.zeros(m, dtype=meta_dtype)
         gval = np.zeros(ngroups, dtype=meta_dtype) if cls._cser else None
         if m and n and nranks > 1:
-            _matrix_kernels._build_fill(ranks, nranks, _build_chunks(m * n), _CODING_CODE[coding], tok_off, grp_off, tok, gcnt,
-                          rowng, gval)
+            _matrix_kernels._build_fill(ranks, nranks, _build_chunks(m * n), _CODING_CODE[coding], tok_off, grp_off,
+                                        tok, gcnt, rowng, gval)
 
         return cls(shape=(m, n), values=values, levels=levels, step=step, coding=coding, tokens=tok,
                    gcnt=gcnt, rowng=rowng, gval=gval, blk_tok=_block_offsets(tok_off, "tokens"),

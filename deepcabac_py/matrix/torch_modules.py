@@ -1,6 +1,6 @@
 """Inference on compressed weights: torch modules whose products run on CER/CSER matrices.
 
-:class:`CompressedLinear` and :class:`CompressedConv2d` hold a :mod:`~deepcabac_py.matrix_formats`
+:class:`CompressedLinear` and :class:`CompressedConv2d` hold a :mod:`~deepcabac_py.matrix.formats`
 matrix instead of a dense weight and call its Numba kernels on float32 numpy views of the input (CPU
 only, no autograd: inference). Convolutions go through im2col (``torch.nn.functional.unfold``);
 1x1 convolutions with stride 1 and no padding skip it. :func:`compress_module` decodes a model
@@ -78,7 +78,7 @@ class CompressedLinear(nn.Module):
         rows = _as_f32_numpy(x).reshape(-1, self.in_features)
         out = _product(self.matrix, np.ascontiguousarray(rows.T)).T
         y = torch.from_numpy(np.ascontiguousarray(out))
-        if self.bias is not None:
+        if isinstance(self.bias, torch.Tensor):
             y += self.bias
         return y.reshape(*lead, self.out_features).to(x.dtype)
 
@@ -156,7 +156,7 @@ class CompressedConv2d(nn.Module):
         big = cols.permute(1, 0, 2).reshape(cols.shape[1], -1)
         out = _product(self.matrix, _as_f32_numpy(big))  # (out_channels, N*L)
         y = torch.from_numpy(out).reshape(self.out_channels, n, ho * wo).permute(1, 0, 2)
-        if self.bias is not None:
+        if isinstance(self.bias, torch.Tensor):
             y = y + self.bias.reshape(1, -1, 1)
         return y.reshape(n, self.out_channels, ho, wo).contiguous().to(x.dtype)
 

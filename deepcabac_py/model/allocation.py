@@ -21,9 +21,8 @@ from ..quant.steps import QP_MAX, QP_MIN, step_from_qp
 # touch must not lose all its bits.
 MAX_OCTAVES = 3
 # step ~ mean(importance) ** -ALLOCATION_EXPONENT. 1/2 is the high-rate optimum; with importance
-# from a few calibration batches and at the rates that matter, a milder 0.35 measured better
-# (EfficientNet-Lite0, benchmarks/bench_rd.py: about 0.81x NNCodec's bytes at equal mean KL with
-# 0.35, 0.83-0.86x with 0.5).
+# from a few calibration batches and at the rates that matter, a milder exponent measured better
+# (docs/design-notes.md).
 ALLOCATION_EXPONENT = 0.35
 
 

@@ -162,13 +162,14 @@ def write_header(qp: int, qp_1d: int, qp_density: int, metadata: dict, tensors: 
             raise ValueError(f"tensor name too long ({len(name)} bytes): {t.name[:40]}...")
         body += [struct.pack("<H", len(name)), name, _ENTRY_FIXED.pack(t.dtype, t.mode, t.coder, t.flags, len(t.shape))]
         body.append(struct.pack(f"<{len(t.shape)}Q", *t.shape))
-        body.append(_ENTRY_QUANT.pack(t.qp, t.qp_density, t.coder_param, t.alias_of, t.chunk_elements, len(t.chunk_sizes)))
+        body.append(_ENTRY_QUANT.pack(t.qp, t.qp_density, t.coder_param, t.alias_of, t.chunk_elements,
+                                      len(t.chunk_sizes)))
         body.append(struct.pack(f"<{len(t.chunk_sizes)}I", *t.chunk_sizes))
         body.append(_ENTRY_TAIL.pack(t.offset, t.size, t.crc32))
-    body = b"".join(body)
+    raw = b"".join(body)
     # The body is deflated: names and the skeleton repeat themselves, and for small models the
     # header would otherwise be a large share of the stream.
-    packed = struct.pack("<I", len(body)) + zlib.compress(body, 9)
+    packed = struct.pack("<I", len(raw)) + zlib.compress(raw, 9)
     version = max([1] + [t.min_version for t in tensors])
     head = PREAMBLE.pack(MAGIC, version, 0, len(packed) + 4) + packed
     return head + struct.pack("<I", zlib.crc32(head))
@@ -281,7 +282,8 @@ def read_header(data, *, total_size: int | None = None) -> StreamHeader:
         if ndim > MAX_NDIM:
             raise CorruptStreamError(f"{where}: {ndim} dimensions")
         shape = struct.unpack(f"<{ndim}Q", bytes(r.take(8 * ndim, "shape")))
-        t_qp, t_density, coder_param, alias_of, chunk_elements, chunk_count = r.unpack(_ENTRY_QUANT, "coding parameters")
+        coding = r.unpack(_ENTRY_QUANT, "coding parameters")
+        t_qp, t_density, coder_param, alias_of, chunk_elements, chunk_count = coding
         if chunk_count > (r.end - r.pos) // 4:
             raise CorruptStreamError(f"{where}: chunk count {chunk_count} does not fit in the header")
         chunk_sizes = list(struct.unpack(f"<{chunk_count}I", bytes(r.take(4 * chunk_count, "chunk sizes"))))

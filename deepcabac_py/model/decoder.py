@@ -22,7 +22,20 @@ from .parallel import Progress, resolve_threads, run_largest_first
 
 
 def read_stream_header(data) -> StreamHeader:
-    """Parse the header of a model stream (bytes-like) without decoding any payload."""
+    """The header of a model stream, without decoding any payload.
+
+    Parameters
+    ----------
+    data : bytes-like
+        The stream (the header alone is not enough: the tensor table is checked against the
+        payload's length).
+
+    Returns
+    -------
+    StreamHeader
+        Format version, settings, metadata and the tensor table (names, shapes, dtypes, modes,
+        qps, sizes).
+    """
     return read_header(memoryview(data))
 
 
@@ -81,7 +94,21 @@ def decode_model(data, *, threads: int | None = None, progress: Progress | None 
 
 
 def decode_levels(data, *, threads: int | None = None, max_elements: int | None = None) -> dict[str, QuantizedTensor]:
-    """The integer levels and steps of every level-coded tensor (for integer inference)."""
+    """The integer levels and steps of every level-coded tensor, for integer inference.
+
+    Parameters
+    ----------
+    data : bytes-like
+        The whole stream.
+    threads, max_elements
+        As for :func:`decode_model`.
+
+    Returns
+    -------
+    dict of str to QuantizedTensor
+        Levels (int32, the tensor's shape; reconstruction indices for trellis tensors) and step
+        of every tensor not stored raw; ``levels * step`` are the decoded values.
+    """
     threads = resolve_threads(threads)
     header = read_stream_header(data)
     levels = _decode_entries(data, header, want_levels=True, threads=threads, progress=None,

@@ -77,7 +77,7 @@ batchnorm_eps, bias_correction
     levels, fewer bytes).
     """
     threads = resolve_threads(threads)
-    settings = EncodeSettings(qp=qp, qp_density=qp_density, qp_1d=qp_1d, qp_overrides=qp_overrides or {},
+    settings = EncodeSettings(qp=qp, qp_density=qp_density, qp_1d=qp_1d, qp_overrides=qp_overrides,
                               keep_exact=keep_exact, quantizer=quantizer, lambda_scale=lambda_scale,
                               importance=importance, batchnorm_eps=batchnorm_eps, bias_correction=bias_correction)
     plan = plan_model(model, settings)
@@ -85,27 +85,16 @@ batchnorm_eps, bias_correction
     return _assemble(plan, substreams, settings, progress)
 
 
-def quantize_model(
-    model: Mapping[str, Any] | Checkpoint,
-    *,
-    qp: int = DEFAULT_QP,
-    qp_density: int = DEFAULT_QP_DENSITY,
-    qp_1d: int | None = None,
-    qp_overrides: Mapping[str, int] | None = None,
-    keep_exact: bool | str | Iterable[str] = False,
-    quantizer: str = DEFAULT_QUANTIZER,
-    lambda_scale: float = 1.0,
-    importance: Mapping[str, Any] | str | None = DEFAULT_IMPORTANCE,
-    batchnorm_eps: float | Mapping[str, float] | None = None,
-    bias_correction: bool = True,
-) -> dict[str, QuantizedTensor]:
+def quantize_model(model: Mapping[str, Any] | Checkpoint, **settings: Any) -> dict[str, QuantizedTensor]:
     """The levels and steps :func:`encode_model` would code, without entropy coding.
 
     Parameters
     ----------
-    model, qp, qp_density, qp_1d, qp_overrides, keep_exact, quantizer, lambda_scale, importance, \
-batchnorm_eps, bias_correction
+    model : mapping or Checkpoint
         As for :func:`encode_model`.
+    **settings
+        The settings of :func:`encode_model` (the fields of
+        :class:`~deepcabac_py.model.settings.EncodeSettings`); TypeError for any other keyword.
 
     Returns
     -------
@@ -114,10 +103,7 @@ batchnorm_eps, bias_correction
         levels are the reconstruction indices, not the transmitted ones). Tensors stored raw (kept
         exact, non-finite, complex) are left out.
     """
-    settings = EncodeSettings(qp=qp, qp_density=qp_density, qp_1d=qp_1d, qp_overrides=qp_overrides or {},
-                              keep_exact=keep_exact, quantizer=quantizer, lambda_scale=lambda_scale,
-                              importance=importance, batchnorm_eps=batchnorm_eps, bias_correction=bias_correction)
-    plan = plan_model(model, settings)
+    plan = plan_model(model, EncodeSettings(**settings))
     out = {p.name: p.quantized() for p in plan.tensors if p.is_level_coded}
     if plan.shifts:
         plan = plan.take_out_shifts(lambda name: out[name].decoded64())
@@ -138,15 +124,15 @@ def _code(plan: ModelPlan, threads: int, progress: Progress | None) -> tuple[Mod
         if p.name in layers:
             layer_levels[p.name, k] = levels
         if progress is not None:
-            progress(p.layout.size(k))
+            progress(p.chunks.size(k))
         return data
 
     def phase(plan: ModelPlan, in_targets: bool) -> tuple[ModelPlan, dict[ChunkKey, bytes]]:
         tensors = [p.with_linear_prediction() if (p.name in targets) == in_targets else p for p in plan.tensors]
         jobs = [(p, k) for p in tensors if p.is_level_coded and (p.name in targets) == in_targets
-                for k in range(p.layout.count)]
+                for k in range(p.chunks.count)]
         with linear_prediction.blas_threads(any(p.linear is not None for p in tensors)):
-            data = run_largest_first(jobs, lambda job: job[0].layout.size(job[1]), run, threads)
+            data = run_largest_first(jobs, lambda job: job[0].chunks.size(job[1]), run, threads)
         return ModelPlan(plan.checkpoint, tensors, plan.planner, plan.shifts), {
             (p.name, k): d for (p, k), d in zip(jobs, data)}
 
@@ -156,7 +142,7 @@ def _code(plan: ModelPlan, threads: int, progress: Progress | None) -> tuple[Mod
 
         def decoded(name: str) -> np.ndarray:
             p = by_name[name]
-            return assembled(p.entry, [layer_levels[name, k] for k in range(p.layout.count)]).decoded64()
+            return assembled(p.entry, [layer_levels[name, k] for k in range(p.chunks.count)]).decoded64()
 
         plan, more = phase(plan.take_out_shifts(decoded), True)
         substreams.update(more)
@@ -173,11 +159,11 @@ def _assemble(plan: ModelPlan, substreams: Mapping[ChunkKey, bytes], settings: E
         if e.is_alias:
             continue
         if p.layout is None:
-            flat = p.array.reshape(-1).astype(p.array.dtype.newbyteorder("<"), copy=False)
+            flat = p.values.reshape(-1).astype(p.values.dtype.newbyteorder("<"), copy=False)
             e.chunk_elements = raw_chunk_elements(e.dtype)
             chunks = [flat[k:k + e.chunk_elements].tobytes() for k in range(0, flat.size, e.chunk_elements)]
             if progress is not None:
-                progress(p.array.size)
+                progress(flat.size)
         else:
             chunks = [substreams[e.name, k] for k in range(p.layout.count)]
             if p.linear is not None:

@@ -39,6 +39,8 @@ class QuantizedTensor:
 
     def decoded64(self) -> np.ndarray:
         """The decoded values of a quantized tensor in float64 (exact: sums for the bias correction)."""
+        if self.step is None:
+            raise ValueError(f"{self.name!r} holds integers, not quantized values")
         return self.levels.astype(np.float64) * self.step
 
 

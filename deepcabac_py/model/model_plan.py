@@ -62,17 +62,17 @@ class ModelPlan:
         totals: dict[str, np.ndarray] = {}
         for sh in self.shifts:
             layer = self.tensors[index[sh.layer]]
-            delta = sh.factor * output_shift(layer.array, decoded(sh.layer), sh.mean_in)
+            delta = sh.factor * output_shift(layer.values, decoded(sh.layer), sh.mean_in)
             totals[sh.target] = totals.get(sh.target, 0.0) + delta
         tensors = list(self.tensors)
         for target, delta in totals.items():
             plan = self.tensors[index[target]]
-            values = plan.array.astype(np.float64) + delta
+            values = plan.values.astype(np.float64) + delta
             if not np.all(np.isfinite(values)):
                 continue
             _, dtype_name, is_torch = tensor_to_numpy(self.checkpoint.tensors[target])
             tensors[index[target]] = self.planner.plan(
-                target, numpy_to_tensor(values.astype(plan.array.dtype), dtype_name, is_torch))
+                target, numpy_to_tensor(values.astype(plan.values.dtype), dtype_name, is_torch))
         return dataclasses.replace(self, tensors=tensors)
 
 
@@ -97,11 +97,14 @@ def plan_model(model: Mapping[str, Any] | Checkpoint, settings: EncodeSettings) 
 def _planner(ckpt: Checkpoint, settings: EncodeSettings, overrides_in: Mapping[str, int]) -> TensorPlanner:
     """The planner of ``ckpt``'s tensors: importance resolved, the qps it allocates, variance floors."""
     reference = None
-    if settings.structural:
-        importance = structural_importance(ckpt)
+    importance: dict[str, Any]
+    if isinstance(settings.importance, Mapping):
+        importance = dict(settings.importance)
+    elif settings.structural:
+        importance = dict(structural_importance(ckpt))
         reference = 0.0  # importance 1 (a dense layer without BN) is the reference that gets qp itself
     else:
-        importance = dict(settings.importance or {})
+        importance = {}
     unknown = sorted(set(importance) - set(ckpt.tensors))
     if unknown:
         raise ValueError(f"importance names tensors the model does not have: {', '.join(unknown[:5])}")
@@ -168,11 +171,14 @@ class _BatchNorms:
         return cls(eps, modules, arrays, kinds)
 
     def eps_of(self, module: str) -> float:
-        return batchnorm.eps_of(module, self.eps)
+        eps = batchnorm.eps_of(module, self.eps) if self.eps is not None else None
+        if eps is None:
+            raise RuntimeError(f"internal error: batchnorm_eps does not apply to {module!r}")
+        return eps
 
     def overrides(self, settings: EncodeSettings) -> dict[str, int]:
         """The user's qp overrides, and the coarse qps of the statistics the user did not set."""
-        user = settings.qp_overrides
+        user = settings.qp_overrides or {}
         out = dict(user)
         for m in self.modules:
             qps = batchnorm.statistics_qps(self.arrays[f"{m}.running_mean"], self.arrays[f"{m}.running_var"],
@@ -189,9 +195,9 @@ class _BatchNorms:
         by_name = {p.name: p for p in plans}
         coded = {}
         for m in self.modules:
-            stats = [by_name.get(f"{m}.{stat}") for stat in batchnorm.STATISTICS]
+            stats = [by_name[name] for name in (f"{m}.{stat}" for stat in batchnorm.STATISTICS) if name in by_name]
             # (weight and bias may be kept exact: then the layer's function is kept to float rounding)
-            if all(p is not None and p.is_quantized for p in stats):
+            if len(stats) == len(batchnorm.STATISTICS) and all(p.is_quantized for p in stats):
                 coded[m] = [np.asarray(p.quantized().dequantize(), dtype=np.float64) for p in stats]
         if not coded:
             return ckpt, plans, {}
@@ -237,6 +243,6 @@ def _shifts(ckpt: Checkpoint, plans: list[TensorPlan], absorbers: Mapping[str, t
                       for s in ("weight", "running_var")}
             factor = -arrays["weight"] / np.sqrt(np.maximum(arrays["running_var"], 0.0) + eps_modules[module])
             target = f"{module}.bias"
-        if quantized(layer) and quantized(target) and by_name[target].array.dtype in (np.float32, np.float64):
+        if quantized(layer) and quantized(target) and by_name[target].values.dtype in (np.float32, np.float64):
             out.append(Shift(layer, mean_in, target, factor))
     return out

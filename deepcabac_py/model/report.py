@@ -88,7 +88,8 @@ def _errors(original, decoded, dtype: str) -> tuple[float, float]:
     if x.size == 0:
         return math.inf, 0.0
     finite = np.isfinite(x) & np.isfinite(y)
-    same_nonfinite = np.array_equal(np.isnan(x), np.isnan(y)) and np.array_equal(x[~finite & ~np.isnan(x)], y[~finite & ~np.isnan(y)])
+    same_nonfinite = (np.array_equal(np.isnan(x), np.isnan(y))
+                      and np.array_equal(x[~finite & ~np.isnan(x)], y[~finite & ~np.isnan(y)]))
     diff = x[finite] - y[finite]
     noise = float(np.dot(diff, diff))
     signal = float(np.dot(x[finite], x[finite]))
@@ -116,7 +117,8 @@ def build_report(header: StreamHeader, original: Checkpoint | None = None,
         dtype = e.dtype.name.lower()
         params = e.numel
         rep = TensorReport(
-            name=e.name, shape=list(e.shape), dtype=dtype, mode="ALIAS" if e.is_alias else e.mode.name + ("+LP" if e.is_linear else ""),
+            name=e.name, shape=list(e.shape), dtype=dtype,
+            mode="ALIAS" if e.is_alias else e.mode.name + ("+LP" if e.is_linear else ""),
             qp=e.qp if e.mode.is_quantized and not e.is_alias else None,
             step=e.step if not e.is_alias else None, params=params, bytes=e.size,
             bits_per_param=(8.0 * e.size / params) if params and not e.is_alias else None,
@@ -204,7 +206,7 @@ def format_report(rep: ModelReport, *, per_tensor: bool = True) -> str:
 
 def format_matrix_sizes(rows: list[dict]) -> str:
     """A plain-text table of per-tensor matrix-format sizes (rows from
-    :func:`deepcabac_py.matrix_formats.stream_format_sizes`): bytes as dense fp32, CSR, CER, CSER and
+    :func:`deepcabac_py.matrix.formats.stream_format_sizes`): bytes as dense fp32, CSR, CER, CSER and
     in the stream, with the entropy of the levels; a total line in bits per weight."""
     if not rows:
         return "formats: no quantized tensor with two or more dimensions"

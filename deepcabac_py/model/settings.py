@@ -26,9 +26,8 @@ DEFAULT_QUANTIZER = "trellis"
 STRUCTURAL = "structural"
 DEFAULT_IMPORTANCE = STRUCTURAL
 # Tensors with at most one dimension (biases, norms) are few but sensitive: by default their step is
-# QP_1D_OCTAVES octaves finer than the weights'. On EfficientNet-Lite0 this keeps the KL of the
-# outputs where NNC's fixed near-lossless qp -75 puts it, for 30% fewer bytes on those tensors.
-# qp_1d=-75 gives NNC's setting.
+# QP_1D_OCTAVES octaves finer than the weights' (as close to lossless in effect as NNC's fixed qp -75,
+# for fewer bytes: docs/design-notes.md). qp_1d=-75 gives NNC's setting.
 QP_1D_OCTAVES = 6
 
 
@@ -71,7 +70,7 @@ class EncodeSettings:
     qp: int = DEFAULT_QP
     qp_density: int = DEFAULT_QP_DENSITY
     qp_1d: int | None = None
-    qp_overrides: Mapping[str, int] = field(default_factory=dict)
+    qp_overrides: Mapping[str, int] | None = field(default_factory=dict)
     keep_exact: bool | str | Iterable[str] = False
     quantizer: str = DEFAULT_QUANTIZER
     lambda_scale: float = 1.0

@@ -29,11 +29,7 @@ and Bias Correction").
 Tensors with two or more dimensions that no rule applies to have importance 1, and the BN-derived
 importances are scaled to a geometric mean of 1 over their layers, so ``qp`` keeps its meaning for
 ordinary layers. Other one-dimensional tensors (LayerNorm, biases without BN) keep ``qp_1d``.
-Measured with ``benchmarks/bench_rd.py`` (bytes at equal fidelity against ``importance=None``, the
-trellis in both): all-MiniLM-L6-v2 9% fewer at embedding cosine 0.999 and 10% at 0.994 (the word
-embedding, half the weights, takes a step 3 octaves coarser); EfficientNet-Lite0 4% fewer at mean KL
-2.5e-3 and 9% at 1e-2 (its one-dimensional tensors drop from about 15.5 to 9 bits each). On the
-project's own digits CNN the KL at equal bytes is lower at 3 of the 4 usable qps.
+What this gains on MiniLM, EfficientNet-Lite0 and the digits CNN: ``docs/design-notes.md``.
 """
 
 from __future__ import annotations

@@ -119,6 +119,20 @@ class TensorPlan:
         return self.entry.name
 
     @property
+    def values(self) -> np.ndarray:
+        """The tensor's values (every plan but an alias's has them)."""
+        if self.array is None:
+            raise RuntimeError(f"internal error: the alias {self.name!r} has no values of its own")
+        return self.array
+
+    @property
+    def chunks(self) -> levelcoder.ChunkLayout:
+        """The chunk layout of a level-coded tensor."""
+        if self.layout is None:
+            raise RuntimeError(f"internal error: {self.name!r} is not level-coded")
+        return self.layout
+
+    @property
     def is_level_coded(self) -> bool:
         return self.layout is not None
 
@@ -128,10 +142,10 @@ class TensorPlan:
 
     def _quantizer_inputs(self, start: int, stop: int):
         """The float values of a quantized chunk, its step, and its relative importance (or None)."""
-        flat = self.array.reshape(-1)[start:stop]
+        flat = self.values.reshape(-1)[start:stop]
         # nearest rounding has no use for it: no pass over the chunk's importance then
         weighted = self.importance is not None and self.quantizer != "nearest"
-        imp = self.importance.chunk(start, stop) if weighted else None
+        imp = self.importance.chunk(start, stop) if self.importance is not None and weighted else None
         return (_as_float_for_quantizer(flat, self.entry.dtype),
                 step_from_qp(self.entry.qp, self.entry.qp_density), imp)
 
@@ -142,11 +156,11 @@ class TensorPlan:
             values, step, imp = self._quantizer_inputs(start, stop)
             if self.quantizer == "nearest":
                 return quantizers.quantize_nearest(values, step)
-            layout = self.layout
+            layout = self.chunks
             return quantizers.quantize_rd(values, step, method=self.quantizer, lam=self.lam, ncols=layout.ncols,
                                           col0=layout.first_column(start), k_offset=layout.k_offset,
                                           predict=layout.predict, importance=imp)
-        flat = self.array.reshape(-1)[start:stop]
+        flat = self.values.reshape(-1)[start:stop]
         if entry.dtype == DType.BOOL:
             return flat.view(np.uint8).astype(np.int32)
         return flat.astype(np.int32)
@@ -154,24 +168,25 @@ class TensorPlan:
     def quantized(self) -> QuantizedTensor:
         """The tensor's levels, chunk by chunk as the encoder quantizes them (the RD quantizers and
         the trellis state restart with every substream)."""
-        layout = self.layout
+        layout = self.chunks
         return assembled(self.entry, [self.chunk_levels(*layout.bounds(k)) for k in range(layout.count)])
 
     def encode_chunk(self, k: int) -> tuple[bytes, np.ndarray]:
         """Chunk ``k``'s substream and its levels (the transmitted levels of trellis chunks)."""
-        start, stop = self.layout.bounds(k)
-        if self.linear is not None:
+        layout = self.chunks
+        start, stop = layout.bounds(k)
+        if self.linear is not None and self.levels is not None:
             levels = self.levels[start:stop]
-            return levelcoder.encode_chunk(self.linear.residuals(levels), self.layout, k), levels
+            return levelcoder.encode_chunk(self.linear.residuals(levels), layout, k), levels
         if self.entry.mode.is_quantized and self.quantizer == "trellis":
             # one pass: the trellis codes each block as it commits it
             values, step, imp = self._quantizer_inputs(start, stop)
             levels = np.empty(stop - start, dtype=np.int32)
-            data = quantizers.trellis_encode_chunk(values, step, lam=self.lam, layout=self.layout, index=k,
+            data = quantizers.trellis_encode_chunk(values, step, lam=self.lam, layout=layout, index=k,
                                                    importance=imp, levels=levels)
             return data, levels
         levels = self.chunk_levels(start, stop)
-        return levelcoder.encode_chunk(levels, self.layout, k), levels
+        return levelcoder.encode_chunk(levels, layout, k), levels
 
     def with_linear_prediction(self) -> TensorPlan:
         """The plan with a linear prediction across columns where one qualifies and pays. Nearest

@@ -24,9 +24,13 @@ the reconstruction index; the cost is distortion + ``lam`` * bits.
 
 import numpy as np
 
+from .._jit import inline, kernel
 from ..entropy._cabac_kernels import (
     COL_SHIFT,
     CTX_PER_BUCKET,
+    ENC_COL,
+    ENC_ROW,
+    ENC_USE_PRED,
     N_BUCKETS,
     N_UNARY_CTX,
     PRED_SHIFT,
@@ -36,9 +40,6 @@ from ..entropy._cabac_kernels import (
     SCALE_FRAC,
     SEL_NUM,
     SEL_SHIFT,
-    ENC_COL,
-    ENC_ROW,
-    ENC_USE_PRED,
     _adapt,
     _bitlen,
     _bucket_and_k,
@@ -48,7 +49,6 @@ from ..entropy._cabac_kernels import (
     _fresh_contexts,
     _prob,
 )
-from .._jit import inline, kernel
 from ._reconstruct_kernels import MAX_DQ_LEVEL, N_STATES
 
 # -log2(p / PROB_ONE) for every 15-bit probability: the cost in bits of a bin whose coded value had

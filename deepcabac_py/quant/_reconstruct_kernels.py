@@ -7,8 +7,8 @@ machine when it chooses levels.
 
 import numpy as np
 
-from ..entropy._cabac_kernels import PREDICT_MAX_LEVEL
 from .._jit import inline, kernel
+from ..entropy._cabac_kernels import PREDICT_MAX_LEVEL
 
 # The 4-state machine of dependent quantization (as in VVC): the parity of each transmitted level
 # moves the state; states 0 and 1 use the even grid Q0 = {2k}, states 2 and 3 the odd grid
@@ -33,9 +33,9 @@ def dq_next(state, k):
     return (state >> 1) | (((state & 1) ^ (k & 1)) << 1)
 
 
-# The decoder follows the state machine 64 levels at a time. Only the high bit h of the state
-# (which grid) matters for the values, and with the state as (h, l) a level of parity p moves it to
-# (l ^ p, h): h before level i is the XOR of the parities of levels i-1, i-3, i-5, ... and of the
+# The decoder follows the state machine 64 levels at a time. Only the high bit hb of the state
+# (which grid) matters for the values, and with the state as (hb, lb) a level of parity p moves it to
+# (lb ^ p, hb): hb before level i is the XOR of the parities of levels i-1, i-3, i-5, ... and of the
 # starting state. For a block, that is a shift-XOR prefix over a word of parity bits, and the values
 # then follow element by element without a loop-carried dependency (about 5x faster than stepping
 # the state level by level, which costs several cycles of latency per level).
@@ -45,9 +45,9 @@ _DQ_BLOCK = 64
 
 
 @inline
-def _dq_block_high_bits(levels, i, h, l):
+def _dq_block_high_bits(levels, i, hb, lb):
     """Bit j of the result: the state's high bit before level i + j (0 <= j < 64), given the state
-    (h, l) before level i; and the state (h, l) after the block."""
+    (hb, lb) before level i; and the state (hb, lb) after the block."""
     one = np.uint64(1)
     par = np.uint64(0)
     for j in range(_DQ_BLOCK):
@@ -58,7 +58,7 @@ def _dq_block_high_bits(levels, i, h, l):
     acc ^= acc << np.uint64(8)
     acc ^= acc << np.uint64(16)
     acc ^= acc << np.uint64(32)
-    high = acc ^ (_EVEN_BITS * h) ^ (_ODD_BITS * l)
+    high = acc ^ (_EVEN_BITS * hb) ^ (_ODD_BITS * lb)
     h_after = ((high >> np.uint64(62)) & one) ^ ((par >> np.uint64(63)) & one)
     return high, h_after, (high >> np.uint64(63)) & one
 
@@ -71,11 +71,11 @@ def _dq_pass(levels, out, step):
     n = levels.shape[0]
     lo = np.int32(0)
     hi = np.int32(0)
-    h = np.uint64(0)
-    l = np.uint64(0)
+    hb = np.uint64(0)
+    lb = np.uint64(0)
     i = 0
     while i + _DQ_BLOCK <= n:
-        high, h, l = _dq_block_high_bits(levels, i, h, l)
+        high, hb, lb = _dq_block_high_bits(levels, i, hb, lb)
         for j in range(_DQ_BLOCK):
             k = levels[i + j]
             lo = min(lo, k)
@@ -88,15 +88,15 @@ def _dq_pass(levels, out, step):
             else:
                 out[i + j] = np.float32(np.float64(index) * step)
         i += _DQ_BLOCK
-    state = 2 * np.int64(h) + np.int64(l)
-    for i in range(i, n):
-        k = np.int64(levels[i])
+    state = 2 * np.int64(hb) + np.int64(lb)
+    for t in range(i, n):
+        k = np.int64(levels[t])
         lo = min(lo, np.int32(k))
         hi = max(hi, np.int32(k))
         if step is None:
-            out[i] = dq_value(k, state)
+            out[t] = dq_value(k, state)
         else:
-            out[i] = np.float32(np.float64(dq_value(k, state)) * step)
+            out[t] = np.float32(np.float64(dq_value(k, state)) * step)
         state = dq_next(state, k)
     return hi <= MAX_DQ_LEVEL and lo >= -MAX_DQ_LEVEL
 

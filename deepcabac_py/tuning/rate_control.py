@@ -19,8 +19,7 @@ from ..model.encoder import encode_model
 
 
 def _param_count(model) -> int:
-    ckpt = model if isinstance(model, Checkpoint) else flatten(model)
-    return sum(math.prod(t.shape) for t in ckpt.tensors.values())
+    return (model if isinstance(model, Checkpoint) else flatten(model)).numel
 
 
 def encode_to_size(model, *, target_bytes: int | None = None, target_bpw: float | None = None,
@@ -73,11 +72,11 @@ def encode_to_size(model, *, target_bytes: int | None = None, target_bpw: float 
     if len(enc(lo, b)) > target:
         return best
     for _ in range(12):
-        mid = math.sqrt(a * b) if a > 0 else b / 2
-        if len(enc(lo, mid)) <= target:
-            b = mid
+        scale = math.sqrt(a * b) if a > 0 else b / 2
+        if len(enc(lo, scale)) <= target:
+            b = scale
         else:
-            a = mid
+            a = scale
         if len(enc(lo, b)) >= 0.99 * target:
             break
     tuned = enc(lo, b)

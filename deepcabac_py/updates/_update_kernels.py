@@ -1,7 +1,7 @@
 """Numba kernels of the sparse-update coder: the levels of several tensors in one arithmetic-coded
 substream, with contexts that use what both ends already know.
 
-Private: call them through :mod:`deepcabac_py.updates`, which validates every argument. The bytes
+Private: call them through :mod:`deepcabac_py.updates.messages`, which validates every argument. The bytes
 are specified in ``docs/format.md`` ("Update streams"); the plain-Python reference in
 ``tests/reference_update_coder.py`` must produce the same bytes.
 
@@ -44,8 +44,21 @@ import zlib
 
 import numpy as np
 
-from ..entropy._cabac_kernels import MAX_BYPASS_GROUP, OVERRUN_SLACK, PROB_BITS, PROB_ONE, RANGE_INIT, TERMINATE_P, TOP, _decode_bypass, _encode_bypass, _finish_substream, _flush_substream, _shift_low
 from .._jit import inline, kernel
+from ..entropy._cabac_kernels import (
+    MAX_BYPASS_GROUP,
+    OVERRUN_SLACK,
+    PROB_BITS,
+    PROB_ONE,
+    RANGE_INIT,
+    TERMINATE_P,
+    TOP,
+    _decode_bypass,
+    _encode_bypass,
+    _finish_substream,
+    _flush_substream,
+    _shift_low,
+)
 
 # --- estimator ----------------------------------------------------------------------------------
 EST_BITS = 24
@@ -619,7 +632,8 @@ def _any_mix(tinfo):
 @kernel
 def encode_update_kernel(levels, tinfo, parent, hist, ctx, out):
     """Encode the tensors described by ``tinfo`` (int64 [T, 9]: offset, rows, cols, nnz, maxabs,
-    sign_mode, features, context offset, adaptation rate from :func:`rate_for`) whose flat int32 levels are concatenated in ``levels``.
+    sign_mode, features, context offset, adaptation rate from :func:`rate_for`) whose flat int32
+    levels are concatenated in ``levels``.
 
     ``parent`` (int8) and ``hist`` (uint16) are co-located with ``levels``; ``ctx`` (int64 [C, 2]:
     24-bit probability, count) is updated in place. Returns the byte count (the first, always-zero

@@ -27,8 +27,16 @@ from typing import Any
 import numpy as np
 
 from ..errors import UpdateMismatchError
+from .messages import (
+    UpdateSession,
+    _flat_model,
+    _hash_flat,
+    apply_delta,
+    decode_update,
+    encode_sparse,
+    update_difference,
+)
 from .sparsify import ErrorFeedback, SparseTensor, sparsify
-from .messages import UpdateSession, _flat_model, _hash_flat, apply_delta, decode_update, encode_sparse, update_difference
 
 DOWNSTREAM_SESSION = 0xD0D0
 
@@ -179,6 +187,8 @@ class FedClient:
         if catch.full_model is not None:
             self.model = {n: v.copy() for n, v in catch.full_model.items()}
             if self.coder == "cabac":
+                if catch.session_snapshot is None:
+                    raise UpdateMismatchError("a catch-up with the full model carries no downstream session snapshot")
                 self.down_session = UpdateSession.from_snapshot(catch.session_snapshot)
         else:
             for m in catch.messages:

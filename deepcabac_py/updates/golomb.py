@@ -23,8 +23,8 @@ import math
 
 import numpy as np
 
-from .._jit import kernel
 from ..errors import CorruptStreamError
+from . import _golomb_kernels
 
 PHI = (1.0 + math.sqrt(5.0)) / 2.0
 MAX_B = 62
@@ -85,101 +85,43 @@ def stc_bits(levels: np.ndarray, *, sign_bits: bool = True, step_bits: int = 32)
     return position_bits(pos, flat.size) + (pos.size if sign_bits else 0) + step_bits
 
 
-# --------------------------------------------------------------------------------------------------
-# the coder (bit-exact with position_bits)
-# --------------------------------------------------------------------------------------------------
-
-
-@kernel
-def _put_bits(out, bitpos, value, nbits):
-    for j in range(nbits - 1, -1, -1):
-        if (value >> j) & 1:
-            out[bitpos >> 3] |= np.uint8(0x80 >> (bitpos & 7))
-        bitpos += 1
-    return bitpos
-
-
-@kernel
-def encode_tensor_kernel(levels, b, signs, out, bitpos):
-    """Append the Golomb-Rice gaps of the nonzeros of flat ``levels`` and, when ``signs``, one bit
-    per nonzero (1 = negative) to the zeroed buffer ``out`` from bit ``bitpos``; returns the new
-    bit position."""
-    last = -1
-    for i in range(levels.shape[0]):
-        if levels[i] != 0:
-            d = i - last
-            last = i
-            q = (d - 1) >> b
-            for _ in range(q):
-                out[bitpos >> 3] |= np.uint8(0x80 >> (bitpos & 7))
-                bitpos += 1
-            bitpos += 1  # the terminating 0
-            bitpos = _put_bits(out, bitpos, d - 1, b)
-    if signs:
-        for i in range(levels.shape[0]):
-            if levels[i] != 0:
-                if levels[i] < 0:
-                    out[bitpos >> 3] |= np.uint8(0x80 >> (bitpos & 7))
-                bitpos += 1
-    return bitpos
-
-
-@kernel
-def decode_tensor_kernel(buf, bitpos, k, b, signs, side, out):
-    """Decode ``k`` positions (and signs) into the zeroed flat ``out``; returns the new bit position,
-    or -1 if the data are inconsistent (a gap past the end, or bits past the buffer)."""
-    nbits = buf.shape[0] * 8
-    n = out.shape[0]
-    last = -1
-    for _ in range(k):
-        q = 0
-        while True:
-            if bitpos >= nbits:
-                return -1
-            bit = (np.int64(buf[bitpos >> 3]) >> (7 - (bitpos & 7))) & 1
-            bitpos += 1
-            if bit == 0:
-                break
-            q += 1
-            if q > n:
-                return -1
-        if bitpos + b > nbits:
-            return -1
-        r = 0
-        for _ in range(b):
-            r = (r << 1) | ((np.int64(buf[bitpos >> 3]) >> (7 - (bitpos & 7))) & 1)
-            bitpos += 1
-        d = (q << b) + r + 1
-        pos = last + d
-        if pos >= n:
-            return -1
-        out[pos] = side
-        last = pos
-    if signs:
-        if bitpos + k > nbits:
-            return -1
-        for i in range(n):
-            if out[i] != 0:
-                if (np.int64(buf[bitpos >> 3]) >> (7 - (bitpos & 7))) & 1:
-                    out[i] = -1
-                else:
-                    out[i] = 1
-                bitpos += 1
-    return bitpos
+def encode_tensors(parts: list[tuple[np.ndarray, bool]]) -> bytes:
+    """The Golomb code of several tensors of levels in {-1, 0, +1}, one after the other in one bit
+    string (zero-padded to whole bytes): per tensor, the gaps of its nonzeros and, when its flag
+    says so, one sign bit per nonzero (1 = negative)."""
+    plans, nbits = [], 0
+    for levels, signs in parts:
+        flat = np.ascontiguousarray(np.asarray(levels).reshape(-1), dtype=np.int32)
+        if flat.size and int(np.abs(flat).max()) > 1:
+            raise ValueError("the Golomb code carries levels in {-1, 0, +1} only")
+        positions = np.flatnonzero(flat)
+        b = golomb_parameter(positions.size, flat.size)
+        nbits += position_bits(positions, flat.size, b) + (positions.size if signs else 0)
+        plans.append((flat, b, bool(signs)))
+    out = np.zeros((nbits + 7) // 8, dtype=np.uint8)
+    pos = 0
+    for flat, b, signs in plans:
+        pos = _golomb_kernels.encode_tensor(flat, b, signs, out, pos)
+    if pos != nbits:
+        raise RuntimeError(f"internal error: the Golomb coder wrote {pos} bits, its closed form says {nbits}")
+    return out.tobytes()
 
 
 def encode_positions(levels: np.ndarray, *, signs: bool = True) -> bytes:
     """Golomb-code one tensor of levels in {-1, 0, +1} (zero-padded to whole bytes)."""
-    flat = np.ascontiguousarray(np.asarray(levels).reshape(-1), dtype=np.int32)
-    if flat.size and int(np.abs(flat).max()) > 1:
-        raise ValueError("the Golomb code carries levels in {-1, 0, +1} only")
-    k = int(np.count_nonzero(flat))
-    b = golomb_parameter(k, flat.size)
-    nbits = position_bits(np.flatnonzero(flat), flat.size, b) + (k if signs else 0)
-    out = np.zeros((nbits + 7) // 8, dtype=np.uint8)
-    end = encode_tensor_kernel(flat, b, signs, out, 0)
-    assert end == nbits
-    return out.tobytes()
+    return encode_tensors([(levels, signs)])
+
+
+def decode_tensor(buf: np.ndarray, bitpos: int, k: int, out: np.ndarray, *, signs: bool, side: int = 1) -> int:
+    """Decode ``k`` nonzeros from bit ``bitpos`` of ``buf`` (uint8) into the zeroed flat int32
+    ``out``; returns the bit position after them. Without signs every nonzero is ``side``.
+    Raises :class:`CorruptStreamError` where the code is inconsistent."""
+    if not 0 <= k <= out.shape[0]:
+        raise CorruptStreamError(f"{k} nonzeros cannot fit in {out.shape[0]} positions")
+    end = _golomb_kernels.decode_tensor(buf, bitpos, k, golomb_parameter(k, out.shape[0]), signs, side, out)
+    if end < 0:
+        raise CorruptStreamError("Golomb position code is inconsistent")
+    return end
 
 
 def decode_positions(data, k: int, n: int, *, signs: bool = True, side: int = 1) -> np.ndarray:
@@ -193,7 +135,5 @@ def decode_positions(data, k: int, n: int, *, signs: bool = True, side: int = 1)
     if k > buf.size * 8:
         raise CorruptStreamError(f"{k} positions cannot fit in {buf.size} bytes")
     out = np.zeros(n, dtype=np.int32)
-    end = decode_tensor_kernel(buf, 0, k, golomb_parameter(k, n), signs, side, out)
-    if end < 0:
-        raise CorruptStreamError("Golomb position code is inconsistent")
+    decode_tensor(buf, 0, k, out, signs=signs, side=side)
     return out

@@ -12,9 +12,10 @@ stream of rounds is simply the messages one after the other, in a file or on a s
 
 A :class:`UpdateSession` holds what both ends learned from earlier messages of the same stream:
 the adaptive contexts of every tensor, the co-located levels of the previous update (temporal
-context) and per position how often and how long ago it was nonzero, with its last sign (history). The encoder and the decoder each
-keep one; a message names the session and its position in it, and decoding refuses a session that
-is not at that position. ``docs/format.md`` ("Update streams") is the byte-level description.
+context) and per position how often and how long ago it was nonzero, with its last sign (history).
+The encoder and the decoder each keep one; a message names the session and its position in it, and
+decoding refuses a session that is not at that position. ``docs/format.md`` ("Update streams") is
+the byte-level description.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import io
+import math
 import struct
 import zipfile
 import zlib
@@ -31,11 +33,11 @@ from typing import Any
 
 import numpy as np
 
-from . import _update_kernels, golomb
 from ..entropy.levelcoder import LEVEL_MAX
+from ..errors import CorruptStreamError, FormatError, LimitExceededError, TruncatedStreamError, UpdateMismatchError
 from ..io.dtypes import DType
 from ..model.container import check_preamble
-from ..errors import CorruptStreamError, FormatError, LimitExceededError, TruncatedStreamError, UpdateMismatchError
+from . import _update_kernels, golomb
 from .sparsify import ErrorFeedback, SparseTensor, reconstruct, sparsify
 
 MAGIC = b"\x89DCU\r\n\x1a\n"
@@ -61,10 +63,12 @@ LAYOUT_SHARED = 2  # method, sign mode and features are given once for all entri
 # (structured sparsification, rows=...), so it is off by default and on with rows=.
 DEFAULT_FEATURES = _update_kernels.F_ALL & ~_update_kernels.F_ROWSKIP
 FEATURE_NAMES = {
-    "temporal": _update_kernels.F_TEMPORAL, "history": _update_kernels.F_HISTORY, "column": _update_kernels.F_COLUMN, "row": _update_kernels.F_ROW,
-    "rowskip": _update_kernels.F_ROWSKIP, "sign": _update_kernels.F_SIGNCTX, "area": _update_kernels.F_AREA, "mix": _update_kernels.F_MIX,
+    "temporal": _update_kernels.F_TEMPORAL, "history": _update_kernels.F_HISTORY, "column": _update_kernels.F_COLUMN,
+    "row": _update_kernels.F_ROW, "rowskip": _update_kernels.F_ROWSKIP, "sign": _update_kernels.F_SIGNCTX,
+    "area": _update_kernels.F_AREA, "mix": _update_kernels.F_MIX,
 }
-_SESSION_FEATURES = _update_kernels.F_TEMPORAL | _update_kernels.F_HISTORY | _update_kernels.F_AREA  # need an UpdateSession's memory
+# the features that need an UpdateSession's memory
+_SESSION_FEATURES = _update_kernels.F_TEMPORAL | _update_kernels.F_HISTORY | _update_kernels.F_AREA
 
 
 class UpdateCoder(enum.IntEnum):
@@ -137,12 +141,12 @@ def _hash_flat(flat: dict[str, _Tensor]) -> bytes:
         arr = t.array
         if arr.dtype.byteorder == ">":
             arr = arr.astype(arr.dtype.newbyteorder("<"))
-        h.update(memoryview(np.ascontiguousarray(arr)).cast("B"))
+        h.update(np.ascontiguousarray(arr).data.cast("B"))
     return h.digest()
 
 
 def _rows_cols(shape: tuple[int, ...]) -> tuple[int, int]:
-    numel = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    numel = math.prod(shape)
     if len(shape) >= 2 and shape[0] > 0 and numel > 0:
         return int(shape[0]), numel // int(shape[0])
     return 1, numel
@@ -172,7 +176,8 @@ def _next_hist(hist: np.ndarray, levels: np.ndarray | None) -> np.ndarray:
         sign = np.where(levels > 0, 1, np.where(levels < 0, 2, sign))
         count = np.minimum(count + nz, _update_kernels.HIST_COUNT_MAX)
         age = np.where(nz, 1, age)
-    return (sign | (count << _update_kernels.HIST_COUNT_SHIFT) | (age << _update_kernels.HIST_AGE_SHIFT)).astype(np.uint16)
+    packed = sign | (count << _update_kernels.HIST_COUNT_SHIFT) | (age << _update_kernels.HIST_AGE_SHIFT)
+    return packed.astype(np.uint16)
 
 
 def _fresh_ctx() -> np.ndarray:
@@ -246,7 +251,7 @@ class UpdateSession:
                 st.ctx[:] = ctx[name]
         self.seq += 1
 
-    def copy(self) -> "UpdateSession":
+    def copy(self) -> UpdateSession:
         s = UpdateSession(self.session_id)
         s.seq = self.seq
         s.states = {n: _TensorState(st.ctx.copy(), st.parent.copy(), st.hist.copy()) for n, st in self.states.items()}
@@ -255,7 +260,7 @@ class UpdateSession:
     def snapshot(self) -> bytes:
         """The session as bytes (zlib-compressed), e.g. to hand a client that resyncs from a full model."""
         buf = io.BytesIO()
-        arrays = {"meta": np.array([self.session_id, self.seq], dtype=np.int64)}
+        arrays: dict[str, Any] = {"meta": np.array([self.session_id, self.seq], dtype=np.int64)}
         for i, (name, st) in enumerate(sorted(self.states.items())):
             arrays[f"n{i}"] = np.frombuffer(name.encode("utf-8"), dtype=np.uint8)
             arrays[f"c{i}"], arrays[f"p{i}"], arrays[f"h{i}"] = st.ctx, st.parent, st.hist
@@ -263,7 +268,7 @@ class UpdateSession:
         return zlib.compress(buf.getvalue(), 6)
 
     @classmethod
-    def from_snapshot(cls, data: bytes, *, max_bytes: int = SNAPSHOT_MAX_BYTES) -> "UpdateSession":
+    def from_snapshot(cls, data: bytes, *, max_bytes: int = SNAPSHOT_MAX_BYTES) -> UpdateSession:
         """The session :meth:`snapshot` wrote. Snapshots travel (a server hands one to a client that
         resyncs), so one is read as hostile input: at most ``max_bytes`` are inflated
         (:class:`LimitExceededError` beyond), and every array must lie, uncompressed, inside them."""
@@ -282,7 +287,8 @@ class UpdateSession:
                 i = 0
                 while f"n{i}" in z:
                     st = _TensorState(z[f"c{i}"].copy(), z[f"p{i}"].copy(), z[f"h{i}"].copy())
-                    if st.ctx.dtype == np.int64 and st.ctx.shape == (_update_kernels.N_CTX_V1, _update_kernels.CTX_COLS):
+                    v1_shape = (_update_kernels.N_CTX_V1, _update_kernels.CTX_COLS)
+                    if st.ctx.dtype == np.int64 and st.ctx.shape == v1_shape:
                         # a snapshot of update format 1: the contexts of the mixed models start fresh
                         st.ctx = np.concatenate([st.ctx, _fresh_ctx()[_update_kernels.N_CTX_V1:]])
                     if (st.ctx.dtype != np.int64 or st.ctx.shape != (_update_kernels.N_CTX_U, _update_kernels.CTX_COLS)
@@ -412,14 +418,14 @@ def _write_message(*, round_index: int, parent_round: int, parent_hash: bytes, s
             body += [_uvarint(e.index), bytes([e.method]), struct.pack("<f", e.step), _uvarint(e.nnz),
                      _uvarint(e.maxabs), bytes([e.sign_mode, e.features])]
     body.append(_uvarint(len(payload)))
-    body = b"".join(body)
+    packed = b"".join(body)
     flags = FLAG_TABLE if table is not None else 0
     if compact:
         version = COMPACT_VERSION
     else:
         # A message that uses no format-2 feature is written as format 1 (readable by older decoders).
         version = 2 if any(e.features & ~_update_kernels.F_ALL_V1 for e in entries) else 1
-    head = PREAMBLE.pack(MAGIC, version, flags, len(body) + 4) + body
+    head = PREAMBLE.pack(MAGIC, version, flags, len(packed) + 4) + packed
     head += struct.pack("<I", zlib.crc32(head))
     return head + payload + struct.pack("<I", zlib.crc32(payload))
 
@@ -490,7 +496,7 @@ def read_update_header(data, *, total_size: int | None = None) -> UpdateHeader:
         raise FormatError(f"update: {exc}") from None
     # Every listed tensor takes at least 3 bytes: refuse counts the header cannot hold.
     tensor_total = r.uvarint("tensor count", max(0, (r.end - r.pos)) if flags & FLAG_TABLE else (1 << 32))
-    table = None
+    table: list[tuple[str, str, tuple[int, ...]]] | None = None
     if flags & FLAG_TABLE:
         table = []
         names = set()
@@ -557,7 +563,7 @@ def _sign_mode(code: int, j: int) -> SignMode:
         raise FormatError(f"update entry {j}: {exc}") from None
 
 
-def _read_compact_entries(r: "_Cursor", count: int, tensor_total: int, coder: UpdateCoder, table,
+def _read_compact_entries(r: _Cursor, count: int, tensor_total: int, coder: UpdateCoder, table,
                           version: int) -> list[UpdateEntry]:
     if count == 0:
         return []
@@ -612,7 +618,7 @@ def _validate_entry(e: UpdateEntry, j: int, coder: UpdateCoder, table, version: 
     if table is not None:
         name, dtype, shape = table[e.index]
         e.name = name
-        numel = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        numel = math.prod(shape)
         if e.nnz > numel:
             raise CorruptStreamError(f"{where} ({name!r}): {e.nnz} nonzeros in {numel} elements")
         _check_method_dtype(e.method, dtype, where)
@@ -641,7 +647,8 @@ def _tinfo_and_arrays(items, session: UpdateSession | None):
     ctx = np.empty((len(items) * _update_kernels.N_CTX_U, _update_kernels.CTX_COLS), dtype=np.int64)
     off = 0
     for t, (name, flat, rows, cols, nnz, maxabs, sign_mode, features) in enumerate(items):
-        tinfo[t] = (off, rows, cols, nnz, maxabs, sign_mode, features, t * _update_kernels.N_CTX_U, _update_kernels.rate_for(nnz, rows * cols))
+        tinfo[t] = (off, rows, cols, nnz, maxabs, sign_mode, features, t * _update_kernels.N_CTX_U,
+                    _update_kernels.rate_for(nnz, rows * cols))
         if flat is not None:
             levels[off:off + flat.size] = flat
         c0 = t * _update_kernels.N_CTX_U
@@ -665,24 +672,13 @@ def _cabac_encode(items, session) -> tuple[bytes, dict[str, np.ndarray]]:
         if size >= 0:
             break
         capacity *= 4
-    ctx_by_name = {it[0]: ctx[t * _update_kernels.N_CTX_U:(t + 1) * _update_kernels.N_CTX_U].copy() for t, it in enumerate(items)}
+    n_ctx = _update_kernels.N_CTX_U
+    ctx_by_name = {it[0]: ctx[t * n_ctx:(t + 1) * n_ctx].copy() for t, it in enumerate(items)}
     return out[1:size].tobytes(), ctx_by_name
 
 
 def _golomb_encode(items) -> bytes:
-    nbits = 0
-    plans = []
-    for name, flat, rows, cols, nnz, maxabs, sign_mode, features in items:
-        b = golomb.golomb_parameter(nnz, flat.size)
-        signs = sign_mode == SignMode.CODED
-        nbits += golomb.position_bits(np.flatnonzero(flat), flat.size, b) + (nnz if signs else 0)
-        plans.append((flat, b, signs))
-    out = np.zeros((nbits + 7) // 8, dtype=np.uint8)
-    pos = 0
-    for flat, b, signs in plans:
-        pos = golomb.encode_tensor_kernel(flat, b, signs, out, pos)
-    assert pos == nbits
-    return out.tobytes()
+    return golomb.encode_tensors([(flat, sign_mode == SignMode.CODED) for _, flat, _, _, _, _, sign_mode, _ in items])
 
 
 def encode_sparse(
@@ -838,11 +834,34 @@ def encode_update(
 ) -> bytes:
     """Sparsify ``new - base`` and code it as one update message.
 
-    ``method`` is ``"stc"`` (ternary), ``"sbc"`` (binary) or ``"topk"`` (``value_levels`` grid) at
-    ``density`` (per tensor, of its elements); ``rows`` keeps only that fraction of the strongest
-    rows first. With ``feedback`` (an :class:`ErrorFeedback`) the residual of earlier rounds is added
-    before sparsifying and the new residual is stored. Integer tensors are sent exactly. ``coder`` is
-    ``"cabac"`` (ours) or ``"golomb"`` (the STC/SBC papers' position code; ternary levels only).
+    Parameters
+    ----------
+    new, base : mapping of str to tensor, or Checkpoint
+        The model after and before the round (same names, dtypes and shapes).
+    density : float
+        Fraction of each tensor's elements sent, in (0, 1].
+    method : {"stc", "sbc", "topk"}
+        Sparse ternary (signs and one magnitude per tensor), sparse binary (one side), or the
+        kept values on a uniform grid of ``value_levels`` steps.
+    coder : {"cabac", "golomb"}
+        Our arithmetic coder, or the STC/SBC papers' position code (ternary levels only).
+    rows : float or None
+        Keep only this fraction of the strongest rows (output channels) first.
+    value_levels : int
+        Grid size of ``"topk"``.
+    feedback : ErrorFeedback or None
+        Add the residual of earlier rounds before sparsifying, and store the new one.
+    session : UpdateSession or None
+        Continue a stream (contexts, temporal levels, history); it is advanced.
+    round_index, parent_round : int or None
+        The rounds of this update and of ``base``.
+    features, table, compact
+        As for :func:`encode_sparse`.
+
+    Returns
+    -------
+    bytes
+        One message. Integer tensors are sent exactly.
     """
     flat_base = _flat_model(base)
     diff = update_difference(new, flat_base)
@@ -913,13 +932,27 @@ def checked_payload(data, header: UpdateHeader) -> memoryview:
 
 def decode_update(data, base=None, *, session: UpdateSession | None = None, check_parent: bool = True,
                   max_elements: int = DEFAULT_MAX_ELEMENTS) -> Update:
-    """Decode one update message (the first in ``data``).
+    """Decode one update message (the first in ``data``) without applying it.
 
-    ``base`` (the parent model) supplies names and shapes when the message has no tensor table and
-    is checked against the message's parent hash (``UpdateMismatchError`` if it differs). A message
-    that continues a session needs that ``session``, at the message's position; it is advanced.
-    Without ``base``, the tensors the message codes may hold at most ``max_elements`` elements in
-    all (their shapes come from the message itself).
+    Parameters
+    ----------
+    data : bytes-like
+        The message.
+    base : mapping of str to tensor, Checkpoint or None
+        The parent model: it supplies names and shapes when the message has no tensor table, and
+        is checked against the message's parent hash (``UpdateMismatchError`` if it differs).
+    session : UpdateSession or None
+        A message that continues a session needs it, at the message's position; it is advanced.
+    check_parent : bool
+        Check ``base`` against the parent hash.
+    max_elements : int
+        Without ``base``, the tensors the message codes may hold at most this many elements in
+        all (their shapes come from the message itself).
+
+    Returns
+    -------
+    Update
+        The header and every coded tensor's levels and step.
     """
     header = read_update_header(data)
     flat_base = _flat_model(base) if base is not None else None
@@ -982,13 +1015,14 @@ def _decode(data, header: UpdateHeader, flat_base, session: UpdateSession | None
             raise CorruptStreamError("an update with no tensors has a payload")
     else:
         pos = 0
-        for t, (name, _, rows, cols, nnz, maxabs, sign_mode, _f) in enumerate(items):
+        for t, (name, _, rows, cols, nnz, _maxabs, sign_mode, _f) in enumerate(items):
             off = int(tinfo[t, 0])
             side = -1 if sign_mode == SignMode.ALL_NEGATIVE else 1
-            pos = golomb.decode_tensor_kernel(buf, pos, nnz, golomb.golomb_parameter(nnz, rows * cols),
-                                              sign_mode == SignMode.CODED, side, out[off:off + rows * cols])
-            if pos < 0:
-                raise CorruptStreamError(f"update tensor {name!r}: the Golomb position code is inconsistent")
+            try:
+                pos = golomb.decode_tensor(buf, pos, nnz, out[off:off + rows * cols],
+                                           signs=sign_mode == SignMode.CODED, side=side)
+            except CorruptStreamError as exc:
+                raise CorruptStreamError(f"update tensor {name!r}: {exc}") from None
         if (pos + 7) // 8 != buf.size:
             raise CorruptStreamError("the Golomb payload does not end where its positions end")
     result = Update(header)
@@ -1016,8 +1050,9 @@ def _decode(data, header: UpdateHeader, flat_base, session: UpdateSession | None
 
 
 _STATUS = {
-    _update_kernels.ERR_BAD_START: "bad start", _update_kernels.ERR_BAD_ESCAPE: "escape code too long", _update_kernels.ERR_BAD_VALUE: "level out of range",
-    _update_kernels.ERR_BAD_TERMINATE: "bad terminate bin", _update_kernels.ERR_OVERRUN: "truncated", _update_kernels.ERR_BAD_BYPASS: "bypass out of range",
+    _update_kernels.ERR_BAD_START: "bad start", _update_kernels.ERR_BAD_ESCAPE: "escape code too long",
+    _update_kernels.ERR_BAD_VALUE: "level out of range", _update_kernels.ERR_BAD_TERMINATE: "bad terminate bin",
+    _update_kernels.ERR_OVERRUN: "truncated", _update_kernels.ERR_BAD_BYPASS: "bypass out of range",
     _update_kernels.ERR_BAD_COUNT: "fewer nonzeros than the header says",
 }
 
@@ -1056,9 +1091,27 @@ def apply_delta(base, update: Update) -> dict[str, Any]:
 
 
 def apply_update(base, data, *, session: UpdateSession | None = None) -> dict[str, Any]:
-    """Decode the update message ``data`` against ``base`` and return the new model (a flat dict).
+    """The new model: the update message ``data`` applied to ``base``.
 
-    Refuses (``UpdateMismatchError``) a base whose SHA-256 is not the message's parent hash.
+    Parameters
+    ----------
+    base : mapping of str to tensor, or Checkpoint
+        The parent model.
+    data : bytes-like
+        One message (the first in ``data``).
+    session : UpdateSession or None
+        The receiver's session, for a message that continues one; it is advanced.
+
+    Returns
+    -------
+    dict of str to tensor
+        Flat, in ``base``'s tensor types and dtypes.
+
+    Raises
+    ------
+    UpdateMismatchError
+        ``base`` is not the message's parent (its SHA-256 differs), or ``session`` is not at the
+        message's position.
     """
     upd = decode_update(data, base, session=session)
     return apply_delta(base, upd)

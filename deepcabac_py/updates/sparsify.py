@@ -3,7 +3,7 @@
 Every sparsifier maps a dense float tensor (``torch.Tensor`` or ``numpy.ndarray``) to a
 :class:`SparseTensor`: integer ``levels`` of the tensor's shape and one float ``step``, such that the
 update that is *sent* is ``levels * step`` (computed in float32). The levels are what the update
-coders (:mod:`deepcabac_py.golomb`, :mod:`deepcabac_py.updates`) code; the step travels as one
+coders (:mod:`deepcabac_py.updates.golomb`, :mod:`deepcabac_py.updates.messages`) code; the step travels as one
 float32 per tensor.
 
 * :func:`topk_mask`: the ``k = ceil(density * numel)`` largest magnitudes, exactly
@@ -56,11 +56,9 @@ def reconstruct(levels: np.ndarray, step: float) -> np.ndarray:
 
 
 def _as_numpy(x) -> tuple[np.ndarray, bool]:
-    try:
-        import torch
-    except ImportError:  # pragma: no cover - torch is a dependency
-        torch = None
-    if torch is not None and isinstance(x, torch.Tensor):
+    import torch  # (a dependency; imported here so that numpy-only callers do not pay for it)
+
+    if isinstance(x, torch.Tensor):
         return x.detach().cpu().to(torch.float32).numpy(), True
     if isinstance(x, np.ndarray):
         if x.dtype.kind != "f":
@@ -151,7 +149,7 @@ def sbc(x, density: float, *, allowed: np.ndarray | None = None) -> SparseTensor
         flat = np.where(allowed.reshape(-1), flat, 0.0)
     levels = np.zeros(flat.size, dtype=np.int32)
     k = keep_count(flat.size, density)
-    best = (0.0, 0, None)
+    best: tuple[float, int, np.ndarray | None] = (0.0, 0, None)
     for sign in (1, -1):
         side = np.maximum(sign * flat, 0.0)
         m = topk_mask(side, min(1.0, k / max(1, flat.size)) if flat.size else 1.0, sampled=False).reshape(-1)
@@ -159,10 +157,10 @@ def sbc(x, density: float, *, allowed: np.ndarray | None = None) -> SparseTensor
             mu = float(side[m].mean())
             if mu > best[0]:
                 best = (mu, sign, m)
-    mu, sign, m = best
-    if m is None or _f32(mu) == 0.0:
+    mu, sign, chosen = best
+    if chosen is None or _f32(mu) == 0.0:
         return SparseTensor(levels.reshape(arr.shape), 0.0, "sbc")
-    levels[m] = sign
+    levels[chosen] = sign
     return SparseTensor(levels.reshape(arr.shape), _f32(mu), "sbc")
 
 
@@ -203,8 +201,28 @@ def structured_rows(x, keep: float) -> np.ndarray:
 
 def sparsify(x, method: str = "stc", density: float = 0.01, *, rows: float | None = None,
              value_levels: int = 7, sampled: bool | str = "auto") -> SparseTensor:
-    """One entry point: ``method`` in ``("stc", "sbc", "topk")`` at ``density`` (of all elements);
-    ``rows`` (optional, a fraction) first restricts the choice to the strongest rows."""
+    """Sparsify one dense tensor.
+
+    Parameters
+    ----------
+    x : torch.Tensor or numpy.ndarray
+        The dense update.
+    method : {"stc", "sbc", "topk"}
+        Sparse ternary, sparse binary, or top-k on a grid of ``value_levels`` steps.
+    density : float
+        Fraction of all elements kept, in (0, 1].
+    rows : float or None
+        First restrict the choice to this fraction of the strongest rows.
+    value_levels : int
+        Grid size of ``"topk"``.
+    sampled : bool or "auto"
+        Find the top-k threshold from a sample (large tensors) or exactly.
+
+    Returns
+    -------
+    SparseTensor
+        Integer levels of the tensor's shape and one step: what is sent is ``levels * step``.
+    """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     arr, _ = _as_numpy(x)
