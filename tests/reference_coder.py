@@ -1,4 +1,4 @@
-"""A slow, plain-Python reference of the level coder in ``deepcabac_py/_cabac_kernels.py``.
+"""A slow, plain-Python reference of the level coder in ``deepcabac_py/entropy/_cabac_kernels.py``.
 
 Written independently of the Numba kernels, from the algorithm they document, with Python ints
 only (no numba, no numpy in the loops). Only the numeric constants are imported, so a change of a
@@ -13,7 +13,7 @@ the concept:
 * :class:`LevelBinarizer` -- level <-> bins: zigzag map, unary prefix with Exp-Golomb escape,
   context-coded top suffix bit, bypass remainder.
 
-Public entry points mirror :mod:`deepcabac_py.levelcoder`:
+Public entry points mirror :mod:`deepcabac_py.entropy.levelcoder`:
 
 * :func:`encode_levels` returns exactly what ``levelcoder.encode_chunk`` returns (the range coder's
   always-zero first byte dropped, at most MAX_STRIPPED trailing zero bytes stripped);

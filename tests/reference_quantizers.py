@@ -1,4 +1,4 @@
-"""Plain-Python reference of the rate-distortion quantizers (``deepcabac_py/_rd_kernels.py``).
+"""Plain-Python reference of the rate-distortion quantizers (``deepcabac_py/quant/_quantizer_kernels.py``).
 
 Slow and obvious, built from the reference coder's modelling pieces (contexts, scales, column
 prediction). The kernels must choose exactly the same levels on random inputs. The bit-cost table

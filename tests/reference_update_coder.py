@@ -1,4 +1,4 @@
-"""A slow, plain-Python reference of the sparse-update coder in ``deepcabac_py/_update_kernels.py``.
+"""A slow, plain-Python reference of the sparse-update coder in ``deepcabac_py/updates/K.py``.
 
 Written from the algorithm the kernel module documents, with Python ints only; the range coder is
 the level coder's reference (:mod:`reference_coder`). Only constants are imported from the kernel
@@ -13,8 +13,9 @@ stripped as the level coder does); :func:`decode` returns the levels per tensor.
 
 from __future__ import annotations
 
-from deepcabac_py.updates.messages import _update_kernels as K
 from reference_coder import OVERRUN_SLACK, RangeDecoder, RangeEncoder, ReferenceDecodeError
+
+from deepcabac_py.updates import _update_kernels as K
 
 MAX_STRIPPED = 4
 

@@ -11,10 +11,10 @@ from hypothesis import strategies as st
 
 import deepcabac_py as dc
 from deepcabac_py.cli.main import main as cli
-from deepcabac_py.model import batchnorm
-from deepcabac_py.tuning import recalibration
 from deepcabac_py.errors import CheckpointError
+from deepcabac_py.model import batchnorm
 from deepcabac_py.quant.steps import QP_MAX
+from deepcabac_py.tuning import recalibration
 
 EPS = 1e-3
 
@@ -241,8 +241,8 @@ def test_recalibrate_matches_input_moments():
     vo, vq = zo.var((0, 2, 3), unbiased=False).numpy(), zq.var((0, 2, 3), unbiased=False).numpy()
     rv = original["bn1.running_var"].astype(np.float64)
     floor = recalibration.VAR_FLOOR * rv + 1e-12
-    np.testing.assert_allclose(new["bn1.running_mean"], original["bn1.running_mean"] + recalibration.MEAN_SHIFT * (mq - mo),
-                               rtol=1e-5, atol=1e-5)
+    shifted = original["bn1.running_mean"] + recalibration.MEAN_SHIFT * (mq - mo)
+    np.testing.assert_allclose(new["bn1.running_mean"], shifted, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(new["bn1.running_var"], rv * (vq + floor) / (vo + floor), rtol=1e-5)
     assert not net.training
 

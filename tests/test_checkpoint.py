@@ -17,10 +17,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from deepcabac_py.io.checkpoint import DTYPE_NAMES, Checkpoint, flatten, numpy_to_tensor, tensor_to_numpy, unflatten
-from deepcabac_py.io.files import kind_from_suffix, load_checkpoint, save_checkpoint
 from deepcabac_py.errors import CheckpointError, DeepCabacError, InputError, OutputError, OutputExistsError
 from deepcabac_py.io.atomic import write_atomic
+from deepcabac_py.io.checkpoint import DTYPE_NAMES, Checkpoint, flatten, numpy_to_tensor, tensor_to_numpy, unflatten
+from deepcabac_py.io.files import kind_from_suffix, load_checkpoint, save_checkpoint
 
 SUFFIX = {"torch": ".pt", "safetensors": ".safetensors", "npz": ".npz"}
 
@@ -277,7 +277,8 @@ def test_tied_tensors_shared_after_torch_roundtrip(tmp_path):
     assert out["other"] is not out["emb.weight"]
 
     # codec-like replacement of every tensor by a decoded copy keeps the tie
-    decoded = {n: numpy_to_tensor(tensor_to_numpy(t)[0].copy(), *tensor_to_numpy(t)[1:]) for n, t in back.tensors.items()}
+    decoded = {n: numpy_to_tensor(tensor_to_numpy(t)[0].copy(), *tensor_to_numpy(t)[1:])
+               for n, t in back.tensors.items()}
     ck2 = Checkpoint(decoded, back.skeleton, back.kind, back.metadata, dict(back.aliases))
     path2 = tmp_path / "tied2.pt"
     save_checkpoint(ck2, path2)

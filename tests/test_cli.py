@@ -23,11 +23,11 @@ import torch
 from click.testing import CliRunner
 
 from deepcabac_py import decode_model, read_stream_header
+from deepcabac_py.cli.main import main
 from deepcabac_py.io.checkpoint import flatten, tensor_to_numpy
 from deepcabac_py.io.files import load_checkpoint
-from deepcabac_py.cli.main import main
-from deepcabac_py.model.container import Mode
 from deepcabac_py.model.allocation import allocate_qps
+from deepcabac_py.model.container import Mode
 from deepcabac_py.model.structural_importance import structural_importance
 
 REPO = Path(__file__).resolve().parents[1]
@@ -195,7 +195,8 @@ def _script_cmd(*args) -> list[str]:
 # --------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind, name", [("safetensors", "model.safetensors"), ("torch", "model.pt"), ("npz", "model.npz")])
+@pytest.mark.parametrize("kind, name",
+                         [("safetensors", "model.safetensors"), ("torch", "model.pt"), ("npz", "model.npz")])
 def test_encode_info_decode_round_trip(model_dir, kind, name):
     src = model_dir / name
     original = load_checkpoint(src)

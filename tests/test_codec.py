@@ -14,9 +14,9 @@ import torch
 
 import deepcabac_py as dc
 from deepcabac_py.entropy import levelcoder
+from deepcabac_py.errors import CorruptStreamError
 from deepcabac_py.io.checkpoint import tensor_to_numpy
 from deepcabac_py.model.container import FLAG_ALIAS, FLAG_TORCH, DType, Mode
-from deepcabac_py.errors import CorruptStreamError
 from deepcabac_py.quant.steps import step_from_qp
 
 decode_model, encode_model = dc.decode_model, dc.encode_model
@@ -215,7 +215,8 @@ def test_scalars_empty_and_single_element(shape, dtype):
 
 
 def test_numpy_and_torch_types_preserved_and_flagged():
-    model = {"np": np.ones((2, 3), np.float32), "pt": torch.ones(2, 3), "npi": np.ones(3, np.int16), "pti": torch.ones(3, dtype=torch.int16)}
+    model = {"np": np.ones((2, 3), np.float32), "pt": torch.ones(2, 3), "npi": np.ones(3, np.int16),
+             "pti": torch.ones(3, dtype=torch.int16)}
     data = encode(model)
     ent = entries(data)
     assert [bool(ent[n].flags & FLAG_TORCH) for n in model] == [False, True, False, True]
@@ -329,7 +330,8 @@ def test_deterministic_across_threads_and_calls():
     assert dc.encode_model(model, threads=2) == one
     assert dc.encode_model(model, threads=2) == one
     assert dc.encode_model(model) == one
-    assert bits(dc.decode_model(one, threads=2)["layer3.weight"]) == bits(dc.decode_model(one, threads=1)["layer3.weight"])
+    on_two, on_one = dc.decode_model(one, threads=2), dc.decode_model(one, threads=1)
+    assert bits(on_two["layer3.weight"]) == bits(on_one["layer3.weight"])
 
 
 def test_decode_levels_gives_levels_and_step():
@@ -372,7 +374,7 @@ def test_overflowing_values_get_a_coarser_qp():
     data = encode({"w": w, "b": b}, qp=-40, qp_1d=-75)
     ent = entries(data)
     assert ent["w"].qp > -40 and ent["b"].qp > -75
-    for name, x, requested in (("w", w, -40), ("b", b, -75)):
+    for name, x in (("w", w), ("b", b)):
         step = ent[name].step
         assert np.abs(x).max() / step < INT32_MAX
         # the coarsest qp that was needed, not more: one finer step would overflow
@@ -520,8 +522,8 @@ def test_tiny_chunks_are_refused():
 
 
 def test_column_model_and_prediction_only_where_they_pay():
-    from deepcabac_py.model.container import read_header
     from deepcabac_py.entropy.levelcoder import NO_COLUMNS_BIT, PREDICT_BIT
+    from deepcabac_py.model.container import read_header
 
     rng = np.random.default_rng(50)
     iid = rng.standard_normal((300, 256)).astype(np.float32) * 0.05

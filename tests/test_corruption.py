@@ -6,19 +6,35 @@ from __future__ import annotations
 
 import struct
 import tracemalloc
-import zlib
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from helpers import (
+    BODY_COUNT,
+    BODY_META_LEN,
+    craft,
+    decode_outcome,
+    edit_header_body,
+    first_entry_offset,
+    fix_checksums,
+    header_body,
+    no_hang,
+    reseal_header,
+    uniform,
+)
 
 import deepcabac_py as dc
-from deepcabac_py.io.checkpoint import flatten, tensor_to_numpy
-from deepcabac_py.model.container import FLAG_ALIAS, FORMAT_VERSION, MAGIC, NO_ALIAS, PREAMBLE, Coder, DType, Mode, TensorEntry, read_header, write_header
 from deepcabac_py.errors import CorruptStreamError, DeepCabacError, FormatError, TruncatedStreamError
-from deepcabac_py.entropy.levelcoder import DEFAULT_K_OFFSET
-from timeouts import no_hang
+from deepcabac_py.model.container import (
+    FLAG_ALIAS,
+    NO_ALIAS,
+    PREAMBLE,
+    Coder,
+    DType,
+    Mode,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 PEAK_LIMIT = 50 * 2**20
@@ -29,68 +45,6 @@ PEAK_LIMIT = 50 * 2**20
 # --------------------------------------------------------------------------------------------------
 
 
-def fingerprint(obj):
-    """Skeleton plus the exact bits of every tensor: equal fingerprints = identical decodes."""
-    ckpt = flatten(obj)
-    tensors = {}
-    for name, t in ckpt.tensors.items():
-        arr, dtype, is_torch = tensor_to_numpy(t)
-        tensors[name] = (dtype, is_torch, arr.shape, arr.tobytes())
-    return ckpt.skeleton, tensors, ckpt.aliases
-
-
-def decode_outcome(data):
-    """The decoded object's fingerprint, or the DeepCabacError raised; anything else propagates."""
-    try:
-        return fingerprint(dc.decode_model(data, threads=1))
-    except DeepCabacError as exc:
-        return exc
-
-
-def fix_checksums(data: bytes) -> bytes:
-    """Recompute every payload CRC (and so the header CRC) so that damage reaches the level decoder."""
-    header = read_header(memoryview(data), total_size=len(data))
-    payload = data[header.header_size:]
-    for e in header.tensors:
-        if not e.is_alias:
-            e.crc32 = zlib.crc32(payload[e.offset:e.offset + e.size])
-    return write_header(header.qp, header.qp_1d, header.qp_density, header.metadata, header.tensors) + payload
-
-
-def reseal_header(data: bytearray) -> bytes:
-    """Recompute the header CRC after editing header bytes in place."""
-    (header_size,) = struct.unpack_from("<I", data, 12)
-    end = PREAMBLE.size + header_size
-    struct.pack_into("<I", data, end - 4, zlib.crc32(bytes(data[:end - 4])))
-    return bytes(data)
-
-
-# The header body (settings, metadata, tensor table) is stored deflated after its raw size:
-#   preamble(16) raw_size:u32 deflate(body) crc:u32
-# Offsets into the *raw* body:
-BODY_COUNT = 0  # tensor_count:u32, then qp, qp_1d (i16), qp_density, reserved (u8)
-BODY_META_LEN = 10  # u32, then the metadata JSON
-
-
-def header_body(data: bytes) -> bytes:
-    (header_size,) = struct.unpack_from("<I", data, 12)
-    return zlib.decompress(data[PREAMBLE.size + 4:PREAMBLE.size + header_size - 4])
-
-
-def edit_header_body(data: bytes, edit) -> bytes:
-    """Inflate the header body, let ``edit`` change it (a bytearray), deflate it and reseal the CRC."""
-    (header_size,) = struct.unpack_from("<I", data, 12)
-    body = bytearray(header_body(data))
-    edit(body)
-    packed = struct.pack("<I", len(body)) + zlib.compress(bytes(body), 9)
-    head = PREAMBLE.pack(MAGIC, FORMAT_VERSION, 0, len(packed) + 4) + packed
-    return head + struct.pack("<I", zlib.crc32(head)) + data[PREAMBLE.size + header_size:]
-
-
-def first_entry_offset(body: bytes) -> int:
-    """Offset of the first tensor entry (its name length) in a raw header body."""
-    (meta_len,) = struct.unpack_from("<I", body, BODY_META_LEN)
-    return BODY_META_LEN + 4 + meta_len
 
 
 def small_model():
@@ -282,24 +236,6 @@ def test_unknown_flags_and_header_size(small_stream):
 # --------------------------------------------------------------------------------------------------
 # hand-built hostile headers
 # --------------------------------------------------------------------------------------------------
-
-
-def craft(entries: list[TensorEntry], payload: bytes, metadata=None) -> bytes:
-    for e in entries:
-        if not e.is_alias:
-            e.crc32 = zlib.crc32(payload[e.offset:e.offset + e.size])
-    return write_header(-32, -75, 2, {"kind": "mapping"} if metadata is None else metadata, entries) + payload
-
-
-def uniform(name="w", shape=(4, 4), *, chunk_elements=None, chunk_sizes=(10,), offset=0, size=None, **kw):
-    numel = int(np.prod(shape, dtype=object))
-    sizes = list(chunk_sizes)
-    return TensorEntry(name=name, dtype=kw.pop("dtype", DType.FLOAT32), shape=tuple(shape),
-                       mode=kw.pop("mode", Mode.UNIFORM), coder=kw.pop("coder", Coder.ADAPTIVE_SCALE),
-                       qp=kw.pop("qp", -32), qp_density=kw.pop("qp_density", 2),
-                       coder_param=kw.pop("coder_param", DEFAULT_K_OFFSET),
-                       chunk_elements=chunk_elements or max(numel, 1), chunk_sizes=sizes, offset=offset,
-                       size=sum(sizes) if size is None else size, **kw)
 
 
 def assert_refused(data: bytes, error=CorruptStreamError):

@@ -18,9 +18,18 @@ import torch.distributed as dist
 from torch import nn
 
 from deepcabac_py.errors import CorruptStreamError, UpdateMismatchError
-from deepcabac_py.integrations.ddp import LENGTH_BYTES, BucketLayout, DeepCabacState, bucket_values, decode_bucket, deepcabac_hook, encode_bucket, sparsify_bucket
-from deepcabac_py.updates.sparsify import SparseTensor
+from deepcabac_py.integrations.ddp import (
+    LENGTH_BYTES,
+    BucketLayout,
+    DeepCabacState,
+    bucket_values,
+    decode_bucket,
+    deepcabac_hook,
+    encode_bucket,
+    sparsify_bucket,
+)
 from deepcabac_py.updates.messages import UpdateSession
+from deepcabac_py.updates.sparsify import SparseTensor
 
 SHAPES = [(6, 4, 3), (6,), (10, 7), (10,)]
 
@@ -349,12 +358,12 @@ def _check_common(per_rank: list[list[dict]], runs: list[dict]) -> None:
             assert stats["steps"] == len(log) == STEPS and stats["compressed_steps"] == STEPS - warmup
             assert [e["step"] for e in log] == list(range(STEPS))
             assert sum(e["sent"] for e in log) == stats["bytes_sent"]
-            assert all(not e["compressed"] and e["sent"] == e["payload"] == e["dense_fp32"] == dense
+            assert all(not e["compressed"] and e["sent"] == e["payload"] == e["dense_fp32"] == e["dense"] == dense
                        for e in log[:warmup])
             # Compressed steps: each bucket's 8-byte length and padded message, at least the message.
             assert all(e["compressed"] and e["dense_fp32"] == dense and e["payload"] + LENGTH_BYTES <= e["sent"]
                        for e in log[warmup:])
-            assert stats["dense_fp32_bytes"] == STEPS * dense
+            assert stats["dense_fp32_bytes"] == stats["dense_bytes"] == STEPS * dense  # (a float32 model)
         # Padded to the longest message: every rank hands the collectives the same number of bytes.
         assert len({r["stats"]["bytes_sent"] for r in results}) == 1
 

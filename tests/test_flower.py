@@ -27,8 +27,8 @@ from flwr.proto.message_pb2 import Message as ProtoMessage  # noqa: E402
 from flwr.serverapp.strategy import FedAvg  # noqa: E402
 
 from deepcabac_py import decode_checkpoint  # noqa: E402
-from deepcabac_py.updates.federated import CatchUp, FedClient, FedServer, crc_of_model  # noqa: E402
 from deepcabac_py.integrations.flower import STATE, DeepCabacStrategy, deepcabac_mod, make_deepcabac_mod  # noqa: E402
+from deepcabac_py.updates.federated import CatchUp, FedClient, FedServer, crc_of_model  # noqa: E402
 from deepcabac_py.updates.messages import model_hash  # noqa: E402
 
 CLIENTS = 4

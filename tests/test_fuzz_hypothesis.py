@@ -8,17 +8,15 @@ shrinks it to a minimal edit list of one seed. The long coverage-guided runs are
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
+import fuzz_targets
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 FUZZ = Path(__file__).resolve().parent.parent / "fuzz"
-sys.path.insert(0, str(FUZZ))
 
-import fuzz_targets  # noqa: E402
 
 TARGETS = ["model_sealed", "model_threads", "matrix", "zarr", "update_sealed", "ckpt_safetensors", "ckpt_npz",
            "ckpt_pt_pickle", "info", "encode", "session"]

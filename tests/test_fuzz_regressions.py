@@ -9,21 +9,19 @@ from __future__ import annotations
 
 import io
 import struct
-import sys
 import zipfile
 from pathlib import Path
 
+import fuzz_targets
 import numpy as np
 import pytest
+from helpers import no_hang
 
 import deepcabac_py as dc
 from deepcabac_py.errors import CheckpointError
-from timeouts import no_hang
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "fuzz"))
 
-import fuzz_targets  # noqa: E402
 
 REGRESSIONS = sorted((HERE / "fuzz_regressions").glob("*-*"))
 

@@ -10,17 +10,14 @@ The long coverage-guided runs are ``fuzz/run.py`` (atheris); see docs/reliabilit
 from __future__ import annotations
 
 import random
-import sys
 from pathlib import Path
 
+import fuzz_targets
 import pytest
-
-from timeouts import no_hang
+from helpers import no_hang
 
 FUZZ = Path(__file__).resolve().parent.parent / "fuzz"
-sys.path.insert(0, str(FUZZ))
 
-import fuzz_targets  # noqa: E402
 
 CASES = {
     "model": 400,
@@ -64,7 +61,8 @@ def mutate(rng: random.Random, data: bytes, other: bytes) -> bytes:
             buf[at:at] = chunk
         elif op == 6 and n >= 4:  # overwrite a 32-bit little-endian integer
             pos = rng.randrange(n - 3)
-            buf[pos:pos + 4] = rng.choice((0, 1, 0xFFFFFFFF, 0x7FFFFFFF, 1 << 30, rng.randrange(1 << 32))).to_bytes(4, "little")
+            value = rng.choice((0, 1, 0xFFFFFFFF, 0x7FFFFFFF, 1 << 30, rng.randrange(1 << 32)))
+            buf[pos:pos + 4] = value.to_bytes(4, "little")
         elif op == 7 and other:  # splice with another seed
             cut = rng.randrange(n + 1)
             buf = buf[:cut] + bytearray(other[rng.randrange(len(other)):])

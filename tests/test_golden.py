@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import golden_floats, golden_ints
 
 import deepcabac_py as dc
 from deepcabac_py.io.checkpoint import flatten, tensor_to_numpy
@@ -27,41 +28,31 @@ REGEN = os.environ.get("DEEPCABAC_REGEN_GOLDEN") == "1"
 DTYPES_KEY = "__dtypes__"  # in each .npz: "name=dtype" strings, in tensor-table order
 
 
-def _ints(seed: int, shape, low: int, high: int) -> np.ndarray:
-    return np.random.RandomState(seed).randint(low, high, size=shape).astype(np.int64)
-
-
-def _floats(seed: int, shape, scale_log2: int) -> np.ndarray:
-    """Roughly bell-shaped values (a sum of three uniform integers), exact multiples of 2**-k."""
-    x = _ints(seed, (3,) + tuple(shape), -1000, 1001).sum(axis=0)
-    return np.ldexp(x.astype(np.float64), scale_log2 - 10)
-
-
 def _importance(seed: int, shape) -> np.ndarray:
-    return _ints(seed, shape, 1, 17).astype(np.float32)
+    return golden_ints(seed, shape, 1, 17).astype(np.float32)
 
 
 def golden_cases() -> dict[str, tuple[object, dict]]:
     """name -> (input object, encode_model settings)."""
-    weight = _floats(1, (16, 12), -3).astype(np.float32)
+    weight = golden_floats(1, (16, 12), -3).astype(np.float32)
     state_dict = {
         "layer.weight": weight,
-        "layer.bias": _floats(2, (12,), -6).astype(np.float32),
-        "counts": _ints(3, (3, 5), -70000, 70000),
+        "layer.bias": golden_floats(2, (12,), -6).astype(np.float32),
+        "counts": golden_ints(3, (3, 5), -70000, 70000),
         "big": np.array([2**40, -3, 0], dtype=np.int64),  # beyond int32: stored raw
-        "flags": _ints(4, (9,), 0, 2).astype(bool),
+        "flags": golden_ints(4, (9,), 0, 2).astype(bool),
     }
     mixed = {
-        "emb": torch.from_numpy(_floats(5, (10, 8), 0)).to(torch.bfloat16),
-        "norm": torch.from_numpy(_floats(6, (8,), -2)).to(torch.float16),
-        "proj": torch.from_numpy(_floats(7, (4, 6), -1)),  # float64
+        "emb": torch.from_numpy(golden_floats(5, (10, 8), 0)).to(torch.bfloat16),
+        "norm": torch.from_numpy(golden_floats(6, (8,), -2)).to(torch.float16),
+        "proj": torch.from_numpy(golden_floats(7, (4, 6), -1)),  # float64
         "scalar": torch.tensor(0.75),
     }
-    w = torch.from_numpy(_floats(8, (6, 5), -2).astype(np.float32))
+    w = torch.from_numpy(golden_floats(8, (6, 5), -2).astype(np.float32))
     nested = {
-        "model": {"w": w, "b": torch.from_numpy(_floats(9, (5,), -4).astype(np.float32))},
+        "model": {"w": w, "b": torch.from_numpy(golden_floats(9, (5,), -4).astype(np.float32))},
         "tied": w,
-        "ids": torch.from_numpy(_ints(10, (4,), -9, 10).astype(np.int32)),
+        "ids": torch.from_numpy(golden_ints(10, (4,), -9, 10).astype(np.int32)),
         "step": 123,
         "name": "golden",
         "lr": 0.001,
@@ -71,7 +62,8 @@ def golden_cases() -> dict[str, tuple[object, dict]]:
         # format version 1 (plain rounding); qp_1d -75 was the default when they were written
         "state_dict": (state_dict, {"qp": -36, "qp_1d": -75, "quantizer": "nearest"}),
         "mixed_dtypes": (mixed, {"qp": -30, "qp_1d": -75, "qp_overrides": {"proj": -44}, "quantizer": "nearest"}),
-        "nested": (nested, {"qp": -32, "qp_1d": -75, "qp_density": 3, "keep_exact": ["model.b"], "quantizer": "nearest"}),
+        "nested": (nested, {"qp": -32, "qp_1d": -75, "qp_density": 3, "keep_exact": ["model.b"],
+                            "quantizer": "nearest"}),
         # format version 2: trellis tensors (the default), and RDOQ with importance
         "trellis": (mixed, {"qp": -28, "qp_1d": -75, "qp_overrides": {"proj": -40}}),
         "rdoq": (state_dict, {"qp": -34, "qp_1d": -75, "quantizer": "rdoq", "lambda_scale": 2.0,
@@ -87,9 +79,9 @@ def linear_case() -> np.ndarray:
     the smallest that qualifies), made of three integer factors plus sparse +-1 noise. At qp -32
     (step 2**-8) its levels are these integers themselves, so they are the expected values and no
     .npz is needed."""
-    f = _ints(20, (768, 3), -3, 4)
-    g = _ints(21, (3, 48), -2, 3)
-    u = _ints(22, (768, 48), 0, 8)
+    f = golden_ints(20, (768, 3), -3, 4)
+    g = golden_ints(21, (3, 48), -2, 3)
+    u = golden_ints(22, (768, 48), 0, 8)
     return f @ g + (u == 0) - (u == 7)
 
 

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import golden_floats, golden_ints
 
-from deepcabac_py.updates.messages import _update_kernels as _k
+from deepcabac_py.updates import _update_kernels
 from deepcabac_py.updates import messages as up
-from test_golden import _floats, _ints
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "updates"
 REGEN = os.environ.get("DEEPCABAC_REGEN_GOLDEN") == "1"
@@ -27,11 +27,11 @@ REGEN = os.environ.get("DEEPCABAC_REGEN_GOLDEN") == "1"
 
 def base_model() -> dict[str, np.ndarray]:
     return {
-        "conv.weight": _floats(21, (6, 3, 3, 3), -3).astype(np.float32),
-        "fc.weight": _floats(22, (20, 24), -4).astype(np.float32),
-        "fc.bias": _floats(23, (24,), -6).astype(np.float32),
-        "half": _floats(24, (5, 7), -2).astype(np.float16),
-        "steps": _ints(25, (2,), 0, 1000),
+        "conv.weight": golden_floats(21, (6, 3, 3, 3), -3).astype(np.float32),
+        "fc.weight": golden_floats(22, (20, 24), -4).astype(np.float32),
+        "fc.bias": golden_floats(23, (24,), -6).astype(np.float32),
+        "half": golden_floats(24, (5, 7), -2).astype(np.float16),
+        "steps": golden_ints(25, (2,), 0, 1000),
     }
 
 
@@ -39,14 +39,14 @@ def rounds(n: int) -> list[dict[str, np.ndarray]]:
     """n successive models: each is the previous plus a dyadic step (integers count up)."""
     models, model = [], base_model()
     for r in range(n):
-        model = {k: (v + _floats(100 + 10 * r + i, v.shape, -9).astype(v.dtype)) if v.dtype.kind == "f" else v + r + 1
-                 for i, (k, v) in enumerate(model.items())}
+        model = {k: (v + golden_floats(100 + 10 * r + i, v.shape, -9).astype(v.dtype)) if v.dtype.kind == "f"
+                 else v + r + 1 for i, (k, v) in enumerate(model.items())}
         models.append(model)
     return models
 
 
 # The default features of update format 1 (today's default adds MIX, a format-2 feature).
-V1 = up.DEFAULT_FEATURES & _k.F_ALL_V1
+V1 = up.DEFAULT_FEATURES & _update_kernels.F_ALL_V1
 
 
 def golden_cases() -> dict[str, list[dict]]:
@@ -66,7 +66,7 @@ def golden_cases() -> dict[str, list[dict]]:
         "sbc": [dict(density=0.2, method="sbc", features=V1)],
         "golomb": [dict(density=0.15, coder="golomb")],
         "topk_table": [dict(density=0.3, method="topk", value_levels=5, table=True, features=V1)],
-        "rows": [dict(density=0.25, rows=0.5, features=V1 | _k.F_ROWSKIP)],
+        "rows": [dict(density=0.25, rows=0.5, features=V1 | _update_kernels.F_ROWSKIP)],
         "session": [dict(density=0.2, session=True, features=V1), dict(density=0.1, session=True, features=V1),
                     dict(density=0.3, method="sbc", session=True, features=V1)],
         "stc_v2": [dict(density=0.2)],

@@ -1,7 +1,7 @@
 """Checkpoints (and session snapshots) built to hurt the loader: zip bombs, zip members that lie about
-their size, and pickles whose shared references expand exponentially. Each is refused with a CheckpointError, quickly and
-without allocating what it claims. (Pickles with code, lying safetensors headers and npz object arrays
-are in test_checkpoint.py.)"""
+their size, and pickles whose shared references expand exponentially. Each is refused with a
+CheckpointError, quickly and without allocating what it claims. (Pickles with code, lying safetensors
+headers and npz object arrays are in test_checkpoint.py.)"""
 
 from __future__ import annotations
 
@@ -15,12 +15,11 @@ import zlib
 import numpy as np
 import pytest
 import torch
+from helpers import no_hang
 
+from deepcabac_py.errors import CheckpointError
 from deepcabac_py.io.checkpoint import MAX_SHARED_ENTRIES, flatten
 from deepcabac_py.io.files import ZIP_SLACK, load_checkpoint
-from deepcabac_py.errors import CheckpointError
-
-from timeouts import no_hang
 
 BOMB_BYTES = ZIP_SLACK + (32 << 20)  # deflates to about 100 KB: far more than 100x
 

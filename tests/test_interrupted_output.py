@@ -20,7 +20,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-
 SUBPROCESS_TIMEOUT = 120  # cold numba caches on a loaded machine
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")

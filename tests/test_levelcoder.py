@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
+import reference_coder as ref
+from helpers import no_hang
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-import reference_coder as ref
-from timeouts import no_hang
-from deepcabac_py.entropy import _cabac_kernels as _k
+from deepcabac_py.entropy import _cabac_kernels
 from deepcabac_py.entropy import levelcoder as lc
 from deepcabac_py.errors import CorruptStreamError
 
@@ -65,7 +64,7 @@ def kernel_status(data: bytes, n, ncols, col0, k_offset, *, python=False) -> tup
     """The raw decoder status (compiled, or the kernel's pure-Python ``py_func``)."""
     buf = np.frombuffer(data, dtype=np.uint8)
     out = np.zeros(n, dtype=np.int32)
-    fn = _k.decode_levels_kernel.py_func if python else _k.decode_levels_kernel
+    fn = _cabac_kernels.decode_levels_kernel.py_func if python else _cabac_kernels.decode_levels_kernel
     return int(fn(buf, ncols, col0, k_offset & ~lc.PREDICT_BIT, bool(k_offset & lc.PREDICT_BIT), out)), out
 
 
@@ -158,7 +157,7 @@ def test_kernel_py_func_encoder_agrees():
     levels = make_levels("mixed", 150, seed=11)
     for ncols, col0, k_offset in ((0, 0, 0), (7, 3, 2)):
         out = np.zeros(levels.shape[0] * 48 + 256, dtype=np.uint8)
-        size = _k.encode_levels_kernel.py_func(levels, ncols, col0, k_offset & ~lc.PREDICT_BIT,
+        size = _cabac_kernels.encode_levels_kernel.py_func(levels, ncols, col0, k_offset & ~lc.PREDICT_BIT,
                                                bool(k_offset & lc.PREDICT_BIT), out)
         assert out[1:size].tobytes() == numba_encode(levels, ncols, col0, k_offset)
 
@@ -242,7 +241,7 @@ def _check_hostile(data: bytes, n: int, ncols: int, col0: int, k_offset: int, *,
         with pytest.raises(CorruptStreamError):
             lc.decode_chunk(data, layout, index, out)
         return status
-    if status == _k.OK:
+    if status == _cabac_kernels.OK:
         lc.decode_chunk(data, layout, index, out)
         np.testing.assert_array_equal(out, levels)
         assert np.all(out != -(2**31))
@@ -251,7 +250,7 @@ def _check_hostile(data: bytes, n: int, ncols: int, col0: int, k_offset: int, *,
             lc.decode_chunk(data, layout, index, out)
     ref_status, ref_levels = ref.decode_status(data, n, ncols, col0, k_offset)
     assert ref_status == status
-    if status == _k.OK:
+    if status == _cabac_kernels.OK:
         assert ref_levels == levels.tolist()
     if python:
         py_status, py_levels = kernel_status(data, n, ncols, col0, k_offset, python=True)
@@ -271,12 +270,12 @@ def test_garbage_bytes_never_crash():
             n = int(rng.integers(1, 120))
             ncols, col0 = COLUMN_SETUPS[trial % len(COLUMN_SETUPS)]
             statuses.add(_check_hostile(data, n, ncols, col0, trial % len(K_OFFSETS), python=trial < 6))
-    assert len(statuses - {_k.OK}) >= 2  # several distinct failure kinds were exercised
+    assert len(statuses - {_cabac_kernels.OK}) >= 2  # several distinct failure kinds were exercised
 
 
 def test_bad_start_is_detected():
     for data in (b"\xff\xff\xff\xff", b"\xff\xff\xff\xff\x00\x12"):
-        assert kernel_status(data, 3, 0, 0, 1)[0] == _k.ERR_BAD_START
+        assert kernel_status(data, 3, 0, 0, 1)[0] == _cabac_kernels.ERR_BAD_START
         with pytest.raises(CorruptStreamError):
             numba_decode(data, 3)
 
@@ -291,7 +290,7 @@ def test_truncated_and_flipped_streams():
     with no_hang(20):
         for length in range(len(data)):
             python = length in (0, len(data) // 2, len(data) - 1)
-            failures += _check_hostile(data[:length], n, ncols, col0, k_offset, python=python) != _k.OK
+            failures += _check_hostile(data[:length], n, ncols, col0, k_offset, python=python) != _cabac_kernels.OK
         for pos in range(len(data)):
             flipped = bytearray(data)
             flipped[pos] ^= 0xFF
@@ -312,7 +311,7 @@ def test_declared_count_beyond_payload_is_refused_before_decoding(monkeypatch):
     def fail(*args):
         raise AssertionError("the kernel must not run")
 
-    monkeypatch.setattr(_k, "decode_levels_kernel", fail)
+    monkeypatch.setattr(_cabac_kernels, "decode_levels_kernel", fail)
     for claimed in (bound + 1, 10 * bound):
         layout = lc.ChunkLayout(numel=claimed, ncols=0, chunk_elements=claimed)
         with pytest.raises(CorruptStreamError):

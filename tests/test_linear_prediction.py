@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 import deepcabac_py as dc
 from deepcabac_py.entropy import levelcoder
 from deepcabac_py.entropy import linear_prediction as lp
-from deepcabac_py.model.container import Mode, read_header
 from deepcabac_py.errors import CorruptStreamError, DeepCabacError
+from deepcabac_py.model.container import Mode, read_header
 
 
 def reference_residuals(levels, ncols, pivots, coef, intercepts, frac_bits):
@@ -234,7 +234,7 @@ def test_every_damaged_byte_of_the_side_information():
 
 def crafted(shape=(1024, 48), *, mode=Mode.UNIFORM, coder_param=levelcoder.LINEAR_BIT, chunk_elements=None,
             with_predictor=True, version=None):
-    from test_corruption import craft, reseal_header, uniform
+    from helpers import craft, reseal_header, uniform
 
     numel = shape[0] * shape[1]
     pred = side(16, 6, 100, range(16), valid_coefs(shape[1], 16, 0))

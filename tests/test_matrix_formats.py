@@ -17,9 +17,9 @@ from torch import nn
 import deepcabac_py as dc
 from deepcabac_py.matrix import formats as mf
 from deepcabac_py.matrix.formats import CERMatrix, CSERMatrix, csr_nbytes, from_stream, level_entropy, matrix_view
+from deepcabac_py.matrix.torch_modules import CompressedConv2d, CompressedLinear, compress_module
 from deepcabac_py.quant.reconstruct import reconstruct
 from deepcabac_py.quant.steps import step_from_qp
-from deepcabac_py.matrix.torch_modules import CompressedConv2d, CompressedLinear, compress_module
 
 ROOT = Path(__file__).resolve().parent.parent
 DIGITS = ROOT / "models" / "digits_cnn.safetensors"
@@ -586,8 +586,6 @@ def test_from_stream_decodes_every_weight_matrix(digits_stream, formats):
 
 
 def test_compress_module_runs_the_digits_model(digits_stream):
-    import sys
-    sys.path.insert(0, str(ROOT))
     from models.digits_cnn import DigitsCNN, load_eval_set
 
     _, data = digits_stream

@@ -1,4 +1,5 @@
-"""Data-free structural importance (deepcabac_py/structure.py) and its use as encode_model's default."""
+"""Data-free structural importance (deepcabac_py/model/structural_importance.py) and its use as
+encode_model's default."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from deepcabac_py import decode_model, encode_model, quantize_model, read_stream_header
-from deepcabac_py.quant.steps import step_from_qp
 from deepcabac_py.model.structural_importance import BN_EPS, output_shift, shift_absorbers, structural_importance
+from deepcabac_py.quant.steps import step_from_qp
 
 
 def _bn(prefix: str, n: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
@@ -44,7 +45,7 @@ def _relu_energy_by_integration(beta: float, gamma: float) -> float:
 
 
 def _expected(sd: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The rules of structure.py written out by hand for _conv_bn_net, before normalisation."""
+    """The rules of structural_importance.py written out by hand for _conv_bn_net, before normalisation."""
     def gain(p):
         return sd[f"{p}.weight"].astype(np.float64) ** 2 / (sd[f"{p}.running_var"].astype(np.float64) + BN_EPS)
 
@@ -249,7 +250,8 @@ def test_shift_absorbers_match_a_hand_computation():
 @settings(max_examples=30, deadline=None)
 def test_output_shift_matches_a_loop(seed, depthwise):
     rng = np.random.default_rng(seed)
-    out_c, in_c, kh, kw = int(rng.integers(1, 6)), int(rng.integers(1, 6)), int(rng.integers(1, 4)), int(rng.integers(1, 4))
+    out_c, in_c = int(rng.integers(1, 6)), int(rng.integers(1, 6))
+    kh, kw = int(rng.integers(1, 4)), int(rng.integers(1, 4))
     shape = (out_c, 1, kh, kw) if depthwise else (out_c, in_c, kh, kw)
     w = rng.normal(0, 1, shape).astype(np.float32)
     dec = w + rng.normal(0, 0.1, shape)
@@ -271,7 +273,8 @@ def _step_of(data: bytes, name: str) -> float:
 @pytest.mark.parametrize("bn_eps", [None, 1e-3])
 def test_encode_takes_the_estimated_shift_out(bn_eps):
     sd = _conv_bn_net(4)
-    kw = dict(qp=-14, qp_1d=-60, importance=None, quantizer="nearest", batchnorm_eps=bn_eps)  # (fine steps for the targets)
+    # (fine steps for the targets)
+    kw = dict(qp=-14, qp_1d=-60, importance=None, quantizer="nearest", batchnorm_eps=bn_eps)
     on, off = encode_model(sd, **kw), encode_model(sd, bias_correction=False, **kw)
     assert encode_model(sd, threads=2, **kw) == on
     dec_on, dec_off = decode_model(on), decode_model(off)

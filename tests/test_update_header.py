@@ -9,8 +9,8 @@ import zlib
 import numpy as np
 import pytest
 
-from deepcabac_py.updates import messages as up
 from deepcabac_py.errors import CorruptStreamError, FormatError, UpdateMismatchError
+from deepcabac_py.updates import messages as up
 
 
 def _model(seed: int = 0) -> dict[str, np.ndarray]:

@@ -5,21 +5,42 @@ from __future__ import annotations
 
 import io
 import math
-import os
-import sys
 
 import numpy as np
 import pytest
+import reference_update_coder as ref
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-import reference_update_coder as ref  # noqa: E402
-
-from deepcabac_py.updates.messages import _update_kernels as K  # noqa: E402
-from deepcabac_py.updates import golomb  # noqa: E402
-from deepcabac_py.errors import CorruptStreamError, DeepCabacError, FormatError, TruncatedStreamError, UpdateMismatchError  # noqa: E402
-from deepcabac_py.updates.sparsify import ErrorFeedback, SparseTensor, keep_count, sbc, sparsify, stc, structured_rows, topk_mask  # noqa: E402
-from deepcabac_py.updates.messages import UpdateSession, UpdateStreamWriter, apply_update, decode_update, encode_sparse, encode_update, iter_messages, model_hash, read_update_header  # noqa: E402
+from deepcabac_py.errors import (
+    CorruptStreamError,
+    DeepCabacError,
+    FormatError,
+    TruncatedStreamError,
+    UpdateMismatchError,
+)
+from deepcabac_py.updates import _update_kernels as K
+from deepcabac_py.updates import golomb
+from deepcabac_py.updates.messages import (
+    UpdateSession,
+    UpdateStreamWriter,
+    apply_update,
+    decode_update,
+    encode_sparse,
+    encode_update,
+    iter_messages,
+    model_hash,
+    read_update_header,
+)
+from deepcabac_py.updates.sparsify import (
+    ErrorFeedback,
+    SparseTensor,
+    keep_count,
+    sbc,
+    sparsify,
+    stc,
+    structured_rows,
+    topk_mask,
+)
 
 
 def _model(seed=0, torch_tensors=True):
@@ -329,7 +350,7 @@ def test_more_rounds_cost_fewer_bits_with_contexts():
     hot = g.choice(64 * 64, size=200, replace=False)
     with_session, alone = [], []
     s = UpdateSession(1)
-    for r in range(6):
+    for _ in range(6):
         lv = np.zeros(64 * 64, np.int32)
         lv[g.choice(hot, size=40, replace=False)] = g.choice([-1, 1], size=40)
         sp = {"w": SparseTensor(lv.reshape(64, 64), 0.1, "stc")}
