@@ -15,6 +15,7 @@ validators only; set NUMBA_DISABLE_JIT=1 to run the kernels as (slow, instrument
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 from pathlib import Path
@@ -43,61 +44,23 @@ def main(argv: list[str]) -> int:
         print("atheris is not installed: .venv/bin/pip install atheris (or '.[fuzz]')", file=sys.stderr)
         return 2
 
-    if os.environ.get("NUMBA_DISABLE_JIT") == "1":
-        # The kernels run as plain Python: instrument them too, so that the fuzzer is guided by the
-        # branches of the arithmetic decoders themselves (slow, but it sees inside the kernels).
-        with atheris.instrument_imports(include=["deepcabac_py"]):
-            import deepcabac_py.cli.main
-            import deepcabac_py.cli.update
-            import deepcabac_py.integrations.zarr_codec  # noqa: F401,F811
-            import deepcabac_py.matrix.formats
-            import deepcabac_py.model._planning_kernels
-            import deepcabac_py.model.decoder
-            import deepcabac_py.model.encoder  # noqa: E401,F401
-            import deepcabac_py.model.levels
-            import deepcabac_py.model.model_plan
-            import deepcabac_py.model.parallel
-            import deepcabac_py.model.report  # noqa: E401,F401
-            import deepcabac_py.model.settings
-            import deepcabac_py.model.tensor_plan
-            import deepcabac_py.updates.messages
-    else:
-        # Modules holding numba kernels (incl. codec, golomb, quantize) are not instrumented: numba
-        # cannot compile instrumented bytecode. They are imported in dependency order so that the
-        # Python parsers and validators around them are instrumented.
-        import deepcabac_py._jit  # noqa: E401,F401
-        import deepcabac_py.entropy._cabac_kernels
-        import deepcabac_py.matrix._matrix_kernels
-        import deepcabac_py.quant._quantizer_kernels  # noqa: E401,F401
-        import deepcabac_py.quant._reconstruct_kernels
-        import deepcabac_py.quant.quantizers
-        import deepcabac_py.quant.reconstruct
-        import deepcabac_py.quant.steps
-        import deepcabac_py.updates._update_kernels
-        import deepcabac_py.updates.golomb  # noqa: E401,F401
-        with atheris.instrument_imports(include=["deepcabac_py"]):
-            import deepcabac_py.entropy.levelcoder
-            import deepcabac_py.errors  # noqa: E401,F401
-            import deepcabac_py.io.checkpoint  # noqa: E401,F401
-            import deepcabac_py.io.dtypes
-            import deepcabac_py.io.files
-            import deepcabac_py.model.container
-            import deepcabac_py.updates.messages
-            import deepcabac_py.updates.sparsify
-        import deepcabac_py.model._planning_kernels  # noqa: F401
-        import deepcabac_py.model.decoder
-        import deepcabac_py.model.encoder
-        import deepcabac_py.model.levels
-        import deepcabac_py.model.model_plan
-        import deepcabac_py.model.parallel
-        import deepcabac_py.model.settings
-        import deepcabac_py.model.tensor_plan
-        with atheris.instrument_imports(include=["deepcabac_py"]):
-            import deepcabac_py.cli.main
-            import deepcabac_py.cli.update
-            import deepcabac_py.integrations.zarr_codec
-            import deepcabac_py.matrix.formats  # noqa: E401,F401
-            import deepcabac_py.model.report  # noqa: E401,F401
+    # numba cannot compile instrumented bytecode: the kernel modules (every one is named
+    # _*kernels.py) are imported first, uninstrumented, and every other module of the package under
+    # instrumentation. With the JIT off the kernels run as plain Python and are instrumented too, so
+    # that the fuzzer is guided by the branches of the arithmetic decoders themselves (slow, but it
+    # sees inside the kernels).
+    package = HERE.parent / "deepcabac_py"
+    modules = {".".join(p.relative_to(HERE.parent).with_suffix("").parts).removesuffix(".__init__"): p
+               for p in sorted(package.rglob("*.py"))}
+    optional = ("deepcabac_py.integrations.flower", "deepcabac_py.integrations.ddp")  # not fuzz targets
+    if os.environ.get("NUMBA_DISABLE_JIT") != "1":
+        for name, path in modules.items():
+            if path.name.endswith("kernels.py"):
+                importlib.import_module(name)
+    with atheris.instrument_imports(include=["deepcabac_py"]):
+        for name in modules:
+            if name not in optional:
+                importlib.import_module(name)
     if target.startswith("ckpt_pt"):
         # torch's weights-only unpickler is pure Python: instrumenting its opcode loop lets the
         # fuzzer steer through pickle opcodes instead of guessing blindly behind the zip framing.
