@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from deepcabac_py import load_checkpoint
-from deepcabac_py.entropy import levelcoder
+from deepcabac_py.entropy import chunk_layout
 from deepcabac_py.quant.quantizers import quantize_nearest
 from deepcabac_py.quant.steps import step_from_qp
 
@@ -198,7 +198,7 @@ def minilm_matrices() -> list[tuple[np.ndarray, int]]:
 def measure(mod, mats, k_offset: int, use_cols: bool, predict: bool, repeats: int) -> tuple[int, float, float]:
     chunks = []
     for levels, ncols in mats:
-        layout = levelcoder.layout_for_shape((levels.size // ncols, ncols))
+        layout = chunk_layout.layout_for_shape((levels.size // ncols, ncols))
         for k in range(layout.count):
             start, stop = layout.bounds(k)
             chunks.append((levels[start:stop], ncols if use_cols else 0))

@@ -26,7 +26,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import bench_minilm as bm  # noqa: E402
 
-from deepcabac_py.entropy import levelcoder
+from deepcabac_py.entropy import chunk_layout, levelcoder
 from deepcabac_py.quant.quantizers import DEFAULT_LAMBDA, quantize_nearest, quantize_rd, trellis_encode_chunk  # noqa: E402
 from deepcabac_py.quant.reconstruct import dq_indices, reconstruct_f32_inplace  # noqa: E402
 from deepcabac_py.quant.steps import step_from_qp  # noqa: E402
@@ -59,7 +59,7 @@ def staleness(weights, names, blocks, qp=-32) -> None:
         nbytes, sse = 0, 0.0
         for name in names:
             x = weights[name].reshape(-1)
-            layout = levelcoder.layout_for_shape(weights[name].shape, max_abs_level=1 << 20)
+            layout = chunk_layout.layout_for_shape(weights[name].shape, max_abs_level=1 << 20)
             for k in range(layout.count):
                 a, b = layout.bounds(k)
                 out = np.empty(b - a, np.int32)
@@ -82,7 +82,7 @@ def speed(weights, names, repeats=3, qp=-32) -> None:
     n = 0
     for name in names:
         x = weights[name].reshape(-1)
-        layout = levelcoder.layout_for_shape(weights[name].shape, max_abs_level=1 << 20)
+        layout = chunk_layout.layout_for_shape(weights[name].shape, max_abs_level=1 << 20)
         for k in range(layout.count):
             a, b = layout.bounds(k)
             part = x[a:b]

@@ -11,7 +11,7 @@ import zlib
 import numpy as np
 
 import deepcabac_py as dc
-from deepcabac_py.entropy.levelcoder import DEFAULT_K_OFFSET
+from deepcabac_py.entropy.chunk_layout import DEFAULT_K_OFFSET
 from deepcabac_py.errors import DeepCabacError
 from deepcabac_py.io.checkpoint import flatten, tensor_to_numpy
 from deepcabac_py.model.container import (

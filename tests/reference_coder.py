@@ -24,7 +24,7 @@ Public entry points mirror :mod:`deepcabac_py.entropy.levelcoder`:
 from __future__ import annotations
 
 from deepcabac_py.entropy import _cabac_kernels as _K
-from deepcabac_py.entropy.levelcoder import PREDICT_BIT
+from deepcabac_py.entropy.chunk_layout import PREDICT_BIT
 
 # --- constants (imported so that a change propagates) ----------------------------------------------
 PROB_BITS = _K.PROB_BITS

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import deepcabac_py as dc
-from deepcabac_py.entropy import levelcoder
+from deepcabac_py.entropy import chunk_layout
 from deepcabac_py.errors import CorruptStreamError
 from deepcabac_py.io.checkpoint import tensor_to_numpy
 from deepcabac_py.model.container import FLAG_ALIAS, FLAG_TORCH, DType, Mode
@@ -358,7 +358,7 @@ def test_multi_chunk_tensor():
     w = (rng.standard_normal((1100, 1000), dtype=np.float32) * 0.05)
     data = dc.encode_model({"w": w}, threads=2)
     e = entries(data)["w"]
-    assert e.numel > levelcoder.CHUNK_ELEMENTS
+    assert e.numel > chunk_layout.CHUNK_ELEMENTS
     assert len(e.chunk_sizes) == 2 and e.chunk_elements % 1000 == 0
     out = dc.decode_model(data, threads=2)["w"]
     expected = dc.quantize_model({"w": w})["w"]
@@ -494,7 +494,7 @@ def test_alias_entries_carry_no_coding_parameters():
 
 
 def test_column_model_needs_a_whole_row_per_chunk():
-    from deepcabac_py.entropy.levelcoder import layout_for_shape, layout_from_stream
+    from deepcabac_py.entropy.chunk_layout import layout_for_shape, layout_from_stream
 
     assert layout_from_stream((4, 1000), 500, 0).ncols == 0
     assert layout_from_stream((4, 1000), 2000, 0).ncols == 1000
@@ -522,7 +522,7 @@ def test_tiny_chunks_are_refused():
 
 
 def test_column_model_and_prediction_only_where_they_pay():
-    from deepcabac_py.entropy.levelcoder import NO_COLUMNS_BIT, PREDICT_BIT
+    from deepcabac_py.entropy.chunk_layout import NO_COLUMNS_BIT, PREDICT_BIT
     from deepcabac_py.model.container import read_header
 
     rng = np.random.default_rng(50)

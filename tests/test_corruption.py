@@ -26,6 +26,7 @@ from helpers import (
 )
 
 import deepcabac_py as dc
+from deepcabac_py.entropy import chunk_layout
 from deepcabac_py.errors import CorruptStreamError, DeepCabacError, FormatError, TruncatedStreamError
 from deepcabac_py.model.container import (
     FLAG_ALIAS,
@@ -254,10 +255,10 @@ def assert_refused(data: bytes, error=CorruptStreamError):
 
 def test_crafted_valid_stream_decodes():
     # the crafting helpers themselves produce a decodable stream
-    from deepcabac_py.entropy import levelcoder
+    from deepcabac_py.entropy import chunk_layout, levelcoder
 
     levels = np.arange(-8, 8, dtype=np.int32)
-    layout = levelcoder.layout_for_shape((4, 4))
+    layout = chunk_layout.layout_for_shape((4, 4))
     chunk = levelcoder.encode_chunk(levels, layout, 0)
     data = craft([uniform(chunk_elements=layout.chunk_elements, chunk_sizes=[len(chunk)],
                           coder_param=layout.coder_param)], chunk)
@@ -354,7 +355,7 @@ def test_hostile_entry_fields():
     for entry in cases:
         assert_refused(craft([entry], bytes(10) if entry.size else b""))
     assert_refused(craft([uniform(coder=Coder.NONE)], bytes(10)), FormatError)  # no level coder
-    from deepcabac_py.entropy.levelcoder import MAX_K_OFFSET
+    from deepcabac_py.entropy.chunk_layout import MAX_K_OFFSET
 
     assert_refused(craft([uniform(coder_param=MAX_K_OFFSET + 1)], bytes(10)))
     # an alias of a tensor of another shape / an alias of an alias
@@ -391,7 +392,7 @@ def test_bad_metadata_and_skeleton():
                  {"kind": "mapping", "skeleton": {"format": "other", "root": None}}):
         from deepcabac_py.entropy import levelcoder
 
-        chunk = levelcoder.encode_chunk(np.zeros(16, np.int32), levelcoder.layout_for_shape((4, 4)), 0)
+        chunk = levelcoder.encode_chunk(np.zeros(16, np.int32), chunk_layout.layout_for_shape((4, 4)), 0)
         data = craft([uniform(chunk_sizes=[len(chunk)])], chunk, metadata=meta)
         with pytest.raises(DeepCabacError):
             dc.decode_model(data)
@@ -414,7 +415,7 @@ def test_decoded_integers_outside_their_dtype():
     for dtype, values in ((DType.UINT8, [3, 300]), (DType.UINT8, [-1, 0]), (DType.INT8, [-129, 5]),
                           (DType.UINT64, [-5, 1])):
         levels = np.array(values, dtype=np.int32)
-        chunk = levelcoder.encode_chunk(levels, levelcoder.layout_for_shape((2,)), 0)
+        chunk = levelcoder.encode_chunk(levels, chunk_layout.layout_for_shape((2,)), 0)
         entry = uniform(shape=(2,), dtype=dtype, mode=Mode.INTEGER, chunk_sizes=[len(chunk)], qp=0, qp_density=0)
         with pytest.raises(CorruptStreamError, match="out of its dtype's range"):
             dc.decode_model(craft([entry], chunk))
@@ -447,15 +448,15 @@ def test_column_model_switched_off():
     from deepcabac_py.entropy import levelcoder
 
     levels = np.arange(-8, 8, dtype=np.int32)
-    layout = levelcoder.layout_for_shape((4, 4), columns=False)
-    assert layout.ncols == 0 and layout.coder_param == levelcoder.NO_COLUMNS_BIT
+    layout = chunk_layout.layout_for_shape((4, 4), columns=False)
+    assert layout.ncols == 0 and layout.coder_param == chunk_layout.NO_COLUMNS_BIT
     chunk = levelcoder.encode_chunk(levels, layout, 0)
     data = craft([uniform(chunk_elements=layout.chunk_elements, chunk_sizes=[len(chunk)],
                           coder_param=layout.coder_param)], chunk)
     assert dc.read_stream_header(data).version == 3
     np.testing.assert_array_equal(dc.decode_model(data)["w"], (levels * 2.0**-8).reshape(4, 4).astype(np.float32))
     # a column model that is off cannot predict columns
-    both = levelcoder.NO_COLUMNS_BIT | levelcoder.PREDICT_BIT
+    both = chunk_layout.NO_COLUMNS_BIT | chunk_layout.PREDICT_BIT
     assert_refused(craft([uniform(chunk_elements=16, chunk_sizes=[len(chunk)], coder_param=both)], chunk))
     # and the switch needs version 3
     old = bytearray(data)

@@ -11,12 +11,13 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from deepcabac_py.entropy import _cabac_kernels
+from deepcabac_py.entropy import chunk_layout as cl
 from deepcabac_py.entropy import levelcoder as lc
 from deepcabac_py.errors import CorruptStreamError
 
 LEVEL_MAX = 2**31 - 1
 # coder_param values: every k offset, and a few with column prediction on
-K_OFFSETS = tuple(range(lc.MAX_K_OFFSET + 1)) + (lc.PREDICT_BIT, lc.PREDICT_BIT | 2, lc.PREDICT_BIT | 7)
+K_OFFSETS = tuple(range(cl.MAX_K_OFFSET + 1)) + (cl.PREDICT_BIT, cl.PREDICT_BIT | 2, cl.PREDICT_BIT | 7)
 PREDICT_MAX = lc.PREDICT_MAX_LEVEL
 # (ncols, col0): no column model; narrow and wide 2-D views; first element not in column 0
 COLUMN_SETUPS = ((0, 0), (1, 0), (13, 0), (13, 5), (64, 63))
@@ -29,31 +30,31 @@ COLUMN_SETUPS = ((0, 0), (1, 0), (13, 0), (13, 5), (64, 63))
 
 def fit_levels(levels: np.ndarray, coder_param: int) -> np.ndarray:
     """Column prediction needs |level| <= PREDICT_MAX_LEVEL: clip test inputs when it is on."""
-    return np.clip(levels, -PREDICT_MAX, PREDICT_MAX).astype(np.int32) if coder_param & lc.PREDICT_BIT else levels
+    return np.clip(levels, -PREDICT_MAX, PREDICT_MAX).astype(np.int32) if coder_param & cl.PREDICT_BIT else levels
 
 
-def chunk_setup(n: int, ncols: int, col0: int, k_offset: int) -> tuple[lc.ChunkLayout, int]:
+def chunk_setup(n: int, ncols: int, col0: int, k_offset: int) -> tuple[cl.ChunkLayout, int]:
     """A layout and chunk index whose chunk has ``n`` levels starting in column ``col0``;
     ``k_offset`` is a coder_param (k offset | PREDICT_BIT)."""
     param = k_offset
-    k_offset, predict = param & ~lc.PREDICT_BIT, bool(param & lc.PREDICT_BIT)
+    k_offset, predict = param & ~cl.PREDICT_BIT, bool(param & cl.PREDICT_BIT)
     if ncols == 0:
-        return lc.ChunkLayout(numel=n, ncols=0, chunk_elements=max(n, 1), k_offset=k_offset, predict=predict), 0
+        return cl.ChunkLayout(numel=n, ncols=0, chunk_elements=max(n, 1), k_offset=k_offset, predict=predict), 0
     # chunk 1 starts at chunk_elements, which is == col0 (mod ncols) and >= n
     size = ncols * -(-n // ncols) + col0
     size = max(size, ncols) if size == 0 else size
-    layout = lc.ChunkLayout(numel=size + n, ncols=ncols, chunk_elements=size, k_offset=k_offset, predict=predict)
+    layout = cl.ChunkLayout(numel=size + n, ncols=ncols, chunk_elements=size, k_offset=k_offset, predict=predict)
     assert layout.first_column(layout.bounds(1)[0]) == col0 and layout.bounds(1)[1] - layout.bounds(1)[0] == n
     return layout, 1
 
 
-def numba_encode(levels, ncols=0, col0=0, k_offset=lc.DEFAULT_K_OFFSET) -> bytes:
+def numba_encode(levels, ncols=0, col0=0, k_offset=cl.DEFAULT_K_OFFSET) -> bytes:
     levels = np.asarray(levels, dtype=np.int32)
     layout, index = chunk_setup(levels.shape[0], ncols, col0, k_offset)
     return lc.encode_chunk(levels, layout, index)
 
 
-def numba_decode(data: bytes, n, ncols=0, col0=0, k_offset=lc.DEFAULT_K_OFFSET) -> np.ndarray:
+def numba_decode(data: bytes, n, ncols=0, col0=0, k_offset=cl.DEFAULT_K_OFFSET) -> np.ndarray:
     layout, index = chunk_setup(n, ncols, col0, k_offset)
     out = np.empty(n, dtype=np.int32)
     lc.decode_chunk(data, layout, index, out)
@@ -65,7 +66,7 @@ def kernel_status(data: bytes, n, ncols, col0, k_offset, *, python=False) -> tup
     buf = np.frombuffer(data, dtype=np.uint8)
     out = np.zeros(n, dtype=np.int32)
     fn = _cabac_kernels.decode_levels_kernel.py_func if python else _cabac_kernels.decode_levels_kernel
-    return int(fn(buf, ncols, col0, k_offset & ~lc.PREDICT_BIT, bool(k_offset & lc.PREDICT_BIT), out)), out
+    return int(fn(buf, ncols, col0, k_offset & ~cl.PREDICT_BIT, bool(k_offset & cl.PREDICT_BIT), out)), out
 
 
 def _clip(x) -> np.ndarray:
@@ -157,8 +158,8 @@ def test_kernel_py_func_encoder_agrees():
     levels = make_levels("mixed", 150, seed=11)
     for ncols, col0, k_offset in ((0, 0, 0), (7, 3, 2)):
         out = np.zeros(levels.shape[0] * 48 + 256, dtype=np.uint8)
-        size = _cabac_kernels.encode_levels_kernel.py_func(levels, ncols, col0, k_offset & ~lc.PREDICT_BIT,
-                                               bool(k_offset & lc.PREDICT_BIT), out)
+        size = _cabac_kernels.encode_levels_kernel.py_func(levels, ncols, col0, k_offset & ~cl.PREDICT_BIT,
+                                               bool(k_offset & cl.PREDICT_BIT), out)
         assert out[1:size].tobytes() == numba_encode(levels, ncols, col0, k_offset)
 
 
@@ -168,13 +169,13 @@ _level = st.one_of(st.integers(-3, 3), st.integers(-300, 300), st.integers(-LEVE
 @settings(max_examples=60, deadline=None)
 @given(
     arr=hnp.arrays(np.int32, hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=9), elements=_level),
-    target=st.sampled_from([1, 3, 8, 50, lc.CHUNK_ELEMENTS]),
-    k_offset=st.integers(0, lc.MAX_K_OFFSET),
+    target=st.sampled_from([1, 3, 8, 50, cl.CHUNK_ELEMENTS]),
+    k_offset=st.integers(0, cl.MAX_K_OFFSET),
 )
 def test_property_round_trip_and_reference(arr, target, k_offset):
     flat = arr.reshape(-1)
     top = int(np.abs(flat.astype(np.int64)).max()) if flat.size else 0
-    layout = lc.layout_for_shape(arr.shape, target=target, k_offset=k_offset, max_abs_level=top)
+    layout = cl.layout_for_shape(arr.shape, target=target, k_offset=k_offset, max_abs_level=top)
     assert layout.predict == (layout.ncols > 0 and top <= PREDICT_MAX)
     decoded = np.empty_like(flat)
     assert layout.count == (-(-flat.size // layout.chunk_elements) if flat.size else 0)
@@ -191,7 +192,7 @@ def test_property_round_trip_and_reference(arr, target, k_offset):
 def test_all_zero_chunk_of_max_size_decodes():
     # Regression: the worst case of max_elements_for_payload (one near-certain bin per level)
     # used to be rejected as corrupt.
-    n = lc.CHUNK_ELEMENTS
+    n = cl.CHUNK_ELEMENTS
     data = numba_encode(np.zeros(n, dtype=np.int32))
     assert n <= lc.max_elements_for_payload(len(data))
     assert not numba_decode(data, n).any()
@@ -214,7 +215,7 @@ def test_int32_min_is_rejected():
 
 
 def test_encode_decode_chunk_validate_arrays():
-    layout = lc.layout_for_shape((10,))
+    layout = cl.layout_for_shape((10,))
     with pytest.raises(ValueError):
         lc.encode_chunk(np.zeros(10, dtype=np.int64), layout, 0)
     with pytest.raises(ValueError):
@@ -313,7 +314,7 @@ def test_declared_count_beyond_payload_is_refused_before_decoding(monkeypatch):
 
     monkeypatch.setattr(_cabac_kernels, "decode_levels_kernel", fail)
     for claimed in (bound + 1, 10 * bound):
-        layout = lc.ChunkLayout(numel=claimed, ncols=0, chunk_elements=claimed)
+        layout = cl.ChunkLayout(numel=claimed, ncols=0, chunk_elements=claimed)
         with pytest.raises(CorruptStreamError):
             lc.decode_chunk(data, layout, 0, np.empty(claimed, dtype=np.int32))
 

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import deepcabac_py as dc
-from deepcabac_py.entropy import levelcoder
+from deepcabac_py.entropy import chunk_layout, levelcoder
 from deepcabac_py.entropy import linear_prediction as lp
 from deepcabac_py.errors import CorruptStreamError, DeepCabacError
 from deepcabac_py.model.container import Mode, read_header
@@ -103,9 +103,9 @@ def test_prediction_saves_bytes_on_correlated_columns():
     x = correlated(1200, 64)
     pred = lp.fit(x.reshape(-1), 64)
     assert pred is not None
-    layout = levelcoder.layout_for_shape(x.shape)
+    layout = chunk_layout.layout_for_shape(x.shape)
     plain = len(levelcoder.encode_chunk(x.reshape(-1), layout, 0))
-    linear = levelcoder.ChunkLayout(x.size, 0, layout.chunk_elements, linear=True)
+    linear = chunk_layout.ChunkLayout(x.size, 0, layout.chunk_elements, linear=True)
     coded = len(levelcoder.encode_chunk(pred.residuals(x.reshape(-1)), linear, 0)) + len(pred.to_bytes())
     assert coded < 0.8 * plain
 
@@ -153,7 +153,7 @@ def test_streams_without_it_keep_their_version():
 
 def side(m, frac_bits, bound, pivots, coefs, reserved=0):
     vec = np.asarray(coefs, dtype=np.int32)
-    body = levelcoder.encode_chunk(vec, levelcoder.ChunkLayout(vec.size, 0, max(1, vec.size)), 0)
+    body = levelcoder.encode_chunk(vec, chunk_layout.ChunkLayout(vec.size, 0, max(1, vec.size)), 0)
     return struct.pack("<HBBI", m, frac_bits, reserved, bound) + np.asarray(pivots, "<u2").tobytes() + body
 
 
@@ -232,13 +232,13 @@ def test_every_damaged_byte_of_the_side_information():
 
 # --- hostile tensor tables -----------------------------------------------------------------------
 
-def crafted(shape=(1024, 48), *, mode=Mode.UNIFORM, coder_param=levelcoder.LINEAR_BIT, chunk_elements=None,
+def crafted(shape=(1024, 48), *, mode=Mode.UNIFORM, coder_param=chunk_layout.LINEAR_BIT, chunk_elements=None,
             with_predictor=True, version=None):
     from helpers import craft, reseal_header, uniform
 
     numel = shape[0] * shape[1]
     pred = side(16, 6, 100, range(16), valid_coefs(shape[1], 16, 0))
-    levels = levelcoder.encode_chunk(np.zeros(numel, np.int32), levelcoder.ChunkLayout(numel, 0, numel), 0)
+    levels = levelcoder.encode_chunk(np.zeros(numel, np.int32), chunk_layout.ChunkLayout(numel, 0, numel), 0)
     chunks = ([pred] if with_predictor else []) + [levels]
     data = bytearray(craft([uniform(shape=shape, mode=mode, coder_param=coder_param, chunk_elements=chunk_elements,
                                     chunk_sizes=[len(c) for c in chunks])], b"".join(chunks)))
@@ -255,7 +255,7 @@ def test_crafted_linear_stream_decodes():
 
 @pytest.mark.parametrize("kw, match", [
     (dict(mode=Mode.DEPENDENT), "linear prediction with mode"),
-    (dict(coder_param=levelcoder.LINEAR_BIT | levelcoder.PREDICT_BIT), "column prediction"),
+    (dict(coder_param=chunk_layout.LINEAR_BIT | chunk_layout.PREDICT_BIT), "column prediction"),
     (dict(shape=(4096, 12)), "rows of 12"),
     (dict(chunk_elements=1000 * 48 + 7), "rows of 48"),
     (dict(with_predictor=False), "level chunks"),

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import deepcabac_py as dc
-from deepcabac_py.entropy import levelcoder
+from deepcabac_py.entropy import chunk_layout, levelcoder
 from deepcabac_py.entropy.levelcoder import LEVEL_MAX
 from deepcabac_py.errors import CorruptStreamError
 from deepcabac_py.model import tensor_plan
@@ -24,7 +24,7 @@ from deepcabac_py.quant.steps import step_from_qp
 
 
 def _layout_args(shape, max_level=1000):
-    layout = levelcoder.layout_for_shape(shape, max_abs_level=max_level)
+    layout = chunk_layout.layout_for_shape(shape, max_abs_level=max_level)
     return dict(ncols=layout.ncols, col0=0, k_offset=layout.k_offset, predict=layout.predict)
 
 
@@ -89,7 +89,7 @@ def test_trellis_codes_what_it_commits(seed, rows, cols, rows_per_chunk, weighte
     shape = (rows, cols) if rows > 1 else (cols,)
     values = laplace_weights(seed, shape, scale, sparse=0.3).reshape(-1)
     imp = np.random.default_rng(seed + 1).gamma(0.5, 2.0, values.shape).astype(np.float32)
-    layout = levelcoder.layout_for_shape(shape, target=rows_per_chunk * cols,
+    layout = chunk_layout.layout_for_shape(shape, target=rows_per_chunk * cols,
                                          max_abs_level=1000 if predict else levelcoder.LEVEL_MAX)
     step, lam = 2.0**-7, 0.46
     for k in range(layout.count):
@@ -106,7 +106,7 @@ def test_trellis_codes_what_it_commits(seed, rows, cols, rows_per_chunk, weighte
 
 def test_trellis_reports_a_full_buffer_and_is_given_a_larger_one():
     values = laplace_weights(4, (8, 64), 0.05).reshape(-1)
-    layout = levelcoder.layout_for_shape((8, 64))
+    layout = chunk_layout.layout_for_shape((8, 64))
     step, lam = 2.0**-7, 0.46
     want_levels = quantize_rd(values, step, method="trellis", lam=lam, ncols=64, predict=layout.predict)
     want = levelcoder.encode_chunk(want_levels, layout, 0)
@@ -130,7 +130,7 @@ def test_trellis_reports_a_full_buffer_and_is_given_a_larger_one():
 def test_trellis_saturates_values_beyond_the_level_range():
     # |x| / step past int64 (or NaN) saturates at the largest level instead of wrapping around
     values = np.array([1e30, -1e30, 3.0, np.nan, -np.inf, 0.5] * 50, dtype=np.float64)
-    layout = levelcoder.layout_for_shape(values.shape)
+    layout = chunk_layout.layout_for_shape(values.shape)
     levels = quantize_rd(values, 2.0**-8, method="trellis", lam=0.46)
     assert np.abs(levels).max() == MAX_DQ_LEVEL
     assert levels[0] > 0 and levels[1] < 0
@@ -176,7 +176,7 @@ def test_dq_indices_refuse_levels_beyond_the_grid(pos, bad):
 
 
 def _chunk_bits(levels: np.ndarray, layout_kw) -> int:
-    layout = levelcoder.ChunkLayout(numel=levels.size, ncols=layout_kw["ncols"], chunk_elements=max(1, levels.size),
+    layout = chunk_layout.ChunkLayout(numel=levels.size, ncols=layout_kw["ncols"], chunk_elements=max(1, levels.size),
                                     k_offset=layout_kw["k_offset"], predict=layout_kw["predict"])
     return 8 * len(levelcoder.encode_chunk(levels, layout, 0))
 
@@ -298,7 +298,7 @@ def test_decoder_reconstructs_what_the_quantizer_chose(quantizer, dtype):
 
 def test_trellis_over_several_chunks_and_threads():
     shape = (1100, 1000)  # two substreams, each with its own trellis
-    assert levelcoder.layout_for_shape(shape).count == 2
+    assert chunk_layout.layout_for_shape(shape).count == 2
     w = laplace_weights(13, shape, 0.05)
     one = dc.encode_model({"w": w}, qp=-28, threads=1)
     assert dc.encode_model({"w": w}, qp=-28, threads=2) == one

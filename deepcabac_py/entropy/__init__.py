@@ -5,6 +5,7 @@ May import: ``errors`` and ``_jit``. The range coder and modelling kernels in ``
 are shared with the quantizers (which price levels with the coder's own contexts) and with the
 update coder (which reuses the range coder).
 
-* :mod:`.levelcoder`: chunk layouts, the ``coder_param`` byte, ``encode_chunk``/``decode_chunk``.
+* :mod:`.chunk_layout`: how a tensor is cut into substreams and the ``coder_param`` byte (format).
+* :mod:`.levelcoder`: ``encode_chunk``/``decode_chunk``, the validated front of the kernels.
 * :mod:`.linear_prediction`: pivots, integer coefficients and the exact residual arithmetic.
 """

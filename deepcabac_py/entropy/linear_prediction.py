@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import CorruptStreamError
-from . import _linear_kernels, levelcoder
+from . import _linear_kernels, chunk_layout, levelcoder
 
 FRAC_BITS = 6  # coefficients in units of 1/64: 1/32 loses 0.2% of MiniLM's stream, 1/128 costs more side information
 BLOCK = 16  # pivots are chosen this many at a time, and rebuilt a block per BLAS product
@@ -174,8 +174,8 @@ def _order(ncols: int, pivots: np.ndarray) -> np.ndarray:
     return np.concatenate([pivots, np.flatnonzero(mask)]).astype(np.int64)
 
 
-def _vector_layout(count: int) -> levelcoder.ChunkLayout:
-    return levelcoder.ChunkLayout(numel=count, ncols=0, chunk_elements=max(1, count))
+def _vector_layout(count: int) -> chunk_layout.ChunkLayout:
+    return chunk_layout.ChunkLayout(numel=count, ncols=0, chunk_elements=max(1, count))
 
 
 def from_bytes(data, ncols: int) -> LinearPredictor:

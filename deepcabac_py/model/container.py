@@ -21,16 +21,16 @@ import struct
 import zlib
 from dataclasses import dataclass, field
 
-from ..entropy.levelcoder import (
+from ..entropy.chunk_layout import (
     LINEAR_BIT,
     MAX_K_OFFSET,
     NO_COLUMNS_BIT,
     PREDICT_BIT,
     SWITCH_BITS,
     layout_from_stream,
-    max_elements_for_payload,
     row_length,
 )
+from ..entropy.levelcoder import max_elements_for_payload
 from ..entropy.linear_prediction import MAX_COLUMNS, MIN_COLUMNS
 from ..errors import CorruptStreamError, FormatError, TruncatedStreamError
 from ..io.dtypes import DType
@@ -95,7 +95,7 @@ class TensorEntry:
     qp: int = 0
     qp_density: int = 0
     alias_of: int = NO_ALIAS
-    coder_param: int = 0  # the level coder's k offset | its switches (levelcoder.ChunkLayout.coder_param)
+    coder_param: int = 0  # the level coder's k offset | its switches (chunk_layout.ChunkLayout.coder_param)
     chunk_elements: int = 0
     chunk_sizes: list[int] = field(default_factory=list)
     offset: int = 0  # payload offset, relative to the first payload byte

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from ..entropy import levelcoder, linear_prediction
+from ..entropy import chunk_layout, levelcoder, linear_prediction
 from ..errors import CorruptStreamError, LimitExceededError, TruncatedStreamError
 from ..io.checkpoint import Checkpoint, numpy_to_tensor, plain_skeleton, unflatten
 from ..io.dtypes import DType
@@ -175,10 +175,10 @@ def _decode_entries(data, header: StreamHeader, *, want_levels: bool, threads: i
             if not want_levels:
                 outputs[e.name] = _raw_values(e, views)
             continue
-        layout = levelcoder.layout_from_stream(e.shape, e.chunk_elements, e.coder_param)
+        layout = chunk_layout.layout_from_stream(e.shape, e.chunk_elements, e.coder_param)
         predictor = None
         if e.is_linear:
-            predictor = linear_prediction.from_bytes(views[0], levelcoder.row_length(e.shape))
+            predictor = linear_prediction.from_bytes(views[0], chunk_layout.row_length(e.shape))
             views = views[1:]
         out = np.empty(e.numel, dtype=np.int32 if want_levels else e.dtype.carrier)
         outputs[e.name] = out

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from ..entropy import levelcoder, linear_prediction
+from ..entropy import chunk_layout, levelcoder, linear_prediction
 from ..entropy.levelcoder import LEVEL_MAX
 from ..io.checkpoint import tensor_to_numpy
 from ..io.dtypes import DType, bfloat16_to_float32
@@ -106,7 +106,7 @@ class TensorPlan:
 
     entry: TensorEntry
     array: np.ndarray | None  # the values (numpy carrier), None for aliases
-    layout: levelcoder.ChunkLayout | None = None  # None: stored raw (or an alias)
+    layout: chunk_layout.ChunkLayout | None = None  # None: stored raw (or an alias)
     quantizer: str = "nearest"
     lam: float = 0.0
     importance: Importance | None = None  # per-weight importance, relative to its mean
@@ -126,7 +126,7 @@ class TensorPlan:
         return self.array
 
     @property
-    def chunks(self) -> levelcoder.ChunkLayout:
+    def chunks(self) -> chunk_layout.ChunkLayout:
         """The chunk layout of a level-coded tensor."""
         if self.layout is None:
             raise RuntimeError(f"internal error: {self.name!r} is not level-coded")
@@ -196,7 +196,7 @@ class TensorPlan:
         if (layout is None or self.linear is not None or e.mode != Mode.UNIFORM
                 or self.quantizer not in ("nearest", "rdoq") or len(e.shape) < 2):
             return self
-        ncols = levelcoder.row_length(e.shape)
+        ncols = chunk_layout.row_length(e.shape)
         if not linear_prediction.qualifies(e.numel // max(ncols, 1), ncols) or layout.chunk_elements % ncols:
             return self
         if self.quantizer == "nearest":  # rounding does not depend on the chunks: one pass
@@ -207,7 +207,7 @@ class TensorPlan:
             predictor = linear_prediction.fit(levels, ncols, level_bound=self.max_level)
         if predictor is None:
             return self
-        linear = levelcoder.ChunkLayout(layout.numel, 0, layout.chunk_elements, layout.k_offset, linear=True)
+        linear = chunk_layout.ChunkLayout(layout.numel, 0, layout.chunk_elements, layout.k_offset, linear=True)
         entry = dataclasses.replace(e, coder_param=linear.coder_param)
         return dataclasses.replace(self, entry=entry, layout=linear, linear=predictor, levels=levels)
 
@@ -239,7 +239,7 @@ class TensorPlanner:
         if lo < -LEVEL_MAX or hi > LEVEL_MAX:
             return TensorPlan(entry, arr)
         entry.mode, entry.coder = Mode.INTEGER, Coder.ADAPTIVE_SCALE
-        layout = levelcoder.layout_for_shape(entry.shape, max_abs_level=max(-int(lo), int(hi)))
+        layout = chunk_layout.layout_for_shape(entry.shape, max_abs_level=max(-int(lo), int(hi)))
         entry.chunk_elements = layout.chunk_elements
         entry.coder_param = layout.coder_param
         return TensorPlan(entry, arr, layout)
@@ -267,7 +267,7 @@ class TensorPlanner:
         if s.dependent:
             max_level = max_level // 2 + 1
         columns, predict = _column_choices(values, entry.shape)
-        layout = levelcoder.layout_for_shape(entry.shape, max_abs_level=max_level, predict=predict, columns=columns)
+        layout = chunk_layout.layout_for_shape(entry.shape, max_abs_level=max_level, predict=predict, columns=columns)
         entry.chunk_elements = layout.chunk_elements
         entry.coder_param = layout.coder_param
         return TensorPlan(entry, arr, layout, s.quantizer, s.lam,

@@ -22,7 +22,7 @@ import math
 
 import numpy as np
 
-from ..entropy import levelcoder
+from ..entropy import chunk_layout, levelcoder
 from ..entropy.levelcoder import LEVEL_MAX
 from . import _quantizer_kernels
 from ._reconstruct_kernels import MAX_DQ_LEVEL
@@ -77,7 +77,7 @@ def quantize_rd(values: np.ndarray, step: float, *, method: str, lam: float, nco
     return out
 
 
-def trellis_encode_chunk(values: np.ndarray, step: float, *, lam: float, layout: levelcoder.ChunkLayout,
+def trellis_encode_chunk(values: np.ndarray, step: float, *, lam: float, layout: chunk_layout.ChunkLayout,
                          index: int, importance: np.ndarray | None = None,
                          levels: np.ndarray | None = None) -> bytes:
     """The level substream of chunk ``index`` of ``layout`` quantized by the trellis: the same bytes
