@@ -23,7 +23,7 @@ import numpy as np
 import deepcabac_py as dc
 from deepcabac_py.entropy.levelcoder import max_elements_for_payload
 from deepcabac_py.errors import DeepCabacError
-from deepcabac_py.model.container import read_header, write_header
+from deepcabac_py.model.container import pack_header, read_header
 
 SIZES = (1 << 20, 1 << 22, 1 << 24)
 
@@ -34,7 +34,7 @@ def with_random_payload(data: bytes, seed: int) -> bytes:
     payload = bytearray(rng.integers(0, 256, len(data) - header.header_size, dtype=np.uint8).tobytes())
     for e in header.tensors:
         e.crc32 = zlib.crc32(payload[e.offset:e.offset + e.size])
-    return write_header(header.qp, header.qp_1d, header.qp_density, header.metadata, header.tensors) + bytes(payload)
+    return pack_header(header.qp, header.qp_1d, header.qp_density, header.metadata, header.tensors) + bytes(payload)
 
 
 def measure(data: bytes, repeats: int) -> tuple[float, int, str]:

@@ -11,10 +11,35 @@ more than the arithmetic coding itself.
 ``parallel_kernel`` is for the few kernels that split independent rows across threads with
 ``numba.prange`` (the entropy-bounded matrix formats). Launching a parallel region costs a few
 microseconds, so callers keep a serial path (a plain ``kernel``) for small inputs.
+
+Where Numba finds no writable place for its cache (a read-only install, an unwritable home), the
+kernels are cached in a temporary directory for this process instead, with one warning.
 """
+
+import tempfile
+import warnings
 
 import numba
 
-kernel = numba.njit(cache=True, nogil=True)
-inline = numba.njit(cache=True, inline="always")
-parallel_kernel = numba.njit(parallel=True, cache=True, nogil=True)
+from .errors import DeepCabacWarning
+
+
+def _cached(**options):
+    def decorate(fn):
+        try:
+            return numba.njit(cache=True, **options)(fn)
+        except RuntimeError as exc:  # "cannot cache function ...: no locator available"
+            if "cannot cache" not in str(exc) or numba.config.CACHE_DIR:
+                raise
+            numba.config.CACHE_DIR = tempfile.mkdtemp(prefix="deepcabac-numba-")
+            warnings.warn(f"no writable Numba cache beside the package or in the home directory: kernels are "
+                          f"cached in {numba.config.CACHE_DIR} for this run (set NUMBA_CACHE_DIR to keep them)",
+                          DeepCabacWarning, stacklevel=3)
+            return numba.njit(cache=True, **options)(fn)
+
+    return decorate
+
+
+kernel = _cached(nogil=True)
+inline = _cached(inline="always")
+parallel_kernel = _cached(parallel=True, nogil=True)

@@ -2,7 +2,8 @@
 
 Every failure caused by the *content* of an input (a bitstream, a checkpoint, a file on disk) raises a
 subclass of :class:`DeepCabacError`; bad arguments from the caller raise ``ValueError``/``TypeError``.
-The CLI prints a ``DeepCabacError`` as one line and exits with status 1.
+The CLI prints a ``DeepCabacError`` as one line and exits with status 1. What changes the data
+without failing is a :class:`DeepCabacWarning`.
 """
 
 
@@ -44,3 +45,9 @@ class UpdateMismatchError(DeepCabacError):
 
 class LimitExceededError(DeepCabacError):
     """The input asks for more memory than a limit the caller set (``max_elements``, ``max_bytes``)."""
+
+
+class DeepCabacWarning(UserWarning):
+    """Something the caller should know happened to the data: a tensor stored raw because it holds
+    NaN or infinity, a step made coarser than asked so that the levels fit, values dropped from an
+    update. The CLI prints each as one line ("deepcabac: warning: ...")."""

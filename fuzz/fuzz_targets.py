@@ -37,6 +37,16 @@ Targets (``TARGETS`` maps the CLI names to functions):
 * ``encode``         -- the encoder: the input chooses a tensor (dtype, shape, raw values including
                         NaN/inf) and settings; the stream must be the same bytes with 1 and 2 threads
                         and decode to exactly ``quantize_model``'s levels.
+* ``metadata``       -- the input is the metadata JSON of a sealed stream of one small tensor (nesting,
+                        huge numbers, floods of containers, skeletons with odd nodes).
+* ``header_sizes``   -- the input overwrites the size fields of a valid stream's header (the declared
+                        body size, the tensor count, the metadata length) before it is resealed.
+* ``update_sizes``   -- the input sets the payload length and the header size an update message
+                        declares, read from a file object through ``iter_messages``.
+* ``output``         -- the input picks an output target (a new or existing file, a link, a directory,
+                        a missing directory, a FIFO, a character device) and ``force``: ``write_atomic``
+                        writes or raises OutputError/OutputExistsError, a device or FIFO stays one, a
+                        refused file keeps its content, no temporary file is left.
 """
 
 from __future__ import annotations
@@ -53,7 +63,7 @@ import numpy as np
 import deepcabac_py as dc
 from deepcabac_py.errors import DeepCabacError, UpdateMismatchError
 from deepcabac_py.io.files import load_checkpoint
-from deepcabac_py.model.container import MAGIC, PREAMBLE, read_header, write_header
+from deepcabac_py.model.container import MAGIC, PREAMBLE, pack_header, read_header
 from deepcabac_py.updates import messages as up
 
 
@@ -127,7 +137,7 @@ def seal_model_stream(data: bytes) -> bytes:
         if not e.is_alias:
             e.crc32 = zlib.crc32(pay[e.offset:e.offset + e.size])
     try:
-        return write_header(header.qp, header.qp_1d, header.qp_density, header.metadata, header.tensors) + pay
+        return pack_header(header.qp, header.qp_1d, header.qp_density, header.metadata, header.tensors) + pay
     except Exception:  # noqa: BLE001 -- a writer limit is not the decoder's business
         return stream
 
@@ -414,6 +424,150 @@ def _session_message() -> bytes:
 _SESSION_MESSAGE = _session_message()
 
 
+# --- sizes and metadata ------------------------------------------------------------------------
+
+_META_LEVELS = np.arange(-8, 8, dtype=np.int32)
+
+
+def _metadata_stream(metadata: bytes) -> bytes:
+    from deepcabac_py.entropy.chunk_layout import layout_for_shape
+    from deepcabac_py.entropy.levelcoder import encode_chunk
+    from deepcabac_py.io.dtypes import DType
+    from deepcabac_py.model.container import Coder, Mode, TensorEntry
+
+    chunk = encode_chunk(_META_LEVELS, layout_for_shape((4, 4)), 0)
+    layout = layout_for_shape((4, 4))
+    entry = TensorEntry(name="w", dtype=DType.FLOAT32, shape=(4, 4), mode=Mode.UNIFORM, coder=Coder.ADAPTIVE_SCALE,
+                        qp=-32, qp_density=2, coder_param=layout.coder_param, chunk_elements=layout.chunk_elements,
+                        chunk_sizes=[len(chunk)], size=len(chunk), crc32=zlib.crc32(chunk))
+    return pack_header(-32, -75, 2, metadata, [entry]) + chunk
+
+
+def target_metadata(data: bytes) -> None:
+    stream = _metadata_stream(bytes(data))
+    _check(dc.read_stream_header, stream)
+    _check(dc.decode_model, stream, threads=1)
+
+
+def target_header_sizes(data: bytes) -> None:
+    """Layout of the input: a u32 selector of which fields to set, the values (u32 each), then the
+    unpacked stream (``model_sealed``'s form) they are written into."""
+    if len(data) < 16 + _UNPACKED.size:
+        return
+    which, raw_size, count, meta_len = struct.unpack_from("<IIII", data)
+    inner = bytearray(data[16:])
+    version, body_len = _UNPACKED.unpack_from(inner)
+    body = bytearray(inner[_UNPACKED.size:_UNPACKED.size + body_len])
+    payload = bytes(inner[_UNPACKED.size + body_len:])
+    if which & 2 and len(body) >= 4:
+        struct.pack_into("<I", body, 0, count)
+    if which & 4 and len(body) >= 14:
+        struct.pack_into("<I", body, 10, meta_len)
+    packed = struct.pack("<I", raw_size if which & 1 else len(body)) + zlib.compress(bytes(body), 1)
+    head = PREAMBLE.pack(MAGIC, version, 0, len(packed) + 4) + packed
+    stream = head + struct.pack("<I", zlib.crc32(head)) + payload
+    _check(dc.read_stream_header, stream)
+    if not _too_slow(stream):
+        _check(dc.decode_model, stream, threads=1)
+
+
+def _uvarint(x: int) -> bytes:
+    out = bytearray()
+    while True:
+        out.append((x & 0x7F) | (0x80 if x >> 7 else 0))
+        x >>= 7
+        if not x:
+            return bytes(out)
+
+
+def target_update_sizes(data: bytes) -> None:
+    """Layout of the input: the payload length to declare (u64), a change of the header size (i16),
+    then a valid message whose header is rewritten with them and resealed."""
+    import io
+
+    if len(data) < 10 + PREAMBLE.size:
+        return
+    claim, delta = struct.unpack_from("<Qh", data)
+    msg = bytes(data[10:])
+    try:
+        header = up.read_update_header(msg)
+    except DeepCabacError:
+        return
+    body = msg[PREAMBLE.size:header.header_size]
+    start = len(body) - 1  # the body's last field: the payload length, a LEB128 varint
+    while start > 0 and body[start - 1] & 0x80:
+        start -= 1
+    body = body[:start] + _uvarint(claim)
+    size = max(4, len(body) + 4 + delta)
+    head = msg[:8] + msg[8:12] + struct.pack("<I", size) + body
+    head += struct.pack("<I", zlib.crc32(head))
+    stream = head + msg[header.header_size + 4:]
+    _check(lambda: sum(1 for _ in up.iter_messages(io.BytesIO(stream))))
+
+
+_KINDS = ("new", "file", "link", "dangling", "dir", "missing-dir", "fifo", "device")
+
+
+def target_output(data: bytes) -> None:
+    import stat
+    import threading
+
+    from deepcabac_py.errors import OutputError, OutputExistsError
+    from deepcabac_py.io.atomic import write_atomic
+
+    if not data:
+        return
+    kind, force, content = _KINDS[data[0] % len(_KINDS)], bool(data[0] & 0x80), bytes(data[1:])
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "out")
+        before = b"old content"
+        reader = None
+        if kind in ("file", "link"):
+            with open(os.path.join(tmp, "target"), "wb") as f:
+                f.write(before)
+            if kind == "file":
+                os.rename(os.path.join(tmp, "target"), path)
+            else:
+                os.symlink(os.path.join(tmp, "target"), path)
+        elif kind == "dangling":
+            os.symlink(os.path.join(tmp, "nowhere"), path)
+        elif kind == "dir":
+            os.mkdir(path)
+        elif kind == "missing-dir":
+            path = os.path.join(tmp, "missing", "out")
+        elif kind == "fifo":
+            os.mkfifo(path)
+            got: list = []
+            reader = threading.Thread(target=lambda: got.append(open(path, "rb").read()), daemon=True)
+            reader.start()
+        elif kind == "device":
+            try:
+                os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+            except PermissionError:
+                return
+        try:
+            write_atomic(path, content, force=force)
+            written = True
+        except (OutputError, OutputExistsError):
+            written = False
+        except BaseException as exc:
+            raise Finding(f"write_atomic onto a {kind} raised {type(exc).__name__}: {exc}") from exc
+        finally:
+            if reader is not None:
+                reader.join(10)
+        if kind == "fifo" and not (stat.S_ISFIFO(os.lstat(path).st_mode) and written and got == [content]):
+            raise Finding("a FIFO target was replaced, or did not get the bytes")
+        if kind == "device" and not (stat.S_ISCHR(os.lstat(path).st_mode) and written):
+            raise Finding("a device target was replaced")
+        if kind in ("file", "link") and not written:
+            with open(path, "rb") as f:
+                if f.read() != before:
+                    raise Finding("a refused write changed the file")
+        leftovers = [n for n in os.listdir(tmp) if n.endswith(".tmp")]
+        if leftovers:
+            raise Finding(f"temporary files left behind: {leftovers}")
+
+
 TARGETS = {
     "model": target_model,
     "model_sealed": target_model_sealed,
@@ -429,4 +583,8 @@ TARGETS = {
     "encode": target_encode,
     "info": target_info,
     "session": target_session,
+    "metadata": target_metadata,
+    "header_sizes": target_header_sizes,
+    "update_sizes": target_update_sizes,
+    "output": target_output,
 }

@@ -160,6 +160,31 @@ def session_snapshots() -> dict[str, bytes]:
     return out
 
 
+def size_and_output_seeds() -> dict[str, bytes]:
+    """Seeds of the metadata, header_sizes, update_sizes and output targets ("target/file")."""
+    import json
+    import struct
+
+    from deepcabac_py.io.checkpoint import flatten
+
+    out = {}
+    nested = flatten({"model": small_model(), "epoch": 3, "names": ["a", "b"], "lr": 0.1})
+    skeleton = {"kind": "torch", "skeleton": nested.skeleton}
+    out["metadata/plain.json"] = b'{"kind":"mapping"}'
+    out["metadata/skeleton.json"] = json.dumps(skeleton, separators=(",", ":")).encode()
+    streams = model_streams()
+    for name in ("trellis", "numpy", "empty"):
+        unpacked = unpack_model_stream(streams[name])
+        for which in (0, 1, 2, 4, 7):
+            out[f"header_sizes/{name}-{which}.bin"] = struct.pack("<IIII", which, 1 << 20, 3, 12) + unpacked
+    for name, data in update_messages().items():
+        out[f"update_sizes/{name}.bin"] = struct.pack("<Qh", up.read_update_header(data).payload_size, 0) + data
+    for i, kind in enumerate(("new", "file", "link", "dangling", "dir", "missing-dir", "fifo", "device")):
+        out[f"output/{kind}.bin"] = bytes([i]) + b"stream bytes"
+        out[f"output/{kind}-force.bin"] = bytes([i | 0x80]) + b"stream bytes"
+    return out
+
+
 def write(target: str, name: str, data: bytes) -> None:
     d = CORPUS / target
     d.mkdir(parents=True, exist_ok=True)
@@ -202,6 +227,9 @@ def main() -> None:
     for name, data in checkpoints().items():
         kind = name.split("_")[0]
         write(suffix[kind], f"{name}", data)
+    for name, data in size_and_output_seeds().items():
+        target, file = name.split("/")
+        write(target, file, data)
     total = sum(p.stat().st_size for p in CORPUS.rglob("*") if p.is_file())
     print(f"corpus: {sum(1 for p in CORPUS.rglob('*') if p.is_file())} files, {total} bytes")
 

@@ -22,8 +22,8 @@ from deepcabac_py.model.container import (
     DType,
     Mode,
     TensorEntry,
+    pack_header,
     read_header,
-    write_header,
 )
 
 # --- guards ----------------------------------------------------------------------------------------
@@ -100,7 +100,7 @@ def fix_checksums(data: bytes) -> bytes:
     for e in header.tensors:
         if not e.is_alias:
             e.crc32 = zlib.crc32(payload[e.offset:e.offset + e.size])
-    return write_header(header.qp, header.qp_1d, header.qp_density, header.metadata, header.tensors) + payload
+    return pack_header(header.qp, header.qp_1d, header.qp_density, header.metadata, header.tensors) + payload
 
 
 def reseal_header(data: bytearray) -> bytes:
@@ -136,7 +136,7 @@ def craft(entries: list[TensorEntry], payload: bytes, metadata=None) -> bytes:
     for e in entries:
         if not e.is_alias:
             e.crc32 = zlib.crc32(payload[e.offset:e.offset + e.size])
-    return write_header(-32, -75, 2, {"kind": "mapping"} if metadata is None else metadata, entries) + payload
+    return pack_header(-32, -75, 2, {"kind": "mapping"} if metadata is None else metadata, entries) + payload
 
 
 def uniform(name="w", shape=(4, 4), *, chunk_elements=None, chunk_sizes=(10,), offset=0, size=None, **kw):

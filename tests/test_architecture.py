@@ -13,7 +13,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "deepcabac_py"
 # What each part of the package may import besides itself (the subpackages' docstrings say the same).
 ALLOWED = {
     "errors": set(),
-    "_jit": set(),
+    "_jit": {"errors"},
     "io": {"errors"},
     "entropy": {"errors", "_jit"},
     "quant": {"errors", "_jit", "io", "entropy"},

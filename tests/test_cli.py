@@ -561,13 +561,14 @@ def test_info_reads_only_the_header(model_dir, monkeypatch):
     data = stream.read_bytes()
     header = read_stream_header(data)
 
+    import deepcabac_py.cli.common as cli_common
     import deepcabac_py.cli.main as cli_main
 
     def forbidden(*a, **k):
         raise AssertionError("info must not read or decode the payload")
 
     with monkeypatch.context() as m:
-        m.setattr(cli_main, "read_input", forbidden)
+        m.setattr(cli_common.Input, "model_stream", forbidden)
         for name in ("decode_checkpoint", "decode_model"):
             if hasattr(cli_main, name):
                 m.setattr(cli_main, name, forbidden)

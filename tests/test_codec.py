@@ -451,11 +451,11 @@ def _entries_of(data):
 
 def _rewrite(data, mutate):
     """Re-serialize a stream's header after ``mutate(header)``, keeping the payload."""
-    from deepcabac_py.model.container import write_header
+    from deepcabac_py.model.container import pack_header
 
     h = _entries_of(data)
     mutate(h)
-    return write_header(h.qp, h.qp_1d, h.qp_density, h.metadata, h.tensors) + bytes(data[h.header_size:])
+    return pack_header(h.qp, h.qp_1d, h.qp_density, h.metadata, h.tensors) + bytes(data[h.header_size:])
 
 
 def test_duplicate_names_are_corrupt():

@@ -19,7 +19,7 @@ FUZZ = Path(__file__).resolve().parent.parent / "fuzz"
 
 
 TARGETS = ["model_sealed", "model_threads", "matrix", "zarr", "update_sealed", "ckpt_safetensors", "ckpt_npz",
-           "ckpt_pt_pickle", "info", "encode", "session"]
+           "ckpt_pt_pickle", "info", "encode", "session", "metadata", "header_sizes", "update_sizes", "output"]
 
 _edit = st.one_of(
     st.tuples(st.just("flip"), st.integers(0, 1 << 20), st.integers(0, 7)),

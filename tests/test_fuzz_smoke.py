@@ -34,6 +34,10 @@ CASES = {
     "encode": 200,
     "info": 150,
     "session": 200,
+    "metadata": 300,
+    "header_sizes": 300,
+    "update_sizes": 300,
+    "output": 100,
 }
 
 

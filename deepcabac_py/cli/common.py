@@ -3,33 +3,126 @@
 from __future__ import annotations
 
 import io
+import json
 import os
+import stat
+import struct
 import sys
 import tempfile
 from contextlib import contextmanager
 
 import click
 
-from deepcabac_py.errors import DeepCabacError, OutputError, OutputExistsError
-from deepcabac_py.io.atomic import os_reason, write_atomic
-from deepcabac_py.io.inputs import read_file, unreadable
-from deepcabac_py.io.kinds import SUFFIX_OF_KIND
+from deepcabac_py.errors import CheckpointError, DeepCabacError, OutputError, OutputExistsError
+from deepcabac_py.io.atomic import is_special_file, os_reason, write_atomic
+from deepcabac_py.io.inputs import read_exactly, unreadable
+from deepcabac_py.io.kinds import MAX_SAFETENSORS_HEADER_BYTES, SUFFIX_OF_KIND
+from deepcabac_py.model.container import read_header, read_preamble, read_stream
 
 
-def read_input(path: str) -> bytes:
-    """The whole content of ``path``, or of stdin for ``-``; unreadable files raise InputError."""
-    if path == "-":
-        return sys.stdin.buffer.read()
-    return read_file(path)
+class Input:
+    """A command's input, a path or ``-`` (stdin), opened once: its first bytes are peeked without
+    being consumed (a pipe is read once) and everything is read in bounded pieces, never further
+    than the format justifies (a device like /dev/zero is not read to exhaustion)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.name = "<stdin>" if path == "-" else path
+        try:
+            self._f = sys.stdin.buffer if path == "-" else open(path, "rb")
+            self.regular = path != "-" and stat.S_ISREG(os.fstat(self._f.fileno()).st_mode)
+        except OSError as exc:
+            raise unreadable(path, exc) from None
+        self._prefix = b""
+
+    def __enter__(self) -> Input:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self.path != "-":
+            self._f.close()
+
+    def head(self, n: int = 8) -> bytes:
+        """The first ``n`` bytes (fewer at the end of the input), not consumed."""
+        while len(self._prefix) < n:
+            part = self._read_raw(n - len(self._prefix))
+            if not part:
+                break
+            self._prefix += part
+        return self._prefix[:n]
+
+    def read(self, n: int) -> bytes:
+        """Up to ``n`` bytes (``n`` >= 0: an endless input is never read to its end at once)."""
+        if self._prefix:
+            out, self._prefix = self._prefix[:n], self._prefix[n:]
+            return out
+        return self._read_raw(n)
+
+    def _read_raw(self, n: int) -> bytes:
+        try:
+            return self._f.read(n)
+        except OSError as exc:
+            raise unreadable(self.name, exc) from None
+
+    def model_stream(self, max_elements: int | None = None) -> bytes:
+        """The whole model stream: a regular file as it is (its size is known), anything else as far
+        as its header says (:func:`deepcabac_py.model.container.read_stream`)."""
+        if self.regular:
+            return self.head(0) + self._rest()
+        return read_stream(self, max_elements=max_elements)
+
+    def _rest(self) -> bytes:
+        parts = [self._prefix] if self._prefix else []
+        self._prefix = b""
+        while True:
+            part = self._read_raw(_PIECE)
+            if not part:
+                return b"".join(parts)
+            parts.append(part)
+
+    def stream_header(self):
+        """The model stream's header, reading nothing of the payload of a regular file."""
+        if self.regular:
+            head = self.head(16)
+            _, header_size = read_preamble(head)
+            return read_header(self.head(16 + header_size), total_size=os.fstat(self._f.fileno()).st_size)
+        return read_header(memoryview(self.model_stream()))
+
+    @contextmanager
+    def checkpoint_path(self, kind: str | None):
+        """A path to the checkpoint: a regular file's own, else a temporary copy of what the input
+        holds, read as far as its format says where it can (safetensors), and refused at once where
+        its first bytes are no checkpoint at all."""
+        if self.regular:
+            yield self.path
+            return
+        head = self.head(16)
+        if head[:4] == b"PK\x03\x04" or head[:1] == b"\x80":  # a zip (torch, npz) or a legacy pickle
+            data = self._rest()
+        elif len(head) > 8 and head[8:9] == b"{":  # safetensors: its header says where the data ends
+            data = read_exactly(self, 8, "safetensors header length")
+            (size,) = struct.unpack("<Q", data)
+            if size > MAX_SAFETENSORS_HEADER_BYTES:
+                raise CheckpointError(f"{self.name}: invalid safetensors file: header of {size:,} bytes")
+            header = read_exactly(self, size, "safetensors header")
+            data += header + read_exactly(self, _safetensors_data_size(header, self.name), "safetensors data")
+            if self.read(1):
+                raise CheckpointError(f"{self.name}: invalid safetensors file: bytes after its data")
+        else:
+            raise CheckpointError(f"{self.name}: not a checkpoint (it starts with neither a zip archive, a "
+                                  "safetensors header nor a pickle)")
+        suffix = SUFFIX_OF_KIND.get(kind or "", "")
+        with tempfile.TemporaryDirectory(prefix="deepcabac-") as tmp:
+            spooled = os.path.join(tmp, "input" + suffix)
+            with open(spooled, "wb") as f:
+                f.write(data)
+            yield spooled
 
 
-def peek(path: str, n: int = 8) -> bytes:
-    """The first ``n`` bytes of ``path``."""
-    try:
-        with open(path, "rb") as f:
-            return f.read(n)
-    except OSError as exc:
-        raise unreadable(path, exc) from None
+_PIECE = 1 << 24
 
 
 def echo_info(quiet: bool, message: str) -> None:
@@ -37,21 +130,14 @@ def echo_info(quiet: bool, message: str) -> None:
         click.echo(message, err=True)
 
 
-@contextmanager
-def checkpoint_path(path: str, kind: str | None, data: bytes | None = None):
-    """A file path for a checkpoint given as a path or as stdin (spooled to a temporary file;
-    ``data``: what was already read from stdin)."""
-    if path != "-":
-        yield path
-        return
-    if data is None:
-        data = sys.stdin.buffer.read()
-    suffix = SUFFIX_OF_KIND.get(kind or "", "")
-    with tempfile.TemporaryDirectory(prefix="deepcabac-") as tmp:
-        spooled = os.path.join(tmp, "stdin" + suffix)
-        with open(spooled, "wb") as f:
-            f.write(data)
-        yield spooled
+def _safetensors_data_size(header: bytes, name: str) -> int:
+    """The data bytes a safetensors header describes (the end of its last tensor)."""
+    try:
+        table = json.loads(header)
+        ends = [int(v["data_offsets"][1]) for k, v in table.items() if k != "__metadata__"]
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError, RecursionError):
+        raise CheckpointError(f"{name}: invalid safetensors file: unreadable header") from None
+    return max(ends, default=0)
 
 
 def abandon_stdout() -> None:
@@ -92,10 +178,18 @@ def check_output(path: str, force: bool) -> None:
     if path == "-":
         if sys.stdout.isatty():
             raise OutputError("refusing to write binary data to a terminal; use -o FILE or redirect stdout")
-    elif os.path.isdir(path):
+        return
+    if is_special_file(path):  # a device or a pipe: written in place, as zstd does
+        return
+    if os.path.isdir(path):
         raise OutputError(f"cannot write {path}: it is a directory")
-    elif os.path.lexists(path) and not force:
+    if os.path.lexists(path) and not force:
         raise OutputExistsError(f"output file {path} already exists; use --force to overwrite it")
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise OutputError(f"cannot write {path}: no such directory")
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise OutputError(f"cannot write {path}: permission denied")
 
 
 @contextmanager

@@ -17,25 +17,14 @@ import click
 from deepcabac_py import __version__
 from deepcabac_py.errors import DeepCabacError, InputError
 from deepcabac_py.io.kinds import KINDS
-from deepcabac_py.model.container import is_model_stream, read_header_file
+from deepcabac_py.model.container import is_model_stream
 from deepcabac_py.model.report import build_report, format_report
 from deepcabac_py.model.settings import DEFAULT_QP, DEFAULT_QP_DENSITY, DEFAULT_QUANTIZER
 from deepcabac_py.quant.quantizers import QUANTIZERS
-from deepcabac_py.quant.steps import QP_MAX, QP_MIN
+from deepcabac_py.quant.steps import QP_MAX, QP_MIN, qp_range
 
-from .common import (
-    about,
-    check_output,
-    checkpoint_path,
-    echo_info,
-    input_mode,
-    peek,
-    ratio_words,
-    read_input,
-    same_file,
-    write_output,
-)
-from .update import dispatch_if_update, is_update_file, test_update_file, update_group
+from .common import Input, about, check_output, echo_info, input_mode, ratio_words, same_file, write_output
+from .update import info_update, is_update_file, report_update, test_update_file, update_group
 
 # Commands import the library's codec and checkpoint modules (torch, most of a second) when they
 # need them, so that `info` stays fast.
@@ -165,9 +154,22 @@ def _parse_overrides(items) -> dict[str, int]:
     return out
 
 
+def _check_qps(qp_density: int, **qps: int | None) -> None:
+    """Refuse, naming the option, a qp without a step at this density (the usable range depends on
+    it, so click's own range cannot say)."""
+    lo, hi = qp_range(qp_density)
+    for option, value in qps.items():
+        if value is not None and not lo <= value <= hi:
+            raise click.BadParameter(f"{value} has no step at --qp-density {qp_density} (its qps run from "
+                                     f"{lo} to {hi})", param_hint=option)
+
+
 def _encode_settings(qp, qp_density, qp_1d, qp_tensor, exact, exact_all, quantizer, lambda_scale,
                      importance, bn_eps, bias_correction) -> dict:
-    return dict(qp=qp, qp_density=qp_density, qp_1d=qp_1d, qp_overrides=_parse_overrides(qp_tensor),
+    overrides = _parse_overrides(qp_tensor)
+    _check_qps(qp_density, **{"--qp": qp, "--qp-1d": qp_1d})
+    _check_qps(qp_density, **{f"--qp-tensor {name}": value for name, value in overrides.items()})
+    return dict(qp=qp, qp_density=qp_density, qp_1d=qp_1d, qp_overrides=overrides,
                 keep_exact=True if exact_all else list(exact), quantizer=quantizer, lambda_scale=lambda_scale,
                 importance=None if importance == "none" else importance, batchnorm_eps=bn_eps,
                 bias_correction=bias_correction)
@@ -225,7 +227,7 @@ def encode(ctx, input, output, input_format, force, qp, qp_density, qp_1d, qp_te
         raise click.UsageError("the output would overwrite the input")
     check_output(output, force)
     with about(input):
-        with checkpoint_path(input, input_format) as path:
+        with Input(input) as inp, inp.checkpoint_path(input_format) as path:
             ckpt = load_checkpoint(path, input_format)
         try:
             if targeted:
@@ -244,9 +246,9 @@ def encode(ctx, input, output, input_format, force, qp, qp_density, qp_1d, qp_te
             raise InputError(str(exc)) from None
     write_output(output, data, force, input_mode(input))
     rep = build_report(read_stream_header(data))
+    bits = f"{rep.bits_per_param:.3f} bits/param" if rep.bits_per_param is not None else "no parameters"
     echo_info(quiet, f"{input}: {rep.original_bytes:,} bytes of tensors -> {len(data):,} bytes "
-                 f"({ratio_words(rep.ratio_vs_original)}), {rep.bits_per_param:.3f} bits/param"
-                 + (f" -> {output}" if verbose else ""))
+                 f"({ratio_words(rep.ratio_vs_original)}), {bits}" + (f" -> {output}" if verbose else ""))
     if verbose and not quiet:
         click.echo(format_report(rep), err=True)
 
@@ -283,7 +285,8 @@ def decode(input, output, kind, force, max_elements, threads, no_progress, quiet
         raise click.UsageError("the output would overwrite the input")
     check_output(output, force)
     with about(input):
-        data = read_input(input)
+        with Input(input) as inp:
+            data = inp.model_stream(max_elements)
         header = read_stream_header(data)
         original_kind = header.metadata.get("kind")
         kind = kind or suffix_kind or (original_kind if original_kind in KINDS else "torch")
@@ -300,12 +303,11 @@ def decode(input, output, kind, force, max_elements, threads, no_progress, quiet
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def info(input, as_json):
     """Show a stream's header: tensors, shapes, dtypes, coding modes, qp and sizes (no decoding)."""
-    from deepcabac_py.model.container import read_header
-
-    if dispatch_if_update(input, as_json, "info"):  # an update stream (cli/update.py)
-        return
-    with about(input):
-        header = read_header(memoryview(read_input("-"))) if input == "-" else read_header_file(input)
+    with about(input), Input(input) as inp:
+        if is_update_file(inp.head(8)):
+            info_update(inp, as_json)
+            return
+        header = inp.stream_header()
     rep = build_report(header)
     if as_json:
         out = {"format_version": header.version, "qp": header.qp, "qp_1d": header.qp_1d,
@@ -355,19 +357,18 @@ def report(input, as_json, input_format, show_formats, qp, qp_density, qp_1d, qp
     from deepcabac_py.model.decoder import decode_checkpoint, read_stream_header
     from deepcabac_py.model.encoder import encode_model
 
-    if dispatch_if_update(input, as_json, "report"):  # an update stream (cli/update.py)
-        return
-    with about(input):
-        raw = read_input(input) if input == "-" else None
-        is_stream = is_model_stream(raw if raw is not None else peek(input))
-        if is_stream:
-            data = raw if raw is not None else read_input(input)
+    with about(input), Input(input) as inp:
+        if is_update_file(inp.head(8)):
+            report_update(inp, as_json)
+            return
+        if is_model_stream(inp.head(8)):
+            data = inp.model_stream()
             header = read_stream_header(data)
             rep = build_report(header)
         else:
             settings = _encode_settings(qp, qp_density, qp_1d, qp_tensor, exact, exact_all, quantizer,
                                         lambda_scale, importance, bn_eps, bias_correction)
-            with checkpoint_path(input, input_format, raw) as path:
+            with inp.checkpoint_path(input_format) as path:
                 original = load_checkpoint(path, input_format)
             params = original.numel
             with _progress(2 * params, "report", not (quiet or no_progress)) as update:
@@ -415,11 +416,11 @@ def test(inputs, base, threads, quiet, verbose):
     for path in inputs:
         summary = ""
         try:
-            with about(path):
-                if path != "-" and is_update_file(peek(path)):
-                    summary = " (" + test_update_file(path, base) + ")"
+            with about(path), Input(path) as inp:
+                if is_update_file(inp.head(8)):
+                    summary = " (" + test_update_file(inp, base) + ")"
                 else:
-                    decode_checkpoint(read_input(path), threads=threads)
+                    decode_checkpoint(inp.model_stream(), threads=threads)
         except DeepCabacError as exc:
             click.echo(f"deepcabac: error: {exc}", err=True)
             failed += 1

@@ -17,10 +17,10 @@ from typing import Any
 
 import click
 
-from deepcabac_py.errors import DeepCabacError, InputError
+from deepcabac_py.errors import InputError
 from deepcabac_py.updates.messages import MAGIC as UPDATE_MAGIC
 
-from .common import about, check_output, read_input, write_output
+from .common import Input, about, check_output, write_output
 
 UPDATE_SUFFIX = ".dcu"
 
@@ -60,10 +60,11 @@ def encode_cmd(new, base, output, density, method, value_levels, rows, coder, ro
 
     output = output or new + UPDATE_SUFFIX
     check_output(output, force)
-    with about(base):
-        b = load_checkpoint(base)
+    with about(base), Input(base) as inp, inp.checkpoint_path(None) as path:
+        b = load_checkpoint(path)
     with about(new):
-        n = load_checkpoint(new)
+        with Input(new) as inp, inp.checkpoint_path(None) as path:
+            n = load_checkpoint(path)
         try:
             data = encode_update(n, b, density=density, method=method, value_levels=value_levels, rows=rows,
                                  coder=coder, round_index=round_index, parent_round=parent_round)
@@ -91,11 +92,11 @@ def apply_cmd(base, update, output, force, quiet):
     from deepcabac_py.updates.messages import iter_messages
 
     check_output(output, force)
-    with about(base):
-        ckpt = load_checkpoint(base)
+    with about(base), Input(base) as inp, inp.checkpoint_path(None) as path:
+        ckpt = load_checkpoint(path)
     tensors = ckpt.tensors
-    with about(update):
-        tensors, count = apply_messages(tensors, iter_messages(read_input(update)))
+    with about(update), Input(update) as inp:
+        tensors, count = apply_messages(tensors, iter_messages(inp))
         if not count:
             raise InputError("the update file holds no message")
     out = Checkpoint(tensors=tensors, skeleton=ckpt.skeleton, kind=ckpt.kind, metadata=ckpt.metadata,
@@ -144,13 +145,13 @@ def update_report_dict(message: bytes) -> dict:
     return rep
 
 
-def info_update(path: str, as_json: bool) -> None:
+def info_update(inp: Input, as_json: bool) -> None:
     """``deepcabac info`` on an update file: every message's header."""
     from deepcabac_py.updates.messages import iter_messages, read_update_header
 
-    with about(path):
-        data = read_input(path)
-        headers = [read_update_header(m) for m in iter_messages(data)]
+    messages = list(iter_messages(inp))
+    headers = [read_update_header(m) for m in messages]
+    total = sum(len(m) for m in messages)
     if as_json:
         out = []
         for h in headers:
@@ -162,7 +163,7 @@ def info_update(path: str, as_json: bool) -> None:
                                                   for e in h.entries]})
         click.echo(json.dumps(out, indent=1))
         return
-    click.echo(f"deepcabac update stream: {len(data):,} bytes, {len(headers)} message(s)")
+    click.echo(f"deepcabac update stream: {total:,} bytes, {len(headers)} message(s)")
     for h in headers:
         click.echo(f"round {h.round} (parent round {h.parent_round}, parent SHA-256 {h.parent_hash.hex()[:16]}...), "
                    f"{h.coder.name.lower()} coder, {h.total_size:,} bytes, {h.nnz:,} nonzeros"
@@ -173,12 +174,11 @@ def info_update(path: str, as_json: bool) -> None:
             click.echo(f"  {name:<32} {e.method.name.lower():>7} {e.nnz:>9,} {e.step:>12.6g}")
 
 
-def report_update(path: str, as_json: bool) -> None:
+def report_update(inp: Input, as_json: bool) -> None:
     """``deepcabac report`` on an update file: bits per nonzero, ratios vs dense fp32 and Golomb."""
     from deepcabac_py.updates.messages import iter_messages
 
-    with about(path):
-        reps = [update_report_dict(m) for m in iter_messages(read_input(path))]
+    reps = [update_report_dict(m) for m in iter_messages(inp)]
     if as_json:
         click.echo(json.dumps(reps, indent=1))
         return
@@ -191,24 +191,6 @@ def report_update(path: str, as_json: bool) -> None:
                    f"{r['bits_per_nonzero_total']:>11.3f} {fp:>10} {gb:>10}")
     click.echo("bits/nz: payload bits per nonzero; all: with the header; vs fp32: dense float32 size / message size; "
                "vs Golomb: payload / (Golomb positions + sign bits) for the same levels.")
-
-
-def dispatch_if_update(path: str, as_json: bool, what: str) -> bool:
-    """Called by ``info`` and ``report``: handle ``path`` if it is an update file; True if handled."""
-    if path == "-":
-        return False
-    try:
-        with open(path, "rb") as f:
-            head = f.read(8)
-    except OSError:
-        return False
-    if head != UPDATE_MAGIC:
-        return False
-    try:
-        (info_update if what == "info" else report_update)(path, as_json)
-    except DeepCabacError:
-        raise
-    return True
 
 
 def _receiver_session(sessions: dict, header):
@@ -233,7 +215,7 @@ def apply_messages(tensors, messages):
     return tensors, count
 
 
-def test_update_file(path: str, base_path: str | None = None) -> str:
+def test_update_file(inp: Input, base_path: str | None = None) -> str:
     """Check every message of an update file; returns a one-line summary.
 
     With the base model, the messages are applied in order (parents checked, sessions followed).
@@ -246,24 +228,22 @@ def test_update_file(path: str, base_path: str | None = None) -> str:
     if base_path is not None:
         with about(base_path):
             tensors = load_checkpoint(base_path).tensors
-        with open(path, "rb") as f:
-            _, count = apply_messages(tensors, iter_messages(f))
+        _, count = apply_messages(tensors, iter_messages(inp))
         return f"{count} update message(s) applied to {base_path}"
     sessions: dict = {}
     decoded = checked = 0
-    with open(path, "rb") as f:
-        for msg in iter_messages(f):
-            header = read_update_header(msg)
-            if header.table is not None:
-                decode_update(msg, None, session=_receiver_session(sessions, header))
-                decoded += 1
-            else:
-                checked_payload(msg, header)
-                checked += 1
+    for msg in iter_messages(inp):
+        header = read_update_header(msg)
+        if header.table is not None:
+            decode_update(msg, None, session=_receiver_session(sessions, header))
+            decoded += 1
+        else:
+            checked_payload(msg, header)
+            checked += 1
     parts = [f"{decoded + checked} update message(s)"]
     if checked:
         parts.append(f"{checked} checked by checksum only (no tensor table: decode them with --base)")
     return ", ".join(parts)
 
 
-__all__ = ["update_group", "dispatch_if_update", "is_update_file", "test_update_file"]
+__all__ = ["update_group", "info_update", "is_update_file", "report_update", "test_update_file"]

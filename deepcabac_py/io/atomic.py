@@ -9,6 +9,7 @@ complete new one, and a failure never leaves a partial output or a stray tempora
 from __future__ import annotations
 
 import errno
+import io
 import os
 import secrets
 import stat
@@ -81,6 +82,30 @@ def _remove_quietly(name: str) -> None:
         pass
 
 
+def is_special_file(path: str | os.PathLike) -> bool:
+    """Whether ``path`` names (through any links) a device, a FIFO or a socket: written in place,
+    as zstd does, never replaced by a file, and without ``force``."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    return not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode))
+
+
+def _write_in_place(path: str, data) -> None:
+    if callable(data) and not isinstance(data, (bytes, bytearray, memoryview)):
+        # writers may seek: they write into memory first, the device or pipe gets the bytes once
+        buf = io.BytesIO()
+        data(buf)
+        data = buf.getvalue()
+    try:
+        fd = os.open(path, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0))
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+    except OSError as exc:
+        raise _os_error(path, exc) from exc
+
+
 def write_atomic(
     path: str | os.PathLike,
     data: bytes | bytearray | memoryview | Writer,
@@ -96,13 +121,17 @@ def write_atomic(
     permission denied, missing directory, ...) are raised as :class:`OutputError`; any other exception
     from the writer callable propagates unchanged. In every failure case the temporary file is removed
     and an existing ``path`` is left untouched. ``mode`` sets the new file's permission bits (default:
-    those of the file it replaces, else 0o666 minus the umask).
+    those of the file it replaces, else 0o666 minus the umask). A device, FIFO or socket at ``path`` is
+    written in place (no temporary file, no rename, ``force`` not needed).
     """
     if not (isinstance(data, (bytes, bytearray, memoryview)) or callable(data)):
         raise TypeError(f"data must be bytes-like or a callable taking a binary file, not {type(data).__name__}")
     path = os.fspath(path)
     if isinstance(path, bytes):
         path = os.fsdecode(path)
+    if is_special_file(path):
+        _write_in_place(path, data)
+        return
     directory = os.path.dirname(path) or os.curdir
     base = os.path.basename(path)
     if not base:

@@ -459,8 +459,9 @@ class _Unflattener:
             except TypeError:
                 raise _bad_skeleton(f"invalid numpy dtype {value[0]!r:.80}") from None
             raw = _b64(value[1])
-            if dt.hasobject or len(raw) != dt.itemsize:
-                raise _bad_skeleton("invalid $npscalar")
+            # (a zero itemsize, "V0" or "S0", has no scalar to read back)
+            if dt.hasobject or dt.itemsize == 0 or dt.fields or dt.subdtype or len(raw) != dt.itemsize:
+                raise _bad_skeleton(f"invalid $npscalar of dtype {value[0]!r:.40}")
             return np.frombuffer(raw, dtype=dt)[0]
         raise _bad_skeleton(f"unknown tag {tag!r:.80}")
 

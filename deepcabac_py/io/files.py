@@ -36,7 +36,8 @@ from .checkpoint import (
     unflatten,
 )
 from .inputs import check_readable_file, unreadable
-from .kinds import KINDS, check_kind, kind_from_suffix, sniff_kind
+from .kinds import KINDS, MAX_SAFETENSORS_HEADER_BYTES, check_kind, kind_from_suffix, sniff_kind
+from .shapes import shape_problem
 
 __all__ = ["KINDS", "load_checkpoint", "save_checkpoint", "checkpoint_writer", "kind_from_suffix"]
 
@@ -53,8 +54,6 @@ NPZ_ALIASES_KEY = "__deepcabac_aliases__"
 NPZ_METADATA_KEY = "__deepcabac_metadata__"
 _NPZ_RESERVED = (NPZ_SKELETON_KEY, NPZ_ALIASES_KEY, NPZ_METADATA_KEY)
 
-#: Largest safetensors header accepted (the reference implementation uses the same bound).
-MAX_HEADER_BYTES = 100_000_000
 # safetensors code -> (torch dtype, itemsize, numpy little-endian dtype used to read the raw bytes)
 _ST_DTYPES: dict[str, tuple[torch.dtype, int, str]] = {
     "F64": (torch.float64, 8, "<f8"),
@@ -148,11 +147,19 @@ def _check_zip_sizes(path: str, zf: zipfile.ZipFile, max_bytes: int | None) -> N
             raise CheckpointError(f"{path}: stored zip member {name} declares {info.file_size:,} bytes but "
                                   f"holds {info.compress_size:,}")
         total += info.file_size
-    limit = ZIP_SLACK + ZIP_EXPANSION * file_size if max_bytes is None else max_bytes
-    if total > limit:
-        why = (f"more than {ZIP_EXPANSION}x its size: a zip bomb? pass a larger max_bytes to load it anyway"
-               if max_bytes is None else f"more than max_bytes={max_bytes:,}")
-        raise CheckpointError(f"{path}: the {file_size:,}-byte archive expands to {total:,} bytes ({why})")
+    if total > _expansion_limit(file_size, max_bytes):
+        raise CheckpointError(f"{path}: the {file_size:,}-byte archive expands to {total:,} bytes "
+                              f"({_expansion_why(max_bytes)})")
+
+
+def _expansion_limit(file_size: int, max_bytes: int | None) -> int:
+    """What a file of ``file_size`` bytes may expand to in memory (see :func:`load_checkpoint`)."""
+    return ZIP_SLACK + ZIP_EXPANSION * file_size if max_bytes is None else max_bytes
+
+
+def _expansion_why(max_bytes: int | None) -> str:
+    return (f"more than {ZIP_EXPANSION}x its size: a zip bomb? pass a larger max_bytes to load it anyway"
+            if max_bytes is None else f"more than max_bytes={max_bytes:,}")
 
 
 def _first_line(exc: BaseException) -> str:
@@ -192,11 +199,22 @@ def _load_torch(path: str, max_bytes: int | None = None) -> Checkpoint:
         ckpt = flatten(obj)
     except TypeError as exc:
         raise CheckpointError(f"cannot use {path}: {exc}") from None
+    materialised = 0
     for name, t in ckpt.tensors.items():
         if isinstance(t, torch.Tensor) and (
             t.layout != torch.strided or t.is_quantized or t.is_nested or t.device.type == "meta"
         ):
             raise CheckpointError(f"{path}: tensor {name!r} has an unsupported layout ({t.layout})")
+        problem = shape_problem(tuple(t.shape))
+        if problem is not None:
+            raise CheckpointError(f"{path}: tensor {name!r:.80} has {problem}")
+        # A view may be far larger than its storage (``expand``: stride 0): what bounds memory is
+        # what every tensor will be once made contiguous, not the bytes of the file.
+        materialised += math.prod(t.shape) * (t.element_size() if isinstance(t, torch.Tensor) else t.itemsize)
+    file_size = os.path.getsize(path)
+    if materialised > _expansion_limit(file_size, max_bytes):
+        raise CheckpointError(f"{path}: the {file_size:,}-byte file holds tensors of {materialised:,} bytes "
+                              f"({_expansion_why(max_bytes)})")
     ckpt.kind = "torch"
     return ckpt
 
@@ -237,8 +255,8 @@ def _load_safetensors(path: str) -> Checkpoint:
             n = int.from_bytes(f.read(8), "little")
             if n > size - 8:
                 raise bad(f"header length {n} exceeds the file size ({size} bytes)")
-            if n > MAX_HEADER_BYTES:
-                raise bad(f"header length {n} exceeds the {MAX_HEADER_BYTES}-byte limit")
+            if n > MAX_SAFETENSORS_HEADER_BYTES:
+                raise bad(f"header length {n} exceeds the {MAX_SAFETENSORS_HEADER_BYTES}-byte limit")
             if n < 2:
                 raise bad(f"header length {n} is too small")
             raw = f.read(n)
@@ -268,6 +286,9 @@ def _load_safetensors(path: str) -> Checkpoint:
                     raise bad(f"tensor {name!r:.80} has unknown dtype {code!r:.40}")
                 if not isinstance(shape, list) or not all(_is_nonneg_int(d) and d < 2**63 for d in shape):
                     raise bad(f"tensor {name!r:.80} has an invalid shape {shape!r:.80}")
+                problem = shape_problem(tuple(shape))
+                if problem is not None:
+                    raise bad(f"tensor {name!r:.80} has {problem}")
                 if (not isinstance(offsets, list) or len(offsets) != 2
                         or not all(_is_nonneg_int(o) for o in offsets)):
                     raise bad(f"tensor {name!r:.80} has invalid data_offsets {offsets!r:.80}")
@@ -561,12 +582,35 @@ def _torch_writer(ckpt: Checkpoint) -> Callable:
     obj = unflatten(ckpt)
 
     def write(f) -> None:
+        out = _WriteErrors(f)
         try:
-            torch.save(obj, f)
-        except (pickle.PicklingError, RuntimeError, TypeError) as exc:
+            torch.save(obj, out)
+        except (pickle.PicklingError, RuntimeError, TypeError, OSError) as exc:
+            # torch reports a failed write (disk full) in words of its own: the OSError underneath
+            # is what the caller reports (write_atomic words it as the output's error)
+            if out.error is not None:
+                raise out.error from None
             raise CheckpointError(f"cannot save the checkpoint with torch: {_first_line(exc)}") from None
 
     return write
+
+
+class _WriteErrors:
+    """A binary file that remembers the OSError of a failed write (torch's writer wraps it)."""
+
+    def __init__(self, f):
+        self._f = f
+        self.error: OSError | None = None
+
+    def write(self, data) -> int:
+        try:
+            return self._f.write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
+
+    def __getattr__(self, name: str):
+        return getattr(self._f, name)
 
 
 def _st_raw(name: str, t: TensorLike) -> tuple[str, list[int], np.ndarray]:
@@ -649,6 +693,9 @@ def _npz_writer(ckpt: Checkpoint) -> Callable:
             raise CheckpointError(f"tensor name {name!r} is reserved in .npz output")
         if "\x00" in name:
             raise CheckpointError(f"tensor name {name!r:.80} contains a NUL character")
+        if len((name + ".npy").encode("utf-8")) > 0xFFFF:  # a zip member's name holds 65,535 bytes
+            raise CheckpointError(f"tensor name {name[:40]!r}... is too long for .npz (a member name holds "
+                                  "65,535 bytes with its .npy); save as .safetensors or .pt instead")
         if isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16:
             raise CheckpointError(f"tensor {name!r:.80} is bfloat16, which .npz cannot hold; "
                                   f"save as .safetensors or .pt instead")

@@ -1,10 +1,11 @@
-"""Reading input files: one error type and one wording for a file that cannot be read."""
+"""Reading inputs: one error type and one wording for a file that cannot be read, and reads in
+bounded pieces (a pipe or a device is read only as far as the format says)."""
 
 from __future__ import annotations
 
 import os
 
-from ..errors import InputError
+from ..errors import InputError, TruncatedStreamError
 from .atomic import os_reason
 
 
@@ -28,3 +29,24 @@ def check_readable_file(path: str) -> None:
         raise InputError(f"cannot read {path}: it is a directory")
     if not os.path.exists(path):
         raise InputError(f"cannot read {path}: no such file")
+
+
+_PIECE = 1 << 24
+
+
+def read_exactly(f, n: int, what: str) -> bytes:
+    """``n`` bytes of the binary file object ``f``, read in pieces: an input shorter than it claims
+    allocates only what it holds (TruncatedStreamError names ``what`` it ends in)."""
+    parts, got = [], 0
+    while got < n:
+        try:
+            part = f.read(min(_PIECE, n - got))
+        except OSError as exc:
+            raise InputError(f"cannot read the {what}: {exc.strerror or exc}") from None
+        if not part:
+            if got == 0 and what == "preamble":
+                raise TruncatedStreamError("empty input: not a stream")
+            raise TruncatedStreamError(f"the input ends inside its {what} ({got:,} of {n:,} bytes)")
+        parts.append(part)
+        got += len(part)
+    return b"".join(parts)

@@ -11,6 +11,8 @@ from .inputs import unreadable
 KINDS = ("torch", "safetensors", "npz")
 TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 SUFFIX_OF_KIND = {"torch": ".pt", "safetensors": ".safetensors", "npz": ".npz"}
+#: Largest safetensors header accepted (the reference implementation uses the same bound).
+MAX_SAFETENSORS_HEADER_BYTES = 100_000_000
 
 PathLike = Union[str, "os.PathLike[str]"]
 

@@ -20,6 +20,7 @@ import os
 import struct
 import zlib
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..entropy.chunk_layout import (
     LINEAR_BIT,
@@ -32,9 +33,10 @@ from ..entropy.chunk_layout import (
 )
 from ..entropy.levelcoder import max_elements_for_payload
 from ..entropy.linear_prediction import MAX_COLUMNS, MIN_COLUMNS
-from ..errors import CorruptStreamError, FormatError, TruncatedStreamError
+from ..errors import CheckpointError, CorruptStreamError, FormatError, LimitExceededError, TruncatedStreamError
 from ..io.dtypes import DType
-from ..io.inputs import unreadable
+from ..io.inputs import read_exactly, unreadable
+from ..io.shapes import MAX_NDIM, shape_problem
 from ..quant.steps import QP_DENSITY_MAX, QP_MAX, QP_MIN, step_from_qp
 
 MAGIC = b"\x89DCB\r\n\x1a\n"
@@ -46,9 +48,15 @@ FORMAT_VERSION = 3
 READABLE_VERSIONS = (1, 2, 3)
 SWITCHES_VERSION = 3  # LINEAR_BIT and NO_COLUMNS_BIT
 PREAMBLE = struct.Struct("<8sHHI")
-MAX_HEADER_SIZE = 1 << 30
-MAX_NDIM = 32
-MAX_DIM = 1 << 48
+MAX_HEADER_SIZE = 1 << 27  # (more than the limits below let a header need)
+# What a header may hold (docs/format.md §6.5): the writer refuses more, the reader stops at the
+# first part that exceeds its share, before inflating or parsing what the header merely declares.
+MAX_TENSORS = 1 << 18
+MAX_NAME_BYTES = 1 << 24  # all tensor names together (one name: 65,535 bytes)
+MAX_METADATA_BYTES = 1 << 23
+MAX_METADATA_CONTAINERS_BASE = 1 << 16  # JSON objects and arrays: this many plus 8 per tensor
+MAX_CHUNKS = 1 << 22  # substreams of all tensors together (4 T elements in chunks of 1 Mi)
+_ENTRY_MIN = 47  # bytes of an entry with a 0-byte name, no dimension and no chunk
 NO_ALIAS = 0xFFFFFFFF
 MIN_CHUNK_ELEMENTS = 1 << 16  # level-coded chunks hold at least this many elements (or the tensor)
 
@@ -152,14 +160,55 @@ _ENTRY_QUANT = struct.Struct("<hBBIQI")  # qp, qp_density, coder_param, alias_of
 _ENTRY_TAIL = struct.Struct("<QQI")  # offset, size, crc32
 
 
-def write_header(qp: int, qp_1d: int, qp_density: int, metadata: dict, tensors: list[TensorEntry]) -> bytes:
-    """Serialize the header; ``tensors`` must carry final offsets, sizes and checksums."""
+def metadata_bytes(metadata: dict, tensors: list[tuple[str, tuple[int, ...]]]) -> bytes:
+    """The metadata JSON as the header stores it, once a header is known to hold these ``(name,
+    shape)`` tensors and this metadata (docs/format.md §6.5); CheckpointError says what exceeds
+    which limit. The encoder calls it before any coding, so nothing is coded for a model the
+    stream cannot hold."""
+    if len(tensors) > MAX_TENSORS:
+        raise CheckpointError(f"{len(tensors):,} tensors: a stream holds at most {MAX_TENSORS:,}")
+    total = 0
+    for name, shape in tensors:
+        size = len(name.encode("utf-8"))
+        total += size
+        if size > 0xFFFF:
+            raise CheckpointError(f"tensor name of {size:,} bytes (a stream holds names of up to 65,535): "
+                                  f"{name[:40]}...")
+        problem = shape_problem(shape)
+        if problem is not None:
+            raise CheckpointError(f"tensor {name[:80]!r}: {problem}")
+    if total > MAX_NAME_BYTES:
+        raise CheckpointError(f"tensor names of {total:,} bytes in all (a stream holds {MAX_NAME_BYTES:,})")
     meta = json.dumps(metadata, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+    if len(meta) > MAX_METADATA_BYTES:
+        raise CheckpointError(f"the checkpoint's structure and non-tensor values take {len(meta):,} bytes of "
+                              f"JSON (a stream holds {MAX_METADATA_BYTES:,})")
+    containers = meta.count(b"{") + meta.count(b"[")
+    if containers > MAX_METADATA_CONTAINERS_BASE + 8 * len(tensors):
+        raise CheckpointError(f"the checkpoint's structure has {containers:,} containers (a stream of "
+                              f"{len(tensors)} tensors holds {MAX_METADATA_CONTAINERS_BASE + 8 * len(tensors):,})")
+    return meta
+
+
+def write_header(qp: int, qp_1d: int, qp_density: int, metadata: dict, tensors: list[TensorEntry]) -> bytes:
+    """Serialize the header; ``tensors`` must carry final offsets, sizes and checksums. Refuses
+    (CheckpointError) what the format's limits do not hold."""
+    chunks = sum(len(t.chunk_sizes) for t in tensors)
+    if chunks > MAX_CHUNKS:
+        raise CheckpointError(f"{chunks:,} substreams: a stream holds at most {MAX_CHUNKS:,}")
+    return pack_header(qp, qp_1d, qp_density, metadata_bytes(metadata, [(t.name, t.shape) for t in tensors]),
+                       tensors)
+
+
+def pack_header(qp: int, qp_1d: int, qp_density: int, meta: Any, tensors: list[TensorEntry]) -> bytes:
+    """The header's bytes as they are, limits unchecked (``meta``: the metadata JSON as bytes, or any
+    value to dump as JSON): what :func:`write_header` writes, and what tests of hostile headers
+    build with."""
+    if not isinstance(meta, bytes):
+        meta = json.dumps(meta, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
     body = [_SETTINGS.pack(len(tensors), qp, qp_1d, qp_density, 0), struct.pack("<I", len(meta)), meta]
     for t in tensors:
         name = t.name.encode("utf-8")
-        if len(name) > 0xFFFF:
-            raise ValueError(f"tensor name too long ({len(name)} bytes): {t.name[:40]}...")
         body += [struct.pack("<H", len(name)), name, _ENTRY_FIXED.pack(t.dtype, t.mode, t.coder, t.flags, len(t.shape))]
         body.append(struct.pack(f"<{len(t.shape)}Q", *t.shape))
         body.append(_ENTRY_QUANT.pack(t.qp, t.qp_density, t.coder_param, t.alias_of, t.chunk_elements,
@@ -173,23 +222,6 @@ def write_header(qp: int, qp_1d: int, qp_density: int, metadata: dict, tensors: 
     version = max([1] + [t.min_version for t in tensors])
     head = PREAMBLE.pack(MAGIC, version, 0, len(packed) + 4) + packed
     return head + struct.pack("<I", zlib.crc32(head))
-
-
-class _Reader:
-    """Bounds-checked cursor over the header bytes."""
-
-    def __init__(self, data, start: int, end: int):
-        self.data, self.pos, self.end = data, start, end
-
-    def take(self, n: int, what: str):
-        if n < 0 or self.pos + n > self.end:
-            raise CorruptStreamError(f"header field '{what}' runs past the end of the header")
-        chunk = self.data[self.pos:self.pos + n]
-        self.pos += n
-        return chunk
-
-    def unpack(self, st: struct.Struct, what: str):
-        return st.unpack(self.take(st.size, what))
 
 
 def check_preamble(data, *, magic: bytes, versions: tuple[int, ...], known_flags: int, kind: str, noun: str,
@@ -226,10 +258,12 @@ def read_preamble(data) -> tuple[int, int]:
     return version, header_size
 
 
-def read_header(data, *, total_size: int | None = None) -> StreamHeader:
+def read_header(data, *, total_size: int | None = None, payload_known: bool = True) -> StreamHeader:
     """Parse and validate the header of a stream (``data`` may hold just the header).
 
-    ``total_size`` is the length of the whole stream when ``data`` holds only its beginning.
+    ``total_size`` is the length of the whole stream when ``data`` holds only its beginning. Without
+    ``payload_known`` (a stream read from a pipe: its length is what the header says) the tensor
+    table is not checked against the payload's length.
     """
     version, header_size = read_preamble(data)
     end = PREAMBLE.size + header_size
@@ -241,29 +275,36 @@ def read_header(data, *, total_size: int | None = None) -> StreamHeader:
     total = len(data) if total_size is None else total_size
     payload_size = total - end
 
-    body = _inflate_body(data, end)
-    r = _Reader(body, 0, len(body))
+    r = _BodyReader(data, end)
     count, qp, qp_1d, qp_density, reserved = r.unpack(_SETTINGS, "settings")
     if reserved:
         raise FormatError(f"unknown settings byte 0x{reserved:02x}")
     _check_qp_pair(qp, qp_density, "model qp")
     _check_qp_pair(qp_1d, qp_density, "model qp_1d")
-    (meta_len,) = r.unpack(struct.Struct("<I"), "metadata size")
-    try:
-        metadata = json.loads(bytes(r.take(meta_len, "metadata")).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CorruptStreamError(f"metadata is not valid JSON: {exc}") from None
-    if not isinstance(metadata, dict):
-        raise CorruptStreamError("metadata must be a JSON object")
-    # Each entry takes at least 47 bytes: refuse counts the header cannot hold before looping.
-    if count > (r.end - r.pos) // 47:
+    if count > MAX_TENSORS or count > r.remaining // _ENTRY_MIN:
         raise CorruptStreamError(f"tensor count {count} does not fit in a {header_size}-byte header")
-
+    # What a header of ``count`` tensors can need at most: refuse a larger declared body before
+    # inflating it (every chunk of a tensor holds at least one payload byte or element).
+    chunks_bound = min(max(payload_size, 0), MAX_CHUNKS) if payload_known else MAX_CHUNKS
+    need = (_SETTINGS.size + 4 + MAX_METADATA_BYTES + MAX_NAME_BYTES
+            + count * (_ENTRY_MIN + 8 * MAX_NDIM) + 4 * (chunks_bound + 2 * count))
+    if r.raw_size > need:
+        raise CorruptStreamError(f"a header body of {r.raw_size:,} bytes is more than {count} tensors can need")
+    (meta_len,) = r.unpack(struct.Struct("<I"), "metadata size")
+    if meta_len > MAX_METADATA_BYTES:
+        raise CorruptStreamError(f"metadata of {meta_len:,} bytes is more than a header holds "
+                                 f"({MAX_METADATA_BYTES:,})")
+    metadata = parse_metadata(r.take(meta_len, "metadata"), count)
+    if count > r.remaining // _ENTRY_MIN:
+        raise CorruptStreamError(f"tensor count {count} does not fit in a {header_size}-byte header")
     tensors: list[TensorEntry] = []
     names: set[str] = set()
-    next_offset = 0
+    next_offset = name_bytes = chunks = 0
     for i in range(count):
         (name_len,) = r.unpack(struct.Struct("<H"), "name length")
+        name_bytes += name_len
+        if name_bytes > MAX_NAME_BYTES:
+            raise CorruptStreamError(f"tensor names of more than {MAX_NAME_BYTES:,} bytes in all")
         try:
             name = bytes(r.take(name_len, "name")).decode("utf-8")
         except UnicodeDecodeError:
@@ -284,7 +325,8 @@ def read_header(data, *, total_size: int | None = None) -> StreamHeader:
         shape = struct.unpack(f"<{ndim}Q", bytes(r.take(8 * ndim, "shape")))
         coding = r.unpack(_ENTRY_QUANT, "coding parameters")
         t_qp, t_density, coder_param, alias_of, chunk_elements, chunk_count = coding
-        if chunk_count > (r.end - r.pos) // 4:
+        chunks += chunk_count
+        if chunk_count > r.remaining // 4 or chunks > MAX_CHUNKS:
             raise CorruptStreamError(f"{where}: chunk count {chunk_count} does not fit in the header")
         chunk_sizes = list(struct.unpack(f"<{chunk_count}I", bytes(r.take(4 * chunk_count, "chunk sizes"))))
         offset, size, crc = r.unpack(_ENTRY_TAIL, "payload location")
@@ -298,9 +340,8 @@ def read_header(data, *, total_size: int | None = None) -> StreamHeader:
         _validate_entry(entry, i, where, tensors, next_offset)
         next_offset += entry.size
         tensors.append(entry)
-    if r.pos != r.end:
-        raise CorruptStreamError(f"{r.end - r.pos} unexplained bytes at the end of the header")
-    if next_offset != payload_size:
+    r.finish()
+    if payload_known and next_offset != payload_size:
         if next_offset > payload_size:
             raise TruncatedStreamError(f"truncated stream: the payload has {payload_size} bytes but the tensor "
                                        f"table needs {next_offset}")
@@ -308,22 +349,82 @@ def read_header(data, *, total_size: int | None = None) -> StreamHeader:
     return StreamHeader(version, qp, qp_1d, qp_density, metadata, tensors, end, next_offset)
 
 
-def _inflate_body(data, end: int) -> bytes:
-    if end - 4 < PREAMBLE.size + 4:
-        raise CorruptStreamError("header too short for its body")
-    (raw_size,) = struct.unpack("<I", bytes(data[PREAMBLE.size:PREAMBLE.size + 4]))
-    packed = bytes(data[PREAMBLE.size + 4:end - 4])
-    # A deflate stream expands at most ~1032x: refuse sizes the packed bytes cannot produce.
-    if raw_size > MAX_HEADER_SIZE or raw_size > 1100 * len(packed) + 64:
-        raise CorruptStreamError(f"implausible header body size {raw_size}")
-    inflater = zlib.decompressobj()
+class _BodyReader:
+    """The header body, inflated as it is read: a hostile header is refused at its first
+    inconsistency, never after inflating (or allocating) what it merely declares."""
+
+    def __init__(self, data, end: int):
+        if end - 4 < PREAMBLE.size + 4:
+            raise CorruptStreamError("header too short for its body")
+        (self.raw_size,) = struct.unpack("<I", bytes(data[PREAMBLE.size:PREAMBLE.size + 4]))
+        if self.raw_size > MAX_HEADER_SIZE:
+            raise CorruptStreamError(f"implausible header body size {self.raw_size}")
+        self._inflater = zlib.decompressobj()
+        self._input = bytes(data[PREAMBLE.size + 4:end - 4])
+        self._buf = b""
+        self._pos = 0
+        self.consumed = 0
+
+    @property
+    def remaining(self) -> int:
+        """Bytes of the declared body not read yet."""
+        return self.raw_size - self.consumed
+
+    def take(self, n: int, what: str) -> bytes:
+        if n < 0 or n > self.remaining:
+            raise CorruptStreamError(f"header field '{what}' runs past the end of the header")
+        while len(self._buf) - self._pos < n:
+            self._inflate(n - (len(self._buf) - self._pos))
+        out = self._buf[self._pos:self._pos + n]
+        self._pos += n
+        self.consumed += n
+        return out
+
+    def unpack(self, st: struct.Struct, what: str):
+        return st.unpack(self.take(st.size, what))
+
+    def _inflate(self, need: int) -> None:
+        try:
+            more = self._inflater.decompress(self._input, max(need, 1 << 16))
+        except zlib.error as exc:
+            raise CorruptStreamError(f"header body does not inflate: {exc}") from None
+        self._input = self._inflater.unconsumed_tail
+        if not more:
+            raise CorruptStreamError("header body size does not match its declared size")
+        self._buf = self._buf[self._pos:] + more
+        self._pos = 0
+
+    def finish(self) -> None:
+        """Refuse bytes after the last entry, in the body or in its deflate stream."""
+        if self.remaining:
+            raise CorruptStreamError(f"{self.remaining} unexplained bytes at the end of the header")
+        try:
+            extra = self._inflater.decompress(self._input, 1)
+        except zlib.error as exc:
+            raise CorruptStreamError(f"header body does not inflate: {exc}") from None
+        if extra or len(self._buf) > self._pos or self._inflater.unconsumed_tail or not self._inflater.eof \
+                or self._inflater.unused_data:
+            raise CorruptStreamError("header body size does not match its declared size")
+
+
+def parse_metadata(raw: bytes, count: int) -> dict:
+    """The metadata JSON object, refused (CorruptStreamError) when it is not one, nests too deep, holds
+    more containers than ``count`` tensors can need, or numbers Python will not parse."""
+    containers = raw.count(b"{") + raw.count(b"[")  # (an upper bound: brackets inside strings count too)
+    if containers > MAX_METADATA_CONTAINERS_BASE + 8 * count:
+        raise CorruptStreamError(f"metadata with {containers:,} JSON objects and arrays is more than "
+                                 f"{count} tensors can need")
     try:
-        body = inflater.decompress(packed, raw_size)
-    except zlib.error as exc:
-        raise CorruptStreamError(f"header body does not inflate: {exc}") from None
-    if len(body) != raw_size or inflater.unconsumed_tail or not inflater.eof or inflater.unused_data:
-        raise CorruptStreamError("header body size does not match its declared size")
-    return body
+        metadata = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CorruptStreamError(f"metadata is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise CorruptStreamError("metadata JSON nests deeper than Python can parse") from None
+    except ValueError as exc:  # e.g. an integer of more digits than int() converts
+        raise CorruptStreamError(f"metadata JSON holds a value Python cannot read: {exc}") from None
+    if not isinstance(metadata, dict):
+        raise CorruptStreamError("metadata must be a JSON object")
+    return metadata
 
 
 def raw_chunk_elements(dtype: DType) -> int:
@@ -340,6 +441,35 @@ def _check_qp_pair(qp: int, qp_density: int, what: str) -> None:
         raise CorruptStreamError(f"{what} {qp} at qp_density {qp_density} has no usable step") from None
 
 
+def read_stream(f, *, max_elements: int | None = None) -> bytes:
+    """The whole model stream at the start of the binary file object ``f`` (a pipe, a device, a
+    file), read in bounded pieces: the preamble, the header, then exactly the payload its table
+    declares; bytes after it are refused. Nothing is read beyond what the format justifies, and
+    ``max_elements`` refuses (LimitExceededError) a table of more elements before its payload is read.
+    """
+    head = read_exactly(f, PREAMBLE.size, "preamble")
+    _, header_size = read_preamble(head)
+    head += read_exactly(f, header_size, "header")
+    header = read_header(head, payload_known=False)
+    check_max_elements(header, max_elements)
+    payload = read_exactly(f, sum(e.size for e in header.tensors), "payload")
+    if f.read(1):
+        raise CorruptStreamError("bytes after the end of the stream (its tensor table ends before them)")
+    return head + payload
+
+
+def check_max_elements(header: StreamHeader, max_elements: int | None) -> None:
+    """The caller's own bound on what one stream may make the decoder allocate (the header parser
+    already bounds every tensor by its payload)."""
+    if max_elements is None:
+        return
+    if isinstance(max_elements, bool) or not isinstance(max_elements, int) or max_elements < 0:
+        raise ValueError(f"max_elements must be a non-negative int or None, not {max_elements!r}")
+    claimed = sum(e.numel for e in header.tensors if not e.is_alias)
+    if claimed > max_elements:
+        raise LimitExceededError(f"the stream holds {claimed:,} elements, more than max_elements={max_elements:,}")
+
+
 def read_header_file(path) -> StreamHeader:
     """Read and parse only the header of a stream file (the payload is not read)."""
     try:
@@ -354,12 +484,12 @@ def read_header_file(path) -> StreamHeader:
 
 
 def _validate_entry(e: TensorEntry, index: int, where: str, earlier: list[TensorEntry], expected_offset: int) -> None:
-    for d in e.shape:
-        if d > MAX_DIM:
-            raise CorruptStreamError(f"{where}: dimension {d} is absurd")
+    problem = shape_problem(e.shape)
+    if problem is not None:
+        raise CorruptStreamError(f"{where}: {problem}")
     numel = e.numel
-    if numel > MAX_DIM:
-        raise CorruptStreamError(f"{where}: {numel} elements is absurd")
+    if e.dtype == DType.BFLOAT16 and not e.flags & FLAG_TORCH:  # (numpy has no bfloat16)
+        raise CorruptStreamError(f"{where}: a bfloat16 tensor that is not a torch tensor")
     if e.is_alias:
         if e.alias_of >= index:
             raise CorruptStreamError(f"{where}: aliases tensor {e.alias_of}, which does not precede it")

@@ -12,11 +12,11 @@ from typing import Any
 import numpy as np
 
 from ..entropy import chunk_layout, levelcoder, linear_prediction
-from ..errors import CorruptStreamError, LimitExceededError, TruncatedStreamError
+from ..errors import CorruptStreamError, TruncatedStreamError
 from ..io.checkpoint import Checkpoint, numpy_to_tensor, plain_skeleton, unflatten
 from ..io.dtypes import DType
 from ..quant.reconstruct import dq_indices, reconstruct_chunk, reconstruct_f32_inplace
-from .container import FLAG_TORCH, Mode, StreamHeader, TensorEntry, read_header
+from .container import FLAG_TORCH, Mode, StreamHeader, TensorEntry, check_max_elements, read_header
 from .levels import QuantizedTensor, quantized
 from .parallel import Progress, resolve_threads, run_largest_first
 
@@ -130,18 +130,6 @@ def _payload_views(data, header: StreamHeader, e: TensorEntry) -> list[memoryvie
     return views
 
 
-def _check_max_elements(header: StreamHeader, max_elements: int | None) -> None:
-    """The header parser already bounds every tensor by its payload; this is the caller's own,
-    usually much smaller, bound on what one stream may make us allocate."""
-    if max_elements is None:
-        return
-    if isinstance(max_elements, bool) or not isinstance(max_elements, int) or max_elements < 0:
-        raise ValueError(f"max_elements must be a non-negative int or None, not {max_elements!r}")
-    claimed = sum(e.numel for e in header.tensors if not e.is_alias)
-    if claimed > max_elements:
-        raise LimitExceededError(f"the stream holds {claimed:,} elements, more than max_elements={max_elements:,}")
-
-
 def _raw_values(e: TensorEntry, views: list[memoryview]) -> np.ndarray:
     little = e.dtype.carrier.newbyteorder("<")
     parts = [np.frombuffer(v, dtype=little) for v in views]
@@ -164,7 +152,7 @@ def _integers_from_levels(e: TensorEntry, levels: np.ndarray) -> np.ndarray:
 def _decode_entries(data, header: StreamHeader, *, want_levels: bool, threads: int,
                     progress: Progress | None, max_elements: int | None = None) -> dict[str, np.ndarray]:
     """Decode every non-alias tensor: levels (int32) if ``want_levels`` else values (carrier dtype)."""
-    _check_max_elements(header, max_elements)
+    check_max_elements(header, max_elements)
     outputs: dict[str, np.ndarray] = {}
     jobs = []
     for e in header.tensors:

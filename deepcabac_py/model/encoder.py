@@ -8,6 +8,7 @@ the substreams are assembled behind the header (:mod:`.container`).
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -15,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from ..entropy import linear_prediction
-from ..io.checkpoint import Checkpoint, is_plain
+from ..io.checkpoint import Checkpoint
 from .container import raw_chunk_elements, write_header
 from .levels import QuantizedTensor, assembled
 from .model_plan import ModelPlan, plan_model
@@ -133,7 +134,7 @@ def _code(plan: ModelPlan, threads: int, progress: Progress | None) -> tuple[Mod
                 for k in range(p.chunks.count)]
         with linear_prediction.blas_threads(any(p.linear is not None for p in tensors)):
             data = run_largest_first(jobs, lambda job: job[0].chunks.size(job[1]), run, threads)
-        return ModelPlan(plan.checkpoint, tensors, plan.planner, plan.shifts), {
+        return dataclasses.replace(plan, tensors=tensors), {
             (p.name, k): d for (p, k), d in zip(jobs, data)}
 
     plan, substreams = phase(plan, False)
@@ -177,13 +178,6 @@ def _assemble(plan: ModelPlan, substreams: Mapping[ChunkKey, bytes], settings: E
         e.crc32 = crc
         offset += e.size
         payload.extend(chunks)
-    ckpt = plan.checkpoint
-    # A plain flat state dict needs no skeleton: the decoder rebuilds it from the tensor table.
-    metadata: dict[str, Any] = {"kind": ckpt.kind}
-    if not is_plain(ckpt, allow_ordered=False):
-        metadata["skeleton"] = ckpt.skeleton
-    if ckpt.metadata is not None:
-        metadata["safetensors_metadata"] = ckpt.metadata
-    header = write_header(settings.qp, settings.qp_1d_resolved, settings.qp_density, metadata,
+    header = write_header(settings.qp, settings.qp_1d_resolved, settings.qp_density, plan.metadata,
                           [p.entry for p in plan.tensors])
     return b"".join([header, *payload])

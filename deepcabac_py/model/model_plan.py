@@ -16,11 +16,11 @@ from typing import Any
 import numpy as np
 
 from ..errors import CheckpointError
-from ..io.checkpoint import Checkpoint, flatten, numpy_to_tensor, tensor_to_numpy
+from ..io.checkpoint import Checkpoint, flatten, is_plain, numpy_to_tensor, tensor_to_numpy
 from ..quant.steps import QP_MIN, step_from_qp
 from . import batchnorm
 from .allocation import allocate_qps
-from .container import FLAG_ALIAS, FLAG_TORCH, Coder, TensorEntry
+from .container import FLAG_ALIAS, FLAG_TORCH, Coder, TensorEntry, metadata_bytes
 from .settings import EncodeSettings, lookup_qp
 from .structural_importance import BN_EPS, output_shift, shift_absorbers, structural_importance
 from .tensor_plan import TensorPlan, TensorPlanner, importance_array
@@ -45,6 +45,7 @@ class ModelPlan:
     tensors: list[TensorPlan]
     planner: TensorPlanner  # plans a tensor with the same resolved settings (the shift targets)
     shifts: list[Shift]
+    metadata: dict  # the header's metadata: the checkpoint's kind and structure
 
     @property
     def shift_targets(self) -> set[str]:
@@ -79,6 +80,12 @@ class ModelPlan:
 def plan_model(model: Mapping[str, Any] | Checkpoint, settings: EncodeSettings) -> ModelPlan:
     """Plan every tensor of ``model`` (a mapping of tensors or a :class:`Checkpoint`)."""
     ckpt = model if isinstance(model, Checkpoint) else flatten(model)
+    metadata = stream_metadata(ckpt)
+    # Before any work: what the stream cannot hold (too many tensors, names too long, shapes numpy
+    # cannot hold, a structure too large) is refused now, not after coding every tensor.
+    metadata_bytes(metadata, [(name, tuple(int(d) for d in t.shape)) for name, t in ckpt.tensors.items()]
+                   + [(alias, tuple(int(d) for d in ckpt.tensors[target].shape))
+                      for alias, target in ckpt.aliases.items()])
     # (the absorbers are found from the statistics as given, before any compensation)
     absorbers = shift_absorbers(ckpt) if settings.bias_correction else {}
     bn = _BatchNorms.find(ckpt, settings)
@@ -91,7 +98,18 @@ def plan_model(model: Mapping[str, Any] | Checkpoint, settings: EncodeSettings) 
                                             coder=Coder.NONE, flags=FLAG_ALIAS | (base.flags & FLAG_TORCH),
                                             alias_of=index[target]), None))
     coded, plans, eps_modules = bn.compensate(ckpt, plans, planner)
-    return ModelPlan(coded, plans, planner, _shifts(ckpt, plans, absorbers, eps_modules))
+    return ModelPlan(coded, plans, planner, _shifts(ckpt, plans, absorbers, eps_modules), metadata)
+
+
+def stream_metadata(ckpt: Checkpoint) -> dict:
+    """The header's metadata of ``ckpt``: its kind and, unless it is a plain flat state dict (which
+    the decoder rebuilds from the tensor table), its structure; a safetensors file's own metadata."""
+    metadata: dict[str, Any] = {"kind": ckpt.kind}
+    if not is_plain(ckpt, allow_ordered=False):
+        metadata["skeleton"] = ckpt.skeleton
+    if ckpt.metadata is not None:
+        metadata["safetensors_metadata"] = ckpt.metadata
+    return metadata
 
 
 def _planner(ckpt: Checkpoint, settings: EncodeSettings, overrides_in: Mapping[str, int]) -> TensorPlanner:

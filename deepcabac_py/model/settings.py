@@ -15,7 +15,7 @@ from fnmatch import fnmatchcase
 from typing import Any
 
 from ..quant.quantizers import DEFAULT_LAMBDA, check_quantizer
-from ..quant.steps import QP_MIN, check_qp, step_from_qp
+from ..quant.steps import check_qp, qp_range, step_from_qp
 from . import batchnorm
 
 DEFAULT_QP = -32
@@ -116,7 +116,7 @@ class EncodeSettings:
         """The qp of tensors with at most one dimension."""
         if self.qp_1d is not None:
             return self.qp_1d
-        return max(QP_MIN, self.qp - (QP_1D_OCTAVES << self.qp_density))
+        return max(qp_range(self.qp_density)[0], self.qp - (QP_1D_OCTAVES << self.qp_density))
 
     @property
     def lam(self) -> float:

@@ -18,10 +18,12 @@ import numpy as np
 
 from ..entropy import chunk_layout, levelcoder, linear_prediction
 from ..entropy.levelcoder import LEVEL_MAX
+from ..errors import DeepCabacWarning
 from ..io.checkpoint import tensor_to_numpy
 from ..io.dtypes import DType, bfloat16_to_float32
 from ..quant import quantizers
-from ..quant.steps import qp_for_range, step_from_qp
+from ..quant.reconstruct import fits
+from ..quant.steps import QP_MIN, qp_for_range, step_from_qp
 from . import _planning_kernels
 from .container import FLAG_TORCH, Coder, Mode, TensorEntry
 from .levels import QuantizedTensor, assembled
@@ -249,17 +251,21 @@ class TensorPlanner:
         values = _as_float_for_quantizer(arr, entry.dtype)
         top, finite = _planning_kernels.float_range(values)
         if not finite:
-            warnings.warn(f"{name}: contains NaN or infinity; stored exactly (raw)", stacklevel=5)
+            warnings.warn(f"{name}: holds NaN or infinity; stored exactly (raw)", DeepCabacWarning, stacklevel=5)
             return TensorPlan(entry, arr)
         chosen = lookup_qp(name, self.overrides)
         if chosen is None:
             chosen = s.qp_1d_resolved if arr.ndim <= 1 else s.qp
-        try:
-            entry.qp = qp_for_range(float(top), chosen, s.qp_density)
-        except ValueError:
+        qp = _qp_that_holds(float(top), chosen, s.qp_density, entry.dtype.dtype_name, s.dependent)
+        if qp is None:
             warnings.warn(f"{name}: values up to {top:g} do not fit 31-bit levels at any qp of density "
-                          f"{s.qp_density}; stored exactly (raw)", stacklevel=5)
+                          f"{s.qp_density}; stored exactly (raw)", DeepCabacWarning, stacklevel=5)
             return TensorPlan(entry, arr)
+        if qp > chosen:
+            warnings.warn(f"{name}: values up to {top:g} need qp {qp} instead of {chosen} for 31-bit levels; "
+                          f"its weights below {step_from_qp(qp, s.qp_density) / 2:g} are coded as 0",
+                          DeepCabacWarning, stacklevel=5)
+        entry.qp = qp
         entry.qp_density = s.qp_density
         entry.mode = Mode.DEPENDENT if s.dependent else Mode.UNIFORM
         entry.coder = Coder.ADAPTIVE_SCALE
@@ -272,6 +278,27 @@ class TensorPlanner:
         entry.coder_param = layout.coder_param
         return TensorPlan(entry, arr, layout, s.quantizer, s.lam,
                           relative_importance(name, self.importance.get(name), arr.shape), max_level=max_level)
+
+
+def _qp_that_holds(top: float, qp: int, qp_density: int, dtype: str, dependent: bool) -> int | None:
+    """The qp nearest ``qp`` whose levels for values up to ``top`` fit 31 bits and whose largest
+    reconstruction is a finite value of ``dtype`` (near the dtype's largest value a coarse step rounds
+    beyond it: then finer ones are tried); None if there is none."""
+    try:
+        qp = qp_for_range(top, qp, qp_density)
+    except ValueError:
+        return None
+    while True:
+        step = step_from_qp(qp, qp_density)
+        level = int(top / step + 0.5)
+        if level >= LEVEL_MAX:
+            return None
+        # the largest reconstruction index: the trellis may pick a grid point beyond the nearest level
+        if fits(level + 2 if dependent else level, step, dtype):
+            return qp
+        if qp <= QP_MIN:
+            return None
+        qp -= 1
 
 
 def _column_choices(values: np.ndarray, shape: tuple[int, ...]) -> tuple[bool, bool]:

@@ -98,32 +98,42 @@ def _dq_pass(levels, out, step):
         else:
             out[t] = np.float32(np.float64(dq_value(k, state)) * step)
         state = dq_next(state, k)
-    return hi <= MAX_DQ_LEVEL and lo >= -MAX_DQ_LEVEL
+    return max(np.int64(hi), -np.int64(lo))
 
 
 @kernel
 def dq_reconstruct_kernel(levels, out):
     """Map transmitted levels to reconstruction indices through the state machine (state 0 at the
-    start). ``out`` may alias ``levels``. Returns False if a level is too large for the grid."""
+    start). ``out`` may alias ``levels``. Returns the largest |level| (beyond MAX_DQ_LEVEL: not a
+    level of the grid, and ``out`` holds garbage)."""
     return _dq_pass(levels, out, None)
 
 
 @kernel
 def dq_reconstruct_f32_kernel(levels, step):
     """In place: transmitted int32 levels to float32 values ``index * step`` (same buffer). Returns
-    False if a level is too large for the grid (the buffer then holds garbage)."""
+    the largest |level| (beyond MAX_DQ_LEVEL: not a level of the grid)."""
     return _dq_pass(levels, levels.view(np.float32), step)
 
 
 @kernel
 def uniform_f32_kernel(levels, step, out):
+    """``out = float32(levels * step)``; returns the largest |level|."""
+    top = np.int64(0)
     for i in range(levels.shape[0]):
-        out[i] = np.float32(np.float64(levels[i]) * step)
+        k = np.int64(levels[i])
+        top = max(top, abs(k))
+        out[i] = np.float32(np.float64(k) * step)
+    return top
 
 
 @kernel
 def uniform_f32_inplace_kernel(levels, step):
-    # Element i is read before it is written, and nothing else reads it: aliasing is harmless.
+    """The same, in place (element i is read before it is written, and nothing else reads it)."""
     values = levels.view(np.float32)
+    top = np.int64(0)
     for i in range(levels.shape[0]):
-        values[i] = np.float32(np.float64(levels[i]) * step)
+        k = np.int64(levels[i])
+        top = max(top, abs(k))
+        values[i] = np.float32(np.float64(k) * step)
+    return top

@@ -12,6 +12,8 @@ patterns (the numpy carrier of bfloat16).
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from ..errors import CorruptStreamError
@@ -21,15 +23,23 @@ from ._reconstruct_kernels import MAX_DQ_LEVEL
 
 
 def reconstruct(indices: np.ndarray, step: float, dtype: str) -> np.ndarray:
-    """``indices * step`` rounded once to ``dtype`` (a float dtype name), in its numpy carrier."""
+    """``indices * step`` rounded once to ``dtype`` (a float dtype name), in its numpy carrier.
+
+    Raises :class:`CorruptStreamError` if a value would round beyond the dtype's largest (a finite
+    weight never decodes as infinity: the encoder chooses steps for which :func:`fits` holds).
+    """
     flat = np.ascontiguousarray(indices).reshape(-1)
-    if dtype == "bfloat16":
-        out = _bf16_bits(flat, step)
-    elif dtype == "float32":
+    if dtype == "float32":
         out = np.empty(flat.shape[0], dtype=np.float32)
-        _reconstruct_kernels.uniform_f32_kernel(flat, float(step), out)
+        top = int(_reconstruct_kernels.uniform_f32_kernel(flat, float(step), out))
     else:
-        out = (flat.astype(np.float64) * step).astype(carrier(dtype))
+        top = int(np.abs(flat.astype(np.int64)).max()) if flat.size else 0
+        if dtype == "bfloat16":
+            out = _bf16_bits(flat, step)
+        else:
+            with np.errstate(over="ignore"):
+                out = (flat.astype(np.float64) * step).astype(carrier(dtype))
+    _check_fits(top, step, dtype)
     return out.reshape(np.shape(indices))
 
 
@@ -44,9 +54,29 @@ def reconstruct_f32_inplace(levels: np.ndarray, step: float, *, dependent: bool)
     if levels.dtype != np.int32 or levels.ndim != 1 or not levels.flags.c_contiguous:
         raise ValueError("levels must be a flat contiguous int32 array")
     if not dependent:
-        _reconstruct_kernels.uniform_f32_inplace_kernel(levels, float(step))
-    elif not _reconstruct_kernels.dq_reconstruct_f32_kernel(levels, float(step)):
-        raise CorruptStreamError(f"a trellis level exceeds {MAX_DQ_LEVEL} in magnitude")
+        top = int(_reconstruct_kernels.uniform_f32_inplace_kernel(levels, float(step)))
+    else:
+        top_level = int(_reconstruct_kernels.dq_reconstruct_f32_kernel(levels, float(step)))
+        if top_level > MAX_DQ_LEVEL:
+            raise CorruptStreamError(f"a trellis level exceeds {MAX_DQ_LEVEL} in magnitude")
+        top = 2 * top_level  # a bound on the reconstruction indices (2k - sgn(k) or 2k)
+    _check_fits(top, step, "float32")
+
+
+def fits(index: int, step: float, dtype: str) -> bool:
+    """Whether ``index * step`` (|index| < 2**32) rounds to a finite value of ``dtype``."""
+    value = float(index) * step  # exact while finite: the step has at most 7 significant bits
+    if not math.isfinite(value):
+        return False
+    if dtype == "bfloat16":
+        return int(_bf16_bits(np.array([index], dtype=np.int64), step)[0]) & 0x7F80 != 0x7F80
+    with np.errstate(over="ignore"):
+        return bool(np.isfinite(np.asarray(value).astype(carrier(dtype))))
+
+
+def _check_fits(top: int, step: float, dtype: str) -> None:
+    if not fits(top, step, dtype):
+        raise CorruptStreamError(f"levels up to {top:,} at step {step:g} reconstruct beyond the largest {dtype}")
 
 
 def dq_indices(levels: np.ndarray) -> np.ndarray:
@@ -56,7 +86,7 @@ def dq_indices(levels: np.ndarray) -> np.ndarray:
     """
     flat = np.ascontiguousarray(levels, dtype=np.int32).reshape(-1)
     out = np.empty_like(flat)
-    if not _reconstruct_kernels.dq_reconstruct_kernel(flat, out):
+    if _reconstruct_kernels.dq_reconstruct_kernel(flat, out) > MAX_DQ_LEVEL:
         raise CorruptStreamError(f"a trellis level exceeds {MAX_DQ_LEVEL} in magnitude")
     return out.reshape(np.shape(levels))
 
@@ -65,7 +95,8 @@ def _bf16_bits(flat: np.ndarray, step: float) -> np.ndarray:
     # torch's float64 -> bfloat16 conversion goes through float32 and can round twice: round the
     # float64 to 8 significant bits, ties to even, by integer arithmetic on its pattern; the result
     # converts to float32 exactly, whose top half is the bfloat16 pattern.
-    exact = flat.astype(np.float64) * step
+    with np.errstate(over="ignore"):
+        exact = flat.astype(np.float64) * step
     bits = exact.view(np.uint64)
     lsb = (bits >> np.uint64(45)) & np.uint64(1)
     rounded = ((bits + np.uint64((1 << 44) - 1) + lsb) & ~np.uint64((1 << 45) - 1)).view(np.float64)

@@ -74,3 +74,23 @@ def qp_for_range(max_abs: float, qp: int, qp_density: int = 2) -> int:
         octaves = math.log2(max_abs) - math.log2(step_from_qp(qp, qp_density)) - math.log2(LEVEL_MAX)
         qp = min(QP_MAX, qp + max(1, int(max(octaves, 0.0)) << qp_density))
     return qp
+
+
+def qp_range(qp_density: int) -> tuple[int, int]:
+    """The qps whose step is a normal float64 at ``qp_density``: at density 0 they are fewer than the
+    format's qp field holds (one octave per qp)."""
+    qp_density = check_qp(0, qp_density)[1]
+    lo, hi = QP_MIN, QP_MAX
+    while not _usable(lo, qp_density):
+        lo += 1
+    while not _usable(hi, qp_density):
+        hi -= 1
+    return lo, hi
+
+
+def _usable(qp: int, qp_density: int) -> bool:
+    try:
+        step_from_qp(qp, qp_density)
+    except ValueError:
+        return False
+    return True

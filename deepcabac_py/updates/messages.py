@@ -25,6 +25,7 @@ import hashlib
 import io
 import math
 import struct
+import warnings
 import zipfile
 import zlib
 from collections.abc import Iterator, Mapping
@@ -34,8 +35,16 @@ from typing import Any
 import numpy as np
 
 from ..entropy.levelcoder import LEVEL_MAX
-from ..errors import CorruptStreamError, FormatError, LimitExceededError, TruncatedStreamError, UpdateMismatchError
+from ..errors import (
+    CorruptStreamError,
+    DeepCabacWarning,
+    FormatError,
+    LimitExceededError,
+    TruncatedStreamError,
+    UpdateMismatchError,
+)
 from ..io.dtypes import DType
+from ..io.inputs import read_exactly
 from ..model.container import check_preamble
 from . import _update_kernels, golomb
 from .sparsify import ErrorFeedback, SparseTensor, reconstruct, sparsify
@@ -807,7 +816,14 @@ def update_difference(new, base) -> dict[str, np.ndarray]:
             raise ValueError(f"{name}: {t.dtype}{list(t.array.shape)} vs base {b.dtype}{list(b.array.shape)}")
         if t.dtype in _FLOATS:
             # (arithmetic on 0-d arrays gives numpy scalars: keep them arrays)
-            out[name] = np.asarray(t.array.astype(np.float64) - b.array.astype(np.float64))
+            with np.errstate(invalid="ignore", over="ignore"):
+                d = np.asarray(t.array.astype(np.float64) - b.array.astype(np.float64))
+            bad = ~np.isfinite(d)
+            if bad.any():
+                warnings.warn(f"{name}: {int(bad.sum()):,} values of the update are NaN or infinite; they are "
+                              "not sent (taken as no change)", DeepCabacWarning, stacklevel=3)
+                d[bad] = 0.0
+            out[name] = d
         elif t.dtype in _INTS:
             out[name] = np.asarray(t.array.astype(np.int64) - b.array.astype(np.int64))
         elif not np.array_equal(t.array, b.array):
@@ -1142,14 +1158,13 @@ def read_message(f) -> bytes | None:
     pre = f.read(PREAMBLE.size)
     if not pre:
         return None
+    if len(pre) < PREAMBLE.size:
+        pre += read_exactly(f, PREAMBLE.size - len(pre), "update message preamble")
     _, _, header_size = _check_preamble(pre)
-    head = pre + f.read(header_size)
+    head = pre + read_exactly(f, header_size, "update message header")
     header = read_update_header(head, total_size=1 << 62)
-    rest = f.read(header.total_size - len(head))
-    message = head + rest
-    if len(message) < header.total_size:
-        raise TruncatedStreamError(f"update stream ends inside a message ({len(message)} of {header.total_size} bytes)")
-    return message
+    # (read in pieces: a header may declare far more payload than the input holds)
+    return head + read_exactly(f, header.total_size - len(head), "update message")
 
 
 def iter_messages(source) -> Iterator[bytes]:
