@@ -34,7 +34,29 @@ def corpus(tmp_path_factory):
     where = tmp_path_factory.mktemp("damaged")
     base = where / "base.pt"
     torch.save({"w": torch.from_numpy(np.zeros((40, 30), np.float32))}, base)
+    _warm_up(where, base)
     return damaged_inputs.write(where / "inputs"), base
+
+
+def _warm_up(where, base):
+    """Run every command once on good inputs: with an empty Numba cache the kernels compile on
+    first use, and compiling under tracemalloc takes minutes, which is not what is measured here."""
+    new = where / "new.pt"
+    torch.save({"w": torch.from_numpy(np.ones((40, 30), np.float32))}, new)
+    good = where / "good"
+    good.mkdir()
+    stream, message = good / "m.dcb", good / "u.dcu"
+    runs = [
+        ["encode", base, "-o", stream],
+        ["update", "encode", new, "--base", base, "-o", message],
+        ["decode", stream, "-o", good / "m.pt"],
+        ["update", "apply", base, message, "-o", good / "u.pt"],
+    ]
+    runs += [[command, src] for src in (stream, message) for command in ("info", "report", "test")]
+    runner = _runner()
+    for args in runs:
+        result = runner.invoke(main, [str(a) for a in args])
+        assert result.exit_code == 0, (args, result.output)
 
 
 def _runner() -> CliRunner:
