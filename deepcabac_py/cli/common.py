@@ -125,6 +125,20 @@ class Input:
 _PIECE = 1 << 24
 
 
+@contextmanager
+def progress_bar(total: int, desc: str, enabled: bool):
+    """A progress callback (None when not ``enabled``): a bar on stderr when it is a terminal."""
+    if not enabled:
+        yield None
+        return
+    from tqdm import tqdm
+
+    # disable=None: shown only when stderr is a terminal.
+    with tqdm(total=total, desc=desc, unit="w", unit_scale=True, file=sys.stderr, disable=None,
+              leave=False, dynamic_ncols=True) as bar:
+        yield bar.update
+
+
 def echo_info(quiet: bool, message: str) -> None:
     if not quiet:
         click.echo(message, err=True)
@@ -194,12 +208,13 @@ def check_output(path: str, force: bool) -> None:
 
 @contextmanager
 def about(path: str):
-    """Prefix library errors with the file they concern, as zstd and xz do."""
+    """Prefix library errors with the file they concern, as zstd and xz do (an error writing the
+    output names the output, or stdout, itself)."""
     try:
         yield
     except DeepCabacError as exc:
         name = "<stdin>" if path == "-" else path
-        if name in str(exc):
+        if name in str(exc) or isinstance(exc, OutputError):
             raise
         raise type(exc)(f"{name}: {exc}") from None
 

@@ -7,9 +7,10 @@ is never written to a terminal), ``-q``/``-v`` set verbosity, progress goes to s
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import signal
-import sys
 from contextlib import contextmanager
 
 import click
@@ -17,13 +18,30 @@ import click
 from deepcabac_py import __version__
 from deepcabac_py.errors import DeepCabacError, InputError
 from deepcabac_py.io.kinds import KINDS
-from deepcabac_py.model.container import is_model_stream
+from deepcabac_py.model.container import is_model_stream, read_header
 from deepcabac_py.model.report import build_report, format_report
 from deepcabac_py.model.settings import DEFAULT_QP, DEFAULT_QP_DENSITY, DEFAULT_QUANTIZER
 from deepcabac_py.quant.quantizers import QUANTIZERS
 from deepcabac_py.quant.steps import QP_MAX, QP_MIN, qp_range
 
-from .common import Input, about, check_output, echo_info, input_mode, ratio_words, same_file, write_output
+from .common import (
+    Input,
+    about,
+    check_output,
+    echo_info,
+    input_mode,
+    progress_bar,
+    ratio_words,
+    same_file,
+    write_output,
+)
+from .directories import (
+    decode_directory_command,
+    encode_directory_command,
+    info_directory,
+    report_directory,
+    test_directory,
+)
 from .update import info_update, is_update_file, report_update, test_update_file, update_group
 
 # Commands import the library's codec and checkpoint modules (torch, most of a second) when they
@@ -175,25 +193,13 @@ def _encode_settings(qp, qp_density, qp_1d, qp_tensor, exact, exact_all, quantiz
                 bias_correction=bias_correction)
 
 
-@contextmanager
-def _progress(total: int, desc: str, enabled: bool):
-    if not enabled:
-        yield None
-        return
-    from tqdm import tqdm
-
-    # disable=None: shown only when stderr is a terminal.
-    with tqdm(total=total, desc=desc, unit="w", unit_scale=True, file=sys.stderr, disable=None,
-              leave=False, dynamic_ncols=True) as bar:
-        yield bar.update
-
-
 # --- commands ----------------------------------------------------------------------------------
 
 @main.command()
-@click.argument("input", metavar="INPUT", type=click.Path(allow_dash=True, dir_okay=False))
-@click.option("-o", "--output", type=click.Path(allow_dash=True, dir_okay=False),
-              help=f"Output stream (default: INPUT{STREAM_SUFFIX}; stdout when INPUT is -).")
+@click.argument("input", metavar="INPUT", type=click.Path(allow_dash=True))
+@click.option("-o", "--output", type=click.Path(allow_dash=True),
+              help=f"Output stream (default: INPUT{STREAM_SUFFIX}; stdout when INPUT is -). For a checkpoint "
+                   "directory, the output directory.")
 @click.option("--input-format", type=click.Choice(KINDS), default=None,
               help="Checkpoint kind when it cannot be told from the suffix (e.g. on stdin).")
 @click.option("-f", "--force", is_flag=True, help="Overwrite an existing output file.")
@@ -209,10 +215,15 @@ def _progress(total: int, desc: str, enabled: bool):
 def encode(ctx, input, output, input_format, force, qp, qp_density, qp_1d, qp_tensor, exact, exact_all,
            quantizer, lambda_scale, importance, bn_eps, bias_correction, target_bpw, target_size, threads,
            no_progress, quiet, verbose):
-    """Compress a checkpoint (.pt/.pth/.bin, .safetensors, .npz) into a model stream."""
+    """Compress a checkpoint (.pt/.pth/.bin, .safetensors, .npz) into a model stream.
+
+    INPUT may be a checkpoint directory (Hugging Face shards and their index): every shard becomes
+    SHARD.dcb in the output directory and every other file is carried as it is.
+    """
     from deepcabac_py.io.files import load_checkpoint
-    from deepcabac_py.model.decoder import read_stream_header
-    from deepcabac_py.model.encoder import encode_model
+    from deepcabac_py.io.tensor_source import open_source
+    from deepcabac_py.model.encoder import write_stream
+    from deepcabac_py.model.settings import EncodeSettings
 
     settings = _encode_settings(qp, qp_density, qp_1d, qp_tensor, exact, exact_all, quantizer, lambda_scale,
                                 importance, bn_eps, bias_correction)
@@ -222,43 +233,59 @@ def encode(ctx, input, output, input_format, force, qp, qp_density, qp_1d, qp_te
     if targeted and ctx.get_parameter_source("qp") != click.core.ParameterSource.DEFAULT:
         raise click.UsageError("--qp cannot be combined with --target-bpw/--target-size (rate control picks it)")
     if output is None:
-        output = "-" if input == "-" else input + STREAM_SUFFIX
+        output = "-" if input == "-" else input.rstrip("/") + STREAM_SUFFIX
+    if input != "-" and os.path.isdir(input):
+        if targeted:
+            raise click.UsageError("--target-bpw/--target-size work on one checkpoint file, not a directory")
+        with about(input):
+            encode_directory_command(input, output, force, threads, not (quiet or no_progress), quiet, verbose,
+                                     settings)
+        return
     if same_file(input, output):
         raise click.UsageError("the output would overwrite the input")
     check_output(output, force)
-    with about(input):
-        with Input(input) as inp, inp.checkpoint_path(input_format) as path:
-            ckpt = load_checkpoint(path, input_format)
+    with about(input), Input(input) as inp, inp.checkpoint_path(input_format) as path:
         try:
             if targeted:
                 from deepcabac_py.tuning.rate_control import encode_to_size
 
                 del settings["qp"]
                 try:
-                    data = encode_to_size(ckpt, target_bytes=target_size, target_bpw=target_bpw,
-                                          threads=threads, **settings)
+                    data = encode_to_size(load_checkpoint(path, input_format), target_bytes=target_size,
+                                          target_bpw=target_bpw, threads=threads, **settings)
                 except ValueError as exc:  # the budget cannot be met
                     raise InputError(str(exc)) from None
+                write_output(output, data, force, input_mode(input))
+                header = read_header(data)
             else:
-                with _progress(ckpt.numel, "encode", not (quiet or no_progress)) as update:
-                    data = encode_model(ckpt, threads=threads, progress=update, **settings)
+                # a safetensors file is read a tensor at a time and the stream written as it is coded
+                enc = EncodeSettings(**settings)
+                written = []
+                with open_source(path, input_format) as source, \
+                        progress_bar(source.numel, "encode", not (quiet or no_progress)) as update:
+                    write_output(output, lambda f: written.append(
+                        write_stream(f, source, enc, threads=threads, progress=update)), force, input_mode(input))
+                header = written[0]
         except TypeError as exc:  # an unsupported tensor type inside the checkpoint
             raise InputError(str(exc)) from None
-    write_output(output, data, force, input_mode(input))
-    rep = build_report(read_stream_header(data))
+    rep = build_report(header)
     bits = f"{rep.bits_per_param:.3f} bits/param" if rep.bits_per_param is not None else "no parameters"
-    echo_info(quiet, f"{input}: {rep.original_bytes:,} bytes of tensors -> {len(data):,} bytes "
+    echo_info(quiet, f"{input}: {rep.original_bytes:,} bytes of tensors -> {header.total_size:,} bytes "
                  f"({ratio_words(rep.ratio_vs_original)}), {bits}" + (f" -> {output}" if verbose else ""))
     if verbose and not quiet:
         click.echo(format_report(rep), err=True)
 
 
 @main.command()
-@click.argument("input", metavar="INPUT", type=click.Path(allow_dash=True, dir_okay=False))
-@click.option("-o", "--output", type=click.Path(allow_dash=True, dir_okay=False),
-              help=f"Output checkpoint (default: INPUT without {STREAM_SUFFIX}).")
+@click.argument("input", metavar="INPUT", type=click.Path(allow_dash=True))
+@click.option("-o", "--output", type=click.Path(allow_dash=True),
+              help=f"Output checkpoint (default: INPUT without {STREAM_SUFFIX}). For a directory of streams, "
+                   "the output directory.")
 @click.option("--format", "kind", type=click.Choice(KINDS), default=None,
               help="Checkpoint kind to write (default: from the output suffix, else the original kind).")
+@click.option("-t", "--tensor", "tensors", multiple=True, metavar="PATTERN",
+              help="Decode only the tensors of this name or glob pattern (repeatable); the others are not "
+                   "read. The output is a flat checkpoint of those tensors.")
 @click.option("-f", "--force", is_flag=True, help="Overwrite an existing output file.")
 @click.option("--max-elements", type=click.IntRange(min=0), default=None, metavar="N",
               help="Refuse a stream whose tensors hold more than N elements (for untrusted input; "
@@ -266,43 +293,65 @@ def encode(ctx, input, output, input_format, force, qp, qp_density, qp_1d, qp_te
 @_threads
 @_progress_option
 @_verbosity
-def decode(input, output, kind, force, max_elements, threads, no_progress, quiet, verbose):
-    """Decompress a model stream into a checkpoint."""
-    from deepcabac_py.io.files import checkpoint_writer, kind_from_suffix
-    from deepcabac_py.model.decoder import decode_checkpoint, read_stream_header
+def decode(input, output, kind, tensors, force, max_elements, threads, no_progress, quiet, verbose):
+    """Decompress a model stream into a checkpoint, or a directory of streams into a checkpoint
+    directory."""
+    from deepcabac_py.io.files import kind_from_suffix
+    from deepcabac_py.model.decoder import StreamBytes, StreamFile, select
+    from deepcabac_py.model.files import decoded_writer, output_kind
 
     if output is None:
         if input == "-":
             output = "-"
-        elif input.lower().endswith(STREAM_SUFFIX) and len(input) > len(STREAM_SUFFIX):
-            output = input[: -len(STREAM_SUFFIX)]
+        elif input.rstrip("/").lower().endswith(STREAM_SUFFIX) and len(input.rstrip("/")) > len(STREAM_SUFFIX):
+            output = input.rstrip("/")[: -len(STREAM_SUFFIX)]
         else:
             raise click.UsageError(f"cannot derive an output name from {input!r}: use -o")
+    if input != "-" and os.path.isdir(input):
+        if tensors or kind:
+            raise click.UsageError("--tensor and --format work on one stream file, not a directory")
+        with about(input):
+            decode_directory_command(input, output, force, threads, max_elements, not (quiet or no_progress),
+                                     quiet, verbose)
+        return
     suffix_kind = kind_from_suffix(output) if output != "-" else None
     if kind and suffix_kind and kind != suffix_kind:
         raise click.UsageError(f"--format {kind} contradicts the output name {output!r}")
     if same_file(input, output):
         raise click.UsageError("the output would overwrite the input")
     check_output(output, force)
-    with about(input):
-        with Input(input) as inp:
-            data = inp.model_stream(max_elements)
-        header = read_stream_header(data)
-        original_kind = header.metadata.get("kind")
-        kind = kind or suffix_kind or (original_kind if original_kind in KINDS else "torch")
-        params = sum(e.numel for e in header.tensors if not e.is_alias)
-        with _progress(params, "decode", not (quiet or no_progress)) as update:
-            ckpt = decode_checkpoint(data, threads=threads, progress=update, max_elements=max_elements)
-    write_output(output, checkpoint_writer(ckpt, kind), force, input_mode(input))
-    echo_info(quiet, f"{input}: {len(data):,} bytes -> {params:,} params ({kind})"
+    names = list(tensors) or None
+    with about(input), contextlib.ExitStack() as stack:
+        inp = stack.enter_context(Input(input))
+        if inp.regular:  # read a tensor's payload at a time
+            stream = stack.enter_context(StreamFile(input))
+        else:
+            stream = StreamBytes(inp.model_stream(max_elements))
+        header = stream.header
+        try:
+            chosen = select(header, names)
+        except ValueError as exc:
+            raise click.UsageError(f"--tensor: {exc}") from None
+        kind = output_kind(header, kind or suffix_kind)
+        params = sum(e.numel for e in chosen if not e.is_alias)
+        with progress_bar(params, "decode", not (quiet or no_progress)) as update:
+            writer = decoded_writer(stream, kind, names=names, threads=threads, progress=update,
+                                    max_elements=max_elements)
+            write_output(output, writer, force, input_mode(input))
+    echo_info(quiet, f"{input}: {header.total_size:,} bytes -> {params:,} params ({kind})"
                  + (f" -> {output}" if verbose else ""))
 
 
 @main.command()
-@click.argument("input", metavar="INPUT", type=click.Path(allow_dash=True, dir_okay=False))
+@click.argument("input", metavar="INPUT", type=click.Path(allow_dash=True))
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def info(input, as_json):
-    """Show a stream's header: tensors, shapes, dtypes, coding modes, qp and sizes (no decoding)."""
+    """Show a stream's header: tensors, shapes, dtypes, coding modes, qp and sizes (no decoding).
+    For a directory of streams, a line per stream and the totals."""
+    if input != "-" and os.path.isdir(input):
+        with about(input):
+            info_directory(input, as_json)
+        return
     with about(input), Input(input) as inp:
         if is_update_file(inp.head(8)):
             info_update(inp, as_json)
@@ -334,7 +383,7 @@ def info(input, as_json):
 
 
 @main.command()
-@click.argument("input", metavar="INPUT", type=click.Path(allow_dash=True, dir_okay=False))
+@click.argument("input", metavar="INPUT", type=click.Path(allow_dash=True))
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.option("--input-format", type=click.Choice(KINDS), default=None,
               help="Checkpoint kind when it cannot be told from the suffix.")
@@ -349,7 +398,8 @@ def report(input, as_json, input_format, show_formats, qp, qp_density, qp_1d, qp
     """Per-tensor and total figures: params, bits/param, ratio vs fp32, SNR and max error.
 
     INPUT is a checkpoint (encoded in memory with the given settings, then decoded to measure the
-    error) or a model stream (sizes only: the original is not known). --formats adds, for every
+    error), a model stream (sizes only: the original is not known) or a directory of streams (each,
+    then the totals). --formats adds, for every
     quantized tensor with two or more dimensions (conv weights as out x in*kh*kw), its bytes as dense
     fp32, scipy-style CSR, CER and CSER built from the decoded levels, and in the stream.
     """
@@ -357,6 +407,12 @@ def report(input, as_json, input_format, show_formats, qp, qp_density, qp_1d, qp
     from deepcabac_py.model.decoder import decode_checkpoint, read_stream_header
     from deepcabac_py.model.encoder import encode_model
 
+    if input != "-" and os.path.isdir(input):
+        if show_formats:
+            raise click.UsageError("--formats works on one stream or checkpoint file, not a directory")
+        with about(input):
+            report_directory(input, as_json)
+        return
     with about(input), Input(input) as inp:
         if is_update_file(inp.head(8)):
             report_update(inp, as_json)
@@ -371,7 +427,7 @@ def report(input, as_json, input_format, show_formats, qp, qp_density, qp_1d, qp
             with inp.checkpoint_path(input_format) as path:
                 original = load_checkpoint(path, input_format)
             params = original.numel
-            with _progress(2 * params, "report", not (quiet or no_progress)) as update:
+            with progress_bar(2 * params, "report", not (quiet or no_progress)) as update:
                 try:
                     data = encode_model(original, threads=threads, progress=update, **settings)
                 except TypeError as exc:
@@ -398,8 +454,7 @@ def report(input, as_json, input_format, show_formats, qp, qp_density, qp_1d, qp
 
 
 @main.command()
-@click.argument("inputs", metavar="INPUT...", nargs=-1, required=True,
-                type=click.Path(allow_dash=True, dir_okay=False))
+@click.argument("inputs", metavar="INPUT...", nargs=-1, required=True, type=click.Path(allow_dash=True))
 @click.option("--base", type=click.Path(exists=True, dir_okay=False), default=None,
               help="For update files: the parent model, to apply every message in order.")
 @_threads
@@ -408,19 +463,28 @@ def test(inputs, base, threads, quiet, verbose):
     """Decode streams and discard the result: checks that they are intact (all are checked).
 
     Update files are checked message by message: decoded in full with --base (or when a message
-    carries its tensor table), else by their checksums.
+    carries its tensor table), else by their checksums. A directory: every stream in it.
     """
-    from deepcabac_py.model.decoder import decode_checkpoint
+    from deepcabac_py.model.decoder import StreamBytes, StreamFile, iter_decoded
 
     failed = 0
     for path in inputs:
         summary = ""
         try:
+            if path != "-" and os.path.isdir(path):
+                with about(path):
+                    summary = f" ({test_directory(path, threads)} streams)"
+                echo_info(quiet, f"{path}: OK{summary}")
+                continue
             with about(path), Input(path) as inp:
                 if is_update_file(inp.head(8)):
                     summary = " (" + test_update_file(inp, base) + ")"
-                else:
-                    decode_checkpoint(inp.model_stream(), threads=threads)
+                else:  # a tensor at a time: memory stays bounded whatever the stream's size
+                    with contextlib.ExitStack() as stack:
+                        stream = (stack.enter_context(StreamFile(path)) if inp.regular
+                                  else StreamBytes(inp.model_stream()))
+                        for _ in iter_decoded(stream, threads=threads):
+                            pass
         except DeepCabacError as exc:
             click.echo(f"deepcabac: error: {exc}", err=True)
             failed += 1

@@ -540,18 +540,24 @@ def is_plain(ckpt: Checkpoint, *, allow_ordered: bool = True) -> bool:
     file without a stored skeleton reloads to the same checkpoint. With ``allow_ordered`` an
     OrderedDict root counts as plain too (it then comes back as a dict: fine for safetensors files,
     not for the codec's streams)."""
-    if ckpt.aliases:
+    return is_plain_structure(ckpt.skeleton, list(ckpt.tensors), ckpt.aliases, allow_ordered=allow_ordered)
+
+
+def is_plain_structure(skeleton: Any, names: list[str], aliases: Mapping[str, str] | None, *,
+                       allow_ordered: bool = True) -> bool:
+    """:func:`is_plain` of a checkpoint with this skeleton, these tensor names and aliases."""
+    if aliases:
         return False
-    sk = ckpt.skeleton
+    sk = skeleton
     if not isinstance(sk, dict) or sk.get("format") != SKELETON_FORMAT or sk.get("version") != SKELETON_VERSION:
         return False
     root = sk.get("root")
     if not isinstance(root, dict) or len(root) != 1:
         return False
     items = root.get("$dict", root.get("$odict") if allow_ordered else None)
-    if not isinstance(items, list) or len(items) != len(ckpt.tensors):
+    if not isinstance(items, list) or len(items) != len(names):
         return False
-    for pair, name in zip(items, ckpt.tensors):
+    for pair, name in zip(items, names):
         if pair != [name, {"$tensor": name}]:
             return False
     return True

@@ -14,7 +14,8 @@ import os
 import pickle
 import zipfile
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from tokenize import TokenError
 from typing import Any, Union
 
@@ -239,81 +240,117 @@ def _is_nonneg_int(x: Any) -> bool:
     return type(x) is int and x >= 0
 
 
-def _load_safetensors(path: str) -> Checkpoint:
+@dataclass(frozen=True)
+class SafetensorsIndex:
+    """A safetensors file's header, validated: where each tensor's bytes are, nothing read yet."""
+
+    path: str
+    entries: list[tuple[str, str, list[int], int, int]]  # (name, dtype code, shape, begin, end), header order
+    metadata: dict[str, str] | None  # ``__metadata__`` as stored (reserved keys included)
+    data_start: int
+
+    def read_tensor(self, f, i: int) -> torch.Tensor:
+        """Tensor ``i`` of :attr:`entries`, read from the open file ``f``."""
+        name, code, shape, begin, end = self.entries[i]
+        return _read_st_tensor(f, self.data_start + begin, end - begin, code, shape, self.bad, name)
+
+    def bad(self, msg: str) -> CheckpointError:
+        return CheckpointError(f"{self.path}: invalid safetensors file: {msg}")
+
+
+def read_safetensors_index(f, path: str) -> SafetensorsIndex:
+    """The validated header of the safetensors file open as ``f`` (every offset inside the file,
+    no overlaps, sizes that match the shapes)."""
     def bad(msg: str) -> CheckpointError:
         return CheckpointError(f"{path}: invalid safetensors file: {msg}")
 
+    size = os.fstat(f.fileno()).st_size
+    if size < 8:
+        raise bad(f"file is only {size} bytes long")
+    f.seek(0)
+    n = int.from_bytes(f.read(8), "little")
+    if n > size - 8:
+        raise bad(f"header length {n} exceeds the file size ({size} bytes)")
+    if n > MAX_SAFETENSORS_HEADER_BYTES:
+        raise bad(f"header length {n} exceeds the {MAX_SAFETENSORS_HEADER_BYTES}-byte limit")
+    if n < 2:
+        raise bad(f"header length {n} is too small")
+    raw = f.read(n)
+    if len(raw) != n:
+        raise bad("file truncated inside the header")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise bad("header is not UTF-8") from None
+    header = _parse_json(text, "safetensors header", path)
+    if not isinstance(header, dict):
+        raise bad("header is not a JSON object")
+    data_start = 8 + n
+    data_len = size - data_start
+
+    metadata = header.pop("__metadata__", None)
+    if metadata is not None:
+        if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+            raise bad("__metadata__ must map strings to strings")
+
+    entries = []
+    for name, info in header.items():
+        if not isinstance(info, dict):
+            raise bad(f"entry {name!r:.80} is not an object")
+        code, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+        if not isinstance(code, str) or code not in _ST_DTYPES:
+            raise bad(f"tensor {name!r:.80} has unknown dtype {code!r:.40}")
+        if not isinstance(shape, list) or not all(_is_nonneg_int(d) and d < 2**63 for d in shape):
+            raise bad(f"tensor {name!r:.80} has an invalid shape {shape!r:.80}")
+        problem = shape_problem(tuple(shape))
+        if problem is not None:
+            raise bad(f"tensor {name!r:.80} has {problem}")
+        if (not isinstance(offsets, list) or len(offsets) != 2
+                or not all(_is_nonneg_int(o) for o in offsets)):
+            raise bad(f"tensor {name!r:.80} has invalid data_offsets {offsets!r:.80}")
+        begin, end = offsets
+        if begin > end or end > data_len:
+            raise bad(f"tensor {name!r:.80} data_offsets [{begin}, {end}] are outside the "
+                      f"{data_len}-byte data section")
+        numel = math.prod(shape)
+        itemsize = _ST_DTYPES[code][1]
+        if numel * itemsize != end - begin:
+            raise bad(f"tensor {name!r:.80}: shape {shape} x {code} needs {numel * itemsize} bytes "
+                      f"but data_offsets span {end - begin}")
+        entries.append((name, code, shape, begin, end))
+
+    spans = sorted((b, e, nm) for nm, _, _, b, e in entries if e > b)
+    for (_b0, e0, n0), (b1, _e1, n1) in zip(spans, spans[1:]):
+        if b1 < e0:
+            raise bad(f"tensors {n0!r:.80} and {n1!r:.80} overlap")
+    return SafetensorsIndex(path, entries, metadata, data_start)
+
+
+def safetensors_dtype(code: str) -> tuple[str, int]:
+    """(this library's dtype name, item size) of a safetensors dtype code."""
+    tdtype, itemsize, _ = _ST_DTYPES[code]
+    return str(tdtype).removeprefix("torch."), itemsize
+
+
+def _load_safetensors(path: str) -> Checkpoint:
     try:
         f = open(path, "rb")
     except OSError as exc:
         raise unreadable(path, exc) from None
     with f:
         try:
-            size = os.fstat(f.fileno()).st_size
-            if size < 8:
-                raise bad(f"file is only {size} bytes long")
-            n = int.from_bytes(f.read(8), "little")
-            if n > size - 8:
-                raise bad(f"header length {n} exceeds the file size ({size} bytes)")
-            if n > MAX_SAFETENSORS_HEADER_BYTES:
-                raise bad(f"header length {n} exceeds the {MAX_SAFETENSORS_HEADER_BYTES}-byte limit")
-            if n < 2:
-                raise bad(f"header length {n} is too small")
-            raw = f.read(n)
-            if len(raw) != n:
-                raise bad("file truncated inside the header")
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError:
-                raise bad("header is not UTF-8") from None
-            header = _parse_json(text, "safetensors header", path)
-            if not isinstance(header, dict):
-                raise bad("header is not a JSON object")
-            data_start = 8 + n
-            data_len = size - data_start
-
-            metadata = header.pop("__metadata__", None)
-            if metadata is not None:
-                if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
-                    raise bad("__metadata__ must map strings to strings")
-
-            entries = []
-            for name, info in header.items():
-                if not isinstance(info, dict):
-                    raise bad(f"entry {name!r:.80} is not an object")
-                code, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-                if not isinstance(code, str) or code not in _ST_DTYPES:
-                    raise bad(f"tensor {name!r:.80} has unknown dtype {code!r:.40}")
-                if not isinstance(shape, list) or not all(_is_nonneg_int(d) and d < 2**63 for d in shape):
-                    raise bad(f"tensor {name!r:.80} has an invalid shape {shape!r:.80}")
-                problem = shape_problem(tuple(shape))
-                if problem is not None:
-                    raise bad(f"tensor {name!r:.80} has {problem}")
-                if (not isinstance(offsets, list) or len(offsets) != 2
-                        or not all(_is_nonneg_int(o) for o in offsets)):
-                    raise bad(f"tensor {name!r:.80} has invalid data_offsets {offsets!r:.80}")
-                begin, end = offsets
-                if begin > end or end > data_len:
-                    raise bad(f"tensor {name!r:.80} data_offsets [{begin}, {end}] are outside the "
-                              f"{data_len}-byte data section")
-                numel = math.prod(shape)
-                itemsize = _ST_DTYPES[code][1]
-                if numel * itemsize != end - begin:
-                    raise bad(f"tensor {name!r:.80}: shape {shape} x {code} needs {numel * itemsize} bytes "
-                              f"but data_offsets span {end - begin}")
-                entries.append((name, code, shape, begin, end))
-
-            spans = sorted((b, e, nm) for nm, _, _, b, e in entries if e > b)
-            for (_b0, e0, n0), (b1, _e1, n1) in zip(spans, spans[1:]):
-                if b1 < e0:
-                    raise bad(f"tensors {n0!r:.80} and {n1!r:.80} overlap")
-
+            index = read_safetensors_index(f, path)
             tensors: dict[str, torch.Tensor] = {}
-            for name, code, shape, begin, end in entries:
-                tensors[name] = _read_st_tensor(f, data_start + begin, end - begin, code, shape, bad, name)
+            for i, entry in enumerate(index.entries):
+                tensors[entry[0]] = index.read_tensor(f, i)
         except OSError as exc:
             raise unreadable(path, exc) from None
+    return _finish_safetensors(path, tensors, index.metadata)
 
+
+def _finish_safetensors(path: str, tensors: dict[str, Any], metadata: dict[str, str] | None) -> Checkpoint:
+    """The checkpoint of a safetensors file: the skeleton and aliases this library stores in its
+    ``__metadata__`` taken out and applied."""
     metadata = dict(metadata) if metadata is not None else None
     skeleton_json = aliases_json = None
     if metadata is not None:
@@ -640,49 +677,96 @@ def _st_raw(name: str, t: TensorLike) -> tuple[str, list[int], np.ndarray]:
 
 
 def _safetensors_writer(ckpt: Checkpoint) -> Callable:
-    if "__metadata__" in ckpt.tensors or "__metadata__" in (ckpt.aliases or {}):
-        raise CheckpointError("a tensor named '__metadata__' cannot be stored in safetensors")
     entries = [(name, *_st_raw(name, t)) for name, t in ckpt.tensors.items()]
     # Tied tensors are written as separate copies (safetensors forbids shared storage).
     entries += [(name, *_st_raw(name, ckpt.tensors[target])) for name, target in (ckpt.aliases or {}).items()]
-
-    metadata = dict(ckpt.metadata) if ckpt.metadata is not None else None
-    if not is_plain(ckpt):
-        metadata = metadata or {}
-        metadata[ST_SKELETON_KEY] = _skeleton_json(ckpt)
-    if ckpt.aliases:
-        metadata = metadata if metadata is not None else {}
-        metadata[ST_ALIASES_KEY] = json.dumps(ckpt.aliases, separators=(",", ":"), ensure_ascii=False)
-
-    # Data layout: largest element size first (stable), so every tensor starts at a multiple of its own
-    # element size without holes (the format forbids gaps); the header is space-padded to 8 bytes.
-    order = sorted(range(len(entries)), key=lambda i: -_ST_DTYPES[entries[i][1]][1])
-    offsets: dict[int, tuple[int, int]] = {}
-    pos = 0
-    for i in order:
-        n = entries[i][3].nbytes
-        offsets[i] = (pos, pos + n)
-        pos += n
-    header: dict[str, Any] = {}
-    if metadata is not None:
-        header["__metadata__"] = metadata
-    for i, (name, code, shape, _raw) in enumerate(entries):  # header lists tensors in checkpoint order
-        header[name] = {"dtype": code, "shape": shape, "data_offsets": list(offsets[i])}
-    try:
-        hbytes = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError:
-        raise CheckpointError("tensor names and metadata must be valid Unicode") from None
-    hbytes += b" " * (-len(hbytes) % 8)
+    layout = SafetensorsLayout.of([(name, code, shape) for name, code, shape, _ in entries], ckpt.skeleton,
+                                  ckpt.metadata, ckpt.aliases, is_plain(ckpt))
+    raw = {name: data for name, _, _, data in entries}
 
     def write(f) -> None:
-        f.write(len(hbytes).to_bytes(8, "little"))
-        f.write(hbytes)
-        for i in order:
-            raw = entries[i][3]
-            if raw.nbytes:
-                f.write(raw.data)
+        layout.write(f, ((name, raw[name]) for name in layout.data_order))
 
     return write
+
+
+@dataclass(frozen=True)
+class SafetensorsLayout:
+    """The bytes of a safetensors file before its data, and the order its tensors' data follow in:
+    what the whole-checkpoint writer and a writer fed one tensor at a time share."""
+
+    header: bytes  # the length prefix and the space-padded JSON header
+    data_order: list[str]
+    sizes: dict[str, int]
+
+    @classmethod
+    def of(cls, tensors: list[tuple[str, str, list[int]]], skeleton: Any, metadata: dict[str, str] | None,
+           aliases: dict[str, str] | None, plain: bool) -> SafetensorsLayout:
+        """The layout of ``(name, dtype code, shape)`` tensors (aliases as copies of their own), with
+        the skeleton stored unless ``plain`` and the alias table stored when there are aliases."""
+        if any(name == "__metadata__" for name, _, _ in tensors):
+            raise CheckpointError("a tensor named '__metadata__' cannot be stored in safetensors")
+        metadata = dict(metadata) if metadata is not None else None
+        if not plain:
+            metadata = metadata or {}
+            try:
+                metadata[ST_SKELETON_KEY] = json.dumps(skeleton, separators=(",", ":"), ensure_ascii=False,
+                                                       allow_nan=False)
+            except (TypeError, ValueError) as exc:
+                raise CheckpointError(f"checkpoint skeleton is not JSON-serialisable ({exc})") from None
+        if aliases:
+            metadata = metadata if metadata is not None else {}
+            metadata[ST_ALIASES_KEY] = json.dumps(aliases, separators=(",", ":"), ensure_ascii=False)
+        sizes = {name: math.prod(shape) * _ST_DTYPES[code][1] for name, code, shape in tensors}
+        # Data layout: largest element size first (stable), so every tensor starts at a multiple of
+        # its own element size without holes (the format forbids gaps); the header is space-padded
+        # to 8 bytes.
+        order = sorted(range(len(tensors)), key=lambda i: -_ST_DTYPES[tensors[i][1]][1])
+        offsets: dict[int, tuple[int, int]] = {}
+        pos = 0
+        for i in order:
+            n = sizes[tensors[i][0]]
+            offsets[i] = (pos, pos + n)
+            pos += n
+        header: dict[str, Any] = {}
+        if metadata is not None:
+            header["__metadata__"] = metadata
+        for i, (name, code, shape) in enumerate(tensors):  # the header lists tensors in checkpoint order
+            header[name] = {"dtype": code, "shape": list(shape), "data_offsets": list(offsets[i])}
+        try:
+            hbytes = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise CheckpointError("tensor names and metadata must be valid Unicode") from None
+        hbytes += b" " * (-len(hbytes) % 8)
+        return cls(len(hbytes).to_bytes(8, "little") + hbytes, [tensors[i][0] for i in order], sizes)
+
+    def write(self, f, data: Iterable[tuple[str, np.ndarray]]) -> None:
+        """Write the file to ``f``: the header, then ``(name, raw bytes)`` (see
+        :func:`safetensors_bytes`) in :attr:`data_order`, each produced when it is written."""
+        f.write(self.header)
+        expected = iter(self.data_order)
+        for name, raw in data:
+            if name != next(expected, None):
+                raise RuntimeError(f"internal error: safetensors data out of order at {name!r}")
+            if raw.nbytes != self.sizes[name]:
+                raise RuntimeError(f"internal error: {name!r} has {raw.nbytes} bytes, not {self.sizes[name]}")
+            if raw.nbytes:
+                f.write(raw.data)
+        if next(expected, None) is not None:
+            raise RuntimeError("internal error: safetensors data ended early")
+
+
+def safetensors_bytes(name: str, t: TensorLike) -> np.ndarray:
+    """A tensor's data as a safetensors file stores it (little-endian, C order, uint8)."""
+    return _st_raw(name, t)[2]
+
+
+def safetensors_code(dtype_name: str) -> str:
+    """The safetensors dtype code of one of this library's dtype names."""
+    code = _ST_CODE_BY_TORCH.get(torch_dtype(dtype_name))
+    if code is None:
+        raise CheckpointError(f"{dtype_name} cannot be stored in safetensors; use .pt")
+    return code
 
 
 def _npz_writer(ckpt: Checkpoint) -> Callable:

@@ -6,7 +6,13 @@ code (``docs/format.md`` §6.5) before anything is allocated from it.
 
 from __future__ import annotations
 
+import collections
+import dataclasses
+import fnmatch
+import os
 import zlib
+from collections.abc import Iterable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -15,10 +21,89 @@ from ..entropy import chunk_layout, levelcoder, linear_prediction
 from ..errors import CorruptStreamError, TruncatedStreamError
 from ..io.checkpoint import Checkpoint, numpy_to_tensor, plain_skeleton, unflatten
 from ..io.dtypes import DType
+from ..io.inputs import unreadable
 from ..quant.reconstruct import dq_indices, reconstruct_chunk, reconstruct_f32_inplace
-from .container import FLAG_TORCH, Mode, StreamHeader, TensorEntry, check_max_elements, read_header
+from .container import (
+    FLAG_TORCH,
+    Mode,
+    StreamHeader,
+    TensorEntry,
+    check_max_elements,
+    read_header,
+    read_header_file,
+)
 from .levels import QuantizedTensor, quantized
-from .parallel import Progress, resolve_threads, run_largest_first
+from .parallel import ELEMENTS_IN_FLIGHT, Progress, resolve_threads
+
+
+class StreamFile:
+    """A model stream in a file, read a tensor's payload at a time: its header once (validated
+    against the file's size), then exactly the bytes of the tensors decoded."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = os.fspath(path)
+        self.header = read_header_file(self.path)
+        try:
+            self._fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+        except OSError as exc:
+            raise unreadable(self.path, exc) from None
+
+    def read(self, start: int, size: int) -> memoryview:
+        try:
+            data = os.pread(self._fd, size, start)
+        except OSError as exc:
+            raise unreadable(self.path, exc) from None
+        return memoryview(data)
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+    def __enter__(self) -> StreamFile:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class StreamBytes:
+    """A model stream held in memory."""
+
+    def __init__(self, data):
+        self._data = memoryview(data)
+        self.header = read_header(self._data)
+
+    def read(self, start: int, size: int) -> memoryview:
+        return self._data[start:start + size]
+
+    def close(self) -> None:
+        """(nothing to release)"""
+
+
+def _open(source) -> tuple[StreamFile | StreamBytes, bool]:
+    """The stream of ``source`` (bytes-like, a path, or an open :class:`StreamFile`), and whether
+    it was opened here (and is to be closed)."""
+    if isinstance(source, (StreamFile, StreamBytes)):
+        return source, False
+    if isinstance(source, (str, os.PathLike)):
+        return StreamFile(source), True
+    return StreamBytes(source), False
+
+
+def select(header: StreamHeader, names: str | Iterable[str] | None) -> list[TensorEntry]:
+    """The entries ``names`` choose (tensor names or glob patterns, matched against every name in
+    the table) in table order; every entry for None. ValueError for a pattern that matches nothing."""
+    if names is None:
+        return list(header.tensors)
+    patterns = [names] if isinstance(names, str) else list(names)
+    chosen = set()
+    for pattern in patterns:
+        if not isinstance(pattern, str):
+            raise TypeError(f"tensor names must be strings, got {pattern!r}")
+        hits = [e.name for e in header.tensors if e.name == pattern or fnmatch.fnmatchcase(e.name, pattern)]
+        if not hits:
+            raise ValueError(f"no tensor of the stream matches {pattern!r}")
+        chosen.update(hits)
+    return [e for e in header.tensors if e.name in chosen]
 
 
 def read_stream_header(data) -> StreamHeader:
@@ -39,22 +124,30 @@ def read_stream_header(data) -> StreamHeader:
     return read_header(memoryview(data))
 
 
-def decode_checkpoint(data, *, threads: int | None = None, progress: Progress | None = None,
+def decode_checkpoint(source, *, threads: int | None = None, progress: Progress | None = None,
                       max_elements: int | None = None) -> Checkpoint:
     """Decode a model stream into a :class:`Checkpoint` (flat tensors plus the original structure).
 
     Parameters are those of :func:`decode_model`.
     """
-    threads = resolve_threads(threads)
-    header = read_stream_header(data)
-    values = _decode_entries(data, header, want_levels=False, threads=threads, progress=progress,
-                             max_elements=max_elements)
+    stream, opened = _open(source)
+    try:
+        header = stream.header
+        values = dict(iter_decoded(stream, threads=threads, progress=progress, max_elements=max_elements))
+    finally:
+        if opened:
+            stream.close()
+    return checkpoint_of(header, values)
+
+
+def checkpoint_of(header: StreamHeader, values: Mapping[str, Any]) -> Checkpoint:
+    """The checkpoint of a stream whose tensors decoded to ``values`` (aliases may be left out)."""
     tensors, aliases = {}, {}
     for e in header.tensors:
         if e.is_alias:
             aliases[e.name] = header.tensors[e.alias_of].name
         else:
-            tensors[e.name] = numpy_to_tensor(values[e.name], e.dtype.dtype_name, bool(e.flags & FLAG_TORCH))
+            tensors[e.name] = values[e.name]
     meta = header.metadata
     skeleton = meta.get("skeleton")
     if skeleton is None:
@@ -67,22 +160,28 @@ def decode_checkpoint(data, *, threads: int | None = None, progress: Progress | 
                       metadata=st_meta if isinstance(st_meta, dict) else None, aliases=aliases)
 
 
-def decode_model(data, *, threads: int | None = None, progress: Progress | None = None,
-                 max_elements: int | None = None) -> Any:
+def decode_model(source, *, names: str | Iterable[str] | None = None, threads: int | None = None,
+                 progress: Progress | None = None, max_elements: int | None = None) -> Any:
     """Decode a stream made by :func:`~deepcabac_py.model.encoder.encode_model` back into the
-    structure that was encoded.
+    structure that was encoded, or some of its tensors.
 
     Parameters
     ----------
-    data : bytes-like
-        The whole stream.
+    source : bytes-like, str or PathLike
+        The whole stream, or the path of a stream file (read a tensor's payload at a time: with
+        ``names``, only the header and the chosen tensors' payloads are read).
+    names : str, iterable of str, or None
+        Decode only these tensors (names or glob patterns such as ``"*.attention.*"``;
+        ValueError for one that matches nothing) and return them as a flat ``{name: tensor}`` dict
+        in table order. None: every tensor, in the structure that was encoded.
     threads : int or None
         Worker threads (None: every core).
     progress : callable or None
         Called with the number of elements decoded, as they are.
     max_elements : int or None
-        Refuse (:class:`~deepcabac_py.errors.LimitExceededError`) a stream whose tensors hold more
-        elements: a bound of your own for untrusted input, tighter than the payload's.
+        Refuse (:class:`~deepcabac_py.errors.LimitExceededError`) a stream whose tensors (the chosen
+        ones, with ``names``) hold more elements: a bound of your own for untrusted input, tighter
+        than the payload's.
 
     Returns
     -------
@@ -90,16 +189,43 @@ def decode_model(data, *, threads: int | None = None, progress: Progress | None 
         Tensors as the type they were given in (torch tensors or numpy arrays), with their dtypes
         and shapes; quantized floats hold ``level * step`` rounded to their dtype.
     """
-    return unflatten(decode_checkpoint(data, threads=threads, progress=progress, max_elements=max_elements))
+    if names is None:
+        return unflatten(decode_checkpoint(source, threads=threads, progress=progress, max_elements=max_elements))
+    return dict(iter_decoded(source, names, threads=threads, progress=progress, max_elements=max_elements))
 
 
-def decode_levels(data, *, threads: int | None = None, max_elements: int | None = None) -> dict[str, QuantizedTensor]:
+def iter_decoded(source, names: str | Iterable[str] | None = None, *, order: Iterable[str] | None = None,
+                 threads: int | None = None, progress: Progress | None = None, max_elements: int | None = None,
+                 max_elements_in_flight: int = ELEMENTS_IN_FLIGHT) -> Iterator[tuple[str, Any]]:
+    """``(name, tensor)`` of the tensors ``names`` chooses (as :func:`decode_model`; an alias gives
+    its target's values under its own name), decoded a few at a time: the chunks of the tensors
+    after the one handed out run meanwhile, up to ``max_elements_in_flight`` elements (one tensor
+    at least). ``order``: the chosen names in the order wanted (default: table order)."""
+    threads = resolve_threads(threads)
+    stream, opened = _open(source)
+    try:
+        header = stream.header
+        chosen = select(header, names)
+        if order is not None:
+            by_name = {e.name: e for e in chosen}
+            chosen = [by_name[n] for n in order]
+        # an alias holds its target's values
+        coded = [header.tensors[e.alias_of] if e.is_alias else e for e in chosen]
+        unique = {e.name: e for e in coded}
+        check_max_elements(dataclasses.replace(header, tensors=list(unique.values())), max_elements)
+        yield from _decode_in_order(stream, chosen, coded, threads, progress, max_elements_in_flight)
+    finally:
+        if opened:
+            stream.close()
+
+
+def decode_levels(source, *, threads: int | None = None, max_elements: int | None = None) -> dict[str, QuantizedTensor]:
     """The integer levels and steps of every level-coded tensor, for integer inference.
 
     Parameters
     ----------
-    data : bytes-like
-        The whole stream.
+    source : bytes-like, str or PathLike
+        The whole stream, or the path of a stream file.
     threads, max_elements
         As for :func:`decode_model`.
 
@@ -110,15 +236,25 @@ def decode_levels(data, *, threads: int | None = None, max_elements: int | None 
         of every tensor not stored raw; ``levels * step`` are the decoded values.
     """
     threads = resolve_threads(threads)
-    header = read_stream_header(data)
-    levels = _decode_entries(data, header, want_levels=True, threads=threads, progress=None,
-                             max_elements=max_elements)
-    return {e.name: quantized(e, levels[e.name]) for e in header.tensors if e.name in levels}
+    stream, opened = _open(source)
+    try:
+        header = stream.header
+        check_max_elements(header, max_elements)
+        out = {}
+        for e in header.tensors:
+            if e.is_alias or e.mode == Mode.RAW:
+                continue
+            t = _Tensor(stream, e, want_levels=True)
+            _run_tensor(t, threads)
+            out[e.name] = quantized(e, t.result())
+        return out
+    finally:
+        if opened:
+            stream.close()
 
 
-def _payload_views(data, header: StreamHeader, e: TensorEntry) -> list[memoryview]:
-    base = header.header_size + e.offset
-    view = memoryview(data)[base:base + e.size]
+def _payload_views(stream, e: TensorEntry) -> list[memoryview]:
+    view = stream.read(stream.header.header_size + e.offset, e.size)
     if len(view) != e.size:
         raise TruncatedStreamError(f"tensor {e.name!r}: payload truncated")
     if zlib.crc32(view) != e.crc32:
@@ -149,63 +285,96 @@ def _integers_from_levels(e: TensorEntry, levels: np.ndarray) -> np.ndarray:
     return levels
 
 
-def _decode_entries(data, header: StreamHeader, *, want_levels: bool, threads: int,
-                    progress: Progress | None, max_elements: int | None = None) -> dict[str, np.ndarray]:
-    """Decode every non-alias tensor: levels (int32) if ``want_levels`` else values (carrier dtype)."""
-    check_max_elements(header, max_elements)
-    outputs: dict[str, np.ndarray] = {}
-    jobs = []
-    for e in header.tensors:
-        if e.is_alias:
-            continue
-        views = _payload_views(data, header, e)
-        if e.mode == Mode.RAW:
-            if not want_levels:
-                outputs[e.name] = _raw_values(e, views)
-            continue
-        layout = chunk_layout.layout_from_stream(e.shape, e.chunk_elements, e.coder_param)
-        predictor = None
-        if e.is_linear:
-            predictor = linear_prediction.from_bytes(views[0], chunk_layout.row_length(e.shape))
-            views = views[1:]
-        out = np.empty(e.numel, dtype=np.int32 if want_levels else e.dtype.carrier)
-        outputs[e.name] = out
-        for k, view in enumerate(views):
-            jobs.append((e, layout, k, view, out, predictor))
+class _Tensor:
+    """One tensor being decoded: its payload read and checked, its output allocated, its chunks
+    ready to run on any thread."""
 
-    def levels_into(layout, k, view, predictor, window) -> None:
-        if predictor is None:
-            levelcoder.decode_chunk(view, layout, k, window)
+    def __init__(self, stream, e: TensorEntry, want_levels: bool = False):
+        self.entry, self.want_levels = e, want_levels
+        self.step = e.step if e.step is not None else 0.0  # (used by quantized tensors only)
+        views = _payload_views(stream, e)
+        self.predictor = None
+        self.views: list[memoryview] = []
+        if e.mode == Mode.RAW:
+            self.out = _raw_values(e, views)
+            return
+        self.layout = chunk_layout.layout_from_stream(e.shape, e.chunk_elements, e.coder_param)
+        if e.is_linear:
+            self.predictor = linear_prediction.from_bytes(views[0], chunk_layout.row_length(e.shape))
+            views = views[1:]
+        self.views = views
+        self.out = np.empty(e.numel, dtype=np.int32 if want_levels else e.dtype.carrier)
+
+    def _levels_into(self, k: int, window: np.ndarray) -> None:
+        if self.predictor is None:
+            levelcoder.decode_chunk(self.views[k], self.layout, k, window)
             return
         residuals = np.empty_like(window)
-        levelcoder.decode_chunk(view, layout, k, residuals)
-        predictor.rebuild(residuals, window)
+        levelcoder.decode_chunk(self.views[k], self.layout, k, residuals)
+        self.predictor.rebuild(residuals, window)
 
-    def run(job) -> None:
-        e, layout, k, view, out, predictor = job
-        start, stop = layout.bounds(k)
+    def run(self, k: int) -> int:
+        """Decode chunk ``k`` into the output; returns its element count."""
+        e, out = self.entry, self.out
+        start, stop = self.layout.bounds(k)
         dependent = e.mode == Mode.DEPENDENT
-        if want_levels:
-            levels_into(layout, k, view, predictor, out[start:stop])
+        if self.want_levels:
+            self._levels_into(k, out[start:stop])
             if dependent:
                 out[start:stop] = dq_indices(out[start:stop])
         elif e.mode.is_quantized and e.dtype == DType.FLOAT32:
             window = out[start:stop].view(np.int32)
-            levels_into(layout, k, view, predictor, window)
-            reconstruct_f32_inplace(window, e.step, dependent=dependent)
+            self._levels_into(k, window)
+            reconstruct_f32_inplace(window, self.step, dependent=dependent)
         else:
             levels = np.empty(stop - start, dtype=np.int32)
-            levels_into(layout, k, view, predictor, levels)
+            self._levels_into(k, levels)
             if e.mode.is_quantized:
-                out[start:stop] = reconstruct_chunk(levels, e.step, e.dtype.dtype_name, dependent=dependent)
+                out[start:stop] = reconstruct_chunk(levels, self.step, e.dtype.dtype_name, dependent=dependent)
             else:
                 out[start:stop] = _integers_from_levels(e, levels)
-        if progress is not None:
-            progress(stop - start)
+        return stop - start
 
-    with linear_prediction.blas_threads(any(job[5] is not None for job in jobs)):
-        run_largest_first(jobs, lambda job: job[1].size(job[2]), run, threads)
-    for e in header.tensors:
-        if e.name in outputs:
-            outputs[e.name] = outputs[e.name].reshape(e.shape)
-    return outputs
+    def result(self) -> np.ndarray:
+        return self.out.reshape(self.entry.shape)
+
+
+def _run_tensor(t: _Tensor, threads: int) -> None:
+    count = len(t.views)
+    if threads == 1 or count <= 1:
+        for k in range(count):
+            t.run(k)
+        return
+    with linear_prediction.blas_threads(t.predictor is not None), ThreadPoolExecutor(max_workers=threads) as pool:
+        list(pool.map(t.run, range(count)))
+
+
+def _decode_in_order(stream, chosen: list[TensorEntry], coded: list[TensorEntry], threads: int,
+                     progress: Progress | None, budget: int) -> Iterator[tuple[str, Any]]:
+    """Decode ``coded`` (the entries holding the values of ``chosen``) on a pool, the chunks of the
+    tensors after the one handed out already running, and yield the chosen as tensors in order."""
+    pool = ThreadPoolExecutor(max_workers=threads) if threads > 1 else None
+    pending: collections.deque = collections.deque()  # (chosen entry, _Tensor, futures or None)
+    elements = 0
+    ahead = 0  # the next of ``chosen`` to start
+    try:
+        with linear_prediction.blas_threads(pool is not None):
+            while ahead < len(chosen) or pending:
+                while ahead < len(chosen) and (not pending or elements < budget):
+                    t = _Tensor(stream, coded[ahead])
+                    work = [pool.submit(t.run, k) for k in range(len(t.views))] if pool is not None else None
+                    pending.append((chosen[ahead], t, work))
+                    elements += t.entry.numel
+                    ahead += 1
+                e, t, work = pending.popleft()
+                counts = (w.result() for w in work) if work is not None else (t.run(k) for k in range(len(t.views)))
+                for n in counts:
+                    if progress is not None:
+                        progress(n)
+                elements -= t.entry.numel
+                c = t.entry
+                yield e.name, numpy_to_tensor(t.result(), c.dtype.dtype_name, bool(c.flags & FLAG_TORCH))
+                del t
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)

@@ -1,34 +1,38 @@
 """Whole-model encoding: plan, code, assemble.
 
-:func:`encode_model` flattens any mapping of tensors (nested checkpoints included) and plans every
-tensor (:mod:`.model_plan`: quantized floats, lossless integers, raw bytes). Every level-coded
-tensor is cut into independent chunks, coded on a thread pool (the kernels release the GIL), and
-the substreams are assembled behind the header (:mod:`.container`).
+:func:`encode_model` flattens any mapping of tensors (nested checkpoints included) and plans the
+model (:mod:`.model_plan`: quantized floats, lossless integers, raw bytes). Tensors are then read
+and planned one after another while the chunks of those before them are coded on a thread pool
+(the kernels release the GIL); :func:`write_stream` keeps a few tensors in memory at a time and
+the finished substreams in a spool until the header (:mod:`.container`) can be written before them.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import collections
+import contextlib
+import io
+import tempfile
 import zlib
 from collections.abc import Iterable, Mapping
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, BinaryIO
 
 import numpy as np
 
 from ..entropy import linear_prediction
 from ..io.checkpoint import Checkpoint
-from .container import raw_chunk_elements, write_header
+from ..io.tensor_source import TensorSource
+from .container import StreamHeader, TensorEntry, raw_chunk_elements, read_header, write_header
 from .levels import QuantizedTensor, assembled
 from .model_plan import ModelPlan, plan_model
-from .parallel import Progress, resolve_threads, run_largest_first
+from .parallel import ELEMENTS_IN_FLIGHT, Progress, resolve_threads
 from .settings import DEFAULT_IMPORTANCE, DEFAULT_QP, DEFAULT_QP_DENSITY, DEFAULT_QUANTIZER, EncodeSettings
 from .tensor_plan import TensorPlan
 
-ChunkKey = tuple[str, int]  # (tensor name, chunk index)
-
 
 def encode_model(
-    model: Mapping[str, Any] | Checkpoint,
+    model: Mapping[str, Any] | Checkpoint | TensorSource,
     *,
     qp: int = DEFAULT_QP,
     qp_density: int = DEFAULT_QP_DENSITY,
@@ -77,13 +81,150 @@ batchnorm_eps, bias_correction
     linear prediction across its columns (:mod:`deepcabac_py.entropy.linear_prediction`; same
     levels, fewer bytes).
     """
-    threads = resolve_threads(threads)
     settings = EncodeSettings(qp=qp, qp_density=qp_density, qp_1d=qp_1d, qp_overrides=qp_overrides,
                               keep_exact=keep_exact, quantizer=quantizer, lambda_scale=lambda_scale,
                               importance=importance, batchnorm_eps=batchnorm_eps, bias_correction=bias_correction)
+    out = io.BytesIO()
+    write_stream(out, model, settings, threads=threads, progress=progress, spool=io.BytesIO())
+    return out.getvalue()
+
+
+def write_stream(out: BinaryIO, model: Mapping[str, Any] | Checkpoint | TensorSource, settings: EncodeSettings, *,
+                 threads: int | None = None, progress: Progress | None = None, spool: BinaryIO | None = None,
+                 max_elements_in_flight: int = ELEMENTS_IN_FLIGHT) -> StreamHeader:
+    """Encode ``model`` into the binary file ``out`` tensor by tensor: the bytes of
+    :func:`encode_model`, with no more than a few tensors in memory at a time when ``model`` is a
+    :class:`~deepcabac_py.io.tensor_source.TensorSource` reading from disk.
+
+    The substreams wait in ``spool`` (a binary file open for reading and writing; None: an
+    anonymous temporary file) until the header that says where they are has been written; then they
+    are copied to ``out`` in table order. ``max_elements_in_flight`` bounds the elements of the
+    tensors loaded at once (one tensor at least). Returns the header written.
+    """
+    threads = resolve_threads(threads)
+    if max_elements_in_flight < 1:
+        raise ValueError(f"max_elements_in_flight must be positive, got {max_elements_in_flight!r}")
     plan = plan_model(model, settings)
-    plan, substreams = _code(plan, threads, progress)
-    return _assemble(plan, substreams, settings, progress)
+    with contextlib.ExitStack() as stack:
+        if spool is None:
+            spool = stack.enter_context(tempfile.TemporaryFile(prefix="deepcabac-"))
+        payloads = _Payloads(spool)
+        pool = stack.enter_context(ThreadPoolExecutor(max_workers=threads)) if threads > 1 else None
+        # the linear prediction's matrix products run in the codec's own threads: one BLAS thread each
+        stack.enter_context(linear_prediction.blas_threads(settings.quantizer in ("nearest", "rdoq")))
+        coder = _TensorCoder(plan, pool, progress, payloads, max_elements_in_flight)
+        targets = plan.shift_targets
+        coder.code([n for n in plan.names if n not in targets])
+        # the tensors that take out their layers' shifts, now that those layers are coded
+        coder.code([n for n in plan.names if n in targets], shifted=True)
+        entries = [coder.entries[n] for n in plan.names]
+        offset = 0
+        for e in entries:
+            e.offset = offset
+            offset += e.size
+        entries += plan.alias_entries(coder.entries)
+        header = write_header(settings.qp, settings.qp_1d_resolved, settings.qp_density, plan.metadata, entries)
+        out.write(header)
+        for name in plan.names:
+            payloads.copy_to(out, name)
+    return read_header(header, total_size=len(header) + offset)
+
+
+class _Payloads:
+    """The tensors' substreams as they are coded, kept in a spool file until the header is written."""
+
+    def __init__(self, spool: BinaryIO):
+        self.spool = spool
+        self.end = spool.seek(0, io.SEEK_END)
+        self.where: dict[str, tuple[int, int]] = {}
+
+    def add(self, entry: TensorEntry, chunks: list[bytes]) -> None:
+        """Store a tensor's chunks; its entry gets their sizes and checksum."""
+        crc = 0
+        self.spool.seek(self.end)
+        for c in chunks:
+            self.spool.write(c)
+            crc = zlib.crc32(c, crc)
+        entry.chunk_sizes = [len(c) for c in chunks]
+        entry.size = sum(entry.chunk_sizes)
+        entry.crc32 = crc
+        self.where[entry.name] = (self.end, entry.size)
+        self.end += entry.size
+
+    def copy_to(self, out: BinaryIO, name: str) -> None:
+        start, size = self.where[name]
+        self.spool.seek(start)
+        while size:
+            piece = self.spool.read(min(size, COPY_PIECE))
+            if not piece:
+                raise RuntimeError("internal error: the spool file is shorter than what was written to it")
+            out.write(piece)
+            size -= len(piece)
+
+
+COPY_PIECE = 1 << 24
+
+
+class _TensorCoder:
+    """Tensors planned on the calling thread and their chunks coded on the pool, oldest first: a
+    tensor's substreams are stored (and its memory released) once all its chunks are done."""
+
+    def __init__(self, plan: ModelPlan, pool: ThreadPoolExecutor | None, progress: Progress | None,
+                 payloads: _Payloads, budget: int):
+        self.plan, self.pool, self.progress, self.payloads, self.budget = plan, pool, progress, payloads, budget
+        self.entries: dict[str, TensorEntry] = {}
+        self.deltas: dict[str, Any] = {}  # shift target -> the sum of its layers' shifts
+
+    def code(self, names: list[str], shifted: bool = False) -> None:
+        in_flight: collections.deque = collections.deque()
+        elements = 0
+        for name in names:
+            if shifted and name in self.deltas:
+                p = self.plan.with_shifts(name, self.deltas[name])
+            else:
+                p = self.plan.plan(name)
+            p = p.with_linear_prediction()
+            if p.layout is None:
+                self._store_raw(p)
+                continue
+            keep = p.name in self.plan.shift_layers
+            jobs = [(p, k, keep) for k in range(p.layout.count)]
+            work = [self.pool.submit(self._run, job) for job in jobs] if self.pool is not None else jobs
+            in_flight.append((p, work))
+            elements += p.entry.numel
+            while in_flight and (elements > self.budget or self.pool is None):
+                elements -= self._finish(*in_flight.popleft())
+        while in_flight:
+            self._finish(*in_flight.popleft())
+
+    def _run(self, job: tuple[TensorPlan, int, bool]) -> tuple[bytes, np.ndarray | None]:
+        p, k, keep = job
+        data, levels = p.encode_chunk(k)
+        if self.progress is not None:
+            self.progress(p.chunks.size(k))
+        return data, levels if keep else None
+
+    def _finish(self, p: TensorPlan, work: list) -> int:
+        done = [w.result() for w in work] if self.pool is not None else [self._run(job) for job in work]
+        chunks = [data for data, _ in done]
+        if p.linear is not None:
+            chunks.insert(0, p.linear.to_bytes())
+        if p.name in self.plan.shift_layers:
+            decoded = assembled(p.entry, [levels for _, levels in done if levels is not None]).decoded64()
+            for target, delta in self.plan.shift_deltas(p, decoded):
+                self.deltas[target] = self.deltas.get(target, 0.0) + delta
+        self.payloads.add(p.entry, chunks)
+        self.entries[p.name] = p.entry
+        return p.entry.numel
+
+    def _store_raw(self, p: TensorPlan) -> None:
+        e = p.entry
+        flat = p.values.reshape(-1).astype(p.values.dtype.newbyteorder("<"), copy=False)
+        e.chunk_elements = raw_chunk_elements(e.dtype)
+        self.payloads.add(e, [flat[k:k + e.chunk_elements].tobytes() for k in range(0, flat.size, e.chunk_elements)])
+        self.entries[e.name] = e
+        if self.progress is not None:
+            self.progress(flat.size)
 
 
 def quantize_model(model: Mapping[str, Any] | Checkpoint, **settings: Any) -> dict[str, QuantizedTensor]:
@@ -105,79 +246,20 @@ def quantize_model(model: Mapping[str, Any] | Checkpoint, **settings: Any) -> di
         exact, non-finite, complex) are left out.
     """
     plan = plan_model(model, EncodeSettings(**settings))
-    out = {p.name: p.quantized() for p in plan.tensors if p.is_level_coded}
-    if plan.shifts:
-        plan = plan.take_out_shifts(lambda name: out[name].decoded64())
-        out.update({p.name: p.quantized() for p in plan.tensors if p.name in plan.shift_targets})
-    return out
-
-
-def _code(plan: ModelPlan, threads: int, progress: Progress | None) -> tuple[ModelPlan, dict[ChunkKey, bytes]]:
-    """Every chunk's substream, and the plan as coded (linear predictions attached, shift targets
-    planned again). The layers whose shifts are taken out go first; their levels then say what the
-    targets absorb."""
-    targets, layers = plan.shift_targets, plan.shift_layers
-    layer_levels: dict[ChunkKey, np.ndarray] = {}
-
-    def run(job: tuple[TensorPlan, int]) -> bytes:
-        p, k = job
-        data, levels = p.encode_chunk(k)
-        if p.name in layers:
-            layer_levels[p.name, k] = levels
-        if progress is not None:
-            progress(p.chunks.size(k))
-        return data
-
-    def phase(plan: ModelPlan, in_targets: bool) -> tuple[ModelPlan, dict[ChunkKey, bytes]]:
-        tensors = [p.with_linear_prediction() if (p.name in targets) == in_targets else p for p in plan.tensors]
-        jobs = [(p, k) for p in tensors if p.is_level_coded and (p.name in targets) == in_targets
-                for k in range(p.chunks.count)]
-        with linear_prediction.blas_threads(any(p.linear is not None for p in tensors)):
-            data = run_largest_first(jobs, lambda job: job[0].chunks.size(job[1]), run, threads)
-        return dataclasses.replace(plan, tensors=tensors), {
-            (p.name, k): d for (p, k), d in zip(jobs, data)}
-
-    plan, substreams = phase(plan, False)
-    if plan.shifts:
-        by_name = {p.name: p for p in plan.tensors}
-
-        def decoded(name: str) -> np.ndarray:
-            p = by_name[name]
-            return assembled(p.entry, [layer_levels[name, k] for k in range(p.chunks.count)]).decoded64()
-
-        plan, more = phase(plan.take_out_shifts(decoded), True)
-        substreams.update(more)
-    return plan, substreams
-
-
-def _assemble(plan: ModelPlan, substreams: Mapping[ChunkKey, bytes], settings: EncodeSettings,
-              progress: Progress | None) -> bytes:
-    """The header (every entry given its payload's place, sizes and checksum) and the payload."""
-    payload: list[bytes] = []
-    offset = 0
-    for p in plan.tensors:
-        e = p.entry
-        if e.is_alias:
+    targets = plan.shift_targets
+    out: dict[str, QuantizedTensor] = {}
+    deltas: dict[str, Any] = {}
+    for name in plan.names:
+        if name in targets:
             continue
-        if p.layout is None:
-            flat = p.values.reshape(-1).astype(p.values.dtype.newbyteorder("<"), copy=False)
-            e.chunk_elements = raw_chunk_elements(e.dtype)
-            chunks = [flat[k:k + e.chunk_elements].tobytes() for k in range(0, flat.size, e.chunk_elements)]
-            if progress is not None:
-                progress(flat.size)
-        else:
-            chunks = [substreams[e.name, k] for k in range(p.layout.count)]
-            if p.linear is not None:
-                chunks.insert(0, p.linear.to_bytes())
-        e.chunk_sizes = [len(c) for c in chunks]
-        e.size = sum(e.chunk_sizes)
-        e.offset = offset
-        crc = 0
-        for c in chunks:
-            crc = zlib.crc32(c, crc)
-        e.crc32 = crc
-        offset += e.size
-        payload.extend(chunks)
-    header = write_header(settings.qp, settings.qp_1d_resolved, settings.qp_density, plan.metadata,
-                          [p.entry for p in plan.tensors])
-    return b"".join([header, *payload])
+        p = plan.plan(name)
+        if p.is_level_coded:
+            out[name] = p.quantized()
+            if name in plan.shift_layers:
+                for target, delta in plan.shift_deltas(p, out[name].decoded64()):
+                    deltas[target] = deltas.get(target, 0.0) + delta
+    for name in targets:
+        p = plan.with_shifts(name, deltas[name]) if name in deltas else plan.fixed[name]
+        if p.is_level_coded:
+            out[name] = p.quantized()
+    return {n: out[n] for n in plan.names if n in out}

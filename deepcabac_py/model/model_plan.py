@@ -8,28 +8,36 @@ layer's mean output shift, once that layer's levels are known).
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from ..errors import CheckpointError
-from ..io.checkpoint import Checkpoint, flatten, is_plain, numpy_to_tensor, tensor_to_numpy
+from ..io.checkpoint import Checkpoint, TensorLike, flatten, is_plain_structure, numpy_to_tensor, tensor_to_numpy
+from ..io.dtypes import FLOAT_NAMES
+from ..io.tensor_source import CheckpointSource, TensorSource
 from ..quant.steps import QP_MIN, step_from_qp
 from . import batchnorm
 from .allocation import allocate_qps
 from .container import FLAG_ALIAS, FLAG_TORCH, Coder, TensorEntry, metadata_bytes
 from .settings import EncodeSettings, lookup_qp
-from .structural_importance import BN_EPS, output_shift, shift_absorbers, structural_importance
+from .structural_importance import (
+    BN_EPS,
+    RULE_VECTOR_MAX,
+    output_shift,
+    shift_absorbers,
+    structural_importance,
+)
 from .tensor_plan import TensorPlan, TensorPlanner, importance_array
 
 
 @dataclass
 class Shift:
     """A layer's expected output shift (from its quantization error), taken out by another tensor:
-    ``target += factor * shift`` (:func:`~deepcabac_py.model.structural_importance.shift_absorbers`)."""
+    ``target += factor * shift`` (:func:`~deepcabac_py.model.structural_importance.shift_absorbers`),
+    where the layer turns out quantized."""
 
     layer: str
     mean_in: np.ndarray
@@ -39,13 +47,21 @@ class Shift:
 
 @dataclass
 class ModelPlan:
-    """A plan per tensor (aliases included, in table order) and what the encoder needs besides."""
+    """How every tensor of a model is coded: the choices that look across tensors made once, the
+    plans of the tensors those choices read made up front, every other tensor planned when it is
+    coded (:meth:`plan`), so that a model read from disk is never held whole."""
 
-    checkpoint: Checkpoint  # the model as it is coded (BatchNorm weight and bias compensated)
-    tensors: list[TensorPlan]
-    planner: TensorPlanner  # plans a tensor with the same resolved settings (the shift targets)
+    source: TensorSource
+    planner: TensorPlanner  # plans a tensor with the model's resolved settings
+    fixed: dict[str, TensorPlan]  # planned up front: the rules' vectors (BatchNorm weight and bias compensated)
+    values: dict[str, TensorLike]  # their values as coded
     shifts: list[Shift]
     metadata: dict  # the header's metadata: the checkpoint's kind and structure
+
+    @property
+    def names(self) -> list[str]:
+        """The tensors in table order (aliases after them, see :meth:`alias_entries`)."""
+        return self.source.names
 
     @property
     def shift_targets(self) -> set[str]:
@@ -55,95 +71,117 @@ class ModelPlan:
     def shift_layers(self) -> set[str]:
         return {sh.layer for sh in self.shifts}
 
-    def take_out_shifts(self, decoded: Callable[[str], np.ndarray]) -> ModelPlan:
-        """The plan with every shift's target planned again from its values plus
-        ``factor * shift``, the shift measured on the layer's ``decoded`` values (float64, the
-        tensor's shape)."""
-        index = {p.name: i for i, p in enumerate(self.tensors)}
-        totals: dict[str, np.ndarray] = {}
-        for sh in self.shifts:
-            layer = self.tensors[index[sh.layer]]
-            delta = sh.factor * output_shift(layer.values, decoded(sh.layer), sh.mean_in)
-            totals[sh.target] = totals.get(sh.target, 0.0) + delta
-        tensors = list(self.tensors)
-        for target, delta in totals.items():
-            plan = self.tensors[index[target]]
-            values = plan.values.astype(np.float64) + delta
-            if not np.all(np.isfinite(values)):
-                continue
-            _, dtype_name, is_torch = tensor_to_numpy(self.checkpoint.tensors[target])
-            tensors[index[target]] = self.planner.plan(
-                target, numpy_to_tensor(values.astype(plan.values.dtype), dtype_name, is_torch))
-        return dataclasses.replace(self, tensors=tensors)
+    def plan(self, name: str) -> TensorPlan:
+        """Tensor ``name``'s plan (loaded from the source unless planned up front)."""
+        fixed = self.fixed.get(name)
+        return fixed if fixed is not None else self.planner.plan(name, self.source.load(name))
+
+    def shift_deltas(self, layer: TensorPlan, decoded: np.ndarray) -> list[tuple[str, Any]]:
+        """``(target, delta)`` for every shift of ``layer`` once coded with these ``decoded`` values
+        (float64, the tensor's shape); nothing if the layer was not quantized."""
+        if not layer.is_quantized:
+            return []
+        return [(sh.target, sh.factor * output_shift(layer.values, decoded, sh.mean_in))
+                for sh in self.shifts if sh.layer == layer.name]
+
+    def with_shifts(self, target: str, delta: Any) -> TensorPlan:
+        """The plan of shift target ``target`` planned again from its values plus ``delta`` (the sum
+        of its layers' shifts); as it was when that would not be finite."""
+        plan = self.fixed[target]
+        values = plan.values.astype(np.float64) + delta
+        if not np.all(np.isfinite(values)):
+            return plan
+        _, dtype_name, is_torch = tensor_to_numpy(self.values[target])
+        return self.planner.plan(target, numpy_to_tensor(values.astype(plan.values.dtype), dtype_name, is_torch))
+
+    def alias_entries(self, entries: Mapping[str, TensorEntry]) -> list[TensorEntry]:
+        """The aliases' table entries, after every tensor's (``entries``: the tensors' as coded)."""
+        index = {name: i for i, name in enumerate(self.names)}
+        out = []
+        for alias, target in self.source.aliases.items():
+            base = entries[target]
+            out.append(TensorEntry(name=alias, dtype=base.dtype, shape=base.shape, mode=base.mode,
+                                   coder=Coder.NONE, flags=FLAG_ALIAS | (base.flags & FLAG_TORCH),
+                                   alias_of=index[target]))
+        return out
 
 
-def plan_model(model: Mapping[str, Any] | Checkpoint, settings: EncodeSettings) -> ModelPlan:
-    """Plan every tensor of ``model`` (a mapping of tensors or a :class:`Checkpoint`)."""
-    ckpt = model if isinstance(model, Checkpoint) else flatten(model)
-    metadata = stream_metadata(ckpt)
+def plan_model(model: Mapping[str, Any] | Checkpoint | TensorSource, settings: EncodeSettings) -> ModelPlan:
+    """Plan a model: a mapping of tensors, a :class:`Checkpoint` or a :class:`TensorSource`."""
+    if isinstance(model, TensorSource):
+        source = model
+    else:
+        source = CheckpointSource(model if isinstance(model, Checkpoint) else flatten(model))
+    metadata = stream_metadata(source)
     # Before any work: what the stream cannot hold (too many tensors, names too long, shapes numpy
     # cannot hold, a structure too large) is refused now, not after coding every tensor.
-    metadata_bytes(metadata, [(name, tuple(int(d) for d in t.shape)) for name, t in ckpt.tensors.items()]
-                   + [(alias, tuple(int(d) for d in ckpt.tensors[target].shape))
-                      for alias, target in ckpt.aliases.items()])
+    metadata_bytes(metadata, [(n, source.spec(n).shape) for n in source.names]
+                   + [(alias, source.spec(target).shape) for alias, target in source.aliases.items()])
+    given = _rule_vectors(source)
     # (the absorbers are found from the statistics as given, before any compensation)
-    absorbers = shift_absorbers(ckpt) if settings.bias_correction else {}
-    bn = _BatchNorms.find(ckpt, settings)
-    planner = _planner(ckpt, settings, bn.overrides(settings))
-    plans = [planner.plan(name, t) for name, t in ckpt.tensors.items()]
-    index = {p.name: i for i, p in enumerate(plans)}
-    for alias, target in ckpt.aliases.items():
-        base = plans[index[target]].entry
-        plans.append(TensorPlan(TensorEntry(name=alias, dtype=base.dtype, shape=base.shape, mode=base.mode,
-                                            coder=Coder.NONE, flags=FLAG_ALIAS | (base.flags & FLAG_TORCH),
-                                            alias_of=index[target]), None))
-    coded, plans, eps_modules = bn.compensate(ckpt, plans, planner)
-    return ModelPlan(coded, plans, planner, _shifts(ckpt, plans, absorbers, eps_modules), metadata)
+    absorbers = shift_absorbers(source) if settings.bias_correction else {}
+    bn = _BatchNorms.find(given, settings)
+    planner = _planner(source, given, settings, bn.overrides(settings))
+    fixed = {name: planner.plan(name, t) for name, t in given.items()}
+    values, fixed, eps_modules = bn.compensate(given, fixed, planner)
+    return ModelPlan(source, planner, fixed, values, _shifts(given, fixed, absorbers, eps_modules), metadata)
 
 
-def stream_metadata(ckpt: Checkpoint) -> dict:
-    """The header's metadata of ``ckpt``: its kind and, unless it is a plain flat state dict (which
+def _rule_vectors(source: TensorSource) -> dict[str, TensorLike]:
+    """The one-dimensional float tensors the cross-tensor rules read (BatchNorm parameters, biases,
+    norms), in checkpoint order; a model's matrices are read only when they are coded."""
+    out = {}
+    for name in source.names:
+        spec = source.spec(name)
+        if spec.dtype_name in FLOAT_NAMES and len(spec.shape) <= 1 and spec.numel <= RULE_VECTOR_MAX:
+            out[name] = source.load(name)
+    return out
+
+
+def stream_metadata(source: TensorSource) -> dict:
+    """The header's metadata of a model: its kind and, unless it is a plain flat state dict (which
     the decoder rebuilds from the tensor table), its structure; a safetensors file's own metadata."""
-    metadata: dict[str, Any] = {"kind": ckpt.kind}
-    if not is_plain(ckpt, allow_ordered=False):
-        metadata["skeleton"] = ckpt.skeleton
-    if ckpt.metadata is not None:
-        metadata["safetensors_metadata"] = ckpt.metadata
+    metadata: dict[str, Any] = {"kind": source.kind}
+    if not is_plain_structure(source.skeleton, source.names, source.aliases, allow_ordered=False):
+        metadata["skeleton"] = source.skeleton
+    if source.metadata is not None:
+        metadata["safetensors_metadata"] = source.metadata
     return metadata
 
 
-def _planner(ckpt: Checkpoint, settings: EncodeSettings, overrides_in: Mapping[str, int]) -> TensorPlanner:
-    """The planner of ``ckpt``'s tensors: importance resolved, the qps it allocates, variance floors."""
+def _planner(source: TensorSource, vectors: Mapping[str, TensorLike], settings: EncodeSettings,
+             overrides_in: Mapping[str, int]) -> TensorPlanner:
+    """The planner of a model's tensors: importance resolved, the qps it allocates, variance floors."""
     reference = None
     importance: dict[str, Any]
     if isinstance(settings.importance, Mapping):
         importance = dict(settings.importance)
     elif settings.structural:
-        importance = dict(structural_importance(ckpt))
+        importance = dict(structural_importance(source))
         reference = 0.0  # importance 1 (a dense layer without BN) is the reference that gets qp itself
     else:
         importance = {}
-    unknown = sorted(set(importance) - set(ckpt.tensors))
+    unknown = sorted(set(importance) - set(source.names))
     if unknown:
         raise ValueError(f"importance names tensors the model does not have: {', '.join(unknown[:5])}")
     overrides = dict(overrides_in)
     if importance:
         # Importance also allocates the bits across tensors; explicit overrides still win.
-        shapes = {name: tuple(int(d) for d in t.shape) for name, t in ckpt.tensors.items()}
+        shapes = {name: source.spec(name).shape for name in source.names}
         allocated = allocate_qps({n: importance_array(v) for n, v in importance.items()}, shapes, settings.qp,
                                  qp_density=settings.qp_density, qp_1d=settings.qp_1d_resolved, reference=reference)
         overrides = {**{n: q for n, q in allocated.items() if lookup_qp(n, overrides) is None}, **overrides}
-    _floor_variance_steps(ckpt, overrides, overrides_in, settings)
+    _floor_variance_steps(vectors, overrides, overrides_in, settings)
     return TensorPlanner(settings, overrides, importance)
 
 
-def _floor_variance_steps(ckpt: Checkpoint, overrides: dict[str, int], fixed: Mapping[str, int],
+def _floor_variance_steps(vectors: Mapping[str, TensorLike], overrides: dict[str, int], fixed: Mapping[str, int],
                           settings: EncodeSettings) -> None:
     """Keep every BatchNorm running variance above the eps it is added to from decoding to 0 (the
     channel's scale would jump by sqrt(var / eps)): the step of a ``*.running_var`` tensor stays at
     most a quarter of its smallest such variance, unless its qp is ``fixed`` (by the user or the
     BatchNorm treatment). Allocation can give these tensors coarse steps."""
-    for name, t in ckpt.tensors.items():
+    for name, t in vectors.items():
         if not name.endswith(".running_var") or lookup_qp(name, fixed) is not None:
             continue
         arr, dtype_name, _ = tensor_to_numpy(t)
@@ -170,12 +208,12 @@ class _BatchNorms:
     kinds: dict[str, tuple[str, bool]]  # their (dtype, is_torch)
 
     @classmethod
-    def find(cls, ckpt: Checkpoint, settings: EncodeSettings) -> _BatchNorms:
+    def find(cls, vectors: Mapping[str, TensorLike], settings: EncodeSettings) -> _BatchNorms:
         eps = settings.batchnorm_eps
         if eps is None:
             return cls(None, [], {}, {})
         arrays, kinds = {}, {}
-        for name, t in ckpt.tensors.items():
+        for name, t in vectors.items():
             if name.rsplit(".", 1)[-1] in batchnorm.TENSORS:
                 a, dtype, is_torch = tensor_to_numpy(t)
                 if dtype in ("float32", "float64") and a.ndim == 1:
@@ -206,22 +244,21 @@ class _BatchNorms:
                     out[f"{m}.{stat}"] = stat_qp
         return out
 
-    def compensate(self, ckpt: Checkpoint, plans: list[TensorPlan],
-                   planner: TensorPlanner) -> tuple[Checkpoint, list[TensorPlan], dict[str, float]]:
-        """The checkpoint and plans with each layer's weight and bias made up for its statistics
+    def compensate(self, vectors: dict[str, TensorLike], plans: dict[str, TensorPlan], planner: TensorPlanner
+                   ) -> tuple[dict[str, TensorLike], dict[str, TensorPlan], dict[str, float]]:
+        """The vectors and their plans with each layer's weight and bias made up for its statistics
         exactly as the stream will carry them, and the eps of every layer this applied to."""
-        by_name = {p.name: p for p in plans}
         coded = {}
         for m in self.modules:
-            stats = [by_name[name] for name in (f"{m}.{stat}" for stat in batchnorm.STATISTICS) if name in by_name]
+            stats = [plans[name] for name in (f"{m}.{stat}" for stat in batchnorm.STATISTICS) if name in plans]
             # (weight and bias may be kept exact: then the layer's function is kept to float rounding)
             if len(stats) == len(batchnorm.STATISTICS) and all(p.is_quantized for p in stats):
                 coded[m] = [np.asarray(p.quantized().dequantize(), dtype=np.float64) for p in stats]
         if not coded:
-            return ckpt, plans, {}
+            return vectors, plans, {}
         # Weight and bias are planned with the settings every other tensor got (so nothing else
         # changes, not even the steps that importance allocated).
-        tensors = dict(ckpt.tensors)
+        vectors, plans = dict(vectors), dict(plans)
         for m, (mean_c, var_c) in coded.items():
             a = self.arrays
             new = batchnorm.compensate(a[f"{m}.weight"], a[f"{m}.bias"], a[f"{m}.running_mean"],
@@ -232,35 +269,28 @@ class _BatchNorms:
             for suffix, value in zip(("weight", "bias"), new):
                 name = f"{m}.{suffix}"
                 dtype, is_torch = self.kinds[name]
-                tensors[name] = numpy_to_tensor(value.astype(dtype), dtype, is_torch)
-                by_name[name] = planner.plan(name, tensors[name])
-        return (dataclasses.replace(ckpt, tensors=tensors),
-                [by_name[p.name] if p.array is not None else p for p in plans],
-                {m: self.eps_of(m) for m in coded})
+                vectors[name] = numpy_to_tensor(value.astype(dtype), dtype, is_torch)
+                plans[name] = planner.plan(name, vectors[name])
+        return vectors, plans, {m: self.eps_of(m) for m in coded}
 
 
-def _shifts(ckpt: Checkpoint, plans: list[TensorPlan], absorbers: Mapping[str, tuple[np.ndarray, str]],
-            eps_modules: Mapping[str, float]) -> list[Shift]:
-    """The shifts to take out, where both the layer and the absorbing tensor are quantized (a tensor
-    kept exact stays exact) and the absorbing tensor is float32 or float64 (``ckpt``: the model as
-    given, before any BatchNorm compensation)."""
-    by_name = {p.name: p for p in plans}
-
-    def quantized(name: str) -> bool:
-        p = by_name.get(name)
-        return p is not None and p.is_quantized
-
+def _shifts(vectors: Mapping[str, TensorLike], plans: Mapping[str, TensorPlan],
+            absorbers: Mapping[str, tuple[np.ndarray, str]], eps_modules: Mapping[str, float]) -> list[Shift]:
+    """The shifts to take out, where the absorbing tensor is quantized (a tensor kept exact stays
+    exact) and float32 or float64 (``vectors``: BatchNorm weights as compensated, statistics as
+    given). Whether the layer is quantized is known once it is planned (:meth:`ModelPlan.shift_deltas`)."""
     out = []
     for layer, (mean_in, target) in absorbers.items():
         factor: Any = -1.0 if target.endswith(".bias") else 1.0
         module = target.rsplit(".", 1)[0]
         if target.endswith(".running_mean") and module in eps_modules:
             # the statistics are coded coarsely and weight and bias compensate: the bias takes it,
-            # scaled as the BN scales its input
-            arrays = {s: tensor_to_numpy(ckpt.tensors[f"{module}.{s}"])[0].astype(np.float64)
+            # scaled as the BN scales its input (its weight as given: the compensated one differs)
+            arrays = {s: tensor_to_numpy(vectors[f"{module}.{s}"])[0].astype(np.float64)
                       for s in ("weight", "running_var")}
             factor = -arrays["weight"] / np.sqrt(np.maximum(arrays["running_var"], 0.0) + eps_modules[module])
             target = f"{module}.bias"
-        if quantized(layer) and quantized(target) and by_name[target].values.dtype in (np.float32, np.float64):
+        p = plans.get(target)
+        if p is not None and p.is_quantized and p.values.dtype in (np.float32, np.float64):
             out.append(Shift(layer, mean_in, target, factor))
     return out

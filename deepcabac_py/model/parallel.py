@@ -4,14 +4,15 @@ encode and decode on every core."""
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from collections.abc import Callable
 
 Progress = Callable[[int], None]  # called with the number of elements just coded
 
-J = TypeVar("J")
-R = TypeVar("R")
+# Elements of the tensors held at once while a model streams through the coder (loaded, planned,
+# being coded or decoded): a 7B model's largest matrices are 45 M elements, so two of them (one
+# coding while the next is read) fit, and memory stays a few hundred MB whatever the model's size.
+ELEMENTS_IN_FLIGHT = 1 << 26
+
 
 
 def resolve_threads(threads: int | None) -> int:
@@ -24,19 +25,3 @@ def resolve_threads(threads: int | None) -> int:
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
         raise ValueError(f"threads must be a positive integer or None, got {threads!r}")
     return threads
-
-
-def run_largest_first(jobs: Sequence[J], size: Callable[[J], int], run: Callable[[J], R],
-                      threads: int) -> list[R]:
-    """``[run(job) for job in jobs]``, in that order, computed largest job first on ``threads``
-    threads (the largest first keeps every core busy to the end)."""
-    order = sorted(range(len(jobs)), key=lambda i: -size(jobs[i]))
-    results: list = [None] * len(jobs)
-    if threads == 1 or len(jobs) <= 1:
-        for i in order:
-            results[i] = run(jobs[i])
-        return results
-    with ThreadPoolExecutor(max_workers=threads) as pool:
-        for i, result in zip(order, pool.map(lambda i: run(jobs[i]), order)):
-            results[i] = result
-    return results

@@ -42,7 +42,8 @@ from typing import Any
 import numpy as np
 
 from ..io.checkpoint import Checkpoint, flatten, tensor_to_numpy
-from ..io.dtypes import bfloat16_to_float32
+from ..io.dtypes import FLOAT_NAMES, bfloat16_to_float32
+from ..io.tensor_source import CheckpointSource, TensorSource
 from .batchnorm import TENSORS as BN_STATS
 from .batchnorm import groups as batchnorm_groups
 
@@ -50,9 +51,13 @@ BN_EPS = 1e-3  # as TF-trained nets (EfficientNet) use; also caps the gain of ne
 FLOAT32_CAP = float(np.finfo(np.float32).max) / 4
 # A module whose name says it is an embedding table (word, position, token type, patch codebooks).
 _EMBEDDING_NAME = re.compile(r"(^|[._])(embed\w*|wte|wpe|tok_embeddings?)$", re.IGNORECASE)
+# The rules read the values of one-dimensional tensors only (BatchNorm parameters, biases) and the
+# shapes of the others, so a model streamed from disk is planned without loading its matrices.
+# A one-dimensional tensor longer than this is no BatchNorm's: the rules leave it out.
+RULE_VECTOR_MAX = 1 << 24
 
 
-def structural_importance(model: Mapping[str, Any] | Checkpoint) -> dict[str, float | np.ndarray]:
+def structural_importance(model: Mapping[str, Any] | Checkpoint | TensorSource) -> dict[str, float | np.ndarray]:
     """Importance of every float tensor with two or more dimensions, and of BatchNorm parameters and
     the biases of BN-scaled layers, from the model's structure.
 
@@ -60,14 +65,14 @@ def structural_importance(model: Mapping[str, Any] | Checkpoint) -> dict[str, fl
     tensor's shape (a read-only broadcast view of per-channel values for the layers), ready for
     ``encode_model(importance=...)``.
     """
-    ckpt = model if isinstance(model, Checkpoint) else flatten(model)
-    arrays = _float_arrays(ckpt)
+    source = _source(model)
+    arrays = _float_arrays(source)
     out: dict[str, float | np.ndarray] = {}
     ruled: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     ruled_1d: dict[str, np.ndarray] = {}
     for module in _finite_batchnorms(arrays):
         ruled_1d.update(_bn_parameter_importance(arrays, module))
-    for name, module, following, previous_bn in _layer_chain(arrays, set(ckpt.aliases.values())):
+    for name, module, following, previous_bn in _layer_chain(arrays, set(source.aliases.values())):
         w = arrays[name]
         if previous_bn is _EMBEDDING:
             out[name] = 1.0 / w.shape[0]
@@ -116,7 +121,7 @@ def structural_importance(model: Mapping[str, Any] | Checkpoint) -> dict[str, fl
     return out
 
 
-def shift_absorbers(model: Mapping[str, Any] | Checkpoint) -> dict[str, tuple[np.ndarray, str]]:
+def shift_absorbers(model: Mapping[str, Any] | Checkpoint | TensorSource) -> dict[str, tuple[np.ndarray, str]]:
     """Where the expected output shift of each layer's quantization error can be taken out, without
     data: ``layer -> (mean input per input channel, tensor that absorbs the shift)``.
 
@@ -127,10 +132,10 @@ def shift_absorbers(model: Mapping[str, Any] | Checkpoint) -> dict[str, tuple[np
     without one, in its own ``bias`` (the shift taken off). Layers with no BN before them, or whose
     input channels do not match that BN's, get no entry.
     """
-    ckpt = model if isinstance(model, Checkpoint) else flatten(model)
-    arrays = _float_arrays(ckpt)
+    source = _source(model)
+    arrays = _float_arrays(source)
     out: dict[str, tuple[np.ndarray, str]] = {}
-    for name, module, following, previous_bn in _layer_chain(arrays, set(ckpt.aliases.values())):
+    for name, module, following, previous_bn in _layer_chain(arrays, set(source.aliases.values())):
         if previous_bn is None or previous_bn is _EMBEDDING:
             continue
         w = arrays[name]
@@ -157,14 +162,25 @@ def output_shift(weight: np.ndarray, decoded: np.ndarray, mean_in: np.ndarray) -
 _EMBEDDING = object()  # what _layer_chain gives as the input BN of a lookup table
 
 
-def _float_arrays(ckpt: Checkpoint) -> dict[str, np.ndarray]:
+def _source(model: Mapping[str, Any] | Checkpoint | TensorSource) -> TensorSource:
+    if isinstance(model, TensorSource):
+        return model
+    return CheckpointSource(model if isinstance(model, Checkpoint) else flatten(model))
+
+
+def _float_arrays(source: TensorSource) -> dict[str, np.ndarray]:
+    """Every float tensor the rules see, in checkpoint order: the values of the one-dimensional ones,
+    a stand-in of the right shape (zero strides, no memory) for the others."""
     arrays: dict[str, np.ndarray] = {}
-    for name, t in ckpt.tensors.items():
-        arr, dtype_name, _ = tensor_to_numpy(t)
-        if dtype_name == "bfloat16":  # carried as its 16-bit patterns
-            arr = bfloat16_to_float32(arr)
-        if dtype_name.startswith(("float", "bfloat")) and arr.size:
-            arrays[name] = arr
+    for name in source.names:
+        spec = source.spec(name)
+        if spec.dtype_name not in FLOAT_NAMES or spec.numel == 0:
+            continue
+        if len(spec.shape) >= 2:
+            arrays[name] = np.broadcast_to(np.float32(0.0), spec.shape)
+        elif spec.numel <= RULE_VECTOR_MAX:
+            arr, dtype_name, _ = tensor_to_numpy(source.load(name))
+            arrays[name] = bfloat16_to_float32(arr) if dtype_name == "bfloat16" else arr
     return arrays
 
 

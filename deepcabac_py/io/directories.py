@@ -1,0 +1,211 @@
+"""Checkpoint directories as Hugging Face writes them: weight shards (``model-00001-of-00004.safetensors``,
+``pytorch_model-00001-of-00002.bin``, or one unsharded ``model.safetensors``), the index that maps
+every tensor to its shard (``model.safetensors.index.json``, ``pytorch_model.bin.index.json``), and
+everything else (config, tokenizer, generation settings) carried as it is.
+
+:func:`scan_directory` reads the layout and checks the index against the shards' own tensor tables
+(headers only: nothing is loaded); :func:`replace_directory` puts a finished output directory in
+place in one rename.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+from dataclasses import dataclass, field
+
+from ..errors import CheckpointError, OutputError, OutputExistsError
+from .atomic import os_reason
+from .files import load_checkpoint, read_safetensors_index
+from .inputs import unreadable
+from .kinds import kind_from_suffix
+
+__all__ = ["CheckpointDirectory", "scan_directory", "check_output_directory", "temporary_sibling", "replace_directory",
+           "copy_file", "INDEX_SUFFIX"]
+
+INDEX_SUFFIX = ".index.json"
+# an index bigger than this is no index (a 1,000-shard model with 100k tensors needs a few MB)
+MAX_INDEX_BYTES = 64 << 20
+
+
+@dataclass
+class CheckpointDirectory:
+    """A checkpoint directory: its shards (relative paths, sorted), its index files and the rest."""
+
+    path: str
+    shards: list[str]
+    indexes: list[str]
+    others: list[str]
+    # tensor name -> shard, from the index (empty without one)
+    weight_map: dict[str, str] = field(default_factory=dict)
+
+    def full(self, relative: str) -> str:
+        return os.path.join(self.path, relative)
+
+
+def is_shard(name: str) -> bool:
+    """A weight file: safetensors, or a torch pickle (``.bin``, ``.pt``, ``.pth``) that is no index."""
+    return not name.endswith(INDEX_SUFFIX) and kind_from_suffix(name) in ("safetensors", "torch")
+
+
+def scan_directory(path: str | os.PathLike, *, check_index: bool = True) -> CheckpointDirectory:
+    """The layout of the checkpoint directory ``path``.
+
+    Every regular file below it is a shard (by suffix), an index (``*.index.json``) or another
+    file. With ``check_index``, every index must name shards that exist and must agree with the
+    tensors the shards hold (each tensor in one shard, no tensor missing from the map); a shard's
+    tensor table is read from its header alone for safetensors, by loading it for torch shards.
+    """
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path}: not a directory")
+    shards, indexes, others = [], [], []
+    for root, dirs, files in os.walk(path, onerror=_raise_unreadable):
+        dirs.sort()
+        for name in sorted(files):
+            full = os.path.join(root, name)
+            rel = os.path.relpath(full, path)
+            if os.path.islink(full) or not os.path.isfile(full):
+                raise CheckpointError(f"{full}: not a regular file (links and special files are not carried)")
+            if name.endswith(INDEX_SUFFIX):
+                indexes.append(rel)
+            elif is_shard(name):
+                shards.append(rel)
+            else:
+                others.append(rel)
+    if not shards:
+        raise CheckpointError(f"{path}: no checkpoint shard in the directory (.safetensors, .bin, .pt, .pth)")
+    layout = CheckpointDirectory(path, shards, indexes, others)
+    if check_index and len(shards) > 1 and not indexes:
+        raise CheckpointError(f"{path}: {len(shards)} shards and no index (*{INDEX_SUFFIX}) saying which tensor "
+                              "is in which")
+    for index in indexes:
+        layout.weight_map.update(_read_index(layout, index))
+    if check_index and layout.weight_map:
+        _check_against_shards(layout)
+    return layout
+
+
+def _raise_unreadable(exc: OSError) -> None:
+    raise unreadable(exc.filename or "?", exc)
+
+
+def _read_index(layout: CheckpointDirectory, index: str) -> dict[str, str]:
+    full = layout.full(index)
+    try:
+        with open(full, "rb") as f:
+            raw = f.read(MAX_INDEX_BYTES + 1)
+    except OSError as exc:
+        raise unreadable(full, exc) from None
+    if len(raw) > MAX_INDEX_BYTES:
+        raise CheckpointError(f"{full}: index larger than {MAX_INDEX_BYTES:,} bytes")
+    try:
+        doc = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise CheckpointError(f"{full}: the index is not valid JSON") from None
+    weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                   for k, v in weight_map.items()):
+        raise CheckpointError(f"{full}: the index has no weight_map of tensor names to shard files")
+    base = os.path.dirname(index)
+    out = {}
+    for tensor, shard in weight_map.items():
+        rel = os.path.normpath(os.path.join(base, shard))
+        if rel not in layout.shards:
+            raise CheckpointError(f"{full}: tensor {tensor!r:.80} is in shard {shard!r:.80}, which the directory "
+                                  "does not have")
+        out[tensor] = rel
+    return out
+
+
+def shard_tensor_names(full: str) -> list[str]:
+    """The tensor names a shard holds (a safetensors header alone; a torch shard is loaded)."""
+    if kind_from_suffix(full) == "safetensors":
+        try:
+            with open(full, "rb") as f:
+                return [e[0] for e in read_safetensors_index(f, full).entries]
+        except OSError as exc:
+            raise unreadable(full, exc) from None
+    return list(load_checkpoint(full).tensors)
+
+
+def _check_against_shards(layout: CheckpointDirectory) -> None:
+    seen: dict[str, str] = {}
+    indexed = set(layout.weight_map.values())
+    for shard in layout.shards:
+        if shard not in indexed:
+            continue
+        for name in shard_tensor_names(layout.full(shard)):
+            if name in seen:
+                raise CheckpointError(f"{layout.path}: tensor {name!r:.80} is in two shards, {seen[name]} and {shard}")
+            seen[name] = shard
+            mapped = layout.weight_map.get(name)
+            if mapped is None:
+                raise CheckpointError(f"{layout.path}: tensor {name!r:.80} of {shard} is not in the index")
+            if mapped != shard:
+                raise CheckpointError(f"{layout.path}: the index puts tensor {name!r:.80} in {mapped}, "
+                                      f"but {shard} holds it")
+    for name, shard in layout.weight_map.items():
+        if name not in seen:
+            raise CheckpointError(f"{layout.path}: the index puts tensor {name!r:.80} in {shard}, "
+                                  "which does not hold it")
+
+
+def temporary_sibling(target: str) -> str:
+    """A fresh, empty directory beside ``target`` to build the output in (renamed into place by
+    :func:`replace_directory`)."""
+    parent = os.path.dirname(os.path.abspath(target))
+    base = os.path.basename(os.path.abspath(target))
+    for _ in range(100):
+        tmp = os.path.join(parent, f".{base}.{secrets.token_hex(6)}.tmp")
+        try:
+            os.mkdir(tmp)
+            return tmp
+        except FileExistsError:
+            continue
+        except OSError as exc:
+            raise OutputError(f"cannot write {target}: {os_reason(exc)}") from None
+    raise OutputError(f"cannot write {target}: no unique temporary directory beside it")
+
+
+def check_output_directory(target: str, force: bool, inputs: str) -> None:
+    """Refuse an output directory that exists (unless ``force``) or that is, or lies inside, the
+    input directory ``inputs``."""
+    out, src = os.path.realpath(target), os.path.realpath(inputs)
+    if out == src or out.startswith(src + os.sep):
+        raise OutputError(f"cannot write {target}: it is inside the input directory {inputs}")
+    if os.path.lexists(target):
+        if not force:
+            raise OutputExistsError(f"output directory {target} already exists; use --force to replace it")
+        if not os.path.isdir(target) or os.path.islink(target):
+            raise OutputError(f"cannot write {target}: it exists and is not a directory")
+
+
+def replace_directory(tmp: str, target: str, force: bool) -> None:
+    """Move the finished directory ``tmp`` to ``target``: one rename when ``target`` does not
+    exist; with ``force``, the old one is moved aside first and removed after."""
+    old = None
+    try:
+        if os.path.lexists(target):
+            if not force:
+                raise OutputExistsError(f"output directory {target} already exists; use --force to replace it")
+            old = tmp + ".old"
+            os.rename(target, old)
+        os.rename(tmp, target)
+    except OSError as exc:
+        if old is not None and not os.path.lexists(target):
+            os.rename(old, target)
+        raise OutputError(f"cannot write {target}: {os_reason(exc)}") from None
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def copy_file(src: str, dst: str) -> None:
+    """Copy a carried file byte for byte (and its mode and times)."""
+    os.makedirs(os.path.dirname(dst), exist_ok=True)
+    try:
+        shutil.copy2(src, dst)
+    except OSError as exc:
+        raise OutputError(f"cannot copy {src} to {dst}: {os_reason(exc)}") from None
