@@ -5,8 +5,9 @@ user runs it, at 1 and 2 threads, with zstd -3 on the same files for reference.
     .venv/bin/python benchmarks/bench_scale.py [--sizes 1.1GB,2.2GB] [--work /tmp/deepcabac-scale] [--keep]
 
 For each size it prints wall time, params/s and the peak RSS of each command (its own process, from
-wait4), the bytes, and the time to decode one large tensor (the embedding, 65 M params at 2.2 GB)
-from the stream of the same model written as one file. The goals of the scale issue are checked at
+wait4: the models are made in a subprocess too, since a child's peak starts at its parent's size),
+the bytes, and the time to decode one large tensor (the embedding, 65 M params at 2.2 GB) from the
+stream of the same model written as one file, by the CLI and in process (decode_model with names). The goals of the scale issue are checked at
 the end: peak RSS <= 1.2 GB at 2.2 GB and flat in size (<= 1.25x from 1.1 to 2.2 GB), encode 2
 threads >= 1.7x 1 thread, >= 30 M params/s encode and >= 80 M params/s decode on 2 threads, one
 tensor in <= 2 s.
@@ -24,7 +25,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-import hf_synthetic  # noqa: E402
+import hf_synthetic  # noqa: E402  (its sizes; the models are made by running it)
 
 CLI = [sys.executable, "-m", "deepcabac_py.cli.main"]
 
@@ -43,6 +44,11 @@ def run(cmd: list[str], env: dict | None = None) -> tuple[float, int]:
 
 def du(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else path.stat().st_size
+
+
+def make(path: Path, size: str, *flags: str) -> None:
+    subprocess.run([sys.executable, str(HERE / "hf_synthetic.py"), str(path), "--size", size, *flags], check=True,
+                   stdout=subprocess.DEVNULL)
 
 
 def params_of(index: dict) -> int:
@@ -65,10 +71,9 @@ def zstd_reference(src: Path, work: Path) -> dict:
 
 
 def bench_size(name: str, work: Path, env: dict) -> dict:
-    hidden, inter, layers = hf_synthetic.SIZES[name]
     src = work / f"model-{name}"
     if not src.exists():
-        hf_synthetic.make_directory(src, hidden, inter, layers)
+        make(src, name)
     index = json.loads((src / "model.safetensors.index.json").read_text())
     params = params_of(index)
     row: dict = {"size": name, "params": params, "bf16_bytes": index["metadata"]["total_size"]}
@@ -87,10 +92,10 @@ def bench_size(name: str, work: Path, env: dict) -> dict:
 
 def one_tensor(name: str, work: Path, env: dict) -> dict:
     """The stream of the model as one file, and one large tensor decoded out of it."""
-    hidden, inter, layers = hf_synthetic.SIZES[name]
+    hidden = hf_synthetic.SIZES[name][0]
     single = work / f"single-{name}"
     if not single.exists():
-        hf_synthetic.make_directory(single, hidden, inter, layers, shard_bytes=1 << 62)
+        make(single, name, "--one-file")
     src = single / "model-00001-of-00001.safetensors"
     stream = work / "single.dcb"
     wall, rss = run(CLI + ["encode", str(src), "-o", str(stream), "-f", "-q"], env)
@@ -99,6 +104,10 @@ def one_tensor(name: str, work: Path, env: dict) -> dict:
     wall, rss = run(CLI + ["decode", str(stream), "-o", str(work / "one.safetensors"), "-f", "-q",
                            "--tensor", tensor], env)
     out.update({"tensor": tensor, "tensor_params": 32000 * hidden, "one_tensor_s": wall, "one_tensor_rss": rss})
+    code = ("import sys, time\nfrom deepcabac_py import decode_model\nt = time.perf_counter()\n"
+            f"decode_model({str(stream)!r}, names=[{tensor!r}])\nprint(time.perf_counter() - t)\n")
+    done = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, env=env)
+    out["one_tensor_in_process_s"] = float(done.stdout.split()[-1])
     wall, rss = run(CLI + ["decode", str(stream), "-o", str(work / "all.safetensors"), "-f", "-q"], env)
     out.update({"decode_s": wall, "decode_rss": rss})
     for p in (stream, work / "one.safetensors", work / "all.safetensors"):
@@ -149,7 +158,8 @@ def main() -> None:
               f"{single['encode_s']:.1f} s ({single['encode_rss'] / gb:.2f} GB), decode {single['decode_s']:.1f} s "
               f"({single['decode_rss'] / gb:.2f} GB)")
         print(f"one tensor ({single['tensor']}, {single['tensor_params']:,} params): {single['one_tensor_s']:.2f} s, "
-              f"{single['one_tensor_rss'] / gb:.2f} GB")
+              f"{single['one_tensor_rss'] / gb:.2f} GB (the CLI, start-up included); "
+              f"{single['one_tensor_in_process_s']:.2f} s in process")
     print()
     last, first = rows[-1], rows[0]
     peak = max(last[k]["rss"] for k in ("encode_1t", "encode_2t", "decode_1t", "decode_2t"))
@@ -165,7 +175,7 @@ def main() -> None:
          last["decode_2t"]["params_per_s"] >= 80e6),
     ]
     if single:
-        goals.append(("one tensor <= 2 s", single["one_tensor_s"], single["one_tensor_s"] <= 2.0))
+        goals.append(("one tensor <= 2 s (CLI)", single["one_tensor_s"], single["one_tensor_s"] <= 2.0))
     for what, value, ok in goals:
         print(f"{'met ' if ok else 'MISS'} {what}: {value:.2f}")
 

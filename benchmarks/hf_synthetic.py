@@ -3,7 +3,7 @@ statistics (per-row scales, heavy tails), sharded as ``save_pretrained`` shards,
 config and tokenizer files beside them. Nothing is downloaded and no weights are committed: the
 benchmarks make these on the spot.
 
-    python benchmarks/hf_synthetic.py OUT_DIR --layers 8 [--hidden 2048 --intermediate 5632]
+    python benchmarks/hf_synthetic.py OUT_DIR [--size 1.1GB|2.2GB|7B] [--one-file]
 """
 from __future__ import annotations
 
@@ -114,8 +114,10 @@ def main() -> None:
     ap.add_argument("out")
     ap.add_argument("--size", choices=sorted(SIZES), default="1.1GB")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--one-file", action="store_true", help="one unsharded file instead of 1 GB shards")
     args = ap.parse_args()
-    index = make_directory(args.out, *SIZES[args.size], seed=args.seed)
+    index = make_directory(args.out, *SIZES[args.size], seed=args.seed,
+                           shard_bytes=1 << 62 if args.one_file else SHARD_BYTES)
     print(f"{args.out}: {index['metadata']['total_size']:,} bytes of bf16 in "
           f"{len(set(index['weight_map'].values()))} shards")
 

@@ -3,10 +3,11 @@
 A uniform quantizer (NNC's step from ``qp``) feeds a context-adaptive binary arithmetic coder
 written in Numba. The subpackages are layers; each imports only those below it::
 
-    io          checkpoints in and out, dtypes, atomic output
+    io          checkpoints in and out (a tensor at a time), directories, dtypes, atomic output
     entropy     the level coder (CABAC kernels) and the linear prediction across columns
     quant       step of qp, nearest / RDOQ / trellis, every reconstruction
-    model       model streams: settings, planning, encoder, decoder, container, data-free policies
+    model       model streams: settings, planning, encoder, decoder, container, data-free policies,
+                files and directories
     tuning      workflows around the encoder: Fisher importance, rate control, recalibration
     updates     sparse weight updates of distributed and federated training
     matrix      entropy-bounded matrix formats (CER/CSER) and torch modules on them
@@ -18,6 +19,9 @@ The public surface is small::
     model = decode_model(data)                   # the same structure back
     levels = decode_levels(data)                 # integer levels and steps, for integer inference
     header = read_stream_header(data)            # tensors, shapes, modes, sizes: no payload decoding
+    encode_file("m.safetensors", "m.dcb")        # a tensor at a time, bounded memory
+    decode_model("m.dcb", names=["lm_head.*"])   # reads the chosen payloads only
+    encode_directory("hf-dir/", "hf-dir.dcb/")   # Hugging Face shards, index and config carried
 
 Sparse weight updates (STC/SBC/top-k levels coded against their parent model)::
 
@@ -37,6 +41,10 @@ _EXPORTS = {
     "encode_model": "model.encoder",
     "quantize_model": "model.encoder",
     "read_stream_header": "model.decoder",
+    "encode_file": "model.files",
+    "decode_file": "model.files",
+    "encode_directory": "model.files",
+    "decode_directory": "model.files",
     "Checkpoint": "io.checkpoint",
     "load_checkpoint": "io.files",
     "save_checkpoint": "io.files",
@@ -100,9 +108,13 @@ __all__ = [
     "UpdateStreamWriter",
     "apply_update",
     "decode_checkpoint",
+    "decode_directory",
+    "decode_file",
     "decode_levels",
     "decode_model",
     "decode_update",
+    "encode_directory",
+    "encode_file",
     "encode_model",
     "encode_sparse",
     "encode_update",

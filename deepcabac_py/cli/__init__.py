@@ -1,7 +1,8 @@
 """The ``deepcabac`` command line (click).
 
 May import: anything in the package; nothing imports it. ``main`` holds the group and the model
-commands, ``update`` the ``update`` group, ``common`` what both share (errors, input, output).
+commands, ``update`` the ``update`` group, ``directories`` the commands on checkpoint directories,
+``common`` what they share (errors, input, output, progress).
 
 The library's warnings (:class:`~deepcabac_py.errors.DeepCabacWarning`: a tensor stored raw, a step
 made coarser, values dropped) are printed in the CLI's voice, one line each, from here on: this

@@ -154,6 +154,11 @@ def _safetensors_data_size(header: bytes, name: str) -> int:
     return max(ends, default=0)
 
 
+class PipeClosed(Exception):
+    """The reader of stdout went away (``| head``): the command ends quietly with status 0, as cat
+    and zstd do when they are killed by SIGPIPE without a word."""
+
+
 def abandon_stdout() -> None:
     """After a failed write, point stdout at /dev/null: the interpreter's final flush would otherwise
     fail again and print a traceback of its own."""
@@ -179,7 +184,7 @@ def write_output(path: str, data_or_writer, force: bool, mode: int | None = None
         except OSError as exc:
             abandon_stdout()
             if isinstance(exc, BrokenPipeError):
-                raise OutputError("cannot write to stdout: the reading end of the pipe was closed") from None
+                raise PipeClosed() from None
             raise OutputError(f"cannot write to stdout: {os_reason(exc)}") from None
         return
     if os.path.isdir(path):

@@ -26,6 +26,8 @@ from deepcabac_py.quant.steps import QP_MAX, QP_MIN, qp_range
 
 from .common import (
     Input,
+    PipeClosed,
+    abandon_stdout,
     about,
     check_output,
     echo_info,
@@ -73,12 +75,16 @@ def _sigterm_unwinds():
 
 
 class _Group(click.Group):
-    """Turns library errors into one line on stderr and exit status 1, ^C into 130, SIGTERM into 143."""
+    """Turns library errors into one line on stderr and exit status 1, ^C into 130, SIGTERM into 143,
+    a closed pipe downstream into a quiet 0."""
 
     def invoke(self, ctx):
         try:
             with _sigterm_unwinds():
                 return super().invoke(ctx)
+        except (PipeClosed, BrokenPipeError):  # stdout's reader is gone (| head): nothing more to say
+            abandon_stdout()
+            ctx.exit(0)
         except DeepCabacError as exc:
             click.echo(f"deepcabac: error: {exc}", err=True)
             ctx.exit(1)
@@ -182,6 +188,18 @@ def _check_qps(qp_density: int, **qps: int | None) -> None:
                                      f"{lo} to {hi})", param_hint=option)
 
 
+_OPTION_OF_SETTING = {"qp_overrides": "--qp-tensor", "keep_exact": "--exact"}
+
+
+def _option_words(exc: ValueError) -> str:
+    """A settings error in the words of the command line (the option, not the keyword)."""
+    text = str(exc)
+    for setting, option in _OPTION_OF_SETTING.items():
+        if text.startswith(setting + ":"):
+            return option + text[len(setting):]
+    return text
+
+
 def _encode_settings(qp, qp_density, qp_1d, qp_tensor, exact, exact_all, quantizer, lambda_scale,
                      importance, bn_eps, bias_correction) -> dict:
     overrides = _parse_overrides(qp_tensor)
@@ -238,8 +256,11 @@ def encode(ctx, input, output, input_format, force, qp, qp_density, qp_1d, qp_te
         if targeted:
             raise click.UsageError("--target-bpw/--target-size work on one checkpoint file, not a directory")
         with about(input):
-            encode_directory_command(input, output, force, threads, not (quiet or no_progress), quiet, verbose,
-                                     settings)
+            try:
+                encode_directory_command(input, output, force, threads, not (quiet or no_progress), quiet, verbose,
+                                         settings)
+            except ValueError as exc:
+                raise click.UsageError(_option_words(exc)) from None
         return
     if same_file(input, output):
         raise click.UsageError("the output would overwrite the input")
@@ -268,6 +289,8 @@ def encode(ctx, input, output, input_format, force, qp, qp_density, qp_1d, qp_te
                 header = written[0]
         except TypeError as exc:  # an unsupported tensor type inside the checkpoint
             raise InputError(str(exc)) from None
+        except ValueError as exc:  # settings the model contradicts (a --qp-tensor that names no tensor)
+            raise click.UsageError(_option_words(exc)) from None
     rep = build_report(header)
     bits = f"{rep.bits_per_param:.3f} bits/param" if rep.bits_per_param is not None else "no parameters"
     echo_info(quiet, f"{input}: {rep.original_bytes:,} bytes of tensors -> {header.total_size:,} bytes "
@@ -432,6 +455,8 @@ def report(input, as_json, input_format, show_formats, qp, qp_density, qp_1d, qp
                     data = encode_model(original, threads=threads, progress=update, **settings)
                 except TypeError as exc:
                     raise InputError(str(exc)) from None
+                except ValueError as exc:
+                    raise click.UsageError(_option_words(exc)) from None
                 decoded = decode_checkpoint(data, threads=threads, progress=update)
             rep = build_report(read_stream_header(data), original, decoded)
         sizes = None

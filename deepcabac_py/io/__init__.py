@@ -7,6 +7,10 @@ May import: ``errors`` only (it is the bottom layer; torch is imported by ``chec
   ``flatten``/``unflatten``, tensor <-> numpy carrier arrays.
 * :mod:`.files`: ``load_checkpoint``/``save_checkpoint`` for ``.pt``/``.pth``/``.bin``,
   safetensors and ``.npz``, weights-only and bounded.
+* :mod:`.tensor_source`: a checkpoint's table up front and its tensors one at a time
+  (safetensors straight from disk), what the streaming encoder reads.
+* :mod:`.directories`: Hugging Face checkpoint directories (shards, index, carried files), checked
+  and replaced in one rename.
 * :mod:`.dtypes`: dtype names, their frozen codes in the bitstreams, their numpy carriers.
 * :mod:`.atomic`: ``write_atomic`` and the wording of operating-system errors.
 * :mod:`.inputs`: one error and one wording for a file that cannot be read.

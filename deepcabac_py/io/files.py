@@ -37,7 +37,16 @@ from .checkpoint import (
     unflatten,
 )
 from .inputs import check_readable_file, unreadable
-from .kinds import KINDS, MAX_SAFETENSORS_HEADER_BYTES, check_kind, kind_from_suffix, sniff_kind
+from .kinds import (
+    HEAD_BYTES,
+    KINDS,
+    MAX_SAFETENSORS_HEADER_BYTES,
+    check_kind,
+    kind_from_suffix,
+    read_head,
+    sniff_kind,
+    what_it_is,
+)
 from .shapes import shape_problem
 
 __all__ = ["KINDS", "load_checkpoint", "save_checkpoint", "checkpoint_writer", "kind_from_suffix"]
@@ -169,6 +178,9 @@ def _first_line(exc: BaseException) -> str:
 
 
 def _load_torch(path: str, max_bytes: int | None = None) -> Checkpoint:
+    head = read_head(path)
+    if head[:4] != b"PK\x03\x04" and head[:1] != b"\x80":  # neither torch's zip nor its legacy pickle
+        raise CheckpointError(f"{path} is not a torch checkpoint: it is {what_it_is(head)}")
     try:
         with zipfile.ZipFile(path) as zf:
             _check_zip_sizes(path, zf, max_bytes)
@@ -267,6 +279,10 @@ def read_safetensors_index(f, path: str) -> SafetensorsIndex:
     size = os.fstat(f.fileno()).st_size
     if size < 8:
         raise bad(f"file is only {size} bytes long")
+    f.seek(0)
+    head = f.read(HEAD_BYTES)
+    if len(head) > 8 and head[8:9] != b"{":  # (shorter files get the reader's own reason below)
+        raise CheckpointError(f"{path} is not a safetensors file: it is {what_it_is(head)}")
     f.seek(0)
     n = int.from_bytes(f.read(8), "little")
     if n > size - 8:
@@ -450,6 +466,9 @@ def _npy_header(m) -> tuple[tuple, bool, np.dtype] | None:
 
 
 def _load_npz(path: str, max_bytes: int | None = None) -> Checkpoint:
+    head = read_head(path)
+    if head[:4] != b"PK\x03\x04" and len(head) >= 4:
+        raise CheckpointError(f"{path} is not an npz file: it is {what_it_is(head)}")
     # Pre-flight with zipfile: refuse object arrays and sizes that disagree with the member sizes before
     # numpy allocates anything.
     try:

@@ -45,7 +45,7 @@ def read_exactly(f, n: int, what: str) -> bytes:
             raise InputError(f"cannot read the {what}: {exc.strerror or exc}") from None
         if not part:
             if got == 0 and what == "preamble":
-                raise TruncatedStreamError("empty input: not a stream")
+                raise TruncatedStreamError("not a deepcabac stream: the input is empty")
             raise TruncatedStreamError(f"the input ends inside its {what} ({got:,} of {n:,} bytes)")
         parts.append(part)
         got += len(part)

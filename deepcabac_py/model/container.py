@@ -36,10 +36,11 @@ from ..entropy.linear_prediction import MAX_COLUMNS, MIN_COLUMNS
 from ..errors import CheckpointError, CorruptStreamError, FormatError, LimitExceededError, TruncatedStreamError
 from ..io.dtypes import DType
 from ..io.inputs import read_exactly, unreadable
+from ..io.kinds import HEAD_BYTES, STREAM_MAGIC, what_it_is
 from ..io.shapes import MAX_NDIM, shape_problem
 from ..quant.steps import QP_DENSITY_MAX, QP_MAX, QP_MIN, step_from_qp
 
-MAGIC = b"\x89DCB\r\n\x1a\n"
+MAGIC = STREAM_MAGIC
 # Version 2 added Mode.DEPENDENT, version 3 the linear prediction across columns (LINEAR_BIT) and
 # the choice to switch the column model off (NO_COLUMNS_BIT). A writer stamps the lowest version
 # that describes its stream, so streams without them stay readable by older readers; this reader
@@ -229,13 +230,15 @@ def check_preamble(data, *, magic: bytes, versions: tuple[int, ...], known_flags
     """Check the 16-byte preamble shared by the model and update formats (magic, version, flags,
     header size); return (version, flags, header_size). ``kind``, ``noun`` and ``label`` word the
     errors."""
+    if len(data) == 0:
+        raise TruncatedStreamError(f"not a deepcabac {kind} stream: it is an empty file")
     if len(data) < PREAMBLE.size:
         if bytes(data[: len(magic)]) != magic[: len(data)]:
-            raise FormatError(f"not a deepcabac {kind} stream (wrong magic bytes)")
+            raise FormatError(f"not a deepcabac {kind} stream: it is {what_it_is(bytes(data[:HEAD_BYTES]))}")
         raise TruncatedStreamError(f"{noun} is {len(data)} bytes, shorter than the {PREAMBLE.size}-byte preamble")
     found, found_version, flags, header_size = PREAMBLE.unpack(bytes(data[: PREAMBLE.size]))
     if found != magic:
-        raise FormatError(f"not a deepcabac {kind} stream (wrong magic bytes)")
+        raise FormatError(f"not a deepcabac {kind} stream: it is {_other_kind(bytes(data[:HEAD_BYTES]))}")
     if found_version not in versions:
         readable = " and ".join(map(str, versions))
         raise FormatError(f"unsupported {label}format version {found_version} (this library reads version {readable})")
@@ -244,6 +247,13 @@ def check_preamble(data, *, magic: bytes, versions: tuple[int, ...], known_flags
     if not 4 <= header_size <= max_header_size:
         raise CorruptStreamError(f"implausible {label}header size {header_size}")
     return found_version, flags, header_size
+
+
+def _other_kind(head: bytes) -> str:
+    what = what_it_is(head)
+    if what in ("a safetensors file", "a zip archive", "a pickle"):  # (a checkpoint, most likely)
+        return f"{what} (a checkpoint? encode it with `deepcabac encode`)"
+    return what
 
 
 def is_model_stream(head: bytes) -> bool:

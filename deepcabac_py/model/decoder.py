@@ -22,7 +22,7 @@ from ..errors import CorruptStreamError, TruncatedStreamError
 from ..io.checkpoint import Checkpoint, numpy_to_tensor, plain_skeleton, unflatten
 from ..io.dtypes import DType
 from ..io.inputs import unreadable
-from ..quant.reconstruct import dq_indices, reconstruct_chunk, reconstruct_f32_inplace
+from ..quant.reconstruct import dq_indices, reconstruct_bf16_into, reconstruct_chunk, reconstruct_f32_inplace
 from .container import (
     FLAG_TORCH,
     Mode,
@@ -326,6 +326,10 @@ class _Tensor:
             window = out[start:stop].view(np.int32)
             self._levels_into(k, window)
             reconstruct_f32_inplace(window, self.step, dependent=dependent)
+        elif e.mode.is_quantized and e.dtype == DType.BFLOAT16:
+            levels = np.empty(stop - start, dtype=np.int32)
+            self._levels_into(k, levels)
+            reconstruct_bf16_into(levels, self.step, out[start:stop], dependent=dependent)
         else:
             levels = np.empty(stop - start, dtype=np.int32)
             self._levels_into(k, levels)

@@ -109,7 +109,9 @@ def write_stream(out: BinaryIO, model: Mapping[str, Any] | Checkpoint | TensorSo
         if spool is None:
             spool = stack.enter_context(tempfile.TemporaryFile(prefix="deepcabac-"))
         payloads = _Payloads(spool)
-        pool = stack.enter_context(ThreadPoolExecutor(max_workers=threads)) if threads > 1 else None
+        pool = ThreadPoolExecutor(max_workers=threads) if threads > 1 else None
+        if pool is not None:  # (on an error or ^C, the chunks not started are dropped, not run)
+            stack.callback(pool.shutdown, wait=True, cancel_futures=True)
         # the linear prediction's matrix products run in the codec's own threads: one BLAS thread each
         stack.enter_context(linear_prediction.blas_threads(settings.quantizer in ("nearest", "rdoq")))
         coder = _TensorCoder(plan, pool, progress, payloads, max_elements_in_flight)

@@ -112,6 +112,7 @@ def plan_model(model: Mapping[str, Any] | Checkpoint | TensorSource, settings: E
         source = model
     else:
         source = CheckpointSource(model if isinstance(model, Checkpoint) else flatten(model))
+    settings.check_patterns(source.names)
     metadata = stream_metadata(source)
     # Before any work: what the stream cannot hold (too many tensors, names too long, shapes numpy
     # cannot hold, a structure too large) is refused now, not after coding every tensor.

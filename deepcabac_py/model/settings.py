@@ -132,6 +132,16 @@ class EncodeSettings:
     def structural(self) -> bool:
         return self.importance == STRUCTURAL
 
+    def check_patterns(self, names: Iterable[str]) -> None:
+        """ValueError for a ``qp_overrides`` key or ``keep_exact`` pattern that names none of these
+        tensors: a typo would otherwise leave the defaults in place without a word."""
+        names = list(names)
+        exact = () if isinstance(self.keep_exact, bool) else self.keep_exact
+        for what, patterns in (("qp_overrides", list(self.qp_overrides or {})), ("keep_exact", list(exact))):
+            for pattern in patterns:
+                if pattern not in names and not any(fnmatchcase(n, pattern) for n in names):
+                    raise ValueError(f"{what}: {pattern!r} matches no tensor of the model")
+
     def is_exact(self, name: str) -> bool:
         """Whether float tensor ``name`` is stored bit-exactly."""
         if isinstance(self.keep_exact, bool):

@@ -20,7 +20,7 @@ from ..entropy import chunk_layout, levelcoder, linear_prediction
 from ..entropy.levelcoder import LEVEL_MAX
 from ..errors import DeepCabacWarning
 from ..io.checkpoint import tensor_to_numpy
-from ..io.dtypes import DType, bfloat16_to_float32
+from ..io.dtypes import DType
 from ..quant import quantizers
 from ..quant.reconstruct import fits
 from ..quant.steps import QP_MIN, qp_for_range, step_from_qp
@@ -115,6 +115,7 @@ class TensorPlan:
     linear: linear_prediction.LinearPredictor | None = None  # codes residuals of this prediction
     levels: np.ndarray | None = None  # the whole tensor's levels (flat int32) when ``linear`` is set
     max_level: int = 0  # a bound on |level| of a quantized tensor
+    floats: np.ndarray | None = None  # a quantized tensor's values as the quantizer reads them (flat)
 
     @property
     def name(self) -> str:
@@ -144,12 +145,11 @@ class TensorPlan:
 
     def _quantizer_inputs(self, start: int, stop: int):
         """The float values of a quantized chunk, its step, and its relative importance (or None)."""
-        flat = self.values.reshape(-1)[start:stop]
+        floats = self.floats if self.floats is not None else _as_float_for_quantizer(self.values, self.entry.dtype)
         # nearest rounding has no use for it: no pass over the chunk's importance then
         weighted = self.importance is not None and self.quantizer != "nearest"
         imp = self.importance.chunk(start, stop) if self.importance is not None and weighted else None
-        return (_as_float_for_quantizer(flat, self.entry.dtype),
-                step_from_qp(self.entry.qp, self.entry.qp_density), imp)
+        return floats[start:stop], step_from_qp(self.entry.qp, self.entry.qp_density), imp
 
     def chunk_levels(self, start: int, stop: int) -> np.ndarray:
         """The levels of elements ``start:stop`` (a chunk), as the encoder quantizes them."""
@@ -276,8 +276,10 @@ class TensorPlanner:
         layout = chunk_layout.layout_for_shape(entry.shape, max_abs_level=max_level, predict=predict, columns=columns)
         entry.chunk_elements = layout.chunk_elements
         entry.coder_param = layout.coder_param
+        # (converted once: the chunks read their part of it)
         return TensorPlan(entry, arr, layout, s.quantizer, s.lam,
-                          relative_importance(name, self.importance.get(name), arr.shape), max_level=max_level)
+                          relative_importance(name, self.importance.get(name), arr.shape), max_level=max_level,
+                          floats=values)
 
 
 def _qp_that_holds(top: float, qp: int, qp_density: int, dtype: str, dependent: bool) -> int | None:
@@ -316,7 +318,9 @@ def _as_float_for_quantizer(arr: np.ndarray, dtype: DType) -> np.ndarray:
     """A float32/float64 view or copy the quantizer kernels accept."""
     flat = arr.reshape(-1)
     if dtype == DType.BFLOAT16:
-        return bfloat16_to_float32(flat)
+        out = np.empty(flat.shape[0], dtype=np.float32)
+        _planning_kernels.bfloat16_to_float32(np.ascontiguousarray(flat), out)
+        return out
     if dtype == DType.FLOAT16:
         return flat.astype(np.float32)
     return flat

@@ -137,3 +137,37 @@ def uniform_f32_inplace_kernel(levels, step):
         top = max(top, abs(k))
         values[i] = np.float32(np.float64(k) * step)
     return top
+
+
+_BF16_BLOCK = 4096
+
+
+@kernel
+def uniform_bf16_kernel(indices, step, out):
+    """``out`` (uint16) = the bfloat16 patterns of ``indices * step``, rounded once from the exact
+    float64 product to 8 significant bits, ties to even (as :func:`reconstruct._bf16_bits`, block by
+    block through float64 and float32 scratch); returns the largest |index|."""
+    n = indices.shape[0]
+    exact = np.empty(_BF16_BLOCK, dtype=np.float64)
+    bits = exact.view(np.uint64)
+    f32 = np.empty(_BF16_BLOCK, dtype=np.float32)
+    f32_bits = f32.view(np.uint32)
+    keep = np.uint64(0xFFFFFFFFFFFFFFFF) ^ np.uint64((1 << 45) - 1)
+    half = np.uint64((1 << 44) - 1)
+    one = np.uint64(1)
+    top = np.int64(0)
+    for start in range(0, n, _BF16_BLOCK):
+        m = min(_BF16_BLOCK, n - start)
+        for j in range(m):
+            k = np.int64(indices[start + j])
+            top = max(top, abs(k))
+            exact[j] = np.float64(k) * step
+        for j in range(m):
+            # (an infinity stays one: its mantissa is 0 and the rounding carries nothing into it)
+            b = bits[j]
+            bits[j] = (b + half + ((b >> np.uint64(45)) & one)) & keep
+        for j in range(m):
+            f32[j] = np.float32(exact[j])
+        for j in range(m):
+            out[start + j] = np.uint16(f32_bits[j] >> np.uint32(16))
+    return top

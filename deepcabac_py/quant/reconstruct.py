@@ -63,6 +63,20 @@ def reconstruct_f32_inplace(levels: np.ndarray, step: float, *, dependent: bool)
     _check_fits(top, step, "float32")
 
 
+def reconstruct_bf16_into(levels: np.ndarray, step: float, out: np.ndarray, *, dependent: bool) -> None:
+    """One chunk's bfloat16 values (uint16 patterns) into ``out``, from its flat int32 levels
+    (transmitted levels when ``dependent``; overwritten with the reconstruction indices then): the
+    bits of :func:`reconstruct`, in one pass."""
+    if levels.dtype != np.int32 or levels.ndim != 1 or not levels.flags.c_contiguous:
+        raise ValueError("levels must be a flat contiguous int32 array")
+    if out.dtype != np.uint16 or out.shape != levels.shape:
+        raise ValueError("out must be a uint16 array of the levels' shape")
+    if dependent and _reconstruct_kernels.dq_reconstruct_kernel(levels, levels) > MAX_DQ_LEVEL:
+        raise CorruptStreamError(f"a trellis level exceeds {MAX_DQ_LEVEL} in magnitude")
+    top = int(_reconstruct_kernels.uniform_bf16_kernel(levels, float(step), out))
+    _check_fits(top, step, "bfloat16")
+
+
 def fits(index: int, step: float, dtype: str) -> bool:
     """Whether ``index * step`` (|index| < 2**32) rounds to a finite value of ``dtype``."""
     value = float(index) * step  # exact while finite: the step has at most 7 significant bits

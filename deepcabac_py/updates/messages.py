@@ -45,11 +45,12 @@ from ..errors import (
 )
 from ..io.dtypes import DType
 from ..io.inputs import read_exactly
+from ..io.kinds import UPDATE_MAGIC
 from ..model.container import check_preamble
 from . import _update_kernels, golomb
 from .sparsify import ErrorFeedback, SparseTensor, reconstruct, sparsify
 
-MAGIC = b"\x89DCU\r\n\x1a\n"
+MAGIC = UPDATE_MAGIC
 # 2: the MIX feature (mixed context models); 3: the compact header (parent hash prefix, shared entry
 # fields). Versions 1 and 2 stay readable and writable (compact=False).
 FORMAT_VERSION = 3

@@ -1,0 +1,60 @@
+"""The bfloat16 kernels of the streaming path against plain-Python references: reconstruction to
+bfloat16 patterns (rounded once from the exact float64 product) and bfloat16 to float32."""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from reference_quantizers import dq_indices
+
+from deepcabac_py.model import _planning_kernels
+from deepcabac_py.quant import _reconstruct_kernels
+from deepcabac_py.quant.reconstruct import reconstruct_bf16_into
+from deepcabac_py.quant.steps import step_from_qp
+
+
+def bf16_of(value: float) -> int:
+    """The bfloat16 pattern of a float64, rounded to 8 significant bits (ties to even) on its own
+    bits, then narrowed to float32 (exact) and cut to its top half."""
+    (b,) = struct.unpack("<Q", struct.pack("<d", value))
+    b = (b + (1 << 44) - 1 + ((b >> 45) & 1)) & ~((1 << 45) - 1) & 0xFFFFFFFFFFFFFFFF
+    (rounded,) = struct.unpack("<d", struct.pack("<Q", b))
+    (f32,) = struct.unpack("<I", struct.pack("<f", rounded)) if abs(rounded) < 3.5e38 else (
+        struct.unpack("<I", struct.pack("<f", float("inf") if rounded > 0 else float("-inf"))))
+    return f32 >> 16
+
+
+levels = st.lists(st.integers(-2**30 + 1, 2**30 - 1), min_size=1, max_size=300)
+
+
+@settings(max_examples=60, deadline=None)
+@given(levels, st.integers(-600, 400))
+def test_bf16_reconstruction_kernel_matches_the_reference(values, qp):
+    step = step_from_qp(qp, 2)
+    indices = np.array(values, dtype=np.int32)
+    out = np.empty(indices.size, dtype=np.uint16)
+    top = _reconstruct_kernels.uniform_bf16_kernel(indices, step, out)
+    assert top == max(abs(v) for v in values)
+    assert out.tolist() == [bf16_of(float(v) * step) for v in values]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(-2**20, 2**20), min_size=1, max_size=5000), st.integers(-80, 0))
+def test_trellis_levels_reconstruct_through_the_state_machine(values, qp):
+    step = step_from_qp(qp, 2)
+    levels = np.array(values, dtype=np.int32)
+    out = np.empty(levels.size, dtype=np.uint16)
+    reconstruct_bf16_into(levels.copy(), step, out, dependent=True)
+    assert out.tolist() == [bf16_of(float(i) * step) for i in dq_indices(values)]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(0, 0xFFFF), min_size=0, max_size=3000))
+def test_bfloat16_to_float32_kernel_matches_the_reference(patterns):
+    bits = np.array(patterns, dtype=np.uint16)
+    out = np.empty(bits.size, dtype=np.float32)
+    _planning_kernels.bfloat16_to_float32(bits, out)
+    assert out.view(np.uint32).tolist() == [p << 16 for p in patterns]
