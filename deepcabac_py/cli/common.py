@@ -9,7 +9,9 @@ import stat
 import struct
 import sys
 import tempfile
+from collections.abc import Callable
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import click
 
@@ -137,6 +139,71 @@ def progress_bar(total: int, desc: str, enabled: bool):
     with tqdm(total=total, desc=desc, unit="w", unit_scale=True, file=sys.stderr, disable=None,
               leave=False, dynamic_ncols=True) as bar:
         yield bar.update
+
+
+@dataclass
+class Outputs:
+    """Where each input's output goes, as zstd does it: ``-o`` (one input only), ``-c`` (stdout,
+    one input only), else a name derived from the input; the output keeps the input's mode and
+    modification time, and ``--rm`` removes the input once its output is written and checked."""
+
+    output: str | None
+    remove: bool
+
+    @classmethod
+    def of(cls, inputs, output: str | None, to_stdout: bool, force: bool, remove: bool, keep: bool) -> Outputs:
+        if len(inputs) > 1 and (output is not None or to_stdout):
+            raise click.UsageError("-o and -c name one output: with several inputs each goes beside its input")
+        if to_stdout and output not in (None, "-"):
+            raise click.UsageError("give -c or -o FILE, not both")
+        if remove and keep:
+            raise click.UsageError("give --rm or -k, not both")
+        if remove and (to_stdout or output == "-" or "-" in inputs):
+            raise click.UsageError("--rm removes input files once their output files are written: not with stdin "
+                                   "or stdout")
+        if len(set(inputs)) != len(inputs):
+            raise click.UsageError("an input is named twice")
+        return cls("-" if to_stdout else output, remove)
+
+    def target(self, input: str, derive: Callable[[str], str]) -> str:
+        if self.output is not None:
+            return self.output
+        return "-" if input == "-" else derive(input)
+
+    def finish(self, input: str, output: str, verify: Callable[[str], None] | None = None) -> None:
+        """After a successful write: the input's times on the output, then (``--rm``) the output
+        checked and the input removed."""
+        if input == "-" or output == "-" or is_special_file(output):
+            return
+        try:
+            st = os.stat(input)
+            os.utime(output, ns=(st.st_atime_ns, st.st_mtime_ns))
+        except OSError:
+            pass  # (times are a courtesy)
+        if self.remove:
+            if verify is not None:
+                verify(output)
+            try:
+                os.remove(input)
+            except OSError as exc:
+                raise OutputError(f"cannot remove {input}: {os_reason(exc)}") from None
+
+
+def each_input(inputs, run: Callable[[str], None]) -> None:
+    """``run`` on every input; with several, an error ends that input only (one line on stderr) and
+    the command exits 1 at the end, as zstd does."""
+    if len(inputs) == 1:
+        run(inputs[0])
+        return
+    failed = 0
+    for input in inputs:
+        try:
+            run(input)
+        except DeepCabacError as exc:
+            click.echo(f"deepcabac: error: {exc}", err=True)
+            failed += 1
+    if failed:
+        raise SystemExit(1)
 
 
 def echo_info(quiet: bool, message: str) -> None:

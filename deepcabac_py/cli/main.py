@@ -26,10 +26,12 @@ from deepcabac_py.quant.steps import QP_MAX, QP_MIN, qp_range
 
 from .common import (
     Input,
+    Outputs,
     PipeClosed,
     abandon_stdout,
     about,
     check_output,
+    each_input,
     echo_info,
     input_mode,
     progress_bar,
@@ -123,43 +125,60 @@ def _threads(f):
                         help="Worker threads (default 0: all cores).")(f)
 
 
+def _file_options(f):
+    """zstd's: -c, -f, --rm, -k (applied bottom-up: listed in this order)."""
+    f = click.option("-k", "--keep", is_flag=True, help="Keep the inputs (the default).")(f)
+    f = click.option("--rm", "remove", is_flag=True,
+                     help="Remove each input once its output is written and checked.")(f)
+    f = click.option("-f", "--force", is_flag=True, help="Overwrite an existing output.")(f)
+    f = click.option("-c", "--stdout", "to_stdout", is_flag=True, help="Write to stdout (as -o -); one INPUT only.")(f)
+    return f
+
+
 def _progress_option(f):
     return click.option("--no-progress", is_flag=True, help="Do not show progress bars.")(f)
 
 
 def _quant_options(f):
-    f = click.option("--qp", type=click.IntRange(QP_MIN, QP_MAX), default=DEFAULT_QP, show_default=True,
-                     help="Quantization parameter: step = (4 + qp mod 4) * 2**(qp // 4 - 2) at density 2.")(f)
-    f = click.option("--qp-density", type=click.IntRange(0, 6), default=DEFAULT_QP_DENSITY, show_default=True,
-                     help="Steps per octave = 2**qp_density.")(f)
-    f = click.option("--qp-1d", type=click.IntRange(QP_MIN, QP_MAX), default=None,
-                     help="qp of tensors with at most one dimension (biases, norms) "
-                          "[default: qp - 6 octaves, i.e. qp - 6 * 2**qp_density].")(f)
-    f = click.option("--qp-tensor", "qp_tensor", multiple=True, metavar="NAME=QP",
-                     help="Per-tensor qp; NAME may be a glob pattern. Repeatable.")(f)
-    f = click.option("--exact", "exact", multiple=True, metavar="PATTERN",
-                     help="Store float tensors matching PATTERN bit-exactly. Repeatable.")(f)
-    f = click.option("--exact-all", is_flag=True, help="Store every float tensor bit-exactly (lossless).")(f)
-    f = click.option("--quantizer", type=click.Choice(QUANTIZERS), default=DEFAULT_QUANTIZER, show_default=True,
+    """The quantizer's options, listed in this order (most used first)."""
+    options = [
+        click.option("--qp", type=click.IntRange(QP_MIN, QP_MAX), default=DEFAULT_QP, show_default=True,
+                     help="Quantization parameter: the step of the weights. Lower is finer: more bytes, less "
+                          "error; 4 steps of qp are an octave (step = (4 + qp mod 4) * 2**(qp // 4 - 2) at density "
+                          "2)."),
+        click.option("--quantizer", type=click.Choice(QUANTIZERS), default=DEFAULT_QUANTIZER, show_default=True,
                      help="trellis: dependent quantization (fewest bytes at a given fidelity; its effective "
                           "step is about twice qp's); rdoq: rate-distortion optimised rounding; nearest: "
-                          "plain rounding.")(f)
-    f = click.option("--lambda-scale", type=click.FloatRange(0.0, 1e6), default=1.0, show_default=True,
-                     help="Scale of the rate-distortion trade-off of trellis and rdoq (larger: fewer bytes).")(f)
-    f = click.option("--importance", type=click.Choice(("structural", "none")), default="structural",
+                          "plain rounding."),
+        click.option("--qp-1d", type=click.IntRange(QP_MIN, QP_MAX), default=None,
+                     help="qp of tensors with at most one dimension (biases, norms) "
+                          "[default: qp - 6 octaves, i.e. qp - 6 * 2**qp_density]."),
+        click.option("--exact", "exact", multiple=True, metavar="PATTERN",
+                     help="Store float tensors matching PATTERN bit-exactly. Repeatable."),
+        click.option("--exact-all", is_flag=True, help="Store every float tensor bit-exactly (lossless)."),
+        click.option("--qp-tensor", "qp_tensor", multiple=True, metavar="NAME=QP",
+                     help="Per-tensor qp; NAME may be a glob pattern. Repeatable."),
+        click.option("--importance", type=click.Choice(("structural", "none")), default="structural",
                      show_default=True,
                      help="structural: steps and error weights from the model's own structure, without "
                           "data (embedding tables coarser, BatchNorm scales); none: every tensor at --qp "
-                          "(--qp-1d for biases and norms), every weight alike.")(f)
-    f = click.option("--bn-eps", type=click.FloatRange(0.0, 1.0, min_open=True), default=None, metavar="EPS",
+                          "(--qp-1d for biases and norms), every weight alike."),
+        click.option("--lambda-scale", type=click.FloatRange(0.0, 1e6), default=1.0, show_default=True,
+                     help="Scale of the rate-distortion trade-off of trellis and rdoq (larger: fewer bytes)."),
+        click.option("--bn-eps", type=click.FloatRange(0.0, 1.0, min_open=True), default=None, metavar="EPS",
                      help="The eps of the model's BatchNorm layers (e.g. 1e-5, PyTorch's default; 1e-3 for "
                           "TF-trained nets). Given, their running statistics are coded to about 1% of each "
                           "layer's typical channel (never finer than --qp) and weight/bias compensate "
-                          "exactly (same eval-mode output, fewer bytes).")(f)
-    f = click.option("--bias-correction/--no-bias-correction", default=True, show_default=True,
+                          "exactly (same eval-mode output, fewer bytes)."),
+        click.option("--bias-correction/--no-bias-correction", default=True, show_default=True,
                      help="Take the mean output shift of each layer's quantization error out of the "
                           "BatchNorm after it (or its bias), estimated without data from the BatchNorm "
-                          "before it.")(f)
+                          "before it."),
+        click.option("--qp-density", type=click.IntRange(0, 6), default=DEFAULT_QP_DENSITY, show_default=True,
+                     help="Steps per octave = 2**qp_density."),
+    ]
+    for option in reversed(options):  # (click lists the last one applied first)
+        f = option(f)
     return f
 
 
@@ -214,14 +233,14 @@ def _encode_settings(qp, qp_density, qp_1d, qp_tensor, exact, exact_all, quantiz
 # --- commands ----------------------------------------------------------------------------------
 
 @main.command()
-@click.argument("input", metavar="INPUT", type=click.Path(allow_dash=True))
+@click.argument("inputs", metavar="INPUT...", nargs=-1, required=True, type=click.Path(allow_dash=True))
 @click.option("-o", "--output", type=click.Path(allow_dash=True),
-              help=f"Output stream (default: INPUT{STREAM_SUFFIX}; stdout when INPUT is -). For a checkpoint "
-                   "directory, the output directory.")
+              help=f"Output stream (default: INPUT{STREAM_SUFFIX}; stdout when INPUT is -); one INPUT only. For a "
+                   "checkpoint directory, the output directory.")
+@_quant_options
+@_file_options
 @click.option("--input-format", type=click.Choice(KINDS), default=None,
               help="Checkpoint kind when it cannot be told from the suffix (e.g. on stdin).")
-@click.option("-f", "--force", is_flag=True, help="Overwrite an existing output file.")
-@_quant_options
 @click.option("--target-bpw", type=click.FloatRange(0.0, 64.0, min_open=True), default=None,
               help="Rate control: choose qp (and lambda) for this many bits per parameter.")
 @click.option("--target-size", type=click.IntRange(1), default=None, metavar="BYTES",
@@ -230,16 +249,18 @@ def _encode_settings(qp, qp_density, qp_1d, qp_tensor, exact, exact_all, quantiz
 @_progress_option
 @_verbosity
 @click.pass_context
-def encode(ctx, input, output, input_format, force, qp, qp_density, qp_1d, qp_tensor, exact, exact_all,
-           quantizer, lambda_scale, importance, bn_eps, bias_correction, target_bpw, target_size, threads,
-           no_progress, quiet, verbose):
-    """Compress a checkpoint (.pt/.pth/.bin, .safetensors, .npz) into a model stream.
+def encode(ctx, inputs, output, to_stdout, force, remove, keep, input_format, qp, qp_density, qp_1d, qp_tensor,
+           exact, exact_all, quantizer, lambda_scale, importance, bn_eps, bias_correction, target_bpw,
+           target_size, threads, no_progress, quiet, verbose):
+    """Compress checkpoints (.pt/.pth/.bin, .safetensors, .npz) into model streams, each INPUT to
+    INPUT.dcb.
 
     INPUT may be a checkpoint directory (Hugging Face shards and their index): every shard becomes
     SHARD.dcb in the output directory and every other file is carried as it is.
     """
     from deepcabac_py.io.files import load_checkpoint
     from deepcabac_py.io.tensor_source import open_source
+    from deepcabac_py.model.decoder import check_stream_file
     from deepcabac_py.model.encoder import write_stream
     from deepcabac_py.model.settings import EncodeSettings
 
@@ -250,127 +271,153 @@ def encode(ctx, input, output, input_format, force, qp, qp_density, qp_1d, qp_te
         raise click.UsageError("give --target-bpw or --target-size, not both")
     if targeted and ctx.get_parameter_source("qp") != click.core.ParameterSource.DEFAULT:
         raise click.UsageError("--qp cannot be combined with --target-bpw/--target-size (rate control picks it)")
-    if output is None:
-        output = "-" if input == "-" else input.rstrip("/") + STREAM_SUFFIX
-    if input != "-" and os.path.isdir(input):
-        if targeted:
-            raise click.UsageError("--target-bpw/--target-size work on one checkpoint file, not a directory")
-        with about(input):
-            try:
-                encode_directory_command(input, output, force, threads, not (quiet or no_progress), quiet, verbose,
-                                         settings)
-            except ValueError as exc:
-                raise click.UsageError(_option_words(exc)) from None
-        return
-    if same_file(input, output):
-        raise click.UsageError("the output would overwrite the input")
-    check_output(output, force)
-    with about(input), Input(input) as inp, inp.checkpoint_path(input_format) as path:
-        try:
-            if targeted:
-                from deepcabac_py.tuning.rate_control import encode_to_size
+    outputs = Outputs.of(inputs, output, to_stdout, force, remove, keep)
 
-                del settings["qp"]
+    def one(input: str) -> None:
+        output = outputs.target(input, lambda name: name.rstrip("/") + STREAM_SUFFIX)
+        if input != "-" and os.path.isdir(input):
+            if targeted:
+                raise click.UsageError("--target-bpw/--target-size work on one checkpoint file, not a directory")
+            if remove:
+                raise click.UsageError("--rm works on files, not directories")
+            with about(input):
                 try:
-                    data = encode_to_size(load_checkpoint(path, input_format), target_bytes=target_size,
-                                          target_bpw=target_bpw, threads=threads, **settings)
-                except ValueError as exc:  # the budget cannot be met
-                    raise InputError(str(exc)) from None
-                write_output(output, data, force, input_mode(input))
-                header = read_header(data)
-            else:
-                # a safetensors file is read a tensor at a time and the stream written as it is coded
-                enc = EncodeSettings(**settings)
-                written = []
-                with open_source(path, input_format) as source, \
-                        progress_bar(source.numel, "encode", not (quiet or no_progress)) as update:
-                    write_output(output, lambda f: written.append(
-                        write_stream(f, source, enc, threads=threads, progress=update)), force, input_mode(input))
-                header = written[0]
-        except TypeError as exc:  # an unsupported tensor type inside the checkpoint
-            raise InputError(str(exc)) from None
-        except ValueError as exc:  # settings the model contradicts (a --qp-tensor that names no tensor)
-            raise click.UsageError(_option_words(exc)) from None
-    rep = build_report(header)
-    bits = f"{rep.bits_per_param:.3f} bits/param" if rep.bits_per_param is not None else "no parameters"
-    echo_info(quiet, f"{input}: {rep.original_bytes:,} bytes of tensors -> {header.total_size:,} bytes "
-                 f"({ratio_words(rep.ratio_vs_original)}), {bits}" + (f" -> {output}" if verbose else ""))
-    if verbose and not quiet:
-        click.echo(format_report(rep), err=True)
+                    encode_directory_command(input, output, force, threads, not (quiet or no_progress), quiet,
+                                             verbose, settings)
+                except ValueError as exc:
+                    raise click.UsageError(_option_words(exc)) from None
+            return
+        if same_file(input, output):
+            raise click.UsageError("the output would overwrite the input")
+        check_output(output, force)
+        with about(input), Input(input) as inp, inp.checkpoint_path(input_format) as path:
+            try:
+                if targeted:
+                    from deepcabac_py.tuning.rate_control import encode_to_size
+
+                    kw = {k: v for k, v in settings.items() if k != "qp"}
+                    try:
+                        data = encode_to_size(load_checkpoint(path, input_format), target_bytes=target_size,
+                                              target_bpw=target_bpw, threads=threads, **kw)
+                    except ValueError as exc:  # the budget cannot be met
+                        raise InputError(str(exc)) from None
+                    write_output(output, data, force, input_mode(input))
+                    header = read_header(data)
+                else:
+                    # a safetensors file is read a tensor at a time and the stream written as it is coded
+                    enc = EncodeSettings(**settings)
+                    written = []
+                    with open_source(path, input_format) as source, \
+                            progress_bar(source.numel, "encode", not (quiet or no_progress)) as update:
+                        write_output(output, lambda f: written.append(
+                            write_stream(f, source, enc, threads=threads, progress=update)), force,
+                            input_mode(input))
+                    header = written[0]
+            except TypeError as exc:  # an unsupported tensor type inside the checkpoint
+                raise InputError(str(exc)) from None
+            except ValueError as exc:  # settings the model contradicts (a --qp-tensor that names no tensor)
+                raise click.UsageError(_option_words(exc)) from None
+            outputs.finish(input, output, verify=check_stream_file)
+        rep = build_report(header)
+        bits = f"{rep.bits_per_param:.3f} bits/param" if rep.bits_per_param is not None else "no parameters"
+        echo_info(quiet, f"{input}: {rep.original_bytes:,} bytes of tensors -> {header.total_size:,} bytes "
+                         f"({ratio_words(rep.ratio_vs_original)}), {bits}" + (f" -> {output}" if verbose else ""))
+        if verbose and not quiet:
+            click.echo(format_report(rep), err=True)
+
+    each_input(inputs, one)
+
+
+def _decoded_name(input: str) -> str:
+    name = input.rstrip("/")
+    if name.lower().endswith(STREAM_SUFFIX) and len(name) > len(STREAM_SUFFIX):
+        return name[: -len(STREAM_SUFFIX)]
+    raise click.UsageError(f"cannot derive an output name from {input!r}: use -o")
 
 
 @main.command()
-@click.argument("input", metavar="INPUT", type=click.Path(allow_dash=True))
+@click.argument("inputs", metavar="INPUT...", nargs=-1, required=True, type=click.Path(allow_dash=True))
 @click.option("-o", "--output", type=click.Path(allow_dash=True),
-              help=f"Output checkpoint (default: INPUT without {STREAM_SUFFIX}). For a directory of streams, "
-                   "the output directory.")
-@click.option("--format", "kind", type=click.Choice(KINDS), default=None,
-              help="Checkpoint kind to write (default: from the output suffix, else the original kind).")
+              help=f"Output checkpoint (default: INPUT without {STREAM_SUFFIX}); one INPUT only. For a directory "
+                   "of streams, the output directory.")
 @click.option("-t", "--tensor", "tensors", multiple=True, metavar="PATTERN",
               help="Decode only the tensors of this name or glob pattern (repeatable); the others are not "
                    "read. The output is a flat checkpoint of those tensors.")
-@click.option("-f", "--force", is_flag=True, help="Overwrite an existing output file.")
+@_file_options
+@click.option("--format", "kind", type=click.Choice(KINDS), default=None,
+              help="Checkpoint kind to write (default: from the output suffix, else the original kind).")
 @click.option("--max-elements", type=click.IntRange(min=0), default=None, metavar="N",
               help="Refuse a stream whose tensors hold more than N elements (for untrusted input; "
                    "without it, memory is bounded by what the payload can code).")
 @_threads
 @_progress_option
 @_verbosity
-def decode(input, output, kind, tensors, force, max_elements, threads, no_progress, quiet, verbose):
-    """Decompress a model stream into a checkpoint, or a directory of streams into a checkpoint
-    directory."""
+def decode(inputs, output, tensors, to_stdout, force, remove, keep, kind, max_elements, threads, no_progress,
+           quiet, verbose):
+    """Decompress model streams into checkpoints (each INPUT.dcb to INPUT), or a directory of streams
+    into a checkpoint directory."""
     from deepcabac_py.io.files import kind_from_suffix
     from deepcabac_py.model.decoder import StreamBytes, StreamFile, select
     from deepcabac_py.model.files import decoded_writer, output_kind
 
-    if output is None:
-        if input == "-":
-            output = "-"
-        elif input.rstrip("/").lower().endswith(STREAM_SUFFIX) and len(input.rstrip("/")) > len(STREAM_SUFFIX):
-            output = input.rstrip("/")[: -len(STREAM_SUFFIX)]
-        else:
-            raise click.UsageError(f"cannot derive an output name from {input!r}: use -o")
-    if input != "-" and os.path.isdir(input):
-        if tensors or kind:
-            raise click.UsageError("--tensor and --format work on one stream file, not a directory")
-        with about(input):
-            decode_directory_command(input, output, force, threads, max_elements, not (quiet or no_progress),
-                                     quiet, verbose)
-        return
-    suffix_kind = kind_from_suffix(output) if output != "-" else None
-    if kind and suffix_kind and kind != suffix_kind:
-        raise click.UsageError(f"--format {kind} contradicts the output name {output!r}")
-    if same_file(input, output):
-        raise click.UsageError("the output would overwrite the input")
-    check_output(output, force)
+    outputs = Outputs.of(inputs, output, to_stdout, force, remove, keep)
     names = list(tensors) or None
-    with about(input), contextlib.ExitStack() as stack:
-        inp = stack.enter_context(Input(input))
-        if inp.regular:  # read a tensor's payload at a time
-            stream = stack.enter_context(StreamFile(input))
-        else:
-            stream = StreamBytes(inp.model_stream(max_elements))
-        header = stream.header
-        try:
-            chosen = select(header, names)
-        except ValueError as exc:
-            raise click.UsageError(f"--tensor: {exc}") from None
-        kind = output_kind(header, kind or suffix_kind)
-        params = sum(e.numel for e in chosen if not e.is_alias)
-        with progress_bar(params, "decode", not (quiet or no_progress)) as update:
-            writer = decoded_writer(stream, kind, names=names, threads=threads, progress=update,
-                                    max_elements=max_elements)
-            write_output(output, writer, force, input_mode(input))
-    echo_info(quiet, f"{input}: {header.total_size:,} bytes -> {params:,} params ({kind})"
-                 + (f" -> {output}" if verbose else ""))
+
+    def one(input: str) -> None:
+        output = outputs.target(input, _decoded_name)
+        if input != "-" and os.path.isdir(input):
+            if tensors or kind or remove:
+                raise click.UsageError("--tensor, --format and --rm work on stream files, not directories")
+            with about(input):
+                decode_directory_command(input, output, force, threads, max_elements, not (quiet or no_progress),
+                                         quiet, verbose)
+            return
+        suffix_kind = kind_from_suffix(output) if output != "-" else None
+        if kind and suffix_kind and kind != suffix_kind:
+            raise click.UsageError(f"--format {kind} contradicts the output name {output!r}")
+        if same_file(input, output):
+            raise click.UsageError("the output would overwrite the input")
+        check_output(output, force)
+        with about(input), contextlib.ExitStack() as stack:
+            inp = stack.enter_context(Input(input))
+            if inp.regular:  # read a tensor's payload at a time
+                stream = stack.enter_context(StreamFile(input))
+            else:
+                stream = StreamBytes(inp.model_stream(max_elements))
+            header = stream.header
+            try:
+                chosen = select(header, names)
+            except ValueError as exc:
+                raise click.UsageError(f"--tensor: {exc}") from None
+            out_kind = output_kind(header, kind or suffix_kind)
+            params = sum(e.numel for e in chosen if not e.is_alias)
+            with progress_bar(params, "decode", not (quiet or no_progress)) as update:
+                writer = decoded_writer(stream, out_kind, names=names, threads=threads, progress=update,
+                                        max_elements=max_elements)
+                write_output(output, writer, force, input_mode(input))
+            outputs.finish(input, output)
+        echo_info(quiet, f"{input}: {header.total_size:,} bytes -> {params:,} params ({out_kind})"
+                         + (f" -> {output}" if verbose else ""))
+
+    each_input(inputs, one)
 
 
 @main.command()
-@click.argument("input", metavar="INPUT", type=click.Path(allow_dash=True))
-@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-def info(input, as_json):
+@click.argument("inputs", metavar="INPUT...", nargs=-1, required=True, type=click.Path(allow_dash=True))
+@click.option("--json", "as_json", is_flag=True, help="Print JSON (one document per INPUT).")
+def info(inputs, as_json):
     """Show a stream's header: tensors, shapes, dtypes, coding modes, qp and sizes (no decoding).
     For a directory of streams, a line per stream and the totals."""
+
+    def one(input: str) -> None:
+        if len(inputs) > 1 and not as_json:
+            click.echo(f"== {input}")
+        _info(input, as_json)
+
+    each_input(inputs, one)
+
+
+def _info(input: str, as_json: bool) -> None:
     if input != "-" and os.path.isdir(input):
         with about(input):
             info_directory(input, as_json)

@@ -253,6 +253,15 @@ def decode_levels(source, *, threads: int | None = None, max_elements: int | Non
             stream.close()
 
 
+def check_stream_file(path: str | os.PathLike) -> None:
+    """Check a stream file without decoding it: its header, and every tensor's payload against its
+    checksum (CorruptStreamError or TruncatedStreamError says what is wrong)."""
+    with StreamFile(path) as stream:
+        for e in stream.header.tensors:
+            if not e.is_alias:
+                _payload_views(stream, e)
+
+
 def _payload_views(stream, e: TensorEntry) -> list[memoryview]:
     view = stream.read(stream.header.header_size + e.offset, e.size)
     if len(view) != e.size:
