@@ -46,7 +46,8 @@ def files(tmp_path_factory):
     (["info"], "empty.pt", "not a deepcabac model stream: it is an empty file"),
 ])
 def test_a_file_of_the_wrong_kind_is_named_for_what_it_is(files, tmp_path, command, name, words):
-    args = [*command, str(files / name)] + (["-o", str(tmp_path / "out.x")] if command[0] in ("encode", "decode") else [])
+    out = ["-o", str(tmp_path / "out.x")] if command[0] in ("encode", "decode") else []
+    args = [*command, str(files / name), *out]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 1, result.output
     lines = result.output.strip().splitlines()
