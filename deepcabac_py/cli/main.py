@@ -380,6 +380,7 @@ def decode(inputs, output, tensors, to_stdout, force, remove, keep, kind, max_el
         check_output(output, force)
         with about(input), contextlib.ExitStack() as stack:
             inp = stack.enter_context(Input(input))
+            stream: StreamFile | StreamBytes
             if inp.regular:  # read a tensor's payload at a time
                 stream = stack.enter_context(StreamFile(input))
             else:
