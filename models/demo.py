@@ -53,8 +53,10 @@ def main() -> None:
             kl = torch.nn.functional.kl_div(out.log_softmax(1), ref_logits.log_softmax(1),
                                             log_target=True, reduction="batchmean")
             params = sum(t.numel() for t in decoded.values())
+            tensor_bytes = sum(t.numel() * t.element_size() for t in decoded.values())
             nbytes = stream.stat().st_size
-            print(f"{qp:>5} {nbytes:>8,} {size / nbytes:>6.1f}x {8 * nbytes / params:>10.3f} "
+            # the ratio the report gives: the tensors' bytes (not the file's, header included) per stream byte
+            print(f"{qp:>5} {nbytes:>8,} {tensor_bytes / nbytes:>6.2f}x {8 * nbytes / params:>10.3f} "
                   f"{(pred == y).float().mean():>9.4f} {(pred == ref_pred).float().mean():>9.4f} {kl:>9.2e}")
 
 

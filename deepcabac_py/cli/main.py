@@ -46,6 +46,7 @@ from .directories import (
     report_directory,
     test_directory,
 )
+from .sweep import sweep
 from .update import info_update, is_update_file, report_update, test_update_file, update_group
 
 # Commands import the library's codec and checkpoint modules (torch, most of a second) when they
@@ -458,13 +459,15 @@ def _info(input: str, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.option("--input-format", type=click.Choice(KINDS), default=None,
               help="Checkpoint kind when it cannot be told from the suffix.")
+@click.option("--plot", type=click.Path(dir_okay=False), default=None, metavar="FILE.png",
+              help="Also draw bits per parameter and weight SNR per tensor (needs deepcabac-py[plot]).")
 @click.option("--formats", "show_formats", is_flag=True,
               help="Also show each weight matrix's size as dense fp32, CSR, CER, CSER and in the stream.")
 @_quant_options
 @_threads
 @_progress_option
 @_verbosity
-def report(input, as_json, input_format, show_formats, qp, qp_density, qp_1d, qp_tensor, exact, exact_all,
+def report(input, as_json, input_format, plot, show_formats, qp, qp_density, qp_1d, qp_tensor, exact, exact_all,
            quantizer, lambda_scale, importance, bn_eps, bias_correction, threads, no_progress, quiet, verbose):
     """Per-tensor and total figures: params, bits/param, ratio vs fp32, SNR and max error.
 
@@ -518,12 +521,16 @@ def report(input, as_json, input_format, show_formats, qp, qp_density, qp_1d, qp
             out["formats"] = sizes
         click.echo(json.dumps(out, indent=1))
     else:
-        click.echo(format_report(rep))
+        click.echo(format_report(rep, internals=verbose))
         if sizes is not None:
             from deepcabac_py.model.report import format_matrix_sizes
 
             click.echo("")
             click.echo(format_matrix_sizes(sizes))
+    if plot is not None:
+        from .plots import plot_report
+
+        plot_report(rep, plot, force=True)
 
 
 @main.command()
@@ -568,6 +575,7 @@ def test(inputs, base, threads, quiet, verbose):
 
 
 main.add_command(update_group, "update")
+main.add_command(sweep)
 
 if __name__ == "__main__":
     main()

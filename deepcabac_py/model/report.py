@@ -161,8 +161,27 @@ def build_report(header: StreamHeader, original: Checkpoint | None = None,
     )
 
 
-def format_report(rep: ModelReport, *, per_tensor: bool = True) -> str:
-    """A plain-text table of a :class:`ModelReport`."""
+# The modes in words (``internals``: the stream's own names, as ``info --json`` gives them).
+_MODE_WORDS = {"DEPENDENT": "trellis", "UNIFORM": "uniform", "INTEGER": "lossless", "RAW": "exact", "ALIAS": "tied"}
+_MODE_LEGEND = {
+    "trellis": "trellis = dependent quantization, 4 states (its effective step is about twice qp's)",
+    "uniform": "uniform = one step, levels rounded to it",
+    "lossless": "lossless = integers coded exactly",
+    "exact": "exact = stored bit for bit",
+    "tied": "tied = the storage of another tensor",
+    "+pred": "+pred = coded as residuals of a prediction across columns",
+}
+
+
+def mode_words(mode: str) -> str:
+    """A table entry's mode in words: ``DEPENDENT+LP`` -> ``trellis+pred``."""
+    base, _, rest = mode.partition("+")
+    return _MODE_WORDS.get(base, base.lower()) + ("+pred" if rest else "")
+
+
+def format_report(rep: ModelReport, *, per_tensor: bool = True, internals: bool = False) -> str:
+    """A plain-text table of a :class:`ModelReport`, with what its modes and qps mean (``internals``:
+    the stream's own mode names, no legend)."""
     def num(x, fmt):
         if x is None:
             return "-"
@@ -180,22 +199,38 @@ def format_report(rep: ModelReport, *, per_tensor: bool = True) -> str:
         for t in rep.tensors:
             name = t.name if len(t.name) <= width else "..." + t.name[-(width - 3):]
             shape = "x".join(map(str, t.shape)) or "scalar"
+            mode = t.mode if internals else mode_words(t.mode)
             lines.append(
-                f"{name:<{width}} {shape:>16} {t.dtype:>8} {t.mode:>10} {num(t.qp, 'd'):>4} "
+                f"{name:<{width}} {shape:>16} {t.dtype:>8} {mode:>10} {num(t.qp, 'd'):>4} "
                 f"{t.params:>11,} {t.bytes:>11,} {num(t.bits_per_param, '.3f'):>7} {num(t.ratio_vs_fp32, '.2f'):>8} "
                 f"{num(t.snr_db, '.1f'):>7} {num(t.max_abs_error, '.2e'):>9}"
             )
         lines.append("")
+        if not internals:
+            used = {mode_words(t.mode) for t in rep.tensors}
+            words = [text for key, text in _MODE_LEGEND.items()
+                     if key in used or (key == "+pred" and any(u.endswith("+pred") for u in used))
+                     or any(u.startswith(key + "+") for u in used)]
+            if words:
+                lines.append("modes: " + "; ".join(words) + ".")
+            if len({t.qp for t in rep.tensors if t.qp is not None}) > 1:
+                lines.append("qp per tensor: lower is a finer step. Biases and norms get --qp-1d; from the model's "
+                             "structure, embedding tables get coarser steps and layers scaled by a BatchNorm their "
+                             "own (--importance none: one qp).")
+            lines.append("")
+
     def ratio(r):
         if not r:
             return "-"
         return f"{r:.2f}x smaller" if r >= 1 else f"{1 / r:.2f}x larger"
 
-    lines.append(
-        f"total: {rep.params:,} params in {rep.stream_bytes:,} bytes (header {rep.header_bytes:,}): "
-        f"{num(rep.bits_per_param, '.3f')} bits/param, {ratio(rep.ratio_vs_fp32)} than fp32"
-        + (f", {ratio(rep.ratio_vs_original)} than the original dtypes" if rep.original_bytes else "")
-    )
+    if rep.original_bytes and ratio(rep.ratio_vs_original) != ratio(rep.ratio_vs_fp32):
+        versus = (f"{ratio(rep.ratio_vs_original)} than the tensors in their own dtypes, "
+                  f"{ratio(rep.ratio_vs_fp32)} than fp32")
+    else:  # (all fp32, or near enough that the two agree: one ratio)
+        versus = f"{ratio(rep.ratio_vs_fp32)} than the tensors in fp32"
+    lines.append(f"total: {rep.params:,} params in {rep.stream_bytes:,} bytes (header {rep.header_bytes:,}): "
+                 f"{num(rep.bits_per_param, '.3f')} bits/param, {versus}")
     if rep.snr_db is not None:
         snr = "exact (lossless)" if rep.snr_db == math.inf else f"SNR {num(rep.snr_db, '.2f')} dB"
         lines.append(f"fidelity: {snr}, max abs error {num(rep.max_abs_error, '.3e')}")
