@@ -344,3 +344,12 @@ def test_open_source_reads_other_kinds_whole(tmp_path):
     with open_source(tmp_path / "m.pt") as source:
         assert source.names == ["a"] and source.spec("a").shape == (3,)
     assert np.array_equal(decode_model(encode_model({"a": np.arange(4, dtype=np.int64)}))["a"], np.arange(4))
+
+
+def test_links_in_a_directory_are_refused_not_followed(tmp_path):
+    src = tmp_path / "model"
+    make_hf_directory(src, shards=2)
+    (src / "outside.txt").symlink_to(tmp_path / "elsewhere.txt")
+    with pytest.raises(DeepCabacError, match="not a regular file"):
+        encode_directory(src, tmp_path / "enc")
+    assert sorted(os.listdir(tmp_path)) == ["model"]

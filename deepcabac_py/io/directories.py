@@ -16,14 +16,14 @@ import secrets
 import shutil
 from dataclasses import dataclass, field
 
-from ..errors import CheckpointError, OutputError, OutputExistsError
+from ..errors import CheckpointError, InputError, OutputError, OutputExistsError
 from .atomic import os_reason
 from .files import load_checkpoint, read_safetensors_index
 from .inputs import unreadable
 from .kinds import kind_from_suffix
 
-__all__ = ["CheckpointDirectory", "scan_directory", "check_output_directory", "temporary_sibling", "replace_directory",
-           "copy_file", "INDEX_SUFFIX"]
+__all__ = ["CheckpointDirectory", "scan_directory", "list_files", "check_output_directory", "temporary_sibling",
+           "replace_directory", "copy_file", "INDEX_SUFFIX"]
 
 INDEX_SUFFIX = ".index.json"
 # an index bigger than this is no index (a 1,000-shard model with 100k tensors needs a few MB)
@@ -59,22 +59,15 @@ def scan_directory(path: str | os.PathLike, *, check_index: bool = True) -> Chec
     tensor table is read from its header alone for safetensors, by loading it for torch shards.
     """
     path = os.fspath(path)
-    if not os.path.isdir(path):
-        raise CheckpointError(f"{path}: not a directory")
     shards, indexes, others = [], [], []
-    for root, dirs, files in os.walk(path, onerror=_raise_unreadable):
-        dirs.sort()
-        for name in sorted(files):
-            full = os.path.join(root, name)
-            rel = os.path.relpath(full, path)
-            if os.path.islink(full) or not os.path.isfile(full):
-                raise CheckpointError(f"{full}: not a regular file (links and special files are not carried)")
-            if name.endswith(INDEX_SUFFIX):
-                indexes.append(rel)
-            elif is_shard(name):
-                shards.append(rel)
-            else:
-                others.append(rel)
+    for rel in list_files(path):
+        name = os.path.basename(rel)
+        if name.endswith(INDEX_SUFFIX):
+            indexes.append(rel)
+        elif is_shard(name):
+            shards.append(rel)
+        else:
+            others.append(rel)
     if not shards:
         raise CheckpointError(f"{path}: no checkpoint shard in the directory (.safetensors, .bin, .pt, .pth)")
     layout = CheckpointDirectory(path, shards, indexes, others)
@@ -86,6 +79,22 @@ def scan_directory(path: str | os.PathLike, *, check_index: bool = True) -> Chec
     if check_index and layout.weight_map:
         _check_against_shards(layout)
     return layout
+
+
+def list_files(path: str) -> list[str]:
+    """Every file below the directory ``path``, relative to it, sorted; InputError for anything but
+    regular files (links and special files are not carried)."""
+    if not os.path.isdir(path):
+        raise InputError(f"{path}: not a directory")
+    out = []
+    for root, dirs, files in os.walk(path, onerror=_raise_unreadable):
+        dirs.sort()
+        for name in sorted(files):
+            full = os.path.join(root, name)
+            if os.path.islink(full) or not os.path.isfile(full):
+                raise InputError(f"{full}: not a regular file (links and special files are not carried)")
+            out.append(os.path.relpath(full, path))
+    return out
 
 
 def _raise_unreadable(exc: OSError) -> None:

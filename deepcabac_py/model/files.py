@@ -22,6 +22,7 @@ from ..io.checkpoint import Checkpoint, is_plain_structure, plain_skeleton
 from ..io.directories import (
     check_output_directory,
     copy_file,
+    list_files,
     replace_directory,
     scan_directory,
     temporary_sibling,
@@ -191,21 +192,11 @@ def decode_directory(src: str | os.PathLike, dst: str | os.PathLike, *, force: b
 
 def stream_directory(path: str) -> tuple[list[str], list[str]]:
     """The stream files (``*.dcb``) and the other files of an encoded directory (relative, sorted)."""
-    if not os.path.isdir(path):
-        raise InputError(f"{path}: not a directory")
-    streams: list[str] = []
-    others: list[str] = []
-    for root, dirs, files in os.walk(path):
-        dirs.sort()
-        for name in sorted(files):
-            full = os.path.join(root, name)
-            rel = os.path.relpath(full, path)
-            if os.path.islink(full) or not os.path.isfile(full):
-                raise InputError(f"{full}: not a regular file (links and special files are not carried)")
-            (streams if name.endswith(STREAM_SUFFIX) else others).append(rel)
+    files = list_files(path)
+    streams = [rel for rel in files if rel.endswith(STREAM_SUFFIX)]
     if not streams:
         raise InputError(f"{path}: no model stream (*{STREAM_SUFFIX}) in the directory")
-    return streams, others
+    return streams, [rel for rel in files if not rel.endswith(STREAM_SUFFIX)]
 
 
 def _remove_tree(path: str) -> None:
