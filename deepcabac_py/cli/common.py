@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -76,6 +77,16 @@ class Input:
             return self.head(0) + self._rest()
         return read_stream(self, max_elements=max_elements)
 
+    def open_stream(self, stack: contextlib.ExitStack, max_elements: int | None = None):
+        """The model stream to decode: a regular file read a tensor's payload at a time (closed with
+        ``stack``), anything else read whole (:meth:`model_stream`)."""
+        # (the decoder imports torch: only the commands that decode pay for it)
+        from deepcabac_py.model.decoder import StreamBytes, StreamFile
+
+        if self.regular:
+            return stack.enter_context(StreamFile(self.path))
+        return StreamBytes(self.model_stream(max_elements))
+
     def _rest(self) -> bytes:
         parts = [self._prefix] if self._prefix else []
         self._prefix = b""
@@ -128,8 +139,9 @@ _PIECE = 1 << 24
 
 
 @contextmanager
-def progress_bar(total: int, desc: str, enabled: bool):
-    """A progress callback (None when not ``enabled``): a bar on stderr when it is a terminal."""
+def progress_bar(total: int | None, desc: str, enabled: bool):
+    """A progress callback (None when not ``enabled``): a bar on stderr when it is a terminal (counts
+    only when ``total`` is unknown)."""
     if not enabled:
         yield None
         return

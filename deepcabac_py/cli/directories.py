@@ -16,14 +16,19 @@ from .common import echo_info, progress_bar, ratio_words
 def encode_directory_command(src: str, dst: str, force: bool, threads, show_progress: bool, quiet: bool,
                              verbose: bool, settings: dict) -> None:
     from deepcabac_py.io.directories import scan_directory
-    from deepcabac_py.io.tensor_source import open_source
+    from deepcabac_py.io.kinds import kind_from_suffix
+    from deepcabac_py.io.tensor_source import SafetensorsSource
     from deepcabac_py.model.files import encode_directory
 
-    layout = scan_directory(src)
-    total = 0
-    for shard in layout.shards:
-        with open_source(layout.full(shard)) as source:
-            total += source.numel
+    # The bar's total from the shards' headers (encode_directory checks the index); a torch shard
+    # would have to be loaded to be counted, so with one the bar shows counts only.
+    layout = scan_directory(src, check_index=False)
+    total: int | None = None
+    if all(kind_from_suffix(shard) == "safetensors" for shard in layout.shards):
+        total = 0
+        for shard in layout.shards:
+            with SafetensorsSource(layout.full(shard)) as source:
+                total += source.numel
     with progress_bar(total, "encode", show_progress) as update:
         result = encode_directory(src, dst, force=force, threads=threads, progress=update, **settings)
     for name, out, size_in, size_out in result.shards:

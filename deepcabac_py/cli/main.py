@@ -358,7 +358,7 @@ def decode(inputs, output, tensors, to_stdout, force, remove, keep, kind, max_el
     """Decompress model streams into checkpoints (each INPUT.dcb to INPUT), or a directory of streams
     into a checkpoint directory."""
     from deepcabac_py.io.files import kind_from_suffix
-    from deepcabac_py.model.decoder import StreamBytes, StreamFile, select
+    from deepcabac_py.model.decoder import select
     from deepcabac_py.model.files import decoded_writer, output_kind
 
     outputs = Outputs.of(inputs, output, to_stdout, force, remove, keep)
@@ -380,12 +380,7 @@ def decode(inputs, output, tensors, to_stdout, force, remove, keep, kind, max_el
             raise click.UsageError("the output would overwrite the input")
         check_output(output, force)
         with about(input), contextlib.ExitStack() as stack:
-            inp = stack.enter_context(Input(input))
-            stream: StreamFile | StreamBytes
-            if inp.regular:  # read a tensor's payload at a time
-                stream = stack.enter_context(StreamFile(input))
-            else:
-                stream = StreamBytes(inp.model_stream(max_elements))
+            stream = stack.enter_context(Input(input)).open_stream(stack, max_elements)
             header = stream.header
             try:
                 chosen = select(header, names)
@@ -545,7 +540,7 @@ def test(inputs, base, threads, quiet, verbose):
     Update files are checked message by message: decoded in full with --base (or when a message
     carries its tensor table), else by their checksums. A directory: every stream in it.
     """
-    from deepcabac_py.model.decoder import StreamBytes, StreamFile, iter_decoded
+    from deepcabac_py.model.decoder import iter_decoded
 
     failed = 0
     for path in inputs:
@@ -561,9 +556,7 @@ def test(inputs, base, threads, quiet, verbose):
                     summary = " (" + test_update_file(inp, base) + ")"
                 else:  # a tensor at a time: memory stays bounded whatever the stream's size
                     with contextlib.ExitStack() as stack:
-                        stream = (stack.enter_context(StreamFile(path)) if inp.regular
-                                  else StreamBytes(inp.model_stream()))
-                        for _ in iter_decoded(stream, threads=threads):
+                        for _ in iter_decoded(inp.open_stream(stack), threads=threads):
                             pass
         except DeepCabacError as exc:
             click.echo(f"deepcabac: error: {exc}", err=True)

@@ -110,6 +110,16 @@ class Checkpoint:
 # --------------------------------------------------------------------------------------------------
 
 
+def dtype_name_of(t: TensorLike) -> str | None:
+    """This library's dtype name of a torch tensor or numpy array, None for a dtype it does not code."""
+    if isinstance(t, torch.Tensor):
+        return _NAME_BY_TORCH.get(t.dtype)
+    dt = t.dtype
+    if dt.fields or dt.subdtype:
+        return None
+    return name_of_carrier(dt.newbyteorder("=") if dt.byteorder not in ("|", "=") else dt)
+
+
 def tensor_to_numpy(t: TensorLike) -> tuple[np.ndarray, str, bool]:
     """Return ``(array, dtype_name, is_torch)``: a C-contiguous, native-byte-order numpy array holding the
     tensor's values bit-exactly. ``bfloat16`` is returned as a ``uint16`` view of the raw bits.
@@ -122,7 +132,7 @@ def tensor_to_numpy(t: TensorLike) -> tuple[np.ndarray, str, bool]:
             raise TypeError(f"unsupported tensor layout {t.layout} (only dense, non-quantized tensors are supported)")
         if t.device.type == "meta":
             raise TypeError("meta tensors have no data")
-        name = _NAME_BY_TORCH.get(t.dtype)
+        name = dtype_name_of(t)
         if name is None:
             raise TypeError(
                 f"unsupported tensor dtype {t.dtype}; supported: {', '.join(DTYPE_NAMES)}"
@@ -141,7 +151,7 @@ def tensor_to_numpy(t: TensorLike) -> tuple[np.ndarray, str, bool]:
     if isinstance(t, np.ndarray):
         dt = t.dtype
         key = dt.newbyteorder("=") if dt.byteorder not in ("|", "=") else dt
-        name = name_of_carrier(key) if not dt.fields and not dt.subdtype else None
+        name = dtype_name_of(t)
         if name is None:
             raise TypeError(
                 f"unsupported array dtype {dt}; supported: {', '.join(n for n in DTYPE_NAMES if n != 'bfloat16')}"

@@ -78,11 +78,7 @@ def kind_from_suffix(path: PathLike) -> str | None:
 
 
 def sniff_kind(path: str) -> str:
-    try:
-        with open(path, "rb") as f:
-            head = f.read(9)
-    except OSError as exc:
-        raise unreadable(path, exc) from None
+    head = read_head(path)
     if head[:4] == b"PK\x03\x04":
         try:
             with zipfile.ZipFile(path) as zf:
@@ -92,7 +88,7 @@ def sniff_kind(path: str) -> str:
         if names and all(n.endswith(".npy") for n in names):
             return "npz"
         return "torch"
-    if len(head) == 9 and head[8:9] == b"{":
+    if len(head) > 8 and head[8:9] == b"{":
         return "safetensors"
     return "torch"
 

@@ -14,7 +14,10 @@ import os
 import threading
 from dataclasses import dataclass
 
-from .checkpoint import Checkpoint, TensorLike, plain_skeleton, tensor_to_numpy
+import numpy as np
+import torch
+
+from .checkpoint import Checkpoint, TensorLike, dtype_name_of, plain_skeleton
 from .files import (
     ST_ALIASES_KEY,
     ST_SKELETON_KEY,
@@ -88,11 +91,10 @@ class CheckpointSource(TensorSource):
         self.names = list(ckpt.tensors)
         self._specs = {}
         for name, t in ckpt.tensors.items():
-            try:
-                _, dtype_name, is_torch = tensor_to_numpy(t)
-            except TypeError:  # (refused with its reason when it is planned)
-                dtype_name, is_torch = str(getattr(t, "dtype", "?")), hasattr(t, "detach")
-            self._specs[name] = TensorSpec(name, tuple(int(d) for d in t.shape), dtype_name, is_torch)
+            # (from the dtype alone: no conversion; an unsupported one is refused when it is planned)
+            known = dtype_name_of(t) if isinstance(t, (torch.Tensor, np.ndarray)) else None
+            self._specs[name] = TensorSpec(name, tuple(int(d) for d in t.shape),
+                                           known or str(getattr(t, "dtype", "?")), isinstance(t, torch.Tensor))
 
     def spec(self, name: str) -> TensorSpec:
         return self._specs[name]
@@ -122,8 +124,9 @@ class SafetensorsSource(TensorSource):
             self._f.close()
             raise
         meta = self._index.metadata
-        if meta is not None and (ST_SKELETON_KEY in meta or ST_ALIASES_KEY in meta):
-            raise RuntimeError("internal error: open such files with open_source()")
+        # written by this library from a nested checkpoint: its skeleton and aliases are checked
+        # against the values, so open_source loads such a file whole
+        self.structured = meta is not None and (ST_SKELETON_KEY in meta or ST_ALIASES_KEY in meta)
         self.kind, self.metadata, self.aliases = "safetensors", meta, {}
         self._position = {}
         self._specs = {}
@@ -133,13 +136,6 @@ class SafetensorsSource(TensorSource):
             self._specs[name] = TensorSpec(name, tuple(shape), dtype_name, True)
         self.names = list(self._specs)
         self.skeleton = plain_skeleton(self.names)
-
-    @staticmethod
-    def stores_structure(path: str) -> bool:
-        """Whether the file carries this library's skeleton or aliases (then it is loaded whole)."""
-        with open(path, "rb") as f:
-            meta = read_safetensors_index(f, path).metadata
-        return meta is not None and (ST_SKELETON_KEY in meta or ST_ALIASES_KEY in meta)
 
     def spec(self, name: str) -> TensorSpec:
         return self._specs[name]
@@ -164,12 +160,8 @@ def open_source(path: str | os.PathLike, kind: str | None = None, *, max_bytes: 
     if kind is None:
         kind = kind_from_suffix(path) or sniff_kind(path)
     if kind == "safetensors":
-        try:
-            structured = SafetensorsSource.stores_structure(path)
-        except OSError as exc:
-            raise unreadable(path, exc) from None
-        if not structured:
-            return SafetensorsSource(path)
-        # (written by this library from a nested checkpoint: the skeleton and the aliases are
-        # checked against the values, so it is loaded whole)
+        source = SafetensorsSource(path)  # (its header read once)
+        if not source.structured:
+            return source
+        source.close()
     return CheckpointSource(load_checkpoint(path, kind, max_bytes=max_bytes))

@@ -240,14 +240,9 @@ def decode_levels(source, *, threads: int | None = None, max_elements: int | Non
     try:
         header = stream.header
         check_max_elements(header, max_elements)
-        out = {}
-        for e in header.tensors:
-            if e.is_alias or e.mode == Mode.RAW:
-                continue
-            t = _Tensor(stream, e, want_levels=True)
-            _run_tensor(t, threads)
-            out[e.name] = quantized(e, t.result())
-        return out
+        coded = [e for e in header.tensors if not e.is_alias and e.mode != Mode.RAW]
+        levels = _decode_in_order(stream, coded, coded, threads, None, ELEMENTS_IN_FLIGHT, want_levels=True)
+        return {e.name: quantized(e, values) for e, (_, values) in zip(coded, levels)}
     finally:
         if opened:
             stream.close()
@@ -352,20 +347,11 @@ class _Tensor:
         return self.out.reshape(self.entry.shape)
 
 
-def _run_tensor(t: _Tensor, threads: int) -> None:
-    count = len(t.views)
-    if threads == 1 or count <= 1:
-        for k in range(count):
-            t.run(k)
-        return
-    with linear_prediction.blas_threads(t.predictor is not None), ThreadPoolExecutor(max_workers=threads) as pool:
-        list(pool.map(t.run, range(count)))
-
-
 def _decode_in_order(stream, chosen: list[TensorEntry], coded: list[TensorEntry], threads: int,
-                     progress: Progress | None, budget: int) -> Iterator[tuple[str, Any]]:
+                     progress: Progress | None, budget: int, *, want_levels: bool = False) -> Iterator[tuple[str, Any]]:
     """Decode ``coded`` (the entries holding the values of ``chosen``) on a pool, the chunks of the
-    tensors after the one handed out already running, and yield the chosen as tensors in order."""
+    tensors after the one handed out already running, and yield the chosen in order: as tensors,
+    or as their int32 levels with ``want_levels``."""
     pool = ThreadPoolExecutor(max_workers=threads) if threads > 1 else None
     pending: collections.deque = collections.deque()  # (chosen entry, _Tensor, futures or None)
     elements = 0
@@ -374,7 +360,7 @@ def _decode_in_order(stream, chosen: list[TensorEntry], coded: list[TensorEntry]
         with linear_prediction.blas_threads(pool is not None):
             while ahead < len(chosen) or pending:
                 while ahead < len(chosen) and (not pending or elements < budget):
-                    t = _Tensor(stream, coded[ahead])
+                    t = _Tensor(stream, coded[ahead], want_levels)
                     work = [pool.submit(t.run, k) for k in range(len(t.views))] if pool is not None else None
                     pending.append((chosen[ahead], t, work))
                     elements += t.entry.numel
@@ -386,7 +372,10 @@ def _decode_in_order(stream, chosen: list[TensorEntry], coded: list[TensorEntry]
                         progress(n)
                 elements -= t.entry.numel
                 c = t.entry
-                yield e.name, numpy_to_tensor(t.result(), c.dtype.dtype_name, bool(c.flags & FLAG_TORCH))
+                if want_levels:
+                    yield e.name, t.result()
+                else:
+                    yield e.name, numpy_to_tensor(t.result(), c.dtype.dtype_name, bool(c.flags & FLAG_TORCH))
                 del t
     finally:
         if pool is not None:

@@ -10,9 +10,10 @@ place at the end.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
@@ -144,22 +145,14 @@ def encode_directory(src: str | os.PathLike, dst: str | os.PathLike, *, force: b
     layout = scan_directory(src)
     check_output_directory(dst, force, src)
     EncodeSettings(**settings)  # (bad settings refused before any work)
-    tmp = temporary_sibling(dst)
     result = DirectoryResult()
-    try:
+    with _built_beside(dst, force) as tmp:
         for shard in layout.shards:
-            out = os.path.join(tmp, shard + STREAM_SUFFIX)
-            os.makedirs(os.path.dirname(out), exist_ok=True)
+            out = _place(tmp, shard + STREAM_SUFFIX)
             header = encode_file(layout.full(shard), out, threads=threads, progress=progress, **settings)
             result.shards.append((shard, shard + STREAM_SUFFIX, os.path.getsize(layout.full(shard)),
                                   header.total_size))
-        for rel in layout.indexes + layout.others:
-            copy_file(layout.full(rel), os.path.join(tmp, rel))
-            result.carried.append(rel)
-        replace_directory(tmp, dst, force)
-    except BaseException:
-        _remove_tree(tmp)
-        raise
+        result.carried = _carry(src, tmp, layout.indexes + layout.others)
     return result
 
 
@@ -171,23 +164,42 @@ def decode_directory(src: str | os.PathLike, dst: str | os.PathLike, *, force: b
     src, dst = os.fspath(src), os.fspath(dst)
     streams, carried = stream_directory(src)
     check_output_directory(dst, force, src)
-    tmp = temporary_sibling(dst)
     result = DirectoryResult()
-    try:
+    with _built_beside(dst, force) as tmp:
         for rel in streams:
             name = rel[: -len(STREAM_SUFFIX)]
-            out = os.path.join(tmp, name)
-            os.makedirs(os.path.dirname(out), exist_ok=True)
+            out = _place(tmp, name)
             decode_file(os.path.join(src, rel), out, threads=threads, progress=progress, max_elements=max_elements)
             result.shards.append((rel, name, os.path.getsize(os.path.join(src, rel)), os.path.getsize(out)))
-        for rel in carried:
-            copy_file(os.path.join(src, rel), os.path.join(tmp, rel))
-            result.carried.append(rel)
+        result.carried = _carry(src, tmp, carried)
+    return result
+
+
+@contextlib.contextmanager
+def _built_beside(dst: str, force: bool) -> Iterator[str]:
+    """A temporary directory beside ``dst`` to build the output in: renamed to ``dst`` when the
+    block ends, removed if it fails."""
+    tmp = temporary_sibling(dst)
+    try:
+        yield tmp
         replace_directory(tmp, dst, force)
     except BaseException:
-        _remove_tree(tmp)
+        shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return result
+
+
+def _place(root: str, rel: str) -> str:
+    """The path of ``rel`` in ``root``, its parent directories made."""
+    out = os.path.join(root, rel)
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    return out
+
+
+def _carry(src: str, tmp: str, files: list[str]) -> list[str]:
+    """Copy the files that are carried as they are; returns them."""
+    for rel in files:
+        copy_file(os.path.join(src, rel), os.path.join(tmp, rel))
+    return list(files)
 
 
 def stream_directory(path: str) -> tuple[list[str], list[str]]:
@@ -197,7 +209,3 @@ def stream_directory(path: str) -> tuple[list[str], list[str]]:
     if not streams:
         raise InputError(f"{path}: no model stream (*{STREAM_SUFFIX}) in the directory")
     return streams, [rel for rel in files if not rel.endswith(STREAM_SUFFIX)]
-
-
-def _remove_tree(path: str) -> None:
-    shutil.rmtree(path, ignore_errors=True)

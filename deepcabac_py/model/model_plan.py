@@ -16,7 +16,6 @@ import numpy as np
 
 from ..errors import CheckpointError
 from ..io.checkpoint import Checkpoint, TensorLike, flatten, is_plain_structure, numpy_to_tensor, tensor_to_numpy
-from ..io.dtypes import FLOAT_NAMES
 from ..io.tensor_source import CheckpointSource, TensorSource
 from ..quant.steps import QP_MIN, step_from_qp
 from . import batchnorm
@@ -25,8 +24,9 @@ from .container import FLAG_ALIAS, FLAG_TORCH, Coder, TensorEntry, metadata_byte
 from .settings import EncodeSettings, lookup_qp
 from .structural_importance import (
     BN_EPS,
-    RULE_VECTOR_MAX,
     output_shift,
+    rule_arrays,
+    rule_vectors,
     shift_absorbers,
     structural_importance,
 )
@@ -54,7 +54,6 @@ class ModelPlan:
     source: TensorSource
     planner: TensorPlanner  # plans a tensor with the model's resolved settings
     fixed: dict[str, TensorPlan]  # planned up front: the rules' vectors (BatchNorm weight and bias compensated)
-    values: dict[str, TensorLike]  # their values as coded
     shifts: list[Shift]
     metadata: dict  # the header's metadata: the checkpoint's kind and structure
 
@@ -91,8 +90,9 @@ class ModelPlan:
         values = plan.values.astype(np.float64) + delta
         if not np.all(np.isfinite(values)):
             return plan
-        _, dtype_name, is_torch = tensor_to_numpy(self.values[target])
-        return self.planner.plan(target, numpy_to_tensor(values.astype(plan.values.dtype), dtype_name, is_torch))
+        e = plan.entry
+        return self.planner.plan(target, numpy_to_tensor(values.astype(plan.values.dtype), e.dtype.dtype_name,
+                                                         bool(e.flags & FLAG_TORCH)))
 
     def alias_entries(self, entries: Mapping[str, TensorEntry]) -> list[TensorEntry]:
         """The aliases' table entries, after every tensor's (``entries``: the tensors' as coded)."""
@@ -118,25 +118,15 @@ def plan_model(model: Mapping[str, Any] | Checkpoint | TensorSource, settings: E
     # cannot hold, a structure too large) is refused now, not after coding every tensor.
     metadata_bytes(metadata, [(n, source.spec(n).shape) for n in source.names]
                    + [(alias, source.spec(target).shape) for alias, target in source.aliases.items()])
-    given = _rule_vectors(source)
+    given = rule_vectors(source)  # (read once: every rule below works on them)
+    arrays = rule_arrays(source, given)
     # (the absorbers are found from the statistics as given, before any compensation)
-    absorbers = shift_absorbers(source) if settings.bias_correction else {}
+    absorbers = shift_absorbers(source, arrays=arrays) if settings.bias_correction else {}
     bn = _BatchNorms.find(given, settings)
-    planner = _planner(source, given, settings, bn.overrides(settings))
+    planner = _planner(source, given, arrays, settings, bn.overrides(settings))
     fixed = {name: planner.plan(name, t) for name, t in given.items()}
-    values, fixed, eps_modules = bn.compensate(given, fixed, planner)
-    return ModelPlan(source, planner, fixed, values, _shifts(given, fixed, absorbers, eps_modules), metadata)
-
-
-def _rule_vectors(source: TensorSource) -> dict[str, TensorLike]:
-    """The one-dimensional float tensors the cross-tensor rules read (BatchNorm parameters, biases,
-    norms), in checkpoint order; a model's matrices are read only when they are coded."""
-    out = {}
-    for name in source.names:
-        spec = source.spec(name)
-        if spec.dtype_name in FLOAT_NAMES and len(spec.shape) <= 1 and spec.numel <= RULE_VECTOR_MAX:
-            out[name] = source.load(name)
-    return out
+    fixed, eps_modules = bn.compensate(fixed, planner)
+    return ModelPlan(source, planner, fixed, _shifts(given, fixed, absorbers, eps_modules), metadata)
 
 
 def stream_metadata(source: TensorSource) -> dict:
@@ -150,15 +140,15 @@ def stream_metadata(source: TensorSource) -> dict:
     return metadata
 
 
-def _planner(source: TensorSource, vectors: Mapping[str, TensorLike], settings: EncodeSettings,
-             overrides_in: Mapping[str, int]) -> TensorPlanner:
+def _planner(source: TensorSource, vectors: Mapping[str, TensorLike], arrays: Mapping[str, np.ndarray],
+             settings: EncodeSettings, overrides_in: Mapping[str, int]) -> TensorPlanner:
     """The planner of a model's tensors: importance resolved, the qps it allocates, variance floors."""
     reference = None
     importance: dict[str, Any]
     if isinstance(settings.importance, Mapping):
         importance = dict(settings.importance)
     elif settings.structural:
-        importance = dict(structural_importance(source))
+        importance = dict(structural_importance(source, arrays=arrays))
         reference = 0.0  # importance 1 (a dense layer without BN) is the reference that gets qp itself
     else:
         importance = {}
@@ -245,10 +235,10 @@ class _BatchNorms:
                     out[f"{m}.{stat}"] = stat_qp
         return out
 
-    def compensate(self, vectors: dict[str, TensorLike], plans: dict[str, TensorPlan], planner: TensorPlanner
-                   ) -> tuple[dict[str, TensorLike], dict[str, TensorPlan], dict[str, float]]:
-        """The vectors and their plans with each layer's weight and bias made up for its statistics
-        exactly as the stream will carry them, and the eps of every layer this applied to."""
+    def compensate(self, plans: dict[str, TensorPlan], planner: TensorPlanner
+                   ) -> tuple[dict[str, TensorPlan], dict[str, float]]:
+        """The vectors' plans with each layer's weight and bias made up for its statistics exactly
+        as the stream will carry them, and the eps of every layer this applied to."""
         coded = {}
         for m in self.modules:
             stats = [plans[name] for name in (f"{m}.{stat}" for stat in batchnorm.STATISTICS) if name in plans]
@@ -256,10 +246,10 @@ class _BatchNorms:
             if len(stats) == len(batchnorm.STATISTICS) and all(p.is_quantized for p in stats):
                 coded[m] = [np.asarray(p.quantized().dequantize(), dtype=np.float64) for p in stats]
         if not coded:
-            return vectors, plans, {}
+            return plans, {}
         # Weight and bias are planned with the settings every other tensor got (so nothing else
         # changes, not even the steps that importance allocated).
-        vectors, plans = dict(vectors), dict(plans)
+        plans = dict(plans)
         for m, (mean_c, var_c) in coded.items():
             a = self.arrays
             new = batchnorm.compensate(a[f"{m}.weight"], a[f"{m}.bias"], a[f"{m}.running_mean"],
@@ -270,9 +260,8 @@ class _BatchNorms:
             for suffix, value in zip(("weight", "bias"), new):
                 name = f"{m}.{suffix}"
                 dtype, is_torch = self.kinds[name]
-                vectors[name] = numpy_to_tensor(value.astype(dtype), dtype, is_torch)
-                plans[name] = planner.plan(name, vectors[name])
-        return vectors, plans, {m: self.eps_of(m) for m in coded}
+                plans[name] = planner.plan(name, numpy_to_tensor(value.astype(dtype), dtype, is_torch))
+        return plans, {m: self.eps_of(m) for m in coded}
 
 
 def _shifts(vectors: Mapping[str, TensorLike], plans: Mapping[str, TensorPlan],

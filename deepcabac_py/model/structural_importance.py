@@ -57,7 +57,8 @@ _EMBEDDING_NAME = re.compile(r"(^|[._])(embed\w*|wte|wpe|tok_embeddings?)$", re.
 RULE_VECTOR_MAX = 1 << 24
 
 
-def structural_importance(model: Mapping[str, Any] | Checkpoint | TensorSource) -> dict[str, float | np.ndarray]:
+def structural_importance(model: Mapping[str, Any] | Checkpoint | TensorSource, *,
+                          arrays: Mapping[str, np.ndarray] | None = None) -> dict[str, float | np.ndarray]:
     """Importance of every float tensor with two or more dimensions, and of BatchNorm parameters and
     the biases of BN-scaled layers, from the model's structure.
 
@@ -66,7 +67,8 @@ def structural_importance(model: Mapping[str, Any] | Checkpoint | TensorSource) 
     ``encode_model(importance=...)``.
     """
     source = _source(model)
-    arrays = _float_arrays(source)
+    if arrays is None:  # (``arrays``: :func:`rule_arrays` of the model, when the caller has them)
+        arrays = rule_arrays(source)
     out: dict[str, float | np.ndarray] = {}
     ruled: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     ruled_1d: dict[str, np.ndarray] = {}
@@ -121,7 +123,8 @@ def structural_importance(model: Mapping[str, Any] | Checkpoint | TensorSource) 
     return out
 
 
-def shift_absorbers(model: Mapping[str, Any] | Checkpoint | TensorSource) -> dict[str, tuple[np.ndarray, str]]:
+def shift_absorbers(model: Mapping[str, Any] | Checkpoint | TensorSource, *,
+                    arrays: Mapping[str, np.ndarray] | None = None) -> dict[str, tuple[np.ndarray, str]]:
     """Where the expected output shift of each layer's quantization error can be taken out, without
     data: ``layer -> (mean input per input channel, tensor that absorbs the shift)``.
 
@@ -133,7 +136,8 @@ def shift_absorbers(model: Mapping[str, Any] | Checkpoint | TensorSource) -> dic
     input channels do not match that BN's, get no entry.
     """
     source = _source(model)
-    arrays = _float_arrays(source)
+    if arrays is None:  # (``arrays``: :func:`rule_arrays` of the model, when the caller has them)
+        arrays = rule_arrays(source)
     out: dict[str, tuple[np.ndarray, str]] = {}
     for name, module, following, previous_bn in _layer_chain(arrays, set(source.aliases.values())):
         if previous_bn is None or previous_bn is _EMBEDDING:
@@ -168,19 +172,31 @@ def _source(model: Mapping[str, Any] | Checkpoint | TensorSource) -> TensorSourc
     return CheckpointSource(model if isinstance(model, Checkpoint) else flatten(model))
 
 
-def _float_arrays(source: TensorSource) -> dict[str, np.ndarray]:
-    """Every float tensor the rules see, in checkpoint order: the values of the one-dimensional ones,
-    a stand-in of the right shape (zero strides, no memory) for the others."""
+def rule_vectors(source: TensorSource) -> dict[str, Any]:
+    """The tensors whose values the rules read: the one-dimensional float tensors (BatchNorm
+    parameters, biases, norms) up to :data:`RULE_VECTOR_MAX` elements, in checkpoint order."""
+    out = {}
+    for name in source.names:
+        spec = source.spec(name)
+        if spec.dtype_name in FLOAT_NAMES and len(spec.shape) <= 1 and 0 < spec.numel <= RULE_VECTOR_MAX:
+            out[name] = source.load(name)
+    return out
+
+
+def rule_arrays(source: TensorSource, vectors: Mapping[str, Any] | None = None) -> dict[str, np.ndarray]:
+    """Every float tensor the rules see, in checkpoint order: the values of ``vectors`` (read from
+    ``source`` when not given), a stand-in of the right shape (zero strides, no memory) for the
+    tensors of two or more dimensions."""
+    if vectors is None:
+        vectors = rule_vectors(source)
     arrays: dict[str, np.ndarray] = {}
     for name in source.names:
         spec = source.spec(name)
-        if spec.dtype_name not in FLOAT_NAMES or spec.numel == 0:
-            continue
-        if len(spec.shape) >= 2:
-            arrays[name] = np.broadcast_to(np.float32(0.0), spec.shape)
-        elif spec.numel <= RULE_VECTOR_MAX:
-            arr, dtype_name, _ = tensor_to_numpy(source.load(name))
+        if name in vectors:
+            arr, dtype_name, _ = tensor_to_numpy(vectors[name])
             arrays[name] = bfloat16_to_float32(arr) if dtype_name == "bfloat16" else arr
+        elif spec.dtype_name in FLOAT_NAMES and len(spec.shape) >= 2 and spec.numel:
+            arrays[name] = np.broadcast_to(np.float32(0.0), spec.shape)
     return arrays
 
 
