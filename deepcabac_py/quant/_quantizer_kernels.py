@@ -356,9 +356,19 @@ def _option_rate(rates, unary, suffix, bucket, k, lam, u):
 
 @inline
 def _option_rates(rates, unary, suffix, bucket, k, lam, u_even, u_odd, u_zero):
-    return (_option_rate(rates, unary, suffix, bucket, k, lam, u_even),
-            _option_rate(rates, unary, suffix, bucket, k, lam, u_odd),
-            _option_rate(rates, unary, suffix, bucket, k, lam, u_zero))
+    # A loop of three rather than three calls: one inlined copy of the rate instead of three (the
+    # trellis prices four states), which compiles faster and runs the same (LLVM unrolls it).
+    r_even = r_odd = r_zero = 0.0
+    for i in range(3):
+        u = u_even if i == 0 else (u_odd if i == 1 else u_zero)
+        r = _option_rate(rates, unary, suffix, bucket, k, lam, u)
+        if i == 0:
+            r_even = r
+        elif i == 1:
+            r_odd = r
+        else:
+            r_zero = r
+    return r_even, r_odd, r_zero
 
 
 @inline
@@ -425,7 +435,7 @@ def trellis_kernel(values, importance, step, lam, ncols, col0, k_offset, predict
     # 2 <- (0, 1) or (1, 0); 3 <- (2, 1) or (3, 0). The survivors below are tried in this order.
     dq_state = 0
     col_start = col0
-    start = 0
+    start = np.int64(0)  # (not the literal 0: _encode_span is compiled once for both callers)
     block_id = 0
     while start < n:
         length = first_len if start == 0 else block

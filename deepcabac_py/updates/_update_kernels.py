@@ -506,24 +506,20 @@ def _mix5_prob(ctx, c0, c1, c2, c3, c4, wb, wb2):
 def _wsteps(ctx, wb, err, smax, x0, x1, x2, x3, x4):
     ae = err if err >= 0 else -err
     if ae * smax >= MIX_LR_ROUND:  # else every weight step is zero
-        _wstep(ctx, wb, err, x0)
-        _wstep(ctx, wb + 1, err, x1)
-        _wstep(ctx, wb + 2, err, x2)
-        _wstep(ctx, wb + 3, err, x3)
-        _wstep(ctx, wb + 4, err, x4)
-        _wstep(ctx, wb + 5, err, MIX_BIAS)
+        # (loops of constant length over scalars rather than calls written out: one inlined copy
+        # of the step instead of six compiles faster, and LLVM unrolls it to the same code)
+        for j in range(6):
+            x = x0 if j == 0 else x1 if j == 1 else x2 if j == 2 else x3 if j == 3 else x4 if j == 4 else MIX_BIAS
+            _wstep(ctx, wb + j, err, x)
 
 
 @inline
 def _mix5_update(ctx, c0, c1, c2, c3, c4, x0, x1, x2, x3, x4, smax, wb, wb2, bit, p1, p2, rate):
     # each mixer learns from its own error
-    _wsteps(ctx, wb, (bit << PROB_BITS) - p1, smax, x0, x1, x2, x3, x4)
-    _wsteps(ctx, wb2, (bit << PROB_BITS) - p2, smax, x0, x1, x2, x3, x4)
-    _adapt(ctx, c0, bit, rate)
-    _adapt(ctx, c1, bit, rate)
-    _adapt(ctx, c2, bit, rate)
-    _adapt(ctx, c3, bit, rate)
-    _adapt(ctx, c4, bit, rate)
+    for m in range(2):
+        _wsteps(ctx, wb if m == 0 else wb2, (bit << PROB_BITS) - (p1 if m == 0 else p2), smax, x0, x1, x2, x3, x4)
+    for j in range(5):
+        _adapt(ctx, c0 if j == 0 else c1 if j == 1 else c2 if j == 2 else c3 if j == 3 else c4, bit, rate)
 
 
 # The context indices of the two mixtures (MIX), in one place for the encoder and the decoder.
@@ -601,14 +597,14 @@ def _tensor_setup(hist, off, rows, cols, features, dq):
     rowcls = np.zeros(rows, dtype=np.int64)
     colcls = np.zeros(cols, dtype=np.int64)
     if features & F_AREA:
-        _area_classes(hist, off, rows, cols, rowcls, colcls, False)
+        _area_classes(hist, off, rows, cols, rowcls, colcls, np.bool_(False))  # (one compiled version for both)
     mix = (features & F_MIX) != 0
     hr = np.zeros(rows if mix else 0, dtype=np.int64)
     hc = np.zeros(cols if mix else 0, dtype=np.int64)
     rex = np.zeros(cols if mix else 0, dtype=np.int64)
     if mix:
         if features & F_AREA:
-            _area_classes(hist, off, rows, cols, hr, hc, True)
+            _area_classes(hist, off, rows, cols, hr, hc, np.bool_(True))
             for j in range(rows):
                 hr[j] = _hist_class(hr[j])
             for j in range(cols):
@@ -642,11 +638,13 @@ def encode_update_kernel(levels, tinfo, parent, hist, ctx, out):
     # ctx as one flat array: context c at [2c] (probability) and [2c + 1] (count); a constant stride
     # (measured 5-10% faster than the 2-d view)
     ctx = ctx.reshape(ctx.shape[0] * CTX_COLS)
-    low = 0
-    rng = RANGE_INIT
-    cache = 0
-    cache_size = 1
-    pos = 0
+    # (int64 from the start, not literals: Numba types the calls below while it still sees the
+    # literals, and would compile _finish_substream once more for them)
+    low = np.int64(0)
+    rng = np.int64(RANGE_INIT)
+    cache = np.int64(0)
+    cache_size = np.int64(1)
+    pos = np.int64(0)
     cs = np.zeros(8, dtype=np.int64)  # context indices of the mixed models
     st = np.zeros(8, dtype=np.int64)  # their stretched probabilities
     for t in range(tinfo.shape[0]):
