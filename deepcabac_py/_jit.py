@@ -16,6 +16,7 @@ Where Numba finds no writable place for its cache (a read-only install, an unwri
 kernels are cached in a temporary directory for this process instead, with one warning.
 """
 
+import os
 import tempfile
 import warnings
 
@@ -43,3 +44,16 @@ def _cached(**options):
 kernel = _cached(nogil=True)
 inline = _cached(inline="always")
 parallel_kernel = _cached(parallel=True, nogil=True)
+
+
+def not_yet_compiled(*kernels) -> bool:
+    """Whether any of these kernels has nothing in Numba's cache yet, so that its first call will
+    compile it (seconds, not milliseconds): what a command line tells its user before it waits."""
+    for k in kernels:
+        try:
+            index = k._cache._cache_file._index_path  # (Numba's cache layout: private, so guarded)
+        except AttributeError:
+            return False
+        if not k.signatures and not os.path.exists(index):
+            return True
+    return False

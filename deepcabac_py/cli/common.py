@@ -138,13 +138,29 @@ class Input:
 _PIECE = 1 << 24
 
 
+def compile_notice(task: str, quantizer: str | None) -> None:
+    """One line on stderr before a first run waits for Numba to compile what ``task`` (encode,
+    decode, report) needs: without it the bar would sit at 0% with a wrong estimate."""
+    from deepcabac_py.entropy import levelcoder
+    from deepcabac_py.quant import quantizers
+
+    cold = levelcoder.first_call_compiles(decoder=task != "encode")
+    if task != "decode":
+        cold = cold or quantizers.first_call_compiles(quantizer or "trellis")
+    if cold:
+        click.echo("deepcabac: compiling kernels (first run only, about 10 s)", err=True)
+
+
 @contextmanager
-def progress_bar(total: int | None, desc: str, enabled: bool):
+def progress_bar(total: int | None, desc: str, enabled: bool, quantizer: str | None = None):
     """A progress callback (None when not ``enabled``): a bar on stderr when it is a terminal (counts
-    only when ``total`` is unknown)."""
+    only when ``total`` is unknown), after a notice when the kernels are still to be compiled
+    (``quantizer``: the encoder's, None for the default)."""
     if not enabled:
         yield None
         return
+    if sys.stderr.isatty():
+        compile_notice(desc, quantizer)
     from tqdm import tqdm
 
     # disable=None: shown only when stderr is a terminal.

@@ -118,6 +118,6 @@ def test_directory(src: str, threads) -> int:
 
     streams, _ = stream_directory(src)
     for rel in streams:
-        for _ in iter_decoded(os.path.join(src, rel), threads=threads):
+        for _ in iter_decoded(os.path.join(src, rel), threads=threads, bits=True):
             pass
     return len(streams)

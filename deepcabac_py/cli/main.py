@@ -309,7 +309,8 @@ def encode(ctx, inputs, output, to_stdout, force, remove, keep, input_format, qp
                     enc = EncodeSettings(**settings)
                     written = []
                     with open_source(path, input_format) as source, \
-                            progress_bar(source.numel, "encode", not (quiet or no_progress)) as update:
+                            progress_bar(source.numel, "encode", not (quiet or no_progress),
+                                         enc.quantizer) as update:
                         write_output(output, lambda f: written.append(
                             write_stream(f, source, enc, threads=threads, progress=update)), force,
                             input_mode(input))
@@ -556,7 +557,7 @@ def test(inputs, base, threads, quiet, verbose):
                     summary = " (" + test_update_file(inp, base) + ")"
                 else:  # a tensor at a time: memory stays bounded whatever the stream's size
                     with contextlib.ExitStack() as stack:
-                        for _ in iter_decoded(inp.open_stream(stack), threads=threads):
+                        for _ in iter_decoded(inp.open_stream(stack), threads=threads, bits=True):
                             pass
         except DeepCabacError as exc:
             click.echo(f"deepcabac: error: {exc}", err=True)

@@ -18,7 +18,7 @@ from typing import Any
 import click
 
 from deepcabac_py.errors import InputError
-from deepcabac_py.updates.messages import MAGIC as UPDATE_MAGIC
+from deepcabac_py.io.kinds import UPDATE_MAGIC
 
 from .common import Input, about, check_output, write_output
 

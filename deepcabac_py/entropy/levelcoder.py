@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .._jit import not_yet_compiled
 from ..errors import CorruptStreamError
 from . import _cabac_kernels
 from ._cabac_kernels import LEVEL_MAX, PREDICT_MAX_LEVEL
@@ -22,6 +23,11 @@ _ERRORS = {
     _cabac_kernels.ERR_OVERRUN: "the substream is shorter than its levels need (truncated)",
     _cabac_kernels.ERR_BAD_BYPASS: "a bypass code word is out of range",
 }
+
+
+def first_call_compiles(decoder: bool) -> bool:
+    """Whether the first decode (``decoder``) or encode of this process compiles the coder's kernels."""
+    return not_yet_compiled(_cabac_kernels.decode_levels_kernel if decoder else _cabac_kernels.encode_levels_kernel)
 
 
 def max_elements_for_payload(nbytes: int) -> int:

@@ -35,16 +35,20 @@ import math
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import TYPE_CHECKING, Any, Union
 
 import numpy as np
-import torch
 
 from ..errors import CheckpointError
 from .dtypes import DTYPE_NAMES, carrier, name_of_carrier
+from .lazy_torch import is_torch_tensor, loaded_torch, torch_module
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "Checkpoint",
+    "RawTensor",
     "SKELETON_FORMAT",
     "SKELETON_VERSION",
     "flatten",
@@ -54,10 +58,26 @@ __all__ = [
     "skeleton_refs",
     "tensor_to_numpy",
     "numpy_to_tensor",
+    "tensor_of_bits",
     "torch_dtype",
 ]
 
-TensorLike = Union[torch.Tensor, np.ndarray]  # noqa: UP007 (a runtime alias: `|` on torch.Tensor is not a type)
+
+@dataclass(frozen=True)
+class RawTensor:
+    """A tensor's bits in its carrier numpy dtype (``uint16`` for bfloat16) and its dtype name: what
+    a safetensors file holds, read and written without building a torch tensor. It stands for a
+    torch tensor (decoding rebuilds one where a torch object is wanted)."""
+
+    bits: np.ndarray
+    dtype_name: str
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.bits.shape
+
+
+TensorLike = Union["torch.Tensor", np.ndarray, RawTensor]  # noqa: UP007 (a runtime alias)
 
 SKELETON_FORMAT = "deepcabac.skeleton"
 SKELETON_VERSION = 1
@@ -68,14 +88,10 @@ _MAX_JSON_INT = 2**53
 # dtype tables
 # --------------------------------------------------------------------------------------------------
 
-_TORCH_BY_NAME: dict[str, torch.dtype] = {
-    "float64": torch.float64, "float32": torch.float32, "float16": torch.float16,
-    "bfloat16": torch.bfloat16, "int64": torch.int64, "int32": torch.int32, "int16": torch.int16,
-    "int8": torch.int8, "uint8": torch.uint8, "uint16": torch.uint16, "uint32": torch.uint32,
-    "uint64": torch.uint64, "bool": torch.bool, "complex64": torch.complex64,
-    "complex128": torch.complex128,
-}
-_NAME_BY_TORCH = {v: k for k, v in _TORCH_BY_NAME.items()}
+# (a library dtype name is the name of the torch dtype: "bfloat16" is torch.bfloat16)
+def _name_of_torch_dtype(dtype: Any) -> str | None:
+    name = str(dtype).removeprefix("torch.")
+    return name if name in DTYPE_NAMES else None
 
 # --------------------------------------------------------------------------------------------------
 # Checkpoint
@@ -111,9 +127,11 @@ class Checkpoint:
 
 
 def dtype_name_of(t: TensorLike) -> str | None:
-    """This library's dtype name of a torch tensor or numpy array, None for a dtype it does not code."""
-    if isinstance(t, torch.Tensor):
-        return _NAME_BY_TORCH.get(t.dtype)
+    """This library's dtype name of a tensor or numpy array, None for a dtype it does not code."""
+    if isinstance(t, RawTensor):
+        return t.dtype_name if t.dtype_name in DTYPE_NAMES else None
+    if is_torch_tensor(t):
+        return _name_of_torch_dtype(t.dtype)
     dt = t.dtype
     if dt.fields or dt.subdtype:
         return None
@@ -127,7 +145,12 @@ def tensor_to_numpy(t: TensorLike) -> tuple[np.ndarray, str, bool]:
     The array may share memory with ``t`` (non-contiguous inputs are copied). Raises ``TypeError`` for
     unsupported dtypes, layouts or object types.
     """
-    if isinstance(t, torch.Tensor):
+    if isinstance(t, RawTensor):
+        if t.dtype_name not in DTYPE_NAMES:
+            raise TypeError(f"unsupported tensor dtype torch.{t.dtype_name}; supported: {', '.join(DTYPE_NAMES)}")
+        return t.bits, t.dtype_name, True
+    if is_torch_tensor(t):
+        torch = torch_module()
         if t.layout != torch.strided or t.is_quantized or t.is_nested:
             raise TypeError(f"unsupported tensor layout {t.layout} (only dense, non-quantized tensors are supported)")
         if t.device.type == "meta":
@@ -185,9 +208,20 @@ def numpy_to_tensor(arr: np.ndarray, dtype_name: str, is_torch: bool) -> TensorL
         return arr
     if not arr.flags.writeable:
         arr = arr.copy()
+    torch = torch_module()
     if dtype_name == "bfloat16":
         return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(arr)
+
+
+def tensor_of_bits(arr: np.ndarray, dtype_name: str, is_torch: bool) -> TensorLike:
+    """What :func:`numpy_to_tensor` gives, without building a torch tensor: a :class:`RawTensor`
+    stands for the torch one (for code that only hands it back to :func:`tensor_to_numpy`)."""
+    if not is_torch:
+        return numpy_to_tensor(arr, dtype_name, False)
+    if arr.dtype != carrier(dtype_name):
+        raise TypeError(f"array dtype {arr.dtype} does not carry {dtype_name} data (expected {carrier(dtype_name)})")
+    return RawTensor(np.ascontiguousarray(arr), dtype_name)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -209,7 +243,10 @@ def _key_component(k: Any) -> str:
 
 def _alias_key(t: TensorLike) -> Any:
     """Identity of the memory a tensor views: equal keys mean equal bits forever (tied tensors)."""
-    if isinstance(t, torch.Tensor):
+    if isinstance(t, RawTensor):
+        t = t.bits
+    if is_torch_tensor(t):
+        torch = torch_module()
         try:
             if t.layout != torch.strided or t.is_quantized or t.is_nested or t.device.type == "meta":
                 return ("id", id(t))
@@ -258,23 +295,25 @@ class _Flattener:
             return {"$bytes": base64.b64encode(obj).decode("ascii")}
         if t is bytearray:
             return {"$bytearray": base64.b64encode(bytes(obj)).decode("ascii")}
-        if isinstance(obj, (torch.Tensor, np.ndarray)):
+        torch = loaded_torch()  # (None: no object can be a torch one)
+        if isinstance(obj, (np.ndarray, RawTensor)) or (torch is not None and isinstance(obj, torch.Tensor)):
             if not tensors_ok:
                 raise TypeError(f"tensors cannot be dict keys or set elements (at {'.'.join(path) or '<root>'})")
             node: dict[str, Any] = {"$tensor": None}
-            if isinstance(obj, torch.nn.Parameter):
+            if torch is not None and isinstance(obj, torch.nn.Parameter):
                 node["parameter"] = True
                 node["requires_grad"] = bool(obj.requires_grad)
-            elif isinstance(obj, torch.Tensor) and obj.requires_grad:
+            elif torch is not None and isinstance(obj, torch.Tensor) and obj.requires_grad:
                 node["requires_grad"] = True
             self.leaves.append((path, obj, node))
             return node
-        if isinstance(obj, torch.dtype):
-            return {"$dtype": str(obj).removeprefix("torch.")}
-        if isinstance(obj, torch.Size):
-            return {"$size": [int(d) for d in obj]}
-        if isinstance(obj, torch.device):
-            return {"$device": str(obj)}
+        if torch is not None:
+            if isinstance(obj, torch.dtype):
+                return {"$dtype": str(obj).removeprefix("torch.")}
+            if isinstance(obj, torch.Size):
+                return {"$size": [int(d) for d in obj]}
+            if isinstance(obj, torch.device):
+                return {"$device": str(obj)}
         if isinstance(obj, np.generic):
             if obj.dtype.hasobject:
                 raise TypeError(f"numpy object scalars are not supported (at {'.'.join(path) or '<root>'})")
@@ -447,20 +486,8 @@ class _Unflattener:
             return _b64(value)
         if tag == "$bytearray":
             return bytearray(_b64(value))
-        if tag == "$dtype":
-            dt = getattr(torch, value, None) if isinstance(value, str) else None
-            if not isinstance(dt, torch.dtype):
-                raise _bad_skeleton(f"unknown torch dtype {value!r:.80}")
-            return dt
-        if tag == "$size":
-            if not isinstance(value, list) or not all(type(d) is int and d >= 0 for d in value):
-                raise _bad_skeleton("$size needs a list of non-negative integers")
-            return torch.Size(value)
-        if tag == "$device":
-            try:
-                return torch.device(value)
-            except (RuntimeError, TypeError, ValueError):
-                raise _bad_skeleton(f"invalid device {value!r:.80}") from None
+        if tag in ("$dtype", "$size", "$device"):
+            return self._torch_object(tag, value)
         if tag == "$npscalar":
             if not isinstance(value, list) or len(value) != 2 or not isinstance(value[0], str):
                 raise _bad_skeleton("$npscalar needs [dtype, base64]")
@@ -475,8 +502,27 @@ class _Unflattener:
             return np.frombuffer(raw, dtype=dt)[0]
         raise _bad_skeleton(f"unknown tag {tag!r:.80}")
 
+    @staticmethod
+    def _torch_object(tag: str, value: Any) -> Any:
+        # (the only nodes that need torch imported: a stream without them decodes without it)
+        torch = torch_module()
+        if tag == "$dtype":
+            dt = getattr(torch, value, None) if isinstance(value, str) else None
+            if not isinstance(dt, torch.dtype):
+                raise _bad_skeleton(f"unknown torch dtype {value!r:.80}")
+            return dt
+        if tag == "$size":
+            if not isinstance(value, list) or not all(type(d) is int and d >= 0 for d in value):
+                raise _bad_skeleton("$size needs a list of non-negative integers")
+            return torch.Size(value)
+        try:
+            return torch.device(value)
+        except (RuntimeError, TypeError, ValueError):
+            raise _bad_skeleton(f"invalid device {value!r:.80}") from None
+
 
 def _with_grad_flags(t: torch.Tensor, parameter: bool, requires_grad: bool) -> torch.Tensor:
+    torch = torch_module()
     can_grad = t.is_floating_point() or t.is_complex()
     if parameter:
         if isinstance(t, torch.nn.Parameter) and t.requires_grad == requires_grad:
@@ -511,7 +557,7 @@ def unflatten(ckpt: Checkpoint) -> Any:
         obj = tensors[base]
         parameter = node.get("parameter", False) is True
         requires_grad = node.get("requires_grad", parameter) is True
-        if isinstance(obj, torch.Tensor) and (parameter or requires_grad):
+        if is_torch_tensor(obj) and (parameter or requires_grad):
             key = (base, parameter, requires_grad)
             if key not in cache:
                 cache[key] = _with_grad_flags(obj, parameter, requires_grad)
@@ -575,4 +621,6 @@ def is_plain_structure(skeleton: Any, names: list[str], aliases: Mapping[str, st
 
 def torch_dtype(name: str) -> torch.dtype:
     """The torch dtype of a dtype name (:data:`deepcabac_py.io.dtypes.DTYPE_NAMES`)."""
-    return _TORCH_BY_NAME[name]
+    if name not in DTYPE_NAMES:
+        raise KeyError(name)
+    return getattr(torch_module(), name)

@@ -17,25 +17,26 @@ import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from tokenize import TokenError
-from typing import Any, Union
+from typing import TYPE_CHECKING, Any, Union
 
 import numpy as np
-import torch
 
 from ..errors import CheckpointError
 from .atomic import write_atomic
 from .checkpoint import (
     Checkpoint,
+    RawTensor,
     TensorLike,
+    dtype_name_of,
     flatten,
     is_plain,
     numpy_to_tensor,
     plain_skeleton,
     skeleton_refs,
     tensor_to_numpy,
-    torch_dtype,
     unflatten,
 )
+from .dtypes import carrier
 from .inputs import check_readable_file, unreadable
 from .kinds import (
     HEAD_BYTES,
@@ -47,7 +48,11 @@ from .kinds import (
     sniff_kind,
     what_it_is,
 )
+from .lazy_torch import is_torch_tensor, torch_module
 from .shapes import shape_problem
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["KINDS", "load_checkpoint", "save_checkpoint", "checkpoint_writer", "kind_from_suffix"]
 
@@ -64,28 +69,29 @@ NPZ_ALIASES_KEY = "__deepcabac_aliases__"
 NPZ_METADATA_KEY = "__deepcabac_metadata__"
 _NPZ_RESERVED = (NPZ_SKELETON_KEY, NPZ_ALIASES_KEY, NPZ_METADATA_KEY)
 
-# safetensors code -> (torch dtype, itemsize, numpy little-endian dtype used to read the raw bytes)
-_ST_DTYPES: dict[str, tuple[torch.dtype, int, str]] = {
-    "F64": (torch.float64, 8, "<f8"),
-    "F32": (torch.float32, 4, "<f4"),
-    "F16": (torch.float16, 2, "<f2"),
-    "BF16": (torch.bfloat16, 2, "<u2"),
-    "I64": (torch.int64, 8, "<i8"),
-    "I32": (torch.int32, 4, "<i4"),
-    "I16": (torch.int16, 2, "<i2"),
-    "I8": (torch.int8, 1, "i1"),
-    "U64": (torch.uint64, 8, "<u8"),
-    "U32": (torch.uint32, 4, "<u4"),
-    "U16": (torch.uint16, 2, "<u2"),
-    "U8": (torch.uint8, 1, "u1"),
-    "BOOL": (torch.bool, 1, "u1"),
-    "C64": (torch.complex64, 8, "<c8"),
-    "F8_E4M3": (torch.float8_e4m3fn, 1, "u1"),
-    "F8_E5M2": (torch.float8_e5m2, 1, "u1"),
+# safetensors code -> (torch dtype name, itemsize, numpy little-endian dtype used to read the raw
+# bytes); the float8 types are read and written but not coded (no library dtype name)
+_ST_DTYPES: dict[str, tuple[str, int, str]] = {
+    "F64": ("float64", 8, "<f8"),
+    "F32": ("float32", 4, "<f4"),
+    "F16": ("float16", 2, "<f2"),
+    "BF16": ("bfloat16", 2, "<u2"),
+    "I64": ("int64", 8, "<i8"),
+    "I32": ("int32", 4, "<i4"),
+    "I16": ("int16", 2, "<i2"),
+    "I8": ("int8", 1, "i1"),
+    "U64": ("uint64", 8, "<u8"),
+    "U32": ("uint32", 4, "<u4"),
+    "U16": ("uint16", 2, "<u2"),
+    "U8": ("uint8", 1, "u1"),
+    "BOOL": ("bool", 1, "u1"),
+    "C64": ("complex64", 8, "<c8"),
+    "F8_E4M3": ("float8_e4m3fn", 1, "u1"),
+    "F8_E5M2": ("float8_e5m2", 1, "u1"),
 }
-_ST_CODE_BY_TORCH = {v[0]: k for k, v in _ST_DTYPES.items()}
-# torch dtypes read/written through an integer view of their bits
-_BIT_VIEW = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.uint8, torch.float8_e5m2: torch.uint8}
+_ST_CODE_BY_NAME = {v[0]: k for k, v in _ST_DTYPES.items()}
+# torch dtypes read/written through an integer view of their bits (numpy has no such type)
+_BIT_VIEW = {"bfloat16": "int16", "float8_e4m3fn": "uint8", "float8_e5m2": "uint8"}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -191,7 +197,7 @@ def _load_torch(path: str, max_bytes: int | None = None) -> Checkpoint:
     except OSError as exc:
         raise unreadable(path, exc) from None
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
+        obj = torch_module().load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         text = str(exc)
         reason = _first_line(exc)
@@ -213,6 +219,7 @@ def _load_torch(path: str, max_bytes: int | None = None) -> Checkpoint:
     except TypeError as exc:
         raise CheckpointError(f"cannot use {path}: {exc}") from None
     materialised = 0
+    torch = torch_module()
     for name, t in ckpt.tensors.items():
         if isinstance(t, torch.Tensor) and (
             t.layout != torch.strided or t.is_quantized or t.is_nested or t.device.type == "meta"
@@ -223,7 +230,7 @@ def _load_torch(path: str, max_bytes: int | None = None) -> Checkpoint:
             raise CheckpointError(f"{path}: tensor {name!r:.80} has {problem}")
         # A view may be far larger than its storage (``expand``: stride 0): what bounds memory is
         # what every tensor will be once made contiguous, not the bytes of the file.
-        materialised += math.prod(t.shape) * (t.element_size() if isinstance(t, torch.Tensor) else t.itemsize)
+        materialised += math.prod(t.shape) * (t.element_size() if is_torch_tensor(t) else _itemsize(t))
     file_size = os.path.getsize(path)
     if materialised > _expansion_limit(file_size, max_bytes):
         raise CheckpointError(f"{path}: the {file_size:,}-byte file holds tensors of {materialised:,} bytes "
@@ -263,8 +270,12 @@ class SafetensorsIndex:
 
     def read_tensor(self, f, i: int) -> torch.Tensor:
         """Tensor ``i`` of :attr:`entries`, read from the open file ``f``."""
+        return _torch_of(self.read_raw(f, i))
+
+    def read_raw(self, f, i: int) -> RawTensor:
+        """Tensor ``i`` of :attr:`entries` as its bits, read from the open file ``f`` (no torch)."""
         name, code, shape, begin, end = self.entries[i]
-        return _read_st_tensor(f, self.data_start + begin, end - begin, code, shape, self.bad, name)
+        return _read_st_raw(f, self.data_start + begin, end - begin, code, shape, self.bad, name)
 
     def bad(self, msg: str) -> CheckpointError:
         return CheckpointError(f"{self.path}: invalid safetensors file: {msg}")
@@ -344,8 +355,8 @@ def read_safetensors_index(f, path: str) -> SafetensorsIndex:
 
 def safetensors_dtype(code: str) -> tuple[str, int]:
     """(this library's dtype name, item size) of a safetensors dtype code."""
-    tdtype, itemsize, _ = _ST_DTYPES[code]
-    return str(tdtype).removeprefix("torch."), itemsize
+    name, itemsize, _ = _ST_DTYPES[code]
+    return name, itemsize
 
 
 def _load_safetensors(path: str) -> Checkpoint:
@@ -356,7 +367,7 @@ def _load_safetensors(path: str) -> Checkpoint:
     with f:
         try:
             index = read_safetensors_index(f, path)
-            tensors: dict[str, torch.Tensor] = {}
+            tensors: dict[str, Any] = {}
             for i, entry in enumerate(index.entries):
                 tensors[entry[0]] = index.read_tensor(f, i)
         except OSError as exc:
@@ -377,13 +388,15 @@ def _finish_safetensors(path: str, tensors: dict[str, Any], metadata: dict[str, 
     return _finish_loaded(path, "safetensors", tensors, skeleton_json, aliases_json, metadata)
 
 
-def _read_st_tensor(f, offset: int, nbytes: int, code: str, shape: list[int],
-                    bad: Callable[[str], CheckpointError], name: str) -> torch.Tensor:
-    tdtype, _, np_code = _ST_DTYPES[code]
+def _read_st_raw(f, offset: int, nbytes: int, code: str, shape: list[int],
+                 bad: Callable[[str], CheckpointError], name: str) -> RawTensor:
+    dtype_name, _, np_code = _ST_DTYPES[code]
+    # (bfloat16 in this library's carrier; the float8 types, which it does not code, as uint8)
+    native = carrier(dtype_name) if dtype_name not in _BIT_VIEW or dtype_name == "bfloat16" else np.dtype(np.uint8)
     if nbytes == 0:
         try:
-            return torch.empty(shape, dtype=tdtype)
-        except (RuntimeError, ValueError, OverflowError):
+            return RawTensor(np.empty(shape, dtype=native), dtype_name)
+        except (ValueError, OverflowError, MemoryError):
             raise bad(f"tensor {name!r:.80} has an invalid shape {shape}") from None
     buf = bytearray(nbytes)
     f.seek(offset)
@@ -396,18 +409,31 @@ def _read_st_tensor(f, offset: int, nbytes: int, code: str, shape: list[int],
         arr = arr.view(np.bool_)
     if not arr.dtype.isnative:
         arr = arr.astype(arr.dtype.newbyteorder("="))
-    arr = arr.reshape(shape)
-    if tdtype in _BIT_VIEW:
-        carrier = _BIT_VIEW[tdtype]
-        np_carrier = np.int16 if carrier == torch.int16 else np.uint8
-        return torch.from_numpy(arr.view(np_carrier)).view(tdtype)
-    return torch.from_numpy(arr)
+    return RawTensor(arr.reshape(shape), dtype_name)
+
+
+def _torch_of(raw: RawTensor) -> torch.Tensor:
+    """The torch tensor of a :class:`RawTensor` (sharing its memory)."""
+    torch = torch_module()
+    dtype = getattr(torch, raw.dtype_name)
+    if raw.dtype_name in _BIT_VIEW:
+        bits = raw.bits.view(np.int16 if _BIT_VIEW[raw.dtype_name] == "int16" else np.uint8)
+        return torch.from_numpy(bits).view(dtype)
+    return torch.from_numpy(raw.bits)
+
+
+def _itemsize(t: np.ndarray | RawTensor) -> int:
+    return t.bits.itemsize if isinstance(t, RawTensor) else t.itemsize
 
 
 def _raw_equal(a: TensorLike, b: TensorLike) -> bool:
-    if isinstance(a, torch.Tensor) != isinstance(b, torch.Tensor):
+    if isinstance(a, RawTensor) or isinstance(b, RawTensor):
+        return (isinstance(a, RawTensor) and isinstance(b, RawTensor) and a.dtype_name == b.dtype_name
+                and a.shape == b.shape and a.bits.tobytes() == b.bits.tobytes())
+    if is_torch_tensor(a) != is_torch_tensor(b):
         return False
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+    if is_torch_tensor(a) and is_torch_tensor(b):
+        torch = torch_module()
         if a.dtype != b.dtype or a.shape != b.shape:
             return False
         x, y = a.detach().contiguous(), b.detach().contiguous()
@@ -561,7 +587,7 @@ def _validate_for_save(ckpt: Checkpoint) -> None:
     for name, t in ckpt.tensors.items():
         if not isinstance(name, str):
             raise CheckpointError(f"tensor names must be strings, got {name!r:.80}")
-        if not isinstance(t, (torch.Tensor, np.ndarray)):
+        if not isinstance(t, (np.ndarray, RawTensor)) and not is_torch_tensor(t):
             raise CheckpointError(f"tensor {name!r:.80} is a {type(t).__name__}, not a tensor")
     for name, target in (ckpt.aliases or {}).items():
         if name in ckpt.tensors:
@@ -623,10 +649,12 @@ def checkpoint_writer(ckpt: Checkpoint, kind: str) -> Callable:
 
 def _torch_writer(ckpt: Checkpoint) -> Callable:
     # numpy arrays (e.g. from .npz) become torch tensors: a pickled ndarray is not weights-only loadable.
-    if any(isinstance(t, np.ndarray) for t in ckpt.tensors.values()):
+    if any(not is_torch_tensor(t) for t in ckpt.tensors.values()):
         tensors: dict[str, TensorLike] = {}
         for name, t in ckpt.tensors.items():
-            if isinstance(t, np.ndarray):
+            if isinstance(t, RawTensor):
+                t = _torch_of(t)
+            elif isinstance(t, np.ndarray):
                 try:
                     arr, dname, _ = tensor_to_numpy(t)
                 except TypeError as exc:
@@ -640,7 +668,7 @@ def _torch_writer(ckpt: Checkpoint) -> Callable:
     def write(f) -> None:
         out = _WriteErrors(f)
         try:
-            torch.save(obj, out)
+            torch_module().save(obj, out)
         except (pickle.PicklingError, RuntimeError, TypeError, OSError) as exc:
             # torch reports a failed write (disk full) in words of its own: the OSError underneath
             # is what the caller reports (write_atomic words it as the output's error)
@@ -671,24 +699,32 @@ class _WriteErrors:
 
 def _st_raw(name: str, t: TensorLike) -> tuple[str, list[int], np.ndarray]:
     """(safetensors dtype code, shape, little-endian contiguous uint8 bytes) of one tensor."""
-    if isinstance(t, torch.Tensor):
-        code = _ST_CODE_BY_TORCH.get(t.dtype)
-        if code is None or t.layout != torch.strided or t.is_quantized or t.is_nested or t.device.type == "meta":
-            what = t.dtype if code is None else t.layout
+    if isinstance(t, RawTensor):
+        code = _ST_CODE_BY_NAME[t.dtype_name]
+        arr = t.bits
+        shape = list(arr.shape)
+    elif is_torch_tensor(t):
+        torch = torch_module()
+        dname = str(t.dtype).removeprefix("torch.")
+        known = _ST_CODE_BY_NAME.get(dname)
+        if known is None or t.layout != torch.strided or t.is_quantized or t.is_nested or t.device.type == "meta":
+            what = t.dtype if known is None else t.layout
             raise CheckpointError(f"tensor {name!r:.80} ({what}) cannot be stored in safetensors; use .pt")
+        code = known
         x = t.detach().cpu().resolve_conj().resolve_neg().contiguous()
         shape = list(x.shape)
-        if x.dtype in _BIT_VIEW:
-            x = x.view(_BIT_VIEW[x.dtype])
+        if dname in _BIT_VIEW:
+            x = x.view(getattr(torch, _BIT_VIEW[dname]))
         arr = x.numpy()
     else:
         try:
             arr, dname, _ = tensor_to_numpy(t)
         except TypeError:
             raise CheckpointError(f"array {name!r:.80} ({t.dtype}) cannot be stored in safetensors") from None
-        code = _ST_CODE_BY_TORCH.get(torch_dtype(dname))
-        if code is None:
+        known = _ST_CODE_BY_NAME.get(dname)
+        if known is None:
             raise CheckpointError(f"array {name!r:.80} ({t.dtype}) cannot be stored in safetensors; use .npz")
+        code = known
         shape = list(arr.shape)
     if arr.dtype.byteorder == ">" or (arr.dtype.byteorder == "=" and not np.little_endian):
         arr = arr.astype(arr.dtype.newbyteorder("<"))
@@ -782,7 +818,7 @@ def safetensors_bytes(name: str, t: TensorLike) -> np.ndarray:
 
 def safetensors_code(dtype_name: str) -> str:
     """The safetensors dtype code of one of this library's dtype names."""
-    code = _ST_CODE_BY_TORCH.get(torch_dtype(dtype_name))
+    code = _ST_CODE_BY_NAME.get(dtype_name)
     if code is None:
         raise CheckpointError(f"{dtype_name} cannot be stored in safetensors; use .pt")
     return code
@@ -799,7 +835,7 @@ def _npz_writer(ckpt: Checkpoint) -> Callable:
         if len((name + ".npy").encode("utf-8")) > 0xFFFF:  # a zip member's name holds 65,535 bytes
             raise CheckpointError(f"tensor name {name[:40]!r}... is too long for .npz (a member name holds "
                                   "65,535 bytes with its .npy); save as .safetensors or .pt instead")
-        if isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16:
+        if dtype_name_of(t) == "bfloat16":
             raise CheckpointError(f"tensor {name!r:.80} is bfloat16, which .npz cannot hold; "
                                   f"save as .safetensors or .pt instead")
         try:

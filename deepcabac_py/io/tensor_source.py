@@ -15,9 +15,8 @@ import threading
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
-from .checkpoint import Checkpoint, TensorLike, dtype_name_of, plain_skeleton
+from .checkpoint import Checkpoint, RawTensor, TensorLike, dtype_name_of, plain_skeleton
 from .files import (
     ST_ALIASES_KEY,
     ST_SKELETON_KEY,
@@ -27,6 +26,7 @@ from .files import (
 )
 from .inputs import check_readable_file, unreadable
 from .kinds import kind_from_suffix, sniff_kind
+from .lazy_torch import is_torch_tensor
 
 __all__ = ["TensorSpec", "TensorSource", "CheckpointSource", "SafetensorsSource", "open_source"]
 
@@ -92,9 +92,10 @@ class CheckpointSource(TensorSource):
         self._specs = {}
         for name, t in ckpt.tensors.items():
             # (from the dtype alone: no conversion; an unsupported one is refused when it is planned)
-            known = dtype_name_of(t) if isinstance(t, (torch.Tensor, np.ndarray)) else None
+            is_torch = is_torch_tensor(t) or isinstance(t, RawTensor)
+            known = dtype_name_of(t) if is_torch or isinstance(t, np.ndarray) else None
             self._specs[name] = TensorSpec(name, tuple(int(d) for d in t.shape),
-                                           known or str(getattr(t, "dtype", "?")), isinstance(t, torch.Tensor))
+                                           known or str(getattr(t, "dtype", "?")), is_torch)
 
     def spec(self, name: str) -> TensorSpec:
         return self._specs[name]
@@ -144,7 +145,7 @@ class SafetensorsSource(TensorSource):
         i = self._position[name]
         try:
             with self._lock:  # one file position
-                return self._index.read_tensor(self._f, i)
+                return self._index.read_raw(self._f, i)
         except OSError as exc:
             raise unreadable(self.path, exc) from None
 

@@ -19,7 +19,7 @@ import numpy as np
 
 from ..entropy import chunk_layout, levelcoder, linear_prediction
 from ..errors import CorruptStreamError, TruncatedStreamError
-from ..io.checkpoint import Checkpoint, numpy_to_tensor, plain_skeleton, unflatten
+from ..io.checkpoint import Checkpoint, RawTensor, numpy_to_tensor, plain_skeleton, unflatten
 from ..io.dtypes import DType
 from ..io.inputs import unreadable
 from ..quant.reconstruct import dq_indices, reconstruct_bf16_into, reconstruct_chunk, reconstruct_f32_inplace
@@ -196,11 +196,13 @@ def decode_model(source, *, names: str | Iterable[str] | None = None, threads: i
 
 def iter_decoded(source, names: str | Iterable[str] | None = None, *, order: Iterable[str] | None = None,
                  threads: int | None = None, progress: Progress | None = None, max_elements: int | None = None,
-                 max_elements_in_flight: int = ELEMENTS_IN_FLIGHT) -> Iterator[tuple[str, Any]]:
+                 max_elements_in_flight: int = ELEMENTS_IN_FLIGHT, bits: bool = False) -> Iterator[tuple[str, Any]]:
     """``(name, tensor)`` of the tensors ``names`` chooses (as :func:`decode_model`; an alias gives
     its target's values under its own name), decoded a few at a time: the chunks of the tensors
     after the one handed out run meanwhile, up to ``max_elements_in_flight`` elements (one tensor
-    at least). ``order``: the chosen names in the order wanted (default: table order)."""
+    at least). ``order``: the chosen names in the order wanted (default: table order). ``bits``:
+    every tensor as a :class:`~deepcabac_py.io.checkpoint.RawTensor` (for a file writer: no torch
+    tensor is built)."""
     threads = resolve_threads(threads)
     stream, opened = _open(source)
     try:
@@ -213,7 +215,8 @@ def iter_decoded(source, names: str | Iterable[str] | None = None, *, order: Ite
         coded = [header.tensors[e.alias_of] if e.is_alias else e for e in chosen]
         unique = {e.name: e for e in coded}
         check_max_elements(dataclasses.replace(header, tensors=list(unique.values())), max_elements)
-        yield from _decode_in_order(stream, chosen, coded, threads, progress, max_elements_in_flight)
+        yield from _decode_in_order(stream, chosen, coded, threads, progress, max_elements_in_flight,
+                                    output="bits" if bits else "tensors")
     finally:
         if opened:
             stream.close()
@@ -241,7 +244,7 @@ def decode_levels(source, *, threads: int | None = None, max_elements: int | Non
         header = stream.header
         check_max_elements(header, max_elements)
         coded = [e for e in header.tensors if not e.is_alias and e.mode != Mode.RAW]
-        levels = _decode_in_order(stream, coded, coded, threads, None, ELEMENTS_IN_FLIGHT, want_levels=True)
+        levels = _decode_in_order(stream, coded, coded, threads, None, ELEMENTS_IN_FLIGHT, output="levels")
         return {e.name: quantized(e, values) for e, (_, values) in zip(coded, levels)}
     finally:
         if opened:
@@ -348,10 +351,12 @@ class _Tensor:
 
 
 def _decode_in_order(stream, chosen: list[TensorEntry], coded: list[TensorEntry], threads: int,
-                     progress: Progress | None, budget: int, *, want_levels: bool = False) -> Iterator[tuple[str, Any]]:
+                     progress: Progress | None, budget: int, *, output: str = "tensors") -> Iterator[tuple[str, Any]]:
     """Decode ``coded`` (the entries holding the values of ``chosen``) on a pool, the chunks of the
-    tensors after the one handed out already running, and yield the chosen in order: as tensors,
-    or as their int32 levels with ``want_levels``."""
+    tensors after the one handed out already running, and yield the chosen in order: as tensors of
+    the type encoded (``output="tensors"``), as :class:`RawTensor` (``"bits"``) or as their int32
+    levels (``"levels"``)."""
+    want_levels = output == "levels"
     pool = ThreadPoolExecutor(max_workers=threads) if threads > 1 else None
     pending: collections.deque = collections.deque()  # (chosen entry, _Tensor, futures or None)
     elements = 0
@@ -374,6 +379,8 @@ def _decode_in_order(stream, chosen: list[TensorEntry], coded: list[TensorEntry]
                 c = t.entry
                 if want_levels:
                     yield e.name, t.result()
+                elif output == "bits" and c.flags & FLAG_TORCH:
+                    yield e.name, RawTensor(t.result(), c.dtype.dtype_name)
                 else:
                     yield e.name, numpy_to_tensor(t.result(), c.dtype.dtype_name, bool(c.flags & FLAG_TORCH))
                 del t

@@ -94,7 +94,7 @@ def decoded_writer(stream, kind: str, *, names: str | Iterable[str] | None = Non
         def write(f: BinaryIO) -> None:
             data = ((name, safetensors_bytes(name, t)) for name, t in
                     iter_decoded(stream, order=layout.data_order, threads=threads, progress=progress,
-                                 max_elements=max_elements))
+                                 max_elements=max_elements, bits=True))
             layout.write(f, data)
 
         return write

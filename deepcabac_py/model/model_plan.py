@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import CheckpointError
-from ..io.checkpoint import Checkpoint, TensorLike, flatten, is_plain_structure, numpy_to_tensor, tensor_to_numpy
+from ..io.checkpoint import Checkpoint, TensorLike, flatten, is_plain_structure, tensor_of_bits, tensor_to_numpy
 from ..io.tensor_source import CheckpointSource, TensorSource
 from ..quant.steps import QP_MIN, step_from_qp
 from . import batchnorm
@@ -91,8 +91,8 @@ class ModelPlan:
         if not np.all(np.isfinite(values)):
             return plan
         e = plan.entry
-        return self.planner.plan(target, numpy_to_tensor(values.astype(plan.values.dtype), e.dtype.dtype_name,
-                                                         bool(e.flags & FLAG_TORCH)))
+        return self.planner.plan(target, tensor_of_bits(values.astype(plan.values.dtype), e.dtype.dtype_name,
+                                                        bool(e.flags & FLAG_TORCH)))
 
     def alias_entries(self, entries: Mapping[str, TensorEntry]) -> list[TensorEntry]:
         """The aliases' table entries, after every tensor's (``entries``: the tensors' as coded)."""
@@ -260,7 +260,7 @@ class _BatchNorms:
             for suffix, value in zip(("weight", "bias"), new):
                 name = f"{m}.{suffix}"
                 dtype, is_torch = self.kinds[name]
-                plans[name] = planner.plan(name, numpy_to_tensor(value.astype(dtype), dtype, is_torch))
+                plans[name] = planner.plan(name, tensor_of_bits(value.astype(dtype), dtype, is_torch))
         return plans, {m: self.eps_of(m) for m in coded}
 
 

@@ -22,6 +22,7 @@ import math
 
 import numpy as np
 
+from .._jit import not_yet_compiled
 from ..entropy import chunk_layout, levelcoder
 from ..entropy.levelcoder import LEVEL_MAX
 from . import _quantizer_kernels
@@ -32,6 +33,13 @@ QUANTIZERS = ("nearest", "rdoq", "trellis")
 # benchmarks/bench_rd.py. High-rate theory gives ln(2)/6 ~ 0.116 for a uniform quantizer; the
 # trellis works on a grid half as fine, hence about four times that, as in NNC.
 DEFAULT_LAMBDA = {"nearest": 0.0, "rdoq": 0.116, "trellis": 0.46}
+
+
+def first_call_compiles(quantizer: str) -> bool:
+    """Whether the first use of ``quantizer`` in this process compiles its kernels."""
+    kernels = {"trellis": _quantizer_kernels.trellis_kernel, "rdoq": _quantizer_kernels.rdoq_kernel,
+               "nearest": _quantizer_kernels.round_kernel}
+    return not_yet_compiled(kernels[quantizer]) if quantizer in kernels else False
 
 
 def check_quantizer(quantizer: str) -> str:

@@ -1,0 +1,135 @@
+"""Start-up: a safetensors round trip never imports torch, gives the bytes the torch path gives, and
+a first run says that it compiles before it waits."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+import deepcabac_py as dc
+from deepcabac_py.cli import common
+from deepcabac_py.cli.main import main
+from deepcabac_py.entropy import levelcoder
+from deepcabac_py.io.checkpoint import RawTensor, dtype_name_of, flatten, tensor_of_bits, tensor_to_numpy
+from deepcabac_py.io.files import load_checkpoint
+from deepcabac_py.quant import quantizers
+
+DEMO = Path(__file__).resolve().parent.parent / "models" / "digits_cnn.safetensors"
+
+# The CLI in a fresh interpreter; prints which heavy modules it imported, as JSON on stdout.
+_RUN = textwrap.dedent("""
+    import json, sys
+    from deepcabac_py.cli.main import main
+    try:
+        main(sys.argv[1:])
+    except SystemExit as exc:
+        code = exc.code
+    print(json.dumps({"code": code, "torch": "torch" in sys.modules}))
+""")
+
+
+def _cli_fresh(*args: str) -> dict:
+    r = subprocess.run([sys.executable, "-c", _RUN, *args], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def bf16_file(tmp_path_factory) -> Path:
+    g = torch.Generator().manual_seed(3)
+    path = tmp_path_factory.mktemp("startup") / "m.safetensors"
+    tensors = {"w": (torch.randn(48, 40, generator=g) * 0.05).to(torch.bfloat16),
+               "b": torch.randn(40, generator=g).to(torch.float16), "steps": torch.arange(5, dtype=torch.int64)}
+    dc.save_checkpoint(flatten(tensors), path)
+    return path
+
+
+@pytest.mark.parametrize("which", ["demo", "bf16"])
+def test_a_safetensors_round_trip_imports_no_torch_and_matches_the_torch_path(which, bf16_file, tmp_path):
+    src = DEMO if which == "demo" else bf16_file
+    stream, restored = tmp_path / "m.dcb", tmp_path / "back.safetensors"
+    for args in (["encode", str(src), "-o", str(stream), "-q"], ["decode", str(stream), "-o", str(restored), "-q"],
+                 ["info", str(stream)], ["test", str(stream), "-q"]):
+        ran = _cli_fresh(*args)
+        assert ran == {"code": 0, "torch": False}, args
+    # the same bytes as the encoder fed torch tensors in this process, and the same decoded file
+    assert stream.read_bytes() == dc.encode_model(load_checkpoint(src))
+    expected = tmp_path / "expected.safetensors"
+    dc.save_checkpoint(dc.decode_checkpoint(stream.read_bytes()), expected)
+    assert restored.read_bytes() == expected.read_bytes()
+
+
+def test_a_pt_output_still_gets_torch_tensors(bf16_file, tmp_path):
+    stream, out = tmp_path / "m.dcb", tmp_path / "m.pt"
+    assert CliRunner().invoke(main, ["encode", str(bf16_file), "-o", str(stream), "-q"]).exit_code == 0
+    assert CliRunner().invoke(main, ["decode", str(stream), "-o", str(out), "-q"]).exit_code == 0
+    loaded = torch.load(out, weights_only=True)
+    assert loaded["w"].dtype == torch.bfloat16 and loaded["steps"].dtype == torch.int64
+    assert torch.equal(loaded["steps"], torch.arange(5))
+
+
+def test_raw_tensors_stand_for_torch_tensors():
+    bits = np.arange(6, dtype=np.uint16).reshape(2, 3)
+    raw = RawTensor(bits, "bfloat16")
+    arr, name, is_torch = tensor_to_numpy(raw)
+    assert arr is bits and name == "bfloat16" and is_torch and raw.shape == (2, 3)
+    assert dtype_name_of(raw) == "bfloat16"
+    assert dtype_name_of(RawTensor(np.zeros(2, np.uint8), "float8_e4m3fn")) is None
+    with pytest.raises(TypeError, match="unsupported tensor dtype torch.float8_e4m3fn"):
+        tensor_to_numpy(RawTensor(np.zeros(2, np.uint8), "float8_e4m3fn"))
+    assert isinstance(tensor_of_bits(bits, "bfloat16", True), RawTensor)
+    assert tensor_of_bits(bits, "uint16", False) is bits
+    with pytest.raises(TypeError, match="does not carry"):
+        tensor_of_bits(bits.astype(np.int32), "bfloat16", True)
+
+
+def test_the_kernels_are_not_yet_compiled_until_their_first_call(tmp_path):
+    # a fresh process with an empty Numba cache: the fronts' kernels are cold until the first
+    # encode, and a second process finds them in the cache
+    code = textwrap.dedent("""
+        import numpy as np
+        import deepcabac_py as dc
+        from deepcabac_py.entropy import levelcoder
+        from deepcabac_py.quant import quantizers
+
+        def cold():
+            return [levelcoder.first_call_compiles(decoder=False), quantizers.first_call_compiles("trellis"),
+                    levelcoder.first_call_compiles(decoder=True)]
+
+        before = cold()
+        dc.encode_model({"w": np.linspace(-1, 1, 64, dtype=np.float32).reshape(8, 8), "n": np.arange(9)})
+        print(before, cold())
+    """)
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "cache")}
+    runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+            for _ in range(2)]
+    for r in runs:
+        assert r.returncode == 0, r.stderr
+    # (decoding was never run: its kernel stays cold)
+    assert runs[0].stdout.strip() == "[True, True, True] [False, False, True]"
+    assert runs[1].stdout.strip() == "[False, False, True] [False, False, True]"
+
+
+@pytest.mark.parametrize("cold_coder, cold_quantizer, task, shown", [
+    (False, False, "encode", False), (True, False, "encode", True), (False, True, "encode", True),
+    (False, True, "decode", False), (True, False, "decode", True)])
+def test_the_compile_notice_appears_only_when_something_will_compile(cold_coder, cold_quantizer, task, shown,
+                                                                      monkeypatch, capsys):
+    asked = []
+    monkeypatch.setattr(levelcoder, "first_call_compiles", lambda decoder: asked.append(decoder) or cold_coder)
+    monkeypatch.setattr(quantizers, "first_call_compiles", lambda q: asked.append(q) or cold_quantizer)
+    common.compile_notice(task, "rdoq")
+    err = capsys.readouterr().err
+    assert ("compiling kernels (first run only" in err) == shown
+    assert asked[0] == (task != "encode")
+    if task == "encode" and not cold_coder:
+        assert asked[1] == "rdoq"
