@@ -13,5 +13,6 @@ below it: workflows around the encoder live in ``tuning``.
   bias correction; per tensor: mode, chunk layout, quantizer, importance).
 * :mod:`.container`: the stream's header and tensor table (``docs/format.md``).
 * :mod:`.structural_importance`, :mod:`.batchnorm`, :mod:`.allocation`: the data-free policies.
+* :mod:`.optimizer_state`: which tensors are an optimizer's moments and steps.
 * :mod:`.levels`: :class:`QuantizedTensor`; :mod:`.report`: sizes, ratios and errors.
 """

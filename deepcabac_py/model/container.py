@@ -38,15 +38,16 @@ from ..io.dtypes import DType
 from ..io.inputs import read_exactly, unreadable
 from ..io.kinds import HEAD_BYTES, STREAM_MAGIC, what_it_is
 from ..io.shapes import MAX_NDIM, shape_problem
+from ..quant.log_domain import LOG_DTYPES
 from ..quant.steps import QP_DENSITY_MAX, QP_MAX, QP_MIN, step_from_qp
 
 MAGIC = STREAM_MAGIC
 # Version 2 added Mode.DEPENDENT, version 3 the linear prediction across columns (LINEAR_BIT) and
-# the choice to switch the column model off (NO_COLUMNS_BIT). A writer stamps the lowest version
-# that describes its stream, so streams without them stay readable by older readers; this reader
-# reads all three.
-FORMAT_VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)
+# the choice to switch the column model off (NO_COLUMNS_BIT), version 4 Mode.LOG. A writer stamps
+# the lowest version that describes its stream, so streams without them stay readable by older
+# readers; this reader reads all four.
+FORMAT_VERSION = 4
+READABLE_VERSIONS = (1, 2, 3, 4)
 SWITCHES_VERSION = 3  # LINEAR_BIT and NO_COLUMNS_BIT
 PREAMBLE = struct.Struct("<8sHHI")
 MAX_HEADER_SIZE = 1 << 27  # (more than the limits below let a header need)
@@ -60,6 +61,7 @@ MAX_CHUNKS = 1 << 22  # substreams of all tensors together (4 T elements in chun
 _ENTRY_MIN = 47  # bytes of an entry with a 0-byte name, no dimension and no chunk
 NO_ALIAS = 0xFFFFFFFF
 MIN_CHUNK_ELEMENTS = 1 << 16  # level-coded chunks hold at least this many elements (or the tensor)
+LOG_OFFSET_BYTES = 8  # Mode.LOG: the first substream is the tensor's offset, an int64 (little-endian)
 
 
 class Mode(enum.IntEnum):
@@ -69,14 +71,20 @@ class Mode(enum.IntEnum):
     UNIFORM = 1  # levels (level coder) times the step of (qp, qp_density)
     INTEGER = 2  # the integer values themselves through the level coder: lossless
     DEPENDENT = 3  # transmitted levels of the 4-state trellis (format version 2); see docs/format.md
+    LOG = 4  # levels of log2|value| in steps of qp's step, in octaves (format version 4; quant.log_domain)
 
     @property
     def is_quantized(self) -> bool:
+        """Values are levels times the step (uniform or through the trellis's state machine)."""
         return self in (Mode.UNIFORM, Mode.DEPENDENT)
 
     @property
+    def has_step(self) -> bool:
+        return self in (Mode.UNIFORM, Mode.DEPENDENT, Mode.LOG)
+
+    @property
     def min_version(self) -> int:
-        return 2 if self == Mode.DEPENDENT else 1
+        return {Mode.DEPENDENT: 2, Mode.LOG: 4}.get(self, 1)
 
 
 class Coder(enum.IntEnum):
@@ -131,8 +139,8 @@ class TensorEntry:
 
     @property
     def step(self) -> float | None:
-        """The (fine) quantization step of a quantized tensor, else None."""
-        if not self.mode.is_quantized:
+        """The (fine) quantization step of a quantized tensor (in octaves for Mode.LOG), else None."""
+        if not self.mode.has_step:
             return None
         return step_from_qp(self.qp, self.qp_density)
 
@@ -528,9 +536,11 @@ def _validate_entry(e: TensorEntry, index: int, where: str, earlier: list[Tensor
         return
     if e.coder != Coder.ADAPTIVE_SCALE:
         raise FormatError(f"{where}: coding mode {e.mode.name} needs a level coder")
-    if e.mode.is_quantized:
+    if e.mode.has_step:
         if not e.dtype.is_float:
             raise CorruptStreamError(f"{where}: quantization of a {e.dtype.name} tensor")
+        if e.mode == Mode.LOG and e.dtype.dtype_name not in LOG_DTYPES:
+            raise CorruptStreamError(f"{where}: the log domain of a {e.dtype.name} tensor")
         _check_qp_pair(e.qp, e.qp_density, f"{where}: qp")
     elif e.dtype.is_float or e.dtype.is_complex:
         raise CorruptStreamError(f"{where}: integer coding of a {e.dtype.name} tensor")
@@ -549,6 +559,12 @@ def _validate_entry(e: TensorEntry, index: int, where: str, earlier: list[Tensor
             raise CorruptStreamError(f"{where}: linear prediction over rows of {row} in chunks of {e.chunk_elements}")
         if not e.chunk_sizes:
             raise CorruptStreamError(f"{where}: linear prediction without its predictor")
+        level_chunks = e.chunk_sizes[1:]
+    if e.mode == Mode.LOG:
+        if e.coder_param & (PREDICT_BIT | LINEAR_BIT):
+            raise CorruptStreamError(f"{where}: the log domain with column or linear prediction")
+        if not e.chunk_sizes or e.chunk_sizes[0] != LOG_OFFSET_BYTES:
+            raise CorruptStreamError(f"{where}: the log domain without its {LOG_OFFSET_BYTES}-byte offset")
         level_chunks = e.chunk_sizes[1:]
     # Small chunks would multiply the per-chunk slack of the allocation bound; writers use >= 2**19.
     if e.chunk_elements < min(e.numel, MIN_CHUNK_ELEMENTS) or e.chunk_elements < 1:

@@ -22,9 +22,11 @@ from ..errors import CorruptStreamError, TruncatedStreamError
 from ..io.checkpoint import Checkpoint, RawTensor, numpy_to_tensor, plain_skeleton, unflatten
 from ..io.dtypes import DType
 from ..io.inputs import unreadable
+from ..quant.log_domain import log_values
 from ..quant.reconstruct import dq_indices, reconstruct_bf16_into, reconstruct_chunk, reconstruct_f32_inplace
 from .container import (
     FLAG_TORCH,
+    LOG_OFFSET_BYTES,
     Mode,
     StreamHeader,
     TensorEntry,
@@ -236,14 +238,16 @@ def decode_levels(source, *, threads: int | None = None, max_elements: int | Non
     -------
     dict of str to QuantizedTensor
         Levels (int32, the tensor's shape; reconstruction indices for trellis tensors) and step
-        of every tensor not stored raw; ``levels * step`` are the decoded values.
+        of every tensor not stored raw nor in the log domain (optimizer moments);
+        ``levels * step`` are the decoded values.
     """
     threads = resolve_threads(threads)
     stream, opened = _open(source)
     try:
         header = stream.header
         check_max_elements(header, max_elements)
-        coded = [e for e in header.tensors if not e.is_alias and e.mode != Mode.RAW]
+        # (values in the log domain are not levels times a step)
+        coded = [e for e in header.tensors if not e.is_alias and e.mode not in (Mode.RAW, Mode.LOG)]
         levels = _decode_in_order(stream, coded, coded, threads, None, ELEMENTS_IN_FLIGHT, output="levels")
         return {e.name: quantized(e, values) for e, (_, values) in zip(coded, levels)}
     finally:
@@ -301,6 +305,7 @@ class _Tensor:
         self.step = e.step if e.step is not None else 0.0  # (used by quantized tensors only)
         views = _payload_views(stream, e)
         self.predictor = None
+        self.log_offset = 0
         self.views: list[memoryview] = []
         if e.mode == Mode.RAW:
             self.out = _raw_values(e, views)
@@ -308,6 +313,9 @@ class _Tensor:
         self.layout = chunk_layout.layout_from_stream(e.shape, e.chunk_elements, e.coder_param)
         if e.is_linear:
             self.predictor = linear_prediction.from_bytes(views[0], chunk_layout.row_length(e.shape))
+            views = views[1:]
+        if e.mode == Mode.LOG:  # (the header checked that the first substream is the offset's 8 bytes)
+            self.log_offset = int.from_bytes(views[0][:LOG_OFFSET_BYTES], "little", signed=True)
             views = views[1:]
         self.views = views
         self.out = np.empty(e.numel, dtype=np.int32 if want_levels else e.dtype.carrier)
@@ -329,6 +337,10 @@ class _Tensor:
             self._levels_into(k, out[start:stop])
             if dependent:
                 out[start:stop] = dq_indices(out[start:stop])
+        elif e.mode == Mode.LOG:
+            levels = np.empty(stop - start, dtype=np.int32)
+            self._levels_into(k, levels)
+            out[start:stop] = log_values(levels, self.log_offset, self.step, e.dtype.dtype_name)
         elif e.mode.is_quantized and e.dtype == DType.FLOAT32:
             window = out[start:stop].view(np.int32)
             self._levels_into(k, window)

@@ -23,11 +23,18 @@ import numpy as np
 from ..entropy import linear_prediction
 from ..io.checkpoint import Checkpoint
 from ..io.tensor_source import TensorSource
-from .container import StreamHeader, TensorEntry, raw_chunk_elements, read_header, write_header
+from .container import LOG_OFFSET_BYTES, Mode, StreamHeader, TensorEntry, raw_chunk_elements, read_header, write_header
 from .levels import QuantizedTensor, assembled
 from .model_plan import ModelPlan, plan_model
 from .parallel import ELEMENTS_IN_FLIGHT, Progress, resolve_threads
-from .settings import DEFAULT_IMPORTANCE, DEFAULT_QP, DEFAULT_QP_DENSITY, DEFAULT_QUANTIZER, EncodeSettings
+from .settings import (
+    DEFAULT_IMPORTANCE,
+    DEFAULT_MOMENTS_QP,
+    DEFAULT_QP,
+    DEFAULT_QP_DENSITY,
+    DEFAULT_QUANTIZER,
+    EncodeSettings,
+)
 from .tensor_plan import TensorPlan
 
 
@@ -44,6 +51,7 @@ def encode_model(
     importance: Mapping[str, Any] | str | None = DEFAULT_IMPORTANCE,
     batchnorm_eps: float | Mapping[str, float] | None = None,
     bias_correction: bool = True,
+    moments_qp: int = DEFAULT_MOMENTS_QP,
     threads: int | None = None,
     progress: Progress | None = None,
 ) -> bytes:
@@ -57,13 +65,16 @@ def encode_model(
     model : mapping or Checkpoint
         Torch tensors or numpy arrays, nested in dicts, lists and tuples as a checkpoint holds them.
     qp, qp_density, qp_1d, qp_overrides, keep_exact, quantizer, lambda_scale, importance, \
-batchnorm_eps, bias_correction
+batchnorm_eps, bias_correction, moments_qp
         The settings of :class:`~deepcabac_py.model.settings.EncodeSettings`. In short: ``qp``
         sets the step of tensors with two or more dimensions (lower: finer, more bytes) and
         ``qp_1d`` that of biases and norms (default six octaves finer); ``quantizer`` is
         ``"trellis"`` (default), ``"rdoq"`` or ``"nearest"``; ``importance`` is
         ``"structural"`` (default: from the model itself, without data), a mapping of per-weight
-        importances (e.g. :func:`deepcabac_py.tuning.fisher.diagonal_fisher`), or None.
+        importances (e.g. :func:`deepcabac_py.tuning.fisher.diagonal_fisher`), or None. An
+        optimizer's state (``optimizer.state_dict()`` in the checkpoint) is recognised: steps
+        kept exact, moments coded in the log domain at ``moments_qp``
+        (:mod:`deepcabac_py.model.optimizer_state`).
     threads : int or None
         Worker threads (None: every core). The bytes do not depend on it.
     progress : callable or None
@@ -83,7 +94,8 @@ batchnorm_eps, bias_correction
     """
     settings = EncodeSettings(qp=qp, qp_density=qp_density, qp_1d=qp_1d, qp_overrides=qp_overrides,
                               keep_exact=keep_exact, quantizer=quantizer, lambda_scale=lambda_scale,
-                              importance=importance, batchnorm_eps=batchnorm_eps, bias_correction=bias_correction)
+                              importance=importance, batchnorm_eps=batchnorm_eps, bias_correction=bias_correction,
+                              moments_qp=moments_qp)
     out = io.BytesIO()
     write_stream(out, model, settings, threads=threads, progress=progress, spool=io.BytesIO())
     return out.getvalue()
@@ -211,6 +223,8 @@ class _TensorCoder:
         chunks = [data for data, _ in done]
         if p.linear is not None:
             chunks.insert(0, p.linear.to_bytes())
+        if p.log_offset is not None:
+            chunks.insert(0, p.log_offset.to_bytes(LOG_OFFSET_BYTES, "little", signed=True))
         if p.name in self.plan.shift_layers:
             decoded = assembled(p.entry, [levels for _, levels in done if levels is not None]).decoded64()
             for target, delta in self.plan.shift_deltas(p, decoded):
@@ -245,7 +259,7 @@ def quantize_model(model: Mapping[str, Any] | Checkpoint, **settings: Any) -> di
     dict of str to QuantizedTensor
         Every level-coded tensor; ``levels * step`` are the decoded values (for trellis tensors the
         levels are the reconstruction indices, not the transmitted ones). Tensors stored raw (kept
-        exact, non-finite, complex) are left out.
+        exact, non-finite, complex) and optimizer moments (the log domain) are left out.
     """
     plan = plan_model(model, EncodeSettings(**settings))
     targets = plan.shift_targets
@@ -255,13 +269,13 @@ def quantize_model(model: Mapping[str, Any] | Checkpoint, **settings: Any) -> di
         if name in targets:
             continue
         p = plan.plan(name)
-        if p.is_level_coded:
+        if p.is_level_coded and p.entry.mode != Mode.LOG:
             out[name] = p.quantized()
             if name in plan.shift_layers:
                 for target, delta in plan.shift_deltas(p, out[name].decoded64()):
                     deltas[target] = deltas.get(target, 0.0) + delta
     for name in targets:
         p = plan.with_shifts(name, deltas[name]) if name in deltas else plan.fixed[name]
-        if p.is_level_coded:
+        if p.is_level_coded and p.entry.mode != Mode.LOG:
             out[name] = p.quantized()
     return {n: out[n] for n in plan.names if n in out}

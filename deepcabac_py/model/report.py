@@ -119,7 +119,7 @@ def build_report(header: StreamHeader, original: Checkpoint | None = None,
         rep = TensorReport(
             name=e.name, shape=list(e.shape), dtype=dtype,
             mode="ALIAS" if e.is_alias else e.mode.name + ("+LP" if e.is_linear else ""),
-            qp=e.qp if e.mode.is_quantized and not e.is_alias else None,
+            qp=e.qp if e.mode.has_step and not e.is_alias else None,
             step=e.step if not e.is_alias else None, params=params, bytes=e.size,
             bits_per_param=(8.0 * e.size / params) if params and not e.is_alias else None,
             ratio_vs_fp32=(4.0 * params / e.size) if e.size else None,
@@ -162,13 +162,15 @@ def build_report(header: StreamHeader, original: Checkpoint | None = None,
 
 
 # The modes in words (``internals``: the stream's own names, as ``info --json`` gives them).
-_MODE_WORDS = {"DEPENDENT": "trellis", "UNIFORM": "uniform", "INTEGER": "lossless", "RAW": "exact", "ALIAS": "tied"}
+_MODE_WORDS = {"DEPENDENT": "trellis", "UNIFORM": "uniform", "INTEGER": "lossless", "RAW": "exact", "ALIAS": "tied",
+               "LOG": "log"}
 _MODE_LEGEND = {
     "trellis": "trellis = dependent quantization, 4 states (its effective step is about twice qp's)",
     "uniform": "uniform = one step, levels rounded to it",
     "lossless": "lossless = integers coded exactly",
     "exact": "exact = stored bit for bit",
     "tied": "tied = the storage of another tensor",
+    "log": "log = optimizer moments, log2 of each magnitude in steps of qp's step (in octaves)",
     "+pred": "+pred = coded as residuals of a prediction across columns",
 }
 

@@ -22,9 +22,10 @@ from ..errors import DeepCabacWarning
 from ..io.checkpoint import tensor_to_numpy
 from ..io.dtypes import DType
 from ..quant import quantizers
+from ..quant.log_domain import LOG_DTYPES, log_levels
 from ..quant.reconstruct import fits
 from ..quant.steps import QP_MIN, qp_for_range, step_from_qp
-from . import _planning_kernels
+from . import _planning_kernels, optimizer_state
 from .container import FLAG_TORCH, Coder, Mode, TensorEntry
 from .levels import QuantizedTensor, assembled
 from .settings import EncodeSettings, lookup_qp
@@ -116,6 +117,7 @@ class TensorPlan:
     levels: np.ndarray | None = None  # the whole tensor's levels (flat int32) when ``linear`` is set
     max_level: int = 0  # a bound on |level| of a quantized tensor
     floats: np.ndarray | None = None  # a quantized tensor's values as the quantizer reads them (flat)
+    log_offset: int | None = None  # Mode.LOG: the offset of its levels (``levels`` holds them)
 
     @property
     def name(self) -> str:
@@ -154,6 +156,8 @@ class TensorPlan:
     def chunk_levels(self, start: int, stop: int) -> np.ndarray:
         """The levels of elements ``start:stop`` (a chunk), as the encoder quantizes them."""
         entry = self.entry
+        if entry.mode == Mode.LOG and self.levels is not None:
+            return self.levels[start:stop]
         if entry.mode.is_quantized:
             values, step, imp = self._quantizer_inputs(start, stop)
             if self.quantizer == "nearest":
@@ -231,7 +235,10 @@ class TensorPlanner:
                             flags=FLAG_TORCH if is_torch else 0)
         if arr.size == 0:
             return TensorPlan(entry, arr)
-        if dtype.is_float and not s.is_exact(name):
+        role = optimizer_state.role_of(name)
+        if dtype.is_float and not s.is_exact(name) and role != optimizer_state.STEP:
+            if role is not None:  # a moment: in the log domain, or exact in half precision
+                return self._plan_log(entry, arr) if dtype_name in LOG_DTYPES else TensorPlan(entry, arr)
             return self._plan_float(entry, arr)
         if dtype.is_float or dtype.is_complex:
             return TensorPlan(entry, arr)
@@ -280,6 +287,26 @@ class TensorPlanner:
         return TensorPlan(entry, arr, layout, s.quantizer, s.lam,
                           relative_importance(name, self.importance.get(name), arr.shape), max_level=max_level,
                           floats=values)
+
+
+    def _plan_log(self, entry: TensorEntry, arr: np.ndarray) -> TensorPlan:
+        s = self.settings
+        qp = lookup_qp(entry.name, s.qp_overrides or {})
+        qp = s.moments_qp if qp is None else qp
+        _, finite = _planning_kernels.float_range(arr.reshape(-1))
+        if not finite:
+            warnings.warn(f"{entry.name}: holds NaN or infinity; stored exactly (raw)", DeepCabacWarning, stacklevel=5)
+            return TensorPlan(entry, arr)
+        try:
+            levels, offset = log_levels(arr, step_from_qp(qp, s.qp_density))
+        except ValueError:
+            return TensorPlan(entry, arr)
+        entry.mode, entry.coder, entry.qp, entry.qp_density = Mode.LOG, Coder.ADAPTIVE_SCALE, qp, s.qp_density
+        max_level = int(np.abs(levels).max()) if levels.size else 0
+        layout = chunk_layout.layout_for_shape(entry.shape, max_abs_level=max_level, predict=False)
+        entry.chunk_elements = layout.chunk_elements
+        entry.coder_param = layout.coder_param
+        return TensorPlan(entry, arr, layout, levels=levels, max_level=max_level, log_offset=offset)
 
 
 def _qp_that_holds(top: float, qp: int, qp_density: int, dtype: str, dependent: bool) -> int | None:

@@ -7,4 +7,5 @@ the level coder's own modelling).
 * :mod:`.steps`: ``step_from_qp``, ``qp_for_range``, the qp range.
 * :mod:`.quantizers`: levels of a chunk by nearest rounding, RDOQ or the trellis.
 * :mod:`.reconstruct`: levels back to values, dependent quantization's state machine included.
+* :mod:`.log_domain`: values by the log2 of their magnitudes (an optimizer's moments).
 """

@@ -1,0 +1,239 @@
+"""Optimizer state: steps and param_groups exact, moments in the log domain, and a decoded
+checkpoint that resumes training as the original would (the next Adam step)."""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+import deepcabac_py as dc
+from deepcabac_py.errors import CorruptStreamError
+from deepcabac_py.model.container import LOG_OFFSET_BYTES, Mode
+from deepcabac_py.model.optimizer_state import FIRST_MOMENT, SECOND_MOMENT, STEP, role_of
+from deepcabac_py.model.settings import DEFAULT_MOMENTS_QP
+from deepcabac_py.quant.log_domain import log_levels, log_values
+from deepcabac_py.quant.steps import step_from_qp
+
+GOLDEN = Path(__file__).resolve().parent / "golden" / "optimizer_state.dcb"
+REGEN = os.environ.get("DEEPCABAC_REGEN_GOLDEN") == "1"
+
+
+def _net() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.ReLU(), torch.nn.Linear(64, 5))
+
+
+def _data():
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(512, 20, generator=g), torch.randint(0, 5, (512,), generator=g)
+
+
+def _batch(i: int):
+    x, y = _data()
+    j = i % 8
+    return x[64 * j:64 * (j + 1)], y[64 * j:64 * (j + 1)]
+
+
+def _trained(make_opt, steps: int = 60) -> dict:
+    torch.manual_seed(0)
+    model = _net()
+    opt = make_opt(model.parameters())
+    for i in range(steps):
+        x, y = _batch(i)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    return {"model": model.state_dict(), "optimizer": opt.state_dict(), "epoch": 3, "step": steps}
+
+
+def _next_step(ckpt: dict, make_opt) -> torch.Tensor:
+    """The parameter change of one more step on a fixed batch, resumed from ``ckpt``."""
+    ckpt = copy.deepcopy(ckpt)  # (the optimizer adopts the state's tensors and steps them in place)
+    model = _net()
+    model.load_state_dict(ckpt["model"])
+    opt = make_opt(model.parameters())
+    opt.load_state_dict(ckpt["optimizer"])
+    before = torch.cat([p.detach().clone().reshape(-1) for p in model.parameters()])
+    x, y = _batch(100)
+    opt.zero_grad()
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]) - before
+
+
+OPTIMIZERS = {
+    "adam": lambda p: torch.optim.Adam(p, lr=1e-3),
+    "adamw_amsgrad": lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=0.01, amsgrad=True),
+    "sgd_momentum": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
+}
+
+
+@pytest.mark.parametrize("which", sorted(OPTIMIZERS))
+def test_a_decoded_checkpoint_resumes_as_the_original(which):
+    make = OPTIMIZERS[which]
+    ckpt = _trained(make)
+    data = dc.encode_model(ckpt)
+    back = dc.decode_model(data)
+    # everything that is not a moment comes back exactly
+    assert back["optimizer"]["param_groups"] == ckpt["optimizer"]["param_groups"]
+    assert back["epoch"] == 3 and back["step"] == 60
+    for index, state in ckpt["optimizer"]["state"].items():
+        got = back["optimizer"]["state"][index]
+        assert set(got) == set(state)
+        for key, value in state.items():
+            if key == "step":
+                assert torch.equal(got[key], value) and got[key].dtype == value.dtype
+                continue
+            # the log domain: zeros stay zeros, nothing positive becomes 0, the relative error is
+            # within half a step (a quarter octave) plus float32 rounding
+            zero = value == 0
+            assert torch.equal(got[key][zero], value[zero])
+            assert not torch.any((value != 0) & (got[key] == 0))
+            assert torch.equal(torch.sign(got[key]), torch.sign(value))
+            rel = ((got[key][~zero] - value[~zero]).abs() / value[~zero].abs()).max().item()
+            assert rel <= 2 ** (step_from_qp(DEFAULT_MOMENTS_QP) / 2) - 1 + 1e-6
+    modes = {e.name: e.mode for e in dc.read_stream_header(data).tensors}
+    for name, mode in modes.items():
+        role = role_of(name)
+        if role in (FIRST_MOMENT, SECOND_MOMENT):
+            assert mode == Mode.LOG, name
+        elif role == STEP:
+            assert mode == Mode.RAW, name
+    # resumption: the next step from the decoded checkpoint is the original's, to within the goals
+    a, b = _next_step(ckpt, make), _next_step(back, make)
+    assert torch.nn.functional.cosine_similarity(a, b, dim=0).item() >= 0.99
+    assert abs(b.norm().item() / a.norm().item() - 1) <= 0.05
+
+
+def test_moments_take_their_qp_from_overrides_and_moments_qp():
+    ckpt = _trained(OPTIMIZERS["adam"], steps=5)
+    # (why not the weights' uniform step: most of v lies below half of it and would decode as 0)
+    v = ckpt["optimizer"]["state"][0]["exp_avg_sq"]
+    assert (v < step_from_qp(dc.encode_model.__kwdefaults__["qp"]) / 2).float().mean() > 0.5
+    data = dc.encode_model(ckpt, moments_qp=-12, qp_overrides={"optimizer.state.0.exp_avg_sq": -4})
+    qps = {e.name: e.qp for e in dc.read_stream_header(data).tensors if e.mode == Mode.LOG}
+    assert qps.pop("optimizer.state.0.exp_avg_sq") == -4
+    assert set(qps.values()) == {-12}
+    finer, coarser = (len(dc.encode_model(ckpt, moments_qp=qp)) for qp in (-12, -4))
+    assert finer > coarser
+
+
+def test_an_optimizer_checkpoint_through_the_cli(tmp_path):
+    make = OPTIMIZERS["adam"]
+    ckpt = _trained(make, steps=20)
+    src, stream, out = tmp_path / "ckpt.pt", tmp_path / "ckpt.dcb", tmp_path / "back.pt"
+    torch.save(ckpt, src)
+    for args in (["encode", str(src), "-o", str(stream), "-q"], ["decode", str(stream), "-o", str(out), "-q"]):
+        r = subprocess.run([sys.executable, "-m", "deepcabac_py.cli.main", *args], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+    back = torch.load(out, weights_only=True)
+    model = _net()
+    model.load_state_dict(back["model"])
+    opt = make(model.parameters())
+    opt.load_state_dict(back["optimizer"])  # a state torch accepts as its own
+    assert back["optimizer"]["param_groups"] == ckpt["optimizer"]["param_groups"]
+    r = subprocess.run([sys.executable, "-m", "deepcabac_py.cli.main", "info", str(stream)], capture_output=True,
+                       text=True)
+    assert r.returncode == 0 and "LOG" in r.stdout.upper()
+
+
+@pytest.mark.parametrize("name, role", [
+    ("optimizer.state.0.exp_avg", FIRST_MOMENT), ("opt.state.12.exp_avg_sq", SECOND_MOMENT),
+    ("state.3.max_exp_avg_sq", SECOND_MOMENT), ("optimizer.state.1.momentum_buffer", FIRST_MOMENT),
+    ("optimizer.state.0.step", STEP), ("model.exp_avg", None), ("optimizer.state.x.exp_avg", None),
+    ("optimizer.param_groups.0.lr", None), ("layer.state.0.weight", None)])
+def test_roles_by_name(name, role):
+    assert role_of(name) == role
+
+
+def _reference_levels(values, step):
+    """Plain Python: the log-domain levels and offset of a list of floats."""
+    ks = [round(math.log2(abs(x)) / step) for x in values if x != 0]
+    if not ks:
+        return [0] * len(values), 0
+    offset = min(ks) - 1
+    out = []
+    for x in values:
+        if x == 0:
+            out.append(0)
+        else:
+            m = round(math.log2(abs(x)) / step) - offset
+            out.append(m if x > 0 else -m)
+    return out, offset
+
+
+finite32 = st.floats(allow_nan=False, allow_infinity=False, width=32)
+
+
+@settings(max_examples=200, deadline=None)
+@given(values=hnp.arrays(np.float32, st.integers(1, 64), elements=finite32),
+       qp=st.integers(-24, 4))
+def test_log_levels_match_a_plain_python_reference(values, qp):
+    step = step_from_qp(qp)
+    levels, offset = log_levels(values, step)
+    ref, ref_offset = _reference_levels([float(x) for x in values], step)
+    assert levels.tolist() == ref and offset == ref_offset
+    back = log_values(levels, offset, step, "float32")
+    nonzero = values != 0
+    assert np.array_equal(back == 0, ~nonzero)
+    assert np.array_equal(np.sign(back), np.sign(values))
+    if nonzero.any():
+        rel = np.abs(back[nonzero].astype(np.float64) / values[nonzero].astype(np.float64) - 1)
+        # half a step, plus the float32 rounding (and the clamp at the smallest subnormal)
+        tiny = np.abs(values[nonzero]) < np.finfo(np.float32).tiny
+        assert np.all((rel <= 2 ** (step / 2) - 1 + 1e-6) | tiny)
+
+
+def _golden_input() -> dict:
+    # moments that are signed powers of two: at a step of one octave (qp 0) they decode exactly, so
+    # the expected values need no file of their own
+    rng = np.random.RandomState(7)
+    k = rng.randint(-30, 3, size=(12, 10))
+    sign = np.where(rng.randint(0, 2, size=k.shape) == 1, 1.0, -1.0)
+    m = (sign * np.ldexp(1.0, k)).astype(np.float32)
+    m[rng.randint(0, 2, size=k.shape) == 0] = 0.0
+    v = np.ldexp(1.0, rng.randint(-40, -10, size=(12, 10))).astype(np.float32)
+    return {"state": {0: {"step": np.float32(17.0).reshape(()), "exp_avg": m, "exp_avg_sq": v}}}
+
+
+def test_the_golden_log_domain_stream_decodes_and_is_reproduced():
+    obj = _golden_input()
+    data = dc.encode_model(obj, moments_qp=0, threads=1)
+    if REGEN or not GOLDEN.exists():
+        if not REGEN:
+            pytest.fail(f"{GOLDEN} missing; run with DEEPCABAC_REGEN_GOLDEN=1 to create it")
+        GOLDEN.write_bytes(data)
+    committed = GOLDEN.read_bytes()
+    assert data == committed
+    header = dc.read_stream_header(committed)
+    assert header.version == 4
+    back = dc.decode_model(committed)
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert np.array_equal(back["state"][0][key], obj["state"][0][key])
+    assert back["state"][0]["step"] == 17.0
+
+
+def _log_entry_stream() -> tuple[bytes, int]:
+    data = dc.encode_model({"state": {0: {"exp_avg_sq": np.full((4, 4), 1e-8, np.float32)}}})
+    header = dc.read_stream_header(data)
+    (e,) = [e for e in header.tensors if e.mode == Mode.LOG]
+    return data, header.header_size + e.offset
+
+
+def test_a_damaged_log_domain_offset_is_refused():
+    data, at = _log_entry_stream()
+    bad = bytearray(data)
+    bad[at:at + LOG_OFFSET_BYTES] = (1 << 50).to_bytes(LOG_OFFSET_BYTES, "little", signed=True)
+    from helpers import fix_checksums
+    with pytest.raises(CorruptStreamError, match="offset"):
+        dc.decode_model(fix_checksums(bytes(bad)))
