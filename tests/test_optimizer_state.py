@@ -145,6 +145,14 @@ def test_an_optimizer_checkpoint_through_the_cli(tmp_path):
     r = subprocess.run([sys.executable, "-m", "deepcabac_py.cli.main", "info", str(stream)], capture_output=True,
                        text=True)
     assert r.returncode == 0 and "LOG" in r.stdout.upper()
+    # --moments-qp sets their precision
+    coarse = tmp_path / "coarse.dcb"
+    r = subprocess.run([sys.executable, "-m", "deepcabac_py.cli.main", "encode", str(src), "-o", str(coarse), "-q",
+                        "--moments-qp", "-4"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    header = dc.read_stream_header(coarse.read_bytes())
+    assert {e.qp for e in header.tensors if e.mode == Mode.LOG} == {-4}
+    assert coarse.stat().st_size < stream.stat().st_size
 
 
 @pytest.mark.parametrize("name, role", [
