@@ -11,6 +11,7 @@ written in Numba. The subpackages are layers; each imports only those below it::
     tuning      workflows around the encoder: Fisher importance, rate control, recalibration
     updates     sparse weight updates of distributed and federated training
     matrix      entropy-bounded matrix formats (CER/CSER) and torch modules on them
+    series      the checkpoints of a training run, each coded against the last
     integrations, cli
 
 The public surface is small::
@@ -71,6 +72,7 @@ _EXPORTS = {
     "iter_messages": "updates.messages",
     "model_hash": "updates.messages",
     "read_update_header": "updates.messages",
+    "CheckpointSeries": "series.checkpoint_series",
 }
 
 
@@ -92,6 +94,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Checkpoint",
     "CheckpointError",
+    "CheckpointSeries",
     "CorruptStreamError",
     "DeepCabacError",
     "ErrorFeedback",

@@ -14,6 +14,7 @@ from deepcabac_py.quant.steps import QP_DENSITY_MAX, QP_MAX, QP_MIN
 EXPECTED_ALL = [
     "Checkpoint",
     "CheckpointError",
+    "CheckpointSeries",
     "CorruptStreamError",
     "DeepCabacError",
     "ErrorFeedback",

@@ -21,8 +21,9 @@ ALLOWED = {
     "tuning": {"errors", "io", "model", "quant"},
     "updates": {"errors", "_jit", "io", "entropy", "quant", "model"},
     "matrix": {"errors", "_jit", "io", "quant", "model"},
+    "series": {"errors", "io", "model"},
     "integrations": {"errors", "io", "entropy", "quant", "model", "tuning", "updates", "matrix"},
-    "cli": {"errors", "io", "entropy", "quant", "model", "tuning", "updates", "matrix"},
+    "cli": {"errors", "io", "entropy", "quant", "model", "tuning", "updates", "matrix", "series"},
 }
 
 

@@ -1,9 +1,9 @@
 """The ``deepcabac`` command line (click).
 
 May import: anything in the package; nothing imports it. ``main`` holds the group and the model
-commands, ``update`` the ``update`` group, ``directories`` the commands on checkpoint directories,
-``sweep`` the ``sweep`` command and ``plots`` its pictures and report's, ``common`` what they share
-(errors, input, outputs, progress).
+commands, ``update`` the ``update`` group, ``series`` the ``series`` group, ``directories`` the
+commands on checkpoint directories, ``sweep`` the ``sweep`` command and ``plots`` its pictures and
+report's, ``common`` what they share (errors, input, outputs, progress).
 
 The library's warnings (:class:`~deepcabac_py.errors.DeepCabacWarning`: a tensor stored raw, a step
 made coarser, values dropped) are printed in the CLI's voice, one line each, from here on: this

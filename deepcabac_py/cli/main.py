@@ -46,6 +46,7 @@ from .directories import (
     report_directory,
     test_directory,
 )
+from .series import series_group
 from .sweep import sweep
 from .update import info_update, is_update_file, report_update, test_update_file, update_group
 
@@ -575,6 +576,7 @@ def test(inputs, base, threads, quiet, verbose):
 
 
 main.add_command(update_group, "update")
+main.add_command(series_group, "series")
 main.add_command(sweep)
 
 if __name__ == "__main__":

@@ -1,0 +1,84 @@
+"""``deepcabac series``: the checkpoints of a training run in one file, each coded against the last."""
+
+from __future__ import annotations
+
+import os
+
+import click
+
+from deepcabac_py.io.kinds import KINDS
+
+from .common import check_output, write_output
+
+
+@click.group("series", context_settings={"help_option_names": ["-h", "--help"]})
+def series_group():
+    """Add training checkpoints to a series (.dcs), list it, extract any entry."""
+
+
+@series_group.command("add")
+@click.argument("series", metavar="RUN.dcs", type=click.Path(dir_okay=False))
+@click.argument("checkpoints", metavar="CKPT...", nargs=-1, required=True, type=click.Path(dir_okay=False))
+@click.option("--key-every", type=click.IntRange(min=1), default=None,
+              help="Every K-th entry is coded on its own, the others against the entry before "
+                   "[default: 10].")
+@click.option("--qp", type=int, default=None, help="qp of the weights and of their residuals [default: encode's].")
+@click.option("--input-format", type=click.Choice(KINDS), default=None, help="The checkpoints' kind (default: "
+              "from the suffix).")
+@click.option("-q", "--quiet", is_flag=True, help="Print nothing but errors.")
+def add_cmd(series, checkpoints, key_every, qp, input_format, quiet):
+    """Append each CKPT to RUN.dcs (created on first use); a line per entry."""
+    from deepcabac_py.io.files import load_checkpoint
+    from deepcabac_py.series.checkpoint_series import DEFAULT_KEY_EVERY, CheckpointSeries
+
+    settings = {} if qp is None else {"qp": qp}
+    s = CheckpointSeries(series, key_every=key_every or DEFAULT_KEY_EVERY, **settings)
+    for path in checkpoints:
+        index = s.append(load_checkpoint(path, input_format))
+        if not quiet:
+            e = s.entries()[index]
+            click.echo(f"{series}: entry {index} ({e.kind}) {e.bytes:,} bytes <- {path}")
+
+
+@series_group.command("list")
+@click.argument("series", metavar="RUN.dcs", type=click.Path(dir_okay=False, exists=False))
+def list_cmd(series):
+    """One line per entry: index, step, bytes, key or residual."""
+    from deepcabac_py.errors import InputError
+    from deepcabac_py.series.checkpoint_series import CheckpointSeries
+
+    if not os.path.exists(series):
+        raise InputError(f"{series}: no such file")
+    entries = CheckpointSeries(series).entries()
+    click.echo(f"{'index':>5} {'step':>8} {'bytes':>12}  kind")
+    for e in entries:
+        step = "-" if e.step is None else str(e.step)
+        kind = e.kind if e.parent is None else f"{e.kind} of {e.parent}"
+        click.echo(f"{e.index:>5} {step:>8} {e.bytes:>12,}  {kind}")
+    click.echo(f"{len(entries)} entries, {sum(e.bytes for e in entries):,} bytes")
+
+
+@series_group.command("extract")
+@click.argument("series", metavar="RUN.dcs", type=click.Path(dir_okay=False))
+@click.argument("index", type=int)
+@click.option("-o", "--output", required=True, type=click.Path(allow_dash=True, dir_okay=False),
+              help="The checkpoint to write (.pt, .safetensors, .npz).")
+@click.option("-f", "--force", is_flag=True, help="Overwrite an existing output file.")
+def extract_cmd(series, index, output, force):
+    """Decode entry INDEX (negative: from the end) into a checkpoint file, the chain verified."""
+    from deepcabac_py.errors import InputError
+    from deepcabac_py.io.files import checkpoint_writer, kind_from_suffix
+    from deepcabac_py.series.checkpoint_series import CheckpointSeries
+
+    if not os.path.exists(series):
+        raise InputError(f"{series}: no such file")
+    check_output(output, force)
+    try:
+        ckpt = CheckpointSeries(series).checkpoint(index)
+    except IndexError as exc:
+        raise InputError(str(exc)) from None
+    kind = kind_from_suffix(output) or "torch"
+    write_output(output, checkpoint_writer(ckpt, kind), force)
+
+
+__all__ = ["series_group"]

@@ -1,0 +1,221 @@
+"""The checkpoints of a training run, each coded against the last.
+
+The first entry and every ``key_every``-th are coded on their own (:func:`encode_model`); the
+others as residuals: every float tensor that is not an optimizer moment or step is coded as its
+difference from the previous entry *as decoded*, so the error of an entry is that of its own
+residual's quantization and does not accumulate along the chain. Moments (the log domain) and
+everything else are coded as themselves. An entry whose tensors differ from its parent's (a new
+parameter, a changed shape or dtype) is a key.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..errors import CorruptStreamError
+from ..io.checkpoint import Checkpoint, flatten, numpy_to_tensor, tensor_to_numpy, unflatten
+from ..model.decoder import decode_checkpoint
+from ..model.encoder import encode_model
+from ..model.optimizer_state import role_of
+from .records import SeriesFile
+
+__all__ = ["CheckpointSeries", "SeriesEntry", "DEFAULT_KEY_EVERY"]
+
+DEFAULT_KEY_EVERY = 10
+KEY, RESIDUAL = "key", "residual"
+_FLOATS = ("float16", "bfloat16", "float32", "float64")
+
+
+@dataclass(frozen=True)
+class SeriesEntry:
+    """One entry as ``list`` shows it."""
+
+    index: int
+    kind: str  # "key" or "residual"
+    step: int | None
+    bytes: int
+    parent: int | None
+
+
+class CheckpointSeries:
+    """A checkpoint series file (``.dcs``): ``append(obj)``, ``len(series)``, ``series[i]``.
+
+    Parameters
+    ----------
+    path : str or PathLike
+        The series file (created by the first ``append``).
+    key_every : int
+        Every this-many-th entry is coded on its own (a chain of residuals is never longer).
+    **settings
+        Settings of :func:`~deepcabac_py.model.encoder.encode_model` for every entry (``qp`` the
+        step of the weights and of their residuals).
+    """
+
+    def __init__(self, path: str | os.PathLike, *, key_every: int = DEFAULT_KEY_EVERY, **settings: Any):
+        if isinstance(key_every, bool) or not isinstance(key_every, int) or key_every < 1:
+            raise ValueError(f"key_every must be a positive integer, got {key_every!r}")
+        self.path = os.fspath(path)
+        self.key_every = key_every
+        self.settings = settings
+        self._last: tuple[int, Checkpoint] | None = None  # the newest entry as decoded
+
+    def _records(self):
+        if not os.path.exists(self.path):
+            return []
+        with SeriesFile(self.path) as f:
+            return list(f.records)
+
+    def __len__(self) -> int:
+        return len(self._records())
+
+    def entries(self) -> list[SeriesEntry]:
+        """Index, kind, step (when the checkpoint has one), bytes and parent of every entry."""
+        return [SeriesEntry(r.index, r.meta.get("kind", "?"), r.meta.get("step"), r.payload_size, r.meta.get("parent"))
+                for r in self._records()]
+
+    def append(self, obj: Any) -> int:
+        """Add a checkpoint (any object :func:`encode_model` takes) at the end; returns its index.
+        Atomic: a crash leaves the series as it was; another writer at the same time is refused."""
+        ckpt = obj if isinstance(obj, Checkpoint) else flatten(obj)
+        with SeriesFile(self.path, writer=True) as f:
+            index = len(f.records)
+            parent = self._decoded(f, index - 1) if index % self.key_every else None
+            if parent is not None and not _same_tensors(parent, ckpt):
+                parent = None
+            meta: dict[str, Any] = {"kind": KEY if parent is None else RESIDUAL,
+                                    "parent": None if parent is None else index - 1, "step": _step_of(ckpt)}
+            if parent is None:
+                payload = encode_model(ckpt, **self.settings)
+                residuals: list[str] = []
+            else:
+                coded, residuals = _residual_checkpoint(ckpt, parent)
+                # (a residual is not a model: no importance from its structure, no BatchNorm shifts)
+                settings = {"importance": None, "bias_correction": False, **self.settings}
+                payload = encode_model(coded, **settings)
+            meta["residuals"] = residuals
+            f.append(meta, payload)
+            self._last = (index, _reconstruct(f.path, index, payload, meta, parent))
+        return index
+
+    def __getitem__(self, index: int) -> Any:
+        """Entry ``index`` decoded (the chain from its key verified on the way)."""
+        return unflatten(self.checkpoint(index))
+
+    def checkpoint(self, index: int) -> Checkpoint:
+        """Entry ``index`` as a :class:`Checkpoint` (flat tensors and structure)."""
+        with SeriesFile(self.path) as f:
+            count = len(f.records)
+            if isinstance(index, bool) or not isinstance(index, int):
+                raise TypeError(f"series indices are integers, got {index!r}")
+            if index < 0:
+                index += count
+            if not 0 <= index < count:
+                raise IndexError(f"{self.path}: no entry {index} (the series has {count})")
+            return self._decoded(f, index)
+
+    def __iter__(self) -> Iterator[Any]:
+        for i in range(len(self)):
+            yield self[i]
+
+    def _decoded(self, f: SeriesFile, index: int) -> Checkpoint:
+        if self._last is not None and self._last[0] == index:
+            return self._last[1]
+        # back to the key, then forward through the residuals
+        chain = [index]
+        while True:
+            meta = f.records[chain[-1]].meta
+            if meta.get("kind") == KEY:
+                break
+            parent = meta.get("parent")
+            if meta.get("kind") != RESIDUAL or parent != chain[-1] - 1:
+                raise CorruptStreamError(f"{f.path}: entry {chain[-1]} has no valid parent")
+            chain.append(parent)
+        ckpt: Checkpoint | None = None
+        for i in reversed(chain):
+            record = f.records[i]
+            ckpt = _reconstruct(f.path, i, f.payload(record), record.meta, ckpt)
+        if ckpt is None:
+            raise RuntimeError("internal error: an empty chain")
+        return ckpt
+
+
+def _reconstruct(path: str, index: int, payload: bytes, meta: dict, parent: Checkpoint | None) -> Checkpoint:
+    decoded = decode_checkpoint(payload)
+    if meta.get("kind") == KEY:
+        return decoded
+    if parent is None:
+        raise CorruptStreamError(f"{path}: entry {index} is a residual without its parent")
+    residuals = meta.get("residuals")
+    if not isinstance(residuals, list) or not set(residuals) <= set(decoded.tensors):
+        raise CorruptStreamError(f"{path}: entry {index} lists residuals it does not hold")
+    tensors = dict(decoded.tensors)
+    for name in residuals:
+        if name not in parent.tensors:
+            raise CorruptStreamError(f"{path}: entry {index}: residual {name!r} has no parent tensor")
+        base, dtype, is_torch = tensor_to_numpy(parent.tensors[name])
+        delta, _, _ = tensor_to_numpy(tensors[name])
+        if delta.shape != base.shape:
+            raise CorruptStreamError(f"{path}: entry {index}: residual {name!r} does not match its parent")
+        tensors[name] = numpy_to_tensor(_add(base, delta, dtype), dtype, is_torch)
+    return Checkpoint(tensors, decoded.skeleton, decoded.kind, decoded.metadata, dict(decoded.aliases))
+
+
+def _floats(arr: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "bfloat16":
+        return (arr.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    return arr.astype(np.float64)
+
+
+def _to_carrier(x: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "bfloat16":  # round to nearest even on the upper 16 bits
+        bits = x.astype(np.float32).view(np.uint32)
+        return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    return x.astype(dtype)
+
+
+def _add(base: np.ndarray, delta: np.ndarray, dtype: str) -> np.ndarray:
+    return _to_carrier(_floats(base, dtype) + _floats(delta, dtype), dtype)
+
+
+def _residual_checkpoint(ckpt: Checkpoint, parent: Checkpoint) -> tuple[Checkpoint, list[str]]:
+    """``ckpt`` with every weight-like float tensor replaced by its difference from ``parent``."""
+    tensors, residuals = {}, []
+    for name, t in ckpt.tensors.items():
+        arr, dtype, is_torch = tensor_to_numpy(t)
+        if dtype in _FLOATS and role_of(name) is None and arr.size:
+            base, _, _ = tensor_to_numpy(parent.tensors[name])
+            delta = _floats(arr, dtype) - _floats(base, dtype)
+            if np.all(np.isfinite(delta)):
+                # (float32 holds any difference of half-precision values; float64 stays float64)
+                out_dtype = "float64" if dtype == "float64" else "float32"
+                tensors[name] = numpy_to_tensor(delta.astype(out_dtype), out_dtype, is_torch)
+                residuals.append(name)
+                continue
+        tensors[name] = t
+    return Checkpoint(tensors, ckpt.skeleton, ckpt.kind, ckpt.metadata, dict(ckpt.aliases)), residuals
+
+
+def _same_tensors(a: Checkpoint, b: Checkpoint) -> bool:
+    if list(a.tensors) != list(b.tensors):
+        return False
+    for name, t in a.tensors.items():
+        x, dx, _ = tensor_to_numpy(t)
+        y, dy, _ = tensor_to_numpy(b.tensors[name])
+        if x.shape != y.shape or dx != dy:
+            return False
+    return True
+
+
+def _step_of(ckpt: Checkpoint) -> int | None:
+    """The training step a checkpoint records at its top level (``step``, ``global_step``)."""
+    root = ckpt.skeleton.get("root") if isinstance(ckpt.skeleton, dict) else None
+    items = root.get("$dict") if isinstance(root, dict) else None
+    for key, value in items or []:
+        if key in ("global_step", "step") and type(value) is int:
+            return value
+    return None

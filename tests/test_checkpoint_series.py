@@ -1,0 +1,205 @@
+"""Checkpoint series: keys and residuals, no error along the chain, atomic appends, one writer,
+clear errors for damage, and the CLI."""
+
+from __future__ import annotations
+
+import copy
+import fcntl
+import os
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+import deepcabac_py as dc
+from deepcabac_py.cli.main import main
+from deepcabac_py.errors import CorruptStreamError, FormatError, InputError, OutputError
+from deepcabac_py.quant.steps import step_from_qp
+from deepcabac_py.series.records import SeriesFile
+
+
+def _run(n: int, every: int = 15, seed: int = 0) -> list[dict]:
+    """``n`` checkpoints of a small Adam run, ``every`` steps apart."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 96), torch.nn.ReLU(), torch.nn.Linear(96, 4))
+    opt = torch.optim.Adam(model.parameters(), lr=2e-3)
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(512, 32, generator=g)
+    y = (x @ torch.randn(32, 4, generator=g)).argmax(1)
+    out, step = [], 0
+    for _ in range(n):
+        for _ in range(every):
+            i = step % 8
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x[64 * i:64 * (i + 1)]), y[64 * i:64 * (i + 1)]).backward()
+            opt.step()
+            step += 1
+        out.append({"model": copy.deepcopy(model.state_dict()), "optimizer": copy.deepcopy(opt.state_dict()),
+                    "step": step})
+    return out
+
+
+@pytest.fixture(scope="module")
+def run() -> list[dict]:
+    return _run(6)
+
+
+def _max_weight_error(a: dict, b: dict) -> float:
+    return max((a["model"][k].double() - b["model"][k].double()).abs().max().item() for k in a["model"])
+
+
+def test_keys_and_residuals_without_error_along_the_chain(run, tmp_path):
+    series = dc.CheckpointSeries(tmp_path / "run.dcs", key_every=4)
+    assert [series.append(c) for c in run] == list(range(6))
+    assert len(series) == 6
+    kinds = [(e.kind, e.parent, e.step) for e in series.entries()]
+    assert kinds == [("key", None, 15), ("residual", 0, 30), ("residual", 1, 45), ("residual", 2, 60),
+                     ("key", None, 75), ("residual", 4, 90)]
+    # every entry is as close to its checkpoint as a key would be: the trellis's step bound, and no
+    # growth along the chain
+    bound = 2 * step_from_qp(dc.encode_model.__kwdefaults__["qp"] - 24)  # (qp_1d is 6 octaves finer)
+    errors = []
+    for i, original in enumerate(run):
+        got = series[i]
+        assert got["step"] == original["step"]
+        assert got["optimizer"]["param_groups"] == original["optimizer"]["param_groups"]
+        for index, state in original["optimizer"]["state"].items():
+            assert torch.equal(got["optimizer"]["state"][index]["step"], state["step"])
+        errors.append(_max_weight_error(got, original))
+    assert max(errors) <= 2 * step_from_qp(dc.encode_model.__kwdefaults__["qp"])
+    assert errors[3] <= 1.5 * max(errors[0], errors[4]) + bound
+    # the same entries from a fresh object (the chain decoded from its key), and negative indices
+    again = dc.CheckpointSeries(tmp_path / "run.dcs")
+    assert _max_weight_error(again[3], series[3]) == 0.0
+    assert _max_weight_error(again[-1], series[5]) == 0.0
+    with pytest.raises(IndexError, match="no entry 6"):
+        again[6]
+
+
+def test_residuals_are_smaller_than_keys(run, tmp_path):
+    series = dc.CheckpointSeries(tmp_path / "run.dcs", key_every=100)
+    for c in run:
+        series.append(c)
+    own = [len(dc.encode_model(c)) for c in run]
+    sizes = [e.bytes for e in series.entries()]
+    assert sizes[0] == own[0]  # the key is the checkpoint coded on its own
+    assert sum(sizes[1:]) < sum(own[1:])
+
+
+def test_a_changed_structure_gets_a_key(run, tmp_path):
+    series = dc.CheckpointSeries(tmp_path / "run.dcs")
+    series.append(run[0])
+    grown = copy.deepcopy(run[1])
+    grown["model"]["extra"] = torch.ones(3)
+    series.append(grown)
+    reshaped = copy.deepcopy(run[2])
+    reshaped["model"]["extra"] = torch.ones(4)
+    series.append(reshaped)
+    assert [e.kind for e in series.entries()] == ["key", "key", "key"]
+    assert torch.allclose(series[2]["model"]["extra"], torch.ones(4), atol=1e-3)
+
+
+def test_a_crash_mid_append_leaves_the_series_as_it_was(run, tmp_path):
+    path = tmp_path / "run.dcs"
+    series = dc.CheckpointSeries(path)
+    series.append(run[0])
+    series.append(run[1])
+    complete = path.read_bytes()
+    longer = tmp_path / "longer.dcs"
+    longer.write_bytes(complete)
+    dc.CheckpointSeries(longer).append(run[2])
+    record = longer.read_bytes()[len(complete):]
+    with open(path, "ab") as f:  # what a crash leaves: the first part of the next record
+        f.write(record[:len(record) // 2])
+    assert len(dc.CheckpointSeries(path)) == 2
+    assert _max_weight_error(dc.CheckpointSeries(path)[1], series[1]) == 0.0
+    dc.CheckpointSeries(path).append(run[2])  # written over the cut record
+    assert len(dc.CheckpointSeries(path)) == 3
+    assert path.read_bytes().startswith(complete)
+
+
+def test_a_second_writer_is_refused(run, tmp_path):
+    path = tmp_path / "run.dcs"
+    dc.CheckpointSeries(path).append(run[0])
+    with open(path, "rb") as holder:
+        fcntl.flock(holder.fileno(), fcntl.LOCK_EX)
+        with pytest.raises(OutputError, match="another writer"):
+            dc.CheckpointSeries(path).append(run[1])
+    assert len(dc.CheckpointSeries(path)) == 1
+
+
+def test_damage_is_named(run, tmp_path):
+    path = tmp_path / "run.dcs"
+    series = dc.CheckpointSeries(path)
+    for c in run[:4]:
+        series.append(c)
+    with SeriesFile(path) as f:
+        middle = f.records[2]
+    data = bytearray(path.read_bytes())
+    data[middle.payload_offset + middle.payload_size // 2] ^= 0x55
+    path.write_bytes(bytes(data))
+    fresh = dc.CheckpointSeries(path)
+    assert len(fresh) == 4
+    fresh[1]  # before the damage: fine
+    for i in (2, 3):  # the damaged entry, and the one coded against it
+        with pytest.raises(CorruptStreamError, match="entry 2 is damaged"):
+            fresh[i]
+    # a damaged record header
+    data = bytearray(path.read_bytes())
+    start = middle.payload_offset - len(middle.meta_bytes) - 24
+    data[start:start + 4] = b"XXXX"
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorruptStreamError, match="entry 2: damaged record header"):
+        len(dc.CheckpointSeries(path))
+    not_series = tmp_path / "model.pt"
+    torch.save({"w": torch.ones(2)}, not_series)
+    with pytest.raises(FormatError, match="not a checkpoint series"):
+        len(dc.CheckpointSeries(not_series))
+    with pytest.raises(FormatError, match="not a checkpoint series"):
+        dc.CheckpointSeries(not_series).append(run[0])
+    assert torch.load(not_series, weights_only=True)["w"].sum() == 2  # nothing written to it
+
+
+def test_the_cli(run, tmp_path):
+    paths = []
+    for i, c in enumerate(run[:3]):
+        paths.append(tmp_path / f"ckpt{i}.pt")
+        torch.save(c, paths[-1])
+    r = CliRunner()
+    out = r.invoke(main, ["series", "add", str(tmp_path / "run.dcs"), *map(str, paths)])
+    assert out.exit_code == 0, out.output
+    assert out.output.count("entry") == 3 and "(residual)" in out.output
+    out = r.invoke(main, ["series", "list", str(tmp_path / "run.dcs")])
+    assert out.exit_code == 0
+    lines = out.output.splitlines()
+    assert lines[1].split()[:2] == ["0", "15"] and lines[1].endswith("key")
+    assert lines[2].endswith("residual of 0") and lines[-1].startswith("3 entries")
+    dst = tmp_path / "back.pt"
+    out = r.invoke(main, ["series", "extract", str(tmp_path / "run.dcs"), "2", "-o", str(dst)])
+    assert out.exit_code == 0, out.output
+    back = torch.load(dst, weights_only=True)
+    assert back["step"] == 45
+    assert _max_weight_error(back, run[2]) <= 2 * step_from_qp(dc.encode_model.__kwdefaults__["qp"])
+    out = r.invoke(main, ["series", "extract", str(tmp_path / "run.dcs"), "2", "-o", str(dst)])
+    assert out.exit_code == 1 and "exists" in out.output  # never overwritten without -f
+    out = r.invoke(main, ["series", "extract", str(tmp_path / "run.dcs"), "7", "-o", str(tmp_path / "x.pt")])
+    assert out.exit_code == 1 and "no entry 7 (the series has 3)" in out.output
+    assert not (tmp_path / "x.pt").exists()
+    out = r.invoke(main, ["series", "list", str(tmp_path / "nosuch.dcs")])
+    assert out.exit_code == 1 and "no such file" in out.output
+    assert not os.path.exists(tmp_path / "nosuch.dcs")
+
+
+def test_numpy_checkpoints_and_bfloat16(tmp_path):
+    rng = np.random.default_rng(0)
+    w = rng.normal(size=(64, 48)).astype(np.float32)
+    series = dc.CheckpointSeries(tmp_path / "np.dcs")
+    series.append({"w": w, "b": torch.from_numpy(w[0]).to(torch.bfloat16)})
+    w2 = w + rng.normal(size=w.shape).astype(np.float32) * 1e-3
+    series.append({"w": w2, "b": torch.from_numpy(w2[0]).to(torch.bfloat16)})
+    got = series[1]
+    assert isinstance(got["w"], np.ndarray) and got["b"].dtype == torch.bfloat16
+    assert np.abs(got["w"] - w2).max() <= 2 * step_from_qp(dc.encode_model.__kwdefaults__["qp"])
+    with pytest.raises(InputError):
+        len(dc.CheckpointSeries(tmp_path))  # a directory
