@@ -203,3 +203,37 @@ def test_numpy_checkpoints_and_bfloat16(tmp_path):
     assert np.abs(got["w"] - w2).max() <= 2 * step_from_qp(dc.encode_model.__kwdefaults__["qp"])
     with pytest.raises(InputError):
         len(dc.CheckpointSeries(tmp_path))  # a directory
+
+
+def _next_step(ckpt: dict) -> torch.Tensor:
+    ckpt = copy.deepcopy(ckpt)  # (the optimizer adopts the state's tensors and steps them in place)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 96), torch.nn.ReLU(), torch.nn.Linear(96, 4))
+    model.load_state_dict(ckpt["model"])
+    opt = torch.optim.Adam(model.parameters(), lr=2e-3)
+    opt.load_state_dict(ckpt["optimizer"])
+    before = torch.cat([p.detach().clone().reshape(-1) for p in model.parameters()])
+    g = torch.Generator().manual_seed(99)
+    x, y = torch.randn(64, 32, generator=g), torch.randint(0, 4, (64,), generator=g)
+    opt.zero_grad()
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]) - before
+
+
+def test_a_residual_entry_resumes_as_its_checkpoint(run, tmp_path):
+    series = dc.CheckpointSeries(tmp_path / "run.dcs")
+    for c in run:
+        series.append(c)
+    assert series.entries()[5].kind == "residual"
+    with SeriesFile(tmp_path / "run.dcs") as f:
+        assert f.records[5].meta["ratios"]  # second moments as ratios to their parent's
+    for i in (1, 5):
+        got, original = series[i], run[i]
+        for index, state in original["optimizer"]["state"].items():
+            v, w = state["exp_avg_sq"], got["optimizer"]["state"][index]["exp_avg_sq"]
+            assert not torch.any((v > 0) & (w == 0))
+            nz = v != 0
+            assert ((w[nz] - v[nz]).abs() / v[nz]).max() <= 2 ** 0.125 - 1 + 1e-6
+        a, b = _next_step(original), _next_step(got)
+        assert torch.nn.functional.cosine_similarity(a, b, dim=0).item() >= 0.99
+        assert abs(b.norm().item() / a.norm().item() - 1) <= 0.05

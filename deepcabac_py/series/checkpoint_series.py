@@ -2,9 +2,10 @@
 
 The first entry and every ``key_every``-th are coded on their own (:func:`encode_model`); the
 others as residuals: every float tensor that is not an optimizer moment or step is coded as its
-difference from the previous entry *as decoded*, so the error of an entry is that of its own
-residual's quantization and does not accumulate along the chain. Moments (the log domain) and
-everything else are coded as themselves. An entry whose tensors differ from its parent's (a new
+difference from the previous entry *as decoded*, and every second moment (Adam's ``exp_avg_sq``,
+which moves slowly: 0.999 per step) as its ratio to the previous one as decoded, in the log domain;
+so the error of an entry is that of its own quantization and does not accumulate along the chain.
+First moments, steps and everything else are coded as themselves. An entry whose tensors differ from its parent's (a new
 parameter, a changed shape or dtype) is a key.
 """
 
@@ -21,7 +22,7 @@ from ..errors import CorruptStreamError
 from ..io.checkpoint import Checkpoint, flatten, numpy_to_tensor, tensor_to_numpy, unflatten
 from ..model.decoder import decode_checkpoint
 from ..model.encoder import encode_model
-from ..model.optimizer_state import role_of
+from ..model.optimizer_state import SECOND_MOMENT, role_of
 from .records import SeriesFile
 
 __all__ = ["CheckpointSeries", "SeriesEntry", "DEFAULT_KEY_EVERY"]
@@ -93,7 +94,8 @@ class CheckpointSeries:
                 payload = encode_model(ckpt, **self.settings)
                 residuals: list[str] = []
             else:
-                coded, residuals = _residual_checkpoint(ckpt, parent)
+                coded, residuals, ratios = _residual_checkpoint(ckpt, parent)
+                meta["ratios"] = ratios
                 # (a residual is not a model: no importance from its structure, no BatchNorm shifts)
                 settings = {"importance": None, "bias_correction": False, **self.settings}
                 payload = encode_model(coded, **settings)
@@ -150,19 +152,26 @@ def _reconstruct(path: str, index: int, payload: bytes, meta: dict, parent: Chec
         return decoded
     if parent is None:
         raise CorruptStreamError(f"{path}: entry {index} is a residual without its parent")
-    residuals = meta.get("residuals")
-    if not isinstance(residuals, list) or not set(residuals) <= set(decoded.tensors):
+    residuals, ratios = _names(meta.get("residuals")), _names(meta.get("ratios", []))
+    if residuals is None or ratios is None or not set(residuals + ratios) <= set(decoded.tensors):
         raise CorruptStreamError(f"{path}: entry {index} lists residuals it does not hold")
     tensors = dict(decoded.tensors)
-    for name in residuals:
+    for name in residuals + ratios:
         if name not in parent.tensors:
             raise CorruptStreamError(f"{path}: entry {index}: residual {name!r} has no parent tensor")
         base, dtype, is_torch = tensor_to_numpy(parent.tensors[name])
         delta, _, _ = tensor_to_numpy(tensors[name])
         if delta.shape != base.shape:
             raise CorruptStreamError(f"{path}: entry {index}: residual {name!r} does not match its parent")
-        tensors[name] = numpy_to_tensor(_add(base, delta, dtype), dtype, is_torch)
+        value = _add(base, delta, dtype) if name in residuals else _to_carrier(base * delta.astype(np.float64), dtype)
+        tensors[name] = numpy_to_tensor(value, dtype, is_torch)
     return Checkpoint(tensors, decoded.skeleton, decoded.kind, decoded.metadata, dict(decoded.aliases))
+
+
+def _names(listed: Any) -> list[str] | None:
+    if not isinstance(listed, list) or not all(isinstance(n, str) for n in listed):
+        return None
+    return listed
 
 
 def _floats(arr: np.ndarray, dtype: str) -> np.ndarray:
@@ -182,11 +191,23 @@ def _add(base: np.ndarray, delta: np.ndarray, dtype: str) -> np.ndarray:
     return _to_carrier(_floats(base, dtype) + _floats(delta, dtype), dtype)
 
 
-def _residual_checkpoint(ckpt: Checkpoint, parent: Checkpoint) -> tuple[Checkpoint, list[str]]:
-    """``ckpt`` with every weight-like float tensor replaced by its difference from ``parent``."""
-    tensors, residuals = {}, []
+def _residual_checkpoint(ckpt: Checkpoint, parent: Checkpoint) -> tuple[Checkpoint, list[str], list[str]]:
+    """``ckpt`` with every weight-like float tensor replaced by its difference from ``parent``, and
+    every second moment by its ratio to ``parent``'s where that is defined (the parent nonzero
+    wherever the moment is)."""
+    tensors, residuals, ratios = {}, [], []
     for name, t in ckpt.tensors.items():
         arr, dtype, is_torch = tensor_to_numpy(t)
+        if dtype in ("float32", "float64") and role_of(name) == SECOND_MOMENT and arr.size:
+            base, _, _ = tensor_to_numpy(parent.tensors[name])
+            x, b = arr.astype(np.float64), base.astype(np.float64)
+            if not np.any((b == 0) & (x != 0)) and np.all(np.isfinite(x)):
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    ratio = np.where(b == 0, 0.0, x / np.where(b == 0, 1.0, b))
+                if np.all(np.isfinite(ratio.astype(dtype))):
+                    tensors[name] = numpy_to_tensor(ratio.astype(dtype), dtype, is_torch)
+                    ratios.append(name)
+                    continue
         if dtype in _FLOATS and role_of(name) is None and arr.size:
             base, _, _ = tensor_to_numpy(parent.tensors[name])
             delta = _floats(arr, dtype) - _floats(base, dtype)
@@ -197,7 +218,7 @@ def _residual_checkpoint(ckpt: Checkpoint, parent: Checkpoint) -> tuple[Checkpoi
                 residuals.append(name)
                 continue
         tensors[name] = t
-    return Checkpoint(tensors, ckpt.skeleton, ckpt.kind, ckpt.metadata, dict(ckpt.aliases)), residuals
+    return Checkpoint(tensors, ckpt.skeleton, ckpt.kind, ckpt.metadata, dict(ckpt.aliases)), residuals, ratios
 
 
 def _same_tensors(a: Checkpoint, b: Checkpoint) -> bool:
