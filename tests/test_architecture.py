@@ -22,7 +22,7 @@ ALLOWED = {
     "updates": {"errors", "_jit", "io", "entropy", "quant", "model"},
     "matrix": {"errors", "_jit", "io", "quant", "model"},
     "series": {"errors", "io", "model"},
-    "integrations": {"errors", "io", "entropy", "quant", "model", "tuning", "updates", "matrix"},
+    "integrations": {"errors", "io", "entropy", "quant", "model", "tuning", "updates", "matrix", "series"},
     "cli": {"errors", "io", "entropy", "quant", "model", "tuning", "updates", "matrix", "series"},
 }
 
