@@ -20,7 +20,7 @@ import numpy as np
 
 from ..errors import CorruptStreamError
 from ..io.checkpoint import Checkpoint, flatten, numpy_to_tensor, tensor_to_numpy, unflatten
-from ..model.decoder import decode_checkpoint
+from ..model.decoder import decode_checkpoint, read_stream_header
 from ..model.encoder import encode_model
 from ..model.optimizer_state import SECOND_MOMENT, role_of
 from .records import SeriesFile
@@ -96,13 +96,26 @@ class CheckpointSeries:
             else:
                 coded, residuals, ratios = _residual_checkpoint(ckpt, parent)
                 meta["ratios"] = ratios
-                # (a residual is not a model: no importance from its structure, no BatchNorm shifts)
-                settings = {"importance": None, "bias_correction": False, **self.settings}
+                # A residual is not a model (no importance from its own structure, no BatchNorm
+                # shifts): each residual gets the qp its tensor got in the key, where the model's
+                # structure chose it (finer where errors cost more).
+                key_qps = self._key_qps(f, index)
+                settings = {"importance": None, "bias_correction": False, **self.settings,
+                            "qp_overrides": {**{n: key_qps[n] for n in residuals if n in key_qps},
+                                             **(self.settings.get("qp_overrides") or {})}}
                 payload = encode_model(coded, **settings)
             meta["residuals"] = residuals
             f.append(meta, payload)
             self._last = (index, _reconstruct(f.path, index, payload, meta, parent))
         return index
+
+    def _key_qps(self, f: SeriesFile, index: int) -> dict[str, int]:
+        """The qp of every quantized tensor of the key that entry ``index`` descends from."""
+        i = index - 1
+        while i > 0 and f.records[i].meta.get("kind") != KEY:
+            i -= 1
+        header = read_stream_header(f.payload(f.records[i]))
+        return {e.name: e.qp for e in header.tensors if e.mode.is_quantized}
 
     def __getitem__(self, index: int) -> Any:
         """Entry ``index`` decoded (the chain from its key verified on the way)."""
