@@ -40,10 +40,22 @@ def test_zarr_weights(tmp_path):
     assert (tmp_path / "weights.zarr" / "zarr.json").exists()
 
 
+# A worker of a fresh CI machine aborted in 3 of 9 runs (libstdc++'s "terminate called without an
+# active exception", SIGABRT, the first DDP test, while the other test worker compiled kernels), never
+# in local runs, cold or warm: that one signature gets a second run; anything else, or the abort
+# twice, fails. (Tracked in the issue notes; torch distributed has known aborts of this kind.)
+_DDP_ABORT = "terminate called without an active exception"
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_ddp_hook(dtype):
-    out = _run("-m", "torch.distributed.run", "--nproc-per-node", "2", str(EXAMPLES / "ddp_hook.py"),
-               "--steps", "30", "--dtype", dtype)
+    args = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(EXAMPLES / "ddp_hook.py"),
+            "--steps", "30", "--dtype", dtype]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    if done.returncode != 0 and _DDP_ABORT in done.stderr:
+        done = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout
     # (the ranks print at once: their lines may interleave)
     found = re.findall(r"(\d+)x less than a dense fp32 all-reduce, (\d+)x less than dense", out)
     assert len(found) == 2, out
