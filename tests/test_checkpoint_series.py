@@ -237,3 +237,16 @@ def test_a_residual_entry_resumes_as_its_checkpoint(run, tmp_path):
         a, b = _next_step(original), _next_step(got)
         assert torch.nn.functional.cosine_similarity(a, b, dim=0).item() >= 0.99
         assert abs(b.norm().item() / a.norm().item() - 1) <= 0.05
+
+
+def test_a_bfloat16_entry_is_its_parent_plus_its_residual(tmp_path):
+    rng = np.random.default_rng(1)
+    w = torch.from_numpy(rng.normal(size=(64, 48)).astype(np.float32))
+    series = dc.CheckpointSeries(tmp_path / "bf16.dcs")
+    series.append({"w": w.to(torch.bfloat16)})
+    moved = w + 0.05
+    series.append({"w": moved.to(torch.bfloat16)})
+    assert [e.kind for e in series.entries()] == ["key", "residual"]
+    got = series[1]["w"].float()
+    # within bfloat16's half ulp (values below 8: 2**-5) and the trellis's error of the residual
+    assert (got - moved).abs().max() <= 2.0**-5 + 2 * step_from_qp(dc.encode_model.__kwdefaults__["qp"])

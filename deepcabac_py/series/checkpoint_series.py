@@ -176,7 +176,9 @@ def _reconstruct(path: str, index: int, payload: bytes, meta: dict, parent: Chec
         delta, _, _ = tensor_to_numpy(tensors[name])
         if delta.shape != base.shape:
             raise CorruptStreamError(f"{path}: entry {index}: residual {name!r} does not match its parent")
-        value = _add(base, delta, dtype) if name in residuals else _to_carrier(base * delta.astype(np.float64), dtype)
+        # (a residual or ratio is float32 or float64 whatever its parent's dtype)
+        change = delta.astype(np.float64)
+        value = _to_carrier(_floats(base, dtype) + change if name in residuals else base * change, dtype)
         tensors[name] = numpy_to_tensor(value, dtype, is_torch)
     return Checkpoint(tensors, decoded.skeleton, decoded.kind, decoded.metadata, dict(decoded.aliases))
 
@@ -198,10 +200,6 @@ def _to_carrier(x: np.ndarray, dtype: str) -> np.ndarray:
         bits = x.astype(np.float32).view(np.uint32)
         return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
     return x.astype(dtype)
-
-
-def _add(base: np.ndarray, delta: np.ndarray, dtype: str) -> np.ndarray:
-    return _to_carrier(_floats(base, dtype) + _floats(delta, dtype), dtype)
 
 
 def _residual_checkpoint(ckpt: Checkpoint, parent: Checkpoint) -> tuple[Checkpoint, list[str], list[str]]:
