@@ -142,11 +142,12 @@ def compile_notice(task: str, quantizer: str | None) -> None:
     """One line on stderr before a first run waits for Numba to compile what ``task`` (encode,
     decode, report) needs: without it the bar would sit at 0% with a wrong estimate."""
     from deepcabac_py.entropy import levelcoder
+    from deepcabac_py.model.settings import DEFAULT_QUANTIZER
     from deepcabac_py.quant import quantizers
 
     cold = levelcoder.first_call_compiles(decoder=task != "encode")
     if task != "decode":
-        cold = cold or quantizers.first_call_compiles(quantizer or "trellis")
+        cold = cold or quantizers.first_call_compiles(quantizer or DEFAULT_QUANTIZER)
     if cold:
         click.echo("deepcabac: compiling kernels (first run only, about 10 s)", err=True)
 

@@ -44,12 +44,7 @@ def add_cmd(series, checkpoints, key_every, qp, input_format, quiet):
 @click.argument("series", metavar="RUN.dcs", type=click.Path(dir_okay=False, exists=False))
 def list_cmd(series):
     """One line per entry: index, step, bytes, key or residual."""
-    from deepcabac_py.errors import InputError
-    from deepcabac_py.series.checkpoint_series import CheckpointSeries
-
-    if not os.path.exists(series):
-        raise InputError(f"{series}: no such file")
-    entries = CheckpointSeries(series).entries()
+    entries = _existing(series).entries()
     click.echo(f"{'index':>5} {'step':>8} {'bytes':>12}  kind")
     for e in entries:
         step = "-" if e.step is None else str(e.step)
@@ -68,17 +63,25 @@ def extract_cmd(series, index, output, force):
     """Decode entry INDEX (negative: from the end) into a checkpoint file, the chain verified."""
     from deepcabac_py.errors import InputError
     from deepcabac_py.io.files import checkpoint_writer, kind_from_suffix
-    from deepcabac_py.series.checkpoint_series import CheckpointSeries
 
-    if not os.path.exists(series):
-        raise InputError(f"{series}: no such file")
+    existing = _existing(series)
     check_output(output, force)
     try:
-        ckpt = CheckpointSeries(series).checkpoint(index)
+        ckpt = existing.checkpoint(index)
     except IndexError as exc:
         raise InputError(str(exc)) from None
     kind = kind_from_suffix(output) or "torch"
     write_output(output, checkpoint_writer(ckpt, kind), force)
+
+
+def _existing(series: str):
+    """The series at ``series``, refused when there is no file (a series to read is not created)."""
+    from deepcabac_py.errors import InputError
+    from deepcabac_py.series.checkpoint_series import CheckpointSeries
+
+    if not os.path.exists(series):
+        raise InputError(f"{series}: no such file")
+    return CheckpointSeries(series)
 
 
 __all__ = ["series_group"]

@@ -16,6 +16,7 @@ import json
 import os
 from typing import Any
 
+from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.plugins.io import CheckpointIO
 
 from ..errors import CheckpointError, InputError
@@ -82,23 +83,9 @@ class SeriesCheckpointIO(CheckpointIO):
             raise CheckpointError(f"{path} is not a pointer into a checkpoint series")
         series_path = os.path.join(os.path.dirname(os.path.abspath(path)), pointer[_POINTER_KEY])
         checkpoint = self._handle(series_path)[pointer["entry"]]
-        if map_location is not None:
-            import torch
-
-            checkpoint = _to_device(checkpoint, map_location, torch)
-        return checkpoint
+        return checkpoint if map_location is None else move_data_to_device(checkpoint, map_location)
 
     def remove_checkpoint(self, path) -> None:
         path = os.fspath(path)
         if os.path.exists(path):
             os.remove(path)
-
-
-def _to_device(obj: Any, where: Any, torch: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.to(where)
-    if isinstance(obj, dict):
-        return type(obj)((k, _to_device(v, where, torch)) for k, v in obj.items())
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_device(v, where, torch) for v in obj)
-    return obj

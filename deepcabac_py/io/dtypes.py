@@ -87,3 +87,19 @@ class DType(enum.IntEnum):
 def bfloat16_to_float32(bits: np.ndarray) -> np.ndarray:
     """float32 values of bfloat16 bit patterns (uint16): exact, bfloat16 is float32's top half."""
     return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def float64_to_bfloat16(exact: np.ndarray) -> np.ndarray:
+    """bfloat16 bit patterns (uint16) of float64 values, rounded once to nearest even.
+
+    torch's float64 -> bfloat16 conversion goes through float32 and can round twice: the float64 is
+    rounded to 8 significant bits by integer arithmetic on its pattern, which then converts to
+    float32 exactly, whose top half is the bfloat16 pattern (non-finite values pass unchanged)."""
+    exact = np.ascontiguousarray(exact, dtype=np.float64)
+    bits = exact.view(np.uint64)
+    lsb = (bits >> np.uint64(45)) & np.uint64(1)
+    rounded = ((bits + np.uint64((1 << 44) - 1) + lsb) & ~np.uint64((1 << 45) - 1)).view(np.float64)
+    rounded = np.where(np.isfinite(exact), rounded, exact)
+    with np.errstate(over="ignore"):
+        f32 = rounded.astype(np.float32)
+    return (f32.view(np.uint32) >> np.uint32(16)).astype(np.uint16)

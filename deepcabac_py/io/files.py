@@ -17,7 +17,7 @@ import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from tokenize import TokenError
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any, Union, cast
 
 import numpy as np
 
@@ -36,7 +36,7 @@ from .checkpoint import (
     tensor_to_numpy,
     unflatten,
 )
-from .dtypes import carrier
+from .dtypes import DTYPE_NAMES, carrier
 from .inputs import check_readable_file, unreadable
 from .kinds import (
     HEAD_BYTES,
@@ -391,8 +391,8 @@ def _finish_safetensors(path: str, tensors: dict[str, Any], metadata: dict[str, 
 def _read_st_raw(f, offset: int, nbytes: int, code: str, shape: list[int],
                  bad: Callable[[str], CheckpointError], name: str) -> RawTensor:
     dtype_name, _, np_code = _ST_DTYPES[code]
-    # (bfloat16 in this library's carrier; the float8 types, which it does not code, as uint8)
-    native = carrier(dtype_name) if dtype_name not in _BIT_VIEW or dtype_name == "bfloat16" else np.dtype(np.uint8)
+    # (this library's carrier; the float8 types, which it does not code, as uint8)
+    native = carrier(dtype_name) if dtype_name in DTYPE_NAMES else np.dtype(np.uint8)
     if nbytes == 0:
         try:
             return RawTensor(np.empty(shape, dtype=native), dtype_name)
@@ -414,12 +414,10 @@ def _read_st_raw(f, offset: int, nbytes: int, code: str, shape: list[int],
 
 def _torch_of(raw: RawTensor) -> torch.Tensor:
     """The torch tensor of a :class:`RawTensor` (sharing its memory)."""
-    torch = torch_module()
-    dtype = getattr(torch, raw.dtype_name)
-    if raw.dtype_name in _BIT_VIEW:
-        bits = raw.bits.view(np.int16 if _BIT_VIEW[raw.dtype_name] == "int16" else np.uint8)
-        return torch.from_numpy(bits).view(dtype)
-    return torch.from_numpy(raw.bits)
+    if raw.dtype_name in DTYPE_NAMES:
+        return cast("torch.Tensor", numpy_to_tensor(raw.bits, raw.dtype_name, True))
+    torch = torch_module()  # (a float8 type: its uint8 bits viewed as it)
+    return torch.from_numpy(raw.bits).view(getattr(torch, raw.dtype_name))
 
 
 def _itemsize(t: np.ndarray | RawTensor) -> int:

@@ -17,7 +17,7 @@ import math
 import numpy as np
 
 from ..errors import CorruptStreamError
-from ..io.dtypes import carrier
+from ..io.dtypes import carrier, float64_to_bfloat16
 from . import _reconstruct_kernels
 from ._reconstruct_kernels import MAX_DQ_LEVEL
 
@@ -106,16 +106,6 @@ def dq_indices(levels: np.ndarray) -> np.ndarray:
 
 
 def _bf16_bits(flat: np.ndarray, step: float) -> np.ndarray:
-    # torch's float64 -> bfloat16 conversion goes through float32 and can round twice: round the
-    # float64 to 8 significant bits, ties to even, by integer arithmetic on its pattern; the result
-    # converts to float32 exactly, whose top half is the bfloat16 pattern.
     with np.errstate(over="ignore"):
-        exact = flat.astype(np.float64) * step
-    bits = exact.view(np.uint64)
-    lsb = (bits >> np.uint64(45)) & np.uint64(1)
-    rounded = ((bits + np.uint64((1 << 44) - 1) + lsb) & ~np.uint64((1 << 45) - 1)).view(np.float64)
-    finite = np.isfinite(exact)
-    rounded = np.where(finite, rounded, exact)
-    with np.errstate(over="ignore"):
-        f32 = rounded.astype(np.float32)
-    return (f32.view(np.uint32) >> np.uint32(16)).astype(np.uint16)
+        exact = flat.astype(np.float64) * step  # (exact: the step has at most 7 significant bits)
+    return float64_to_bfloat16(exact)

@@ -20,6 +20,7 @@ import numpy as np
 
 from ..errors import CorruptStreamError
 from ..io.checkpoint import Checkpoint, flatten, numpy_to_tensor, tensor_to_numpy, unflatten
+from ..io.dtypes import bfloat16_to_float32, float64_to_bfloat16
 from ..model.decoder import decode_checkpoint, read_stream_header
 from ..model.encoder import encode_model
 from ..model.optimizer_state import SECOND_MOMENT, role_of
@@ -64,6 +65,7 @@ class CheckpointSeries:
         self.key_every = key_every
         self.settings = settings
         self._last: tuple[int, Checkpoint] | None = None  # the newest entry as decoded
+        self._key: tuple[int, dict[str, int]] | None = None  # the newest key's index and qps
 
     def _records(self):
         if not os.path.exists(self.path):
@@ -92,6 +94,7 @@ class CheckpointSeries:
                                     "parent": None if parent is None else index - 1, "step": _step_of(ckpt)}
             if parent is None:
                 payload = encode_model(ckpt, **self.settings)
+                self._key = (index, _quantized_qps(payload))
                 residuals: list[str] = []
             else:
                 coded, residuals, ratios = _residual_checkpoint(ckpt, parent)
@@ -110,12 +113,14 @@ class CheckpointSeries:
         return index
 
     def _key_qps(self, f: SeriesFile, index: int) -> dict[str, int]:
-        """The qp of every quantized tensor of the key that entry ``index`` descends from."""
+        """The qp of every quantized tensor of the key that entry ``index`` descends from (read
+        from the file only by an object that did not append that key itself)."""
         i = index - 1
         while i > 0 and f.records[i].meta.get("kind") != KEY:
             i -= 1
-        header = read_stream_header(f.payload(f.records[i]))
-        return {e.name: e.qp for e in header.tensors if e.mode.is_quantized}
+        if self._key is None or self._key[0] != i:
+            self._key = (i, _quantized_qps(f.payload(f.records[i])))
+        return self._key[1]
 
     def __getitem__(self, index: int) -> Any:
         """Entry ``index`` decoded (the chain from its key verified on the way)."""
@@ -183,6 +188,10 @@ def _reconstruct(path: str, index: int, payload: bytes, meta: dict, parent: Chec
     return Checkpoint(tensors, decoded.skeleton, decoded.kind, decoded.metadata, dict(decoded.aliases))
 
 
+def _quantized_qps(payload: bytes) -> dict[str, int]:
+    return {e.name: e.qp for e in read_stream_header(payload).tensors if e.mode.is_quantized}
+
+
 def _names(listed: Any) -> list[str] | None:
     if not isinstance(listed, list) or not all(isinstance(n, str) for n in listed):
         return None
@@ -190,16 +199,12 @@ def _names(listed: Any) -> list[str] | None:
 
 
 def _floats(arr: np.ndarray, dtype: str) -> np.ndarray:
-    if dtype == "bfloat16":
-        return (arr.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
-    return arr.astype(np.float64)
+    return (bfloat16_to_float32(arr) if dtype == "bfloat16" else arr).astype(np.float64)
 
 
 def _to_carrier(x: np.ndarray, dtype: str) -> np.ndarray:
-    if dtype == "bfloat16":  # round to nearest even on the upper 16 bits
-        bits = x.astype(np.float32).view(np.uint32)
-        return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
-    return x.astype(dtype)
+    """float64 values rounded once to ``dtype``'s numpy carrier (docs/format.md: rounded once)."""
+    return float64_to_bfloat16(x) if dtype == "bfloat16" else x.astype(dtype)
 
 
 def _residual_checkpoint(ckpt: Checkpoint, parent: Checkpoint) -> tuple[Checkpoint, list[str], list[str]]:
@@ -215,8 +220,9 @@ def _residual_checkpoint(ckpt: Checkpoint, parent: Checkpoint) -> tuple[Checkpoi
             if not np.any((b == 0) & (x != 0)) and np.all(np.isfinite(x)):
                 with np.errstate(divide="ignore", invalid="ignore"):
                     ratio = np.where(b == 0, 0.0, x / np.where(b == 0, 1.0, b))
-                if np.all(np.isfinite(ratio.astype(dtype))):
-                    tensors[name] = numpy_to_tensor(ratio.astype(dtype), dtype, is_torch)
+                ratio = ratio.astype(dtype)
+                if np.all(np.isfinite(ratio)):
+                    tensors[name] = numpy_to_tensor(ratio, dtype, is_torch)
                     ratios.append(name)
                     continue
         if dtype in _FLOATS and role_of(name) is None and arr.size:
