@@ -11,6 +11,10 @@ original's), and training resumed from the middle checkpoint (mean final loss ov
 orders, against resuming from the original).
 
     .venv/bin/python benchmarks/bench_series.py [--checkpoints 12] [--every 40] [--key-every 10]
+    .venv/bin/python benchmarks/bench_series.py --sweep-key-every 1,5,10,20 [--checkpoints 20]
+
+The second form measures the choice of ``key_every`` on the char-LSTM run: the series' bytes, and
+the mean and worst time to extract one entry from a fresh object (the chain from its key decoded).
 
 Goals (the checkpoint issue): the series at least 50x smaller than the raw files at this fidelity
 (held-out loss within 0.5%, next-step cosine >= 0.99, norm within 5%), at most 0.5x ExCP's bytes at
@@ -243,13 +247,39 @@ def fidelity(run: Run, originals: list[dict], decoded: list[dict], middle: int, 
             "resumed loss": run.resumed(decoded[middle], resume_steps)}
 
 
+def sweep_key_every(values: list[int], checkpoints: int, every: int) -> None:
+    import time
+    cks = Run("char-lstm").train(checkpoints, every)
+    print(f"char-lstm, {checkpoints} checkpoints every {every} steps: key_every against bytes and extraction time")
+    print(f"{'key_every':>9} {'bytes':>12} {'vs key_every 1':>15} {'extract mean s':>15} {'worst s':>8}")
+    first = None
+    for k in values:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "run.dcs"
+            series = dc.CheckpointSeries(path, key_every=k)
+            for c in cks:
+                series.append(c)
+            size = sum(e.bytes for e in series.entries())
+            times = []
+            for i in range(len(cks)):
+                t0 = time.perf_counter()
+                dc.CheckpointSeries(path)[i]
+                times.append(time.perf_counter() - t0)
+        first = first or size
+        print(f"{k:>9} {size:>12,} {size / first:>14.3f}x {np.mean(times):>15.3f} {max(times):>8.3f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--checkpoints", type=int, default=12)
     ap.add_argument("--every", type=int, default=40)
     ap.add_argument("--key-every", type=int, default=10)
     ap.add_argument("--resume-steps", type=int, default=80)
+    ap.add_argument("--sweep-key-every", default=None, help="comma-separated key_every values to compare")
     args = ap.parse_args()
+    if args.sweep_key_every:
+        sweep_key_every([int(v) for v in args.sweep_key_every.split(",")], args.checkpoints, args.every)
+        return
     for name in ("digits-cnn", "char-lstm"):
         run = Run(name)
         cks = run.train(args.checkpoints, args.every)
