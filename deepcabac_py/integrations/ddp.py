@@ -40,6 +40,7 @@ import math
 import struct
 from collections import deque
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -274,6 +275,8 @@ class DeepCabacState:
         self.layout_changes = 0  # buckets whose layout differed from the previous step's (DDP rebuilds)
         self.log: deque[StepBytes] = deque(maxlen=log_size)
         self._codings: dict[int, _BucketCoding] = {}
+        self._pool: ThreadPoolExecutor | None = None
+        self._exchanges: dict[int, tuple] = {}  # the last collective of each bucket, see deepcabac_hook
         self._param_keys: dict[int, str] = {}
         self._params: dict[int, torch.Tensor] = {}  # keeps each id() above bound to its parameter
         # of the step in progress: bytes sent, payload, dense fp32, dense in the gradients' dtype; whether a
@@ -316,6 +319,12 @@ class DeepCabacState:
                 self._params[id(p)] = p
             keys.append(key)
         return keys
+
+    def _finisher(self) -> ThreadPoolExecutor:
+        # One thread: a bucket's messages are decoded in step order, each in its sender's session.
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deepcabac-ddp")
+        return self._pool
 
     def _coding(self, index: int, layout: BucketLayout, rank: int, world: int) -> _BucketCoding:
         coding = self._codings.get(index)
@@ -392,11 +401,11 @@ def deepcabac_hook(state: DeepCabacState, bucket: dist.GradBucket) -> torch.futu
     padded = torch.zeros(longest, dtype=torch.uint8)
     padded[:len(message)] = torch.frombuffer(bytearray(message), dtype=torch.uint8)
     received = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(world)]
-    work = dist.all_gather(received, padded.to(device), group=group, async_op=True)
+    sending = padded.to(device)
+    work = dist.all_gather(received, sending, group=group, async_op=True)
     state._record(bucket, LENGTH_BYTES + longest, len(message), compressed=True)
 
-    def average(fut: torch.futures.Future) -> torch.Tensor:
-        fut.wait()
+    def average() -> torch.Tensor:
         total = np.zeros(layout.numel, dtype=np.float32)
         # Rank order on every rank: the same float32 sums everywhere, so replicas stay identical.
         for r in range(world):
@@ -409,7 +418,29 @@ def deepcabac_hook(state: DeepCabacState, bucket: dist.GradBucket) -> torch.futu
         buffer.copy_(torch.from_numpy(total))
         return buffer
 
-    return work.get_future().then(average)
+    # Not ``work.get_future().then(average)``: a gloo thread would own the Python callback and drop it
+    # after running it, which needs the GIL; when the training script ends in that instant, the
+    # interpreter is already finalizing and the process aborts ("terminate called without an active
+    # exception"). Our own thread waits and decodes instead, and the interpreter joins it before it
+    # finalizes. For the same reason the exchange's tensors stay referenced here until the bucket's
+    # next step, so that a gloo thread never holds the last reference to a Python tensor.
+    devices: list[int | str | torch.device] | None = [device] if device.type == "cuda" else None
+    result: torch.futures.Future[torch.Tensor] = torch.futures.Future(devices=devices)
+    exchange = (work, sending, received)
+    state._finisher().submit(_finish, result, exchange, average, state._exchanges, bucket.index())
+    return result
+
+
+def _finish(result: torch.futures.Future, exchange, average, held: dict, index: int) -> None:
+    try:
+        exchange[0].wait()
+        value = average()
+    except BaseException as exc:  # the reducer raises it where DDP waits for the bucket
+        result.set_exception(exc)
+    else:
+        result.set_result(value)
+    finally:
+        held[index] = exchange
 
 
 __all__ = [
