@@ -275,7 +275,9 @@ class DeepCabacState:
         self.layout_changes = 0  # buckets whose layout differed from the previous step's (DDP rebuilds)
         self.log: deque[StepBytes] = deque(maxlen=log_size)
         self._codings: dict[int, _BucketCoding] = {}
-        self._pool: ThreadPoolExecutor | None = None
+        # One thread (started on the first compressed bucket): messages are decoded in step order,
+        # each in its sender's session.
+        self._finisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deepcabac-ddp")
         self._exchanges: dict[int, tuple] = {}  # the last collective of each bucket, see deepcabac_hook
         self._param_keys: dict[int, str] = {}
         self._params: dict[int, torch.Tensor] = {}  # keeps each id() above bound to its parameter
@@ -319,12 +321,6 @@ class DeepCabacState:
                 self._params[id(p)] = p
             keys.append(key)
         return keys
-
-    def _finisher(self) -> ThreadPoolExecutor:
-        # One thread: a bucket's messages are decoded in step order, each in its sender's session.
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deepcabac-ddp")
-        return self._pool
 
     def _coding(self, index: int, layout: BucketLayout, rank: int, world: int) -> _BucketCoding:
         coding = self._codings.get(index)
@@ -426,21 +422,21 @@ def deepcabac_hook(state: DeepCabacState, bucket: dist.GradBucket) -> torch.futu
     # next step, so that a gloo thread never holds the last reference to a Python tensor.
     devices: list[int | str | torch.device] | None = [device] if device.type == "cuda" else None
     result: torch.futures.Future[torch.Tensor] = torch.futures.Future(devices=devices)
-    exchange = (work, sending, received)
-    state._finisher().submit(_finish, result, exchange, average, state._exchanges, bucket.index())
+    index = bucket.index()
+
+    def finish() -> None:
+        try:
+            work.wait()
+            value = average()
+        except BaseException as exc:  # the reducer raises it where DDP waits for the bucket
+            result.set_exception(exc)  # type: ignore[arg-type]  # (torch types it as the result)
+        else:
+            result.set_result(value)
+        finally:
+            state._exchanges[index] = (work, sending, received)
+
+    state._finisher.submit(finish)
     return result
-
-
-def _finish(result: torch.futures.Future, exchange, average, held: dict, index: int) -> None:
-    try:
-        exchange[0].wait()
-        value = average()
-    except BaseException as exc:  # the reducer raises it where DDP waits for the bucket
-        result.set_exception(exc)
-    else:
-        result.set_result(value)
-    finally:
-        held[index] = exchange
 
 
 __all__ = [
