@@ -2,8 +2,8 @@
 # Prepare an environment for the benchmarks in this folder.
 #   benchmarks/setup.sh VENV_PYTHON        e.g. benchmarks/setup.sh .venv/bin/python
 # Installs deepcabac_py (editable) and the benchmark-only packages into VENV_PYTHON's environment, and
-# builds the NNCodec 2.1.3 peer venv at $NNCODEC_VENV (default /work/nnc-venv) unless one is already
-# there. NNCodec pins numpy<2, so it gets its own venv and is only ever run as a subprocess.
+# builds the NNCodec 2.1.3 peer venv at $NNCODEC_VENV (default /work/nnc-venv) and the ZipNN 0.5.4 one
+# at $ZIPNN_VENV (default /work/zipnn-venv) unless they are already there. NNCodec pins numpy<2, so it gets its own venv and is only ever run as a subprocess.
 set -euo pipefail
 py=${1:?usage: benchmarks/setup.sh VENV_PYTHON}
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -40,4 +40,18 @@ else
     rm -rf "$dl"
 fi
 nnc_ok || { echo "NNCodec venv at $nnc is not usable" >&2; exit 1; }
+
+# ZipNN 0.5.4 (bench_lossless.py) in a venv of its own, as NNCodec: it depends on torch, so the CPU
+# wheel goes in first.
+zipnn=${ZIPNN_VENV:-/work/zipnn-venv}
+zipnn_ok() {
+    [ -x "$zipnn/bin/python" ] && "$zipnn/bin/python" -c \
+        "import importlib.metadata as m, zstandard; assert m.version('zipnn') == '0.5.4'" 2>/dev/null
+}
+if ! zipnn_ok; then
+    python3 -m venv "$zipnn"
+    "$zipnn/bin/pip" install -q torch==2.13.0
+    "$zipnn/bin/pip" install -q torch==2.13.0 zipnn==0.5.4 zstandard
+fi
+zipnn_ok || { echo "ZipNN venv at $zipnn is not usable" >&2; exit 1; }
 echo "ready: $py benchmarks/bench_minilm.py   (NNCodec: $nnc/bin/python)"

@@ -43,6 +43,9 @@ Targets (``TARGETS`` maps the CLI names to functions):
                         body size, the tensor count, the metadata length) before it is resealed.
 * ``update_sizes``   -- the input sets the payload length and the header size an update message
                         declares, read from a file object through ``iter_messages``.
+* ``float_chunk``    -- the lossless float coder's ``decode_chunk``: the input is ``dtype:u8 count:u16
+                        segment:u16`` and a substream (seeds: valid substreams of each dtype); the
+                        output array is the count's, so every allocation the payload can cause shows.
 * ``output``         -- the input picks an output target (a new or existing file, a link, a directory,
                         a missing directory, a FIFO, a character device) and ``force``: ``write_atomic``
                         writes or raises OutputError/OutputExistsError, a device or FIFO stays one, a
@@ -61,6 +64,7 @@ import zlib
 import numpy as np
 
 import deepcabac_py as dc
+from deepcabac_py.entropy import floatcoder
 from deepcabac_py.errors import DeepCabacError, UpdateMismatchError
 from deepcabac_py.io.files import load_checkpoint
 from deepcabac_py.model.container import MAGIC, PREAMBLE, pack_header, read_header
@@ -568,6 +572,19 @@ def target_output(data: bytes) -> None:
             raise Finding(f"temporary files left behind: {leftovers}")
 
 
+_FLOAT_CARRIERS = {"bfloat16": np.uint16, "float16": np.float16, "float32": np.float32, "float64": np.float64}
+FLOAT_DTYPES = sorted(_FLOAT_CARRIERS)
+
+
+def target_float_chunk(data: bytes) -> None:
+    if len(data) < 5:
+        return
+    dtype = FLOAT_DTYPES[data[0] % len(FLOAT_DTYPES)]
+    count, segment = struct.unpack_from("<HH", data, 1)
+    out = np.empty(count, dtype=_FLOAT_CARRIERS[dtype])
+    _check(floatcoder.decode_chunk, data[5:], dtype, max(segment, 1), out)
+
+
 TARGETS = {
     "model": target_model,
     "model_sealed": target_model_sealed,
@@ -587,4 +604,5 @@ TARGETS = {
     "header_sizes": target_header_sizes,
     "update_sizes": target_update_sizes,
     "output": target_output,
+    "float_chunk": target_float_chunk,
 }

@@ -185,6 +185,28 @@ def size_and_output_seeds() -> dict[str, bytes]:
     return out
 
 
+def float_model() -> dict:
+    rng = np.random.default_rng(7)
+    w = rng.standard_normal((24, 40)) * np.exp2(rng.integers(-6, -1, (24, 1)))
+    return {"bf16": torch.from_numpy(w.astype(np.float32)).to(torch.bfloat16), "f16": w[:, :20].astype(np.float16),
+            "f32": w.astype(np.float32), "f64": w[:8]}
+
+
+def float_chunks() -> dict[str, bytes]:
+    """Seeds of float_chunk: dtype:u8 count:u16 segment:u16, then a valid substream."""
+    import struct
+
+    from deepcabac_py.entropy import floatcoder
+    out = {}
+    for code, name in enumerate(sorted(floatcoder.FORMATS)):
+        t = float_model()[{"bfloat16": "bf16", "float16": "f16", "float32": "f32", "float64": "f64"}[name]]
+        a = t.view(torch.int16).numpy().view(np.uint16) if name == "bfloat16" else np.asarray(t)
+        flat = a.reshape(-1)
+        seg = floatcoder.segment_length(a.shape)
+        out[f"{name}.bin"] = struct.pack("<BHH", code, flat.size, seg) + floatcoder.encode_chunk(flat, name, seg)
+    return out
+
+
 def write(target: str, name: str, data: bytes) -> None:
     d = CORPUS / target
     d.mkdir(parents=True, exist_ok=True)
@@ -230,6 +252,10 @@ def main() -> None:
     for name, data in size_and_output_seeds().items():
         target, file = name.split("/")
         write(target, file, data)
+    for name, data in float_chunks().items():
+        write("float_chunk", name, data)
+    lossless = dc.encode_model(float_model(), keep_exact=True, threads=1)
+    write("model_sealed", "lossless.bin", unpack_model_stream(lossless))
     total = sum(p.stat().st_size for p in CORPUS.rglob("*") if p.is_file())
     print(f"corpus: {sum(1 for p in CORPUS.rglob('*') if p.is_file())} files, {total} bytes")
 

@@ -729,15 +729,19 @@ def test_qp_tensor_and_exact_options(model_dir):
     out = model_dir / "b.dcb"
     ok(["encode", src, "-o", out, "-q", "--exact", "*.bias", "--exact", "classifier.weight"])
     h = _header_of(out)
-    raw = {n for n, e in h.items() if e.mode == Mode.RAW}
+    raw = {n for n, e in h.items() if e.mode in (Mode.RAW, Mode.FLOAT)}
     assert raw == {n for n in h if n.endswith(".bias")} | {"classifier.weight"}
+    assert h["classifier.weight"].mode == Mode.FLOAT  # (the smallest biases are cheaper raw)
     decoded = flat_tensors(decode_model(out.read_bytes()))
     assert_tensors_identical({n: decoded[n] for n in raw}, {n: original[n] for n in raw})
 
     out = model_dir / "c.dcb"
     ok(["encode", src, "-o", out, "-q", "--exact-all"])
     h = _header_of(out)
-    assert all(e.mode == Mode.RAW for e in h.values() if e.dtype.is_float)
+    assert all(e.mode in (Mode.RAW, Mode.FLOAT) for e in h.values() if e.dtype.is_float)
+    assert {e.mode for e in h.values() if e.dtype.is_float and e.numel > 1000} == {Mode.FLOAT}
+    ok(["encode", src, "-o", model_dir / "c2.dcb", "-q", "--lossless"])
+    assert (model_dir / "c2.dcb").read_bytes() == out.read_bytes()
     assert all(e.mode == Mode.INTEGER for e in h.values() if not e.dtype.is_float)
     ok(["decode", out, "-o", model_dir / "lossless.safetensors"])
     assert_tensors_identical(load_checkpoint(model_dir / "lossless.safetensors").tensors, original)

@@ -58,7 +58,20 @@ def golden_cases() -> dict[str, tuple[object, dict]]:
         "lr": 0.001,
         "betas": (0.9, 0.999),
     }
+    lossless = {
+        "bf16": torch.from_numpy(golden_floats(12, (16, 40), -4)).to(torch.bfloat16),
+        "half": torch.from_numpy(golden_floats(13, (500,), -2)).to(torch.float16),
+        # float32 holding bfloat16 values in its first rows only: the low bits drop per segment
+        "f32": torch.from_numpy(np.concatenate([
+            torch.from_numpy(golden_floats(14, (6, 40), -3)).to(torch.bfloat16).float().numpy(),
+            golden_floats(15, (6, 40), -3).astype(np.float32)])),
+        "f64": golden_floats(16, (6, 40), 3),
+    }
+    lossless["f64"][0, :4] = [np.nan, -np.inf, -0.0, 5e-324]
+    lossless["f32"][3, :3] = torch.tensor([np.inf, -0.0, 1e-40])
     return {
+        # format version 5: lossless float coding
+        "lossless": (lossless, {"keep_exact": True}),
         # format version 1 (plain rounding); qp_1d -75 was the default when they were written
         "state_dict": (state_dict, {"qp": -36, "qp_1d": -75, "quantizer": "nearest"}),
         "mixed_dtypes": (mixed, {"qp": -30, "qp_1d": -75, "qp_overrides": {"proj": -44}, "quantizer": "nearest"}),

@@ -156,8 +156,9 @@ def _quant_options(f):
                      help="qp of tensors with at most one dimension (biases, norms) "
                           "[default: qp - 6 octaves, i.e. qp - 6 * 2**qp_density]."),
         click.option("--exact", "exact", multiple=True, metavar="PATTERN",
-                     help="Store float tensors matching PATTERN bit-exactly. Repeatable."),
-        click.option("--exact-all", is_flag=True, help="Store every float tensor bit-exactly (lossless)."),
+                     help="Code float tensors matching PATTERN losslessly (bit for bit). Repeatable."),
+        click.option("--lossless", "--exact-all", "exact_all", is_flag=True,
+                     help="Code every tensor losslessly: floats bit for bit with the lossless float coder."),
         click.option("--qp-tensor", "qp_tensor", multiple=True, metavar="NAME=QP",
                      help="Per-tensor qp; NAME may be a glob pattern. Repeatable."),
         click.option("--importance", type=click.Choice(("structural", "none")), default="structural",

@@ -22,6 +22,7 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..entropy import floatcoder
 from ..entropy.chunk_layout import (
     LINEAR_BIT,
     MAX_K_OFFSET,
@@ -45,9 +46,9 @@ MAGIC = STREAM_MAGIC
 # Version 2 added Mode.DEPENDENT, version 3 the linear prediction across columns (LINEAR_BIT) and
 # the choice to switch the column model off (NO_COLUMNS_BIT), version 4 Mode.LOG. A writer stamps
 # the lowest version that describes its stream, so streams without them stay readable by older
-# readers; this reader reads all four.
-FORMAT_VERSION = 4
-READABLE_VERSIONS = (1, 2, 3, 4)
+# readers; version 5 Mode.FLOAT (lossless float coding). This reader reads all five.
+FORMAT_VERSION = 5
+READABLE_VERSIONS = (1, 2, 3, 4, 5)
 SWITCHES_VERSION = 3  # LINEAR_BIT and NO_COLUMNS_BIT
 PREAMBLE = struct.Struct("<8sHHI")
 MAX_HEADER_SIZE = 1 << 27  # (more than the limits below let a header need)
@@ -72,6 +73,7 @@ class Mode(enum.IntEnum):
     INTEGER = 2  # the integer values themselves through the level coder: lossless
     DEPENDENT = 3  # transmitted levels of the 4-state trellis (format version 2); see docs/format.md
     LOG = 4  # levels of log2|value| in steps of qp's step, in octaves (format version 4; quant.log_domain)
+    FLOAT = 5  # the float bits themselves, losslessly (format version 5; entropy.floatcoder)
 
     @property
     def is_quantized(self) -> bool:
@@ -84,7 +86,7 @@ class Mode(enum.IntEnum):
 
     @property
     def min_version(self) -> int:
-        return {Mode.DEPENDENT: 2, Mode.LOG: 4}.get(self, 1)
+        return {Mode.DEPENDENT: 2, Mode.LOG: 4, Mode.FLOAT: 5}.get(self, 1)
 
 
 class Coder(enum.IntEnum):
@@ -92,6 +94,7 @@ class Coder(enum.IntEnum):
 
     NONE = 0  # RAW payloads
     ADAPTIVE_SCALE = 1  # levelcoder / _cabac_kernels, format version 1
+    FLOAT_CLASSES = 2  # floatcoder / _float_kernels (Mode.FLOAT), format version 5
 
 
 FLAG_TORCH = 1  # the tensor was a torch.Tensor (decode returns one)
@@ -534,6 +537,9 @@ def _validate_entry(e: TensorEntry, index: int, where: str, earlier: list[Tensor
                 for k, size in enumerate(e.chunk_sizes)):
             raise CorruptStreamError(f"{where}: raw chunk sizes do not match its shape and dtype")
         return
+    if e.mode == Mode.FLOAT:
+        _validate_float_entry(e, where)
+        return
     if e.coder != Coder.ADAPTIVE_SCALE:
         raise FormatError(f"{where}: coding mode {e.mode.name} needs a level coder")
     if e.mode.has_step:
@@ -576,3 +582,22 @@ def _validate_entry(e: TensorEntry, index: int, where: str, earlier: list[Tensor
         start, stop = layout.bounds(k)
         if stop - start > max_elements_for_payload(size):
             raise CorruptStreamError(f"{where}: chunk {k} claims {stop - start} levels in {size} bytes")
+
+
+def _validate_float_entry(e: TensorEntry, where: str) -> None:
+    if e.dtype.dtype_name not in floatcoder.FORMATS:
+        raise CorruptStreamError(f"{where}: lossless float coding of a {e.dtype.name} tensor")
+    if e.coder != Coder.FLOAT_CLASSES:
+        raise FormatError(f"{where}: coding mode FLOAT needs the float coder")
+    if e.qp or e.qp_density or e.coder_param:
+        raise CorruptStreamError(f"{where}: a losslessly coded float tensor has no qp and no coder parameter")
+    ce = floatcoder.chunk_elements(e.shape)
+    if e.chunk_elements != ce:
+        raise CorruptStreamError(f"{where}: chunks of {e.chunk_elements} elements, the shape needs {ce}")
+    numel = e.numel
+    if len(e.chunk_sizes) != -(-numel // ce):
+        raise CorruptStreamError(f"{where}: {len(e.chunk_sizes)} chunks, but the shape needs {-(-numel // ce)}")
+    for k, size in enumerate(e.chunk_sizes):
+        count = min(ce, numel - k * ce)
+        if count > floatcoder.max_elements_for_payload(size):
+            raise CorruptStreamError(f"{where}: chunk {k} claims {count} floats in {size} bytes")

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from ..entropy import chunk_layout, levelcoder, linear_prediction
+from ..entropy import chunk_layout, floatcoder, levelcoder, linear_prediction
 from ..errors import CorruptStreamError, TruncatedStreamError
 from ..io.checkpoint import Checkpoint, RawTensor, numpy_to_tensor, plain_skeleton, unflatten
 from ..io.dtypes import DType
@@ -247,7 +247,7 @@ def decode_levels(source, *, threads: int | None = None, max_elements: int | Non
         header = stream.header
         check_max_elements(header, max_elements)
         # (values in the log domain are not levels times a step)
-        coded = [e for e in header.tensors if not e.is_alias and e.mode not in (Mode.RAW, Mode.LOG)]
+        coded = [e for e in header.tensors if not e.is_alias and e.mode not in (Mode.RAW, Mode.LOG, Mode.FLOAT)]
         levels = _decode_in_order(stream, coded, coded, threads, None, ELEMENTS_IN_FLIGHT, output="levels")
         return {e.name: quantized(e, values) for e, (_, values) in zip(coded, levels)}
     finally:
@@ -310,6 +310,10 @@ class _Tensor:
         if e.mode == Mode.RAW:
             self.out = _raw_values(e, views)
             return
+        if e.mode == Mode.FLOAT:
+            self.views = views
+            self.out = np.empty(e.numel, dtype=e.dtype.carrier)
+            return
         self.layout = chunk_layout.layout_from_stream(e.shape, e.chunk_elements, e.coder_param)
         if e.is_linear:
             self.predictor = linear_prediction.from_bytes(views[0], chunk_layout.row_length(e.shape))
@@ -331,6 +335,12 @@ class _Tensor:
     def run(self, k: int) -> int:
         """Decode chunk ``k`` into the output; returns its element count."""
         e, out = self.entry, self.out
+        if e.mode == Mode.FLOAT:
+            start = k * e.chunk_elements
+            stop = min(e.numel, start + e.chunk_elements)
+            floatcoder.decode_chunk(self.views[k], e.dtype.dtype_name, floatcoder.segment_length(e.shape),
+                                    out[start:stop], where=f"tensor {e.name!r}, chunk {k}")
+            return stop - start
         start, stop = self.layout.bounds(k)
         dependent = e.mode == Mode.DEPENDENT
         if self.want_levels:

@@ -23,7 +23,16 @@ import numpy as np
 from ..entropy import linear_prediction
 from ..io.checkpoint import Checkpoint
 from ..io.tensor_source import TensorSource
-from .container import LOG_OFFSET_BYTES, Mode, StreamHeader, TensorEntry, raw_chunk_elements, read_header, write_header
+from .container import (
+    LOG_OFFSET_BYTES,
+    Coder,
+    Mode,
+    StreamHeader,
+    TensorEntry,
+    raw_chunk_elements,
+    read_header,
+    write_header,
+)
 from .levels import QuantizedTensor, assembled
 from .model_plan import ModelPlan, plan_model
 from .parallel import ELEMENTS_IN_FLIGHT, Progress, resolve_threads
@@ -198,11 +207,11 @@ class _TensorCoder:
             else:
                 p = self.plan.plan(name)
             p = p.with_linear_prediction()
-            if p.layout is None:
+            if not p.is_chunked:
                 self._store_raw(p)
                 continue
             keep = p.name in self.plan.shift_layers
-            jobs = [(p, k, keep) for k in range(p.layout.count)]
+            jobs = [(p, k, keep) for k in range(p.chunk_count)]
             work = [self.pool.submit(self._run, job) for job in jobs] if self.pool is not None else jobs
             in_flight.append((p, work))
             elements += p.entry.numel
@@ -215,12 +224,17 @@ class _TensorCoder:
         p, k, keep = job
         data, levels = p.encode_chunk(k)
         if self.progress is not None:
-            self.progress(p.chunks.size(k))
+            self.progress(p.chunk_size(k))
         return data, levels if keep else None
 
     def _finish(self, p: TensorPlan, work: list) -> int:
         done = [w.result() for w in work] if self.pool is not None else [self._run(job) for job in work]
         chunks = [data for data, _ in done]
+        if p.entry.mode == Mode.FLOAT and sum(map(len, chunks)) >= p.entry.numel * p.entry.dtype.itemsize:
+            # (a few floats: the frequency tables would cost more than they save)
+            p.entry.mode, p.entry.coder = Mode.RAW, Coder.NONE
+            self._store_raw(p, counted=True)
+            return p.entry.numel
         if p.linear is not None:
             chunks.insert(0, p.linear.to_bytes())
         if p.log_offset is not None:
@@ -233,13 +247,13 @@ class _TensorCoder:
         self.entries[p.name] = p.entry
         return p.entry.numel
 
-    def _store_raw(self, p: TensorPlan) -> None:
+    def _store_raw(self, p: TensorPlan, counted: bool = False) -> None:
         e = p.entry
         flat = p.values.reshape(-1).astype(p.values.dtype.newbyteorder("<"), copy=False)
         e.chunk_elements = raw_chunk_elements(e.dtype)
         self.payloads.add(e, [flat[k:k + e.chunk_elements].tobytes() for k in range(0, flat.size, e.chunk_elements)])
         self.entries[e.name] = e
-        if self.progress is not None:
+        if self.progress is not None and not counted:
             self.progress(flat.size)
 
 

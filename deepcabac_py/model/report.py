@@ -162,13 +162,14 @@ def build_report(header: StreamHeader, original: Checkpoint | None = None,
 
 
 # The modes in words (``internals``: the stream's own names, as ``info --json`` gives them).
-_MODE_WORDS = {"DEPENDENT": "trellis", "UNIFORM": "uniform", "INTEGER": "lossless", "RAW": "exact", "ALIAS": "tied",
-               "LOG": "log"}
+_MODE_WORDS = {"DEPENDENT": "trellis", "UNIFORM": "uniform", "INTEGER": "lossless", "RAW": "exact",
+               "FLOAT": "float-lossless", "ALIAS": "tied", "LOG": "log"}
 _MODE_LEGEND = {
     "trellis": "trellis = dependent quantization, 4 states (its effective step is about twice qp's)",
     "uniform": "uniform = one step, levels rounded to it",
     "lossless": "lossless = integers coded exactly",
     "exact": "exact = stored bit for bit",
+    "float-lossless": "float-lossless = floats coded bit for bit (exponent by row class, rANS)",
     "tied": "tied = the storage of another tensor",
     "log": "log = optimizer moments, log2 of each magnitude in steps of qp's step (in octaves)",
     "+pred": "+pred = coded as residuals of a prediction across columns",

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from ..entropy import chunk_layout, levelcoder, linear_prediction
+from ..entropy import chunk_layout, floatcoder, levelcoder, linear_prediction
 from ..entropy.levelcoder import LEVEL_MAX
 from ..errors import DeepCabacWarning
 from ..io.checkpoint import tensor_to_numpy
@@ -142,6 +142,20 @@ class TensorPlan:
         return self.layout is not None
 
     @property
+    def is_chunked(self) -> bool:
+        """Coded in independent substreams (level-coded, or Mode.FLOAT), not stored raw."""
+        return self.layout is not None or self.entry.mode == Mode.FLOAT
+
+    @property
+    def chunk_count(self) -> int:
+        e = self.entry
+        return -(-e.numel // e.chunk_elements) if e.mode == Mode.FLOAT else self.chunks.count
+
+    def chunk_size(self, k: int) -> int:
+        e = self.entry
+        return min(e.chunk_elements, e.numel - k * e.chunk_elements) if e.mode == Mode.FLOAT else self.chunks.size(k)
+
+    @property
     def is_quantized(self) -> bool:
         return self.layout is not None and self.entry.mode.is_quantized
 
@@ -177,8 +191,14 @@ class TensorPlan:
         layout = self.chunks
         return assembled(self.entry, [self.chunk_levels(*layout.bounds(k)) for k in range(layout.count)])
 
-    def encode_chunk(self, k: int) -> tuple[bytes, np.ndarray]:
-        """Chunk ``k``'s substream and its levels (the transmitted levels of trellis chunks)."""
+    def encode_chunk(self, k: int) -> tuple[bytes, np.ndarray | None]:
+        """Chunk ``k``'s substream and its levels (the transmitted levels of trellis chunks; None for
+        Mode.FLOAT)."""
+        e = self.entry
+        if e.mode == Mode.FLOAT:
+            ce = e.chunk_elements
+            part = self.values.reshape(-1)[k * ce:(k + 1) * ce]
+            return floatcoder.encode_chunk(part, e.dtype.dtype_name, floatcoder.segment_length(e.shape)), None
         layout = self.chunks
         start, stop = layout.bounds(k)
         if self.linear is not None and self.levels is not None:
@@ -228,6 +248,15 @@ class TensorPlanner:
     importance: Mapping[str, Any]  # per-weight importance by tensor name, as resolved for the model
 
     def plan(self, name: str, tensor) -> TensorPlan:
+        p = self._plan(name, tensor)
+        e = p.entry
+        # what is kept exact is coded losslessly where the float coder takes its dtype
+        if e.mode == Mode.RAW and e.numel and e.dtype.dtype_name in floatcoder.FORMATS:
+            e.mode, e.coder = Mode.FLOAT, Coder.FLOAT_CLASSES
+            e.chunk_elements = floatcoder.chunk_elements(e.shape)
+        return p
+
+    def _plan(self, name: str, tensor) -> TensorPlan:
         s = self.settings
         arr, dtype_name, is_torch = tensor_to_numpy(tensor)
         dtype = DType.from_name(dtype_name)
@@ -258,7 +287,7 @@ class TensorPlanner:
         values = _as_float_for_quantizer(arr, entry.dtype)
         top, finite = _planning_kernels.float_range(values)
         if not finite:
-            warnings.warn(f"{name}: holds NaN or infinity; stored exactly (raw)", DeepCabacWarning, stacklevel=5)
+            warnings.warn(f"{name}: holds NaN or infinity; stored exactly", DeepCabacWarning, stacklevel=5)
             return TensorPlan(entry, arr)
         chosen = lookup_qp(name, self.overrides)
         if chosen is None:
@@ -266,7 +295,7 @@ class TensorPlanner:
         qp = _qp_that_holds(float(top), chosen, s.qp_density, entry.dtype.dtype_name, s.dependent)
         if qp is None:
             warnings.warn(f"{name}: values up to {top:g} do not fit 31-bit levels at any qp of density "
-                          f"{s.qp_density}; stored exactly (raw)", DeepCabacWarning, stacklevel=5)
+                          f"{s.qp_density}; stored exactly", DeepCabacWarning, stacklevel=5)
             return TensorPlan(entry, arr)
         if qp > chosen:
             warnings.warn(f"{name}: values up to {top:g} need qp {qp} instead of {chosen} for 31-bit levels; "
@@ -295,7 +324,7 @@ class TensorPlanner:
         qp = s.moments_qp if qp is None else qp
         _, finite = _planning_kernels.float_range(arr.reshape(-1))
         if not finite:
-            warnings.warn(f"{entry.name}: holds NaN or infinity; stored exactly (raw)", DeepCabacWarning, stacklevel=5)
+            warnings.warn(f"{entry.name}: holds NaN or infinity; stored exactly", DeepCabacWarning, stacklevel=5)
             return TensorPlan(entry, arr)
         try:
             levels, offset = log_levels(arr, step_from_qp(qp, s.qp_density))

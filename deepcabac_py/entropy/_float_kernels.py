@@ -1,0 +1,340 @@
+"""Numba kernels of the lossless float coder (private: :mod:`.floatcoder` is the validated front).
+
+A float's bits are cut into a *symbol*, its exponent and the top ``TOP_BITS`` of its mantissa, coded
+with four interleaved rANS states over static per-chunk frequency tables chosen by the segment's
+class, and *raw bits*, its sign and the rest of its mantissa, packed LSB first into 32-bit words.
+Each segment drops the low mantissa bits that are zero in all of its elements. The layout is in
+docs/format.md §4.4.
+
+All arithmetic is on int64 (rANS states are below 2**32) or uint64 (float bits): mixing the two
+would make Numba compute in float64.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .._jit import inline, kernel
+
+PROB_BITS = 14  # frequencies of a table sum to 2**PROB_BITS
+PROB_SCALE = 1 << PROB_BITS
+RANS_L = 1 << 16  # states stay in [RANS_L, 2**32); renormalisation moves 16 bits
+LANES = 4  # interleaved states: element i uses state i % LANES
+TOP_BITS = 2  # mantissa bits coded with the exponent (they depend on it: the density falls inside an octave)
+MAX_CLASSES_LOG2 = 4
+
+OK = 0
+ERR_OVERRUN = -1  # a stream is shorter than its elements need
+ERR_BAD_END = -2  # the rANS states do not end where they began: damaged
+ERR_BAD_TABLE = -3  # a frequency table does not sum to PROB_SCALE, or names a symbol twice
+ERR_TRAILING = -4  # bytes left after the last element
+
+
+@inline
+def _parts(w, W, M, z):
+    """(symbol, raw bits, raw bit count) of the float bits ``w`` (uint64) in a segment dropping ``z``."""
+    mr = M - z
+    t = min(TOP_BITS, mr)
+    low_bits = mr - t
+    s = np.int64((w >> np.uint64(W - 1)) & np.uint64(1))
+    e = np.int64((w >> np.uint64(M)) & np.uint64((1 << (W - 1 - M)) - 1))
+    m = w & np.uint64((1 << M) - 1)
+    m = m >> np.uint64(z)
+    top = np.int64(m >> np.uint64(low_bits))
+    low = m & np.uint64((1 << low_bits) - 1)
+    sym = (e << TOP_BITS) | (top << (TOP_BITS - t))
+    raw = (np.uint64(s) << np.uint64(low_bits)) | low
+    return sym, raw, low_bits + 1
+
+
+@kernel
+def segment_stats(words, seg_len, W, M, zeros, mean_exponent):
+    """Per segment: the low mantissa bits zero in every element (capped at M) and the mean exponent."""
+    n = words.shape[0]
+    mmask = np.uint64((1 << M) - 1)
+    for j in range(zeros.shape[0]):
+        start = j * seg_len
+        stop = min(n, start + seg_len)
+        acc = np.uint64(0)
+        total = 0
+        for i in range(start, stop):
+            w = np.uint64(words[i])
+            acc |= w & mmask
+            total += np.int64(w >> np.uint64(M)) & ((1 << (W - 1 - M)) - 1)
+        z = 0
+        while z < M and not (acc >> np.uint64(z)) & np.uint64(1):
+            z += 1
+        zeros[j] = z
+        mean_exponent[j] = total / max(stop - start, 1)
+
+
+@kernel
+def histogram(words, seg_len, W, M, zeros, classes, hist):
+    """hist[class, symbol] += 1 for every element (``classes``: the class of each segment)."""
+    n = words.shape[0]
+    for j in range(zeros.shape[0]):
+        z = np.int64(zeros[j])
+        c = np.int64(classes[j])
+        for i in range(j * seg_len, min(n, (j + 1) * seg_len)):
+            sym, _, _ = _parts(np.uint64(words[i]), W, M, z)
+            hist[c, sym] += 1
+
+
+@kernel
+def raw_bit_count(n, seg_len, M, zeros):
+    total = 0
+    for j in range(zeros.shape[0]):
+        count = min(n, (j + 1) * seg_len) - j * seg_len
+        mr = M - np.int64(zeros[j])
+        total += count * (mr - min(TOP_BITS, mr) + 1)
+    return total
+
+
+@kernel
+def encode_kernel(words, seg_len, W, M, zeros, classes, freq, start, rans_out, raw_out):
+    """rANS words into the end of ``rans_out`` (returns where they begin) and raw bits into
+    ``raw_out`` (returns how many words). ``rans_out`` holds at least n + 2 * LANES words."""
+    n = words.shape[0]
+    # raw bits, forward
+    acc = np.uint64(0)
+    nacc = 0
+    nraw = 0
+    for j in range(zeros.shape[0]):
+        z = np.int64(zeros[j])
+        for i in range(j * seg_len, min(n, (j + 1) * seg_len)):
+            _, raw, k = _parts(np.uint64(words[i]), W, M, z)
+            if k > 32:
+                acc |= (raw & np.uint64(0xFFFFFFFF)) << np.uint64(nacc)
+                nacc += 32
+                raw >>= np.uint64(32)
+                k -= 32
+                raw_out[nraw] = np.uint32(acc & np.uint64(0xFFFFFFFF))
+                nraw += 1
+                acc >>= np.uint64(32)
+                nacc -= 32
+            acc |= raw << np.uint64(nacc)
+            nacc += k
+            if nacc >= 32:
+                raw_out[nraw] = np.uint32(acc & np.uint64(0xFFFFFFFF))
+                nraw += 1
+                acc >>= np.uint64(32)
+                nacc -= 32
+    if nacc > 0:
+        raw_out[nraw] = np.uint32(acc & np.uint64(0xFFFFFFFF))
+        nraw += 1
+    # rANS, backward: the decoder reads forward what is pushed here last
+    x = np.full(LANES, RANS_L, dtype=np.int64)
+    pos = rans_out.shape[0]
+    nseg = zeros.shape[0]
+    for jj in range(nseg):
+        j = nseg - 1 - jj
+        z = np.int64(zeros[j])
+        c = np.int64(classes[j])
+        lo = j * seg_len
+        for i in range(min(n, lo + seg_len) - 1, lo - 1, -1):
+            sym, _, _ = _parts(np.uint64(words[i]), W, M, z)
+            f = np.int64(freq[c, sym])
+            lane = i & (LANES - 1)
+            s = x[lane]
+            if s >= ((RANS_L >> PROB_BITS) << 16) * f:
+                pos -= 1
+                rans_out[pos] = np.uint16(s & 0xFFFF)
+                s >>= 16
+            x[lane] = (s // f) * PROB_SCALE + s % f + np.int64(start[c, sym])
+    for lane in range(LANES - 1, -1, -1):
+        pos -= 1
+        rans_out[pos] = np.uint16(x[lane] >> 16)
+        pos -= 1
+        rans_out[pos] = np.uint16(x[lane] & 0xFFFF)
+    return pos, nraw
+
+
+@kernel
+def decode_kernel(rans, raw, seg_len, W, M, zeros, classes, freq, start, lut, out):
+    """Rebuild ``out`` (the float bits) from the two streams; OK or an error code. Reads only inside
+    ``rans`` and ``raw``; ends with the states where the encoder began and every word consumed."""
+    n = out.shape[0]
+    nr = rans.shape[0]
+    nw = raw.shape[0]
+    if nr < 2 * LANES:
+        return ERR_OVERRUN
+    x0 = np.int64(rans[0]) | (np.int64(rans[1]) << 16)
+    x1 = np.int64(rans[2]) | (np.int64(rans[3]) << 16)
+    x2 = np.int64(rans[4]) | (np.int64(rans[5]) << 16)
+    x3 = np.int64(rans[6]) | (np.int64(rans[7]) << 16)
+    p = 2 * LANES
+    acc = np.uint64(0)
+    nacc = 0
+    q = 0
+    mask = PROB_SCALE - 1
+    for j in range(zeros.shape[0]):
+        z = np.int64(zeros[j])
+        c = np.int64(classes[j])
+        mr = M - z
+        t = min(TOP_BITS, mr)
+        low_bits = mr - t
+        k_all = low_bits + 1
+        top_shift = np.uint64(M - t)
+        top_drop = TOP_BITS - t
+        low_mask = np.uint64((1 << low_bits) - 1)
+        for i in range(j * seg_len, min(n, (j + 1) * seg_len)):
+            lane = i & 3
+            s = x0 if lane == 0 else (x1 if lane == 1 else (x2 if lane == 2 else x3))
+            slot = s & mask
+            sym = np.int64(lut[c, slot])
+            s = np.int64(freq[c, sym]) * (s >> PROB_BITS) + slot - np.int64(start[c, sym])
+            if s < RANS_L:
+                if p >= nr:
+                    return ERR_OVERRUN
+                s = (s << 16) | np.int64(rans[p])
+                p += 1
+            if lane == 0:
+                x0 = s
+            elif lane == 1:
+                x1 = s
+            elif lane == 2:
+                x2 = s
+            else:
+                x3 = s
+            # raw bits
+            k = k_all
+            value = np.uint64(0)
+            got = 0
+            if k > 32:
+                if nacc < 32:
+                    if q >= nw:
+                        return ERR_OVERRUN
+                    acc |= np.uint64(raw[q]) << np.uint64(nacc)
+                    q += 1
+                    nacc += 32
+                value = acc & np.uint64(0xFFFFFFFF)
+                acc >>= np.uint64(32)
+                nacc -= 32
+                got = 32
+                k -= 32
+            if nacc < k:
+                if q >= nw:
+                    return ERR_OVERRUN
+                acc |= np.uint64(raw[q]) << np.uint64(nacc)
+                q += 1
+                nacc += 32
+            value |= (acc & np.uint64((1 << k) - 1)) << np.uint64(got)
+            acc >>= np.uint64(k)
+            nacc -= k
+            e = np.uint64(sym >> TOP_BITS)
+            top = np.uint64((sym & ((1 << TOP_BITS) - 1)) >> top_drop)
+            sign = value >> np.uint64(low_bits)
+            out[i] = ((sign << np.uint64(W - 1)) | (e << np.uint64(M)) | (top << top_shift)
+                      | ((value & low_mask) << np.uint64(z)))
+    if x0 != RANS_L or x1 != RANS_L or x2 != RANS_L or x3 != RANS_L:
+        return ERR_BAD_END
+    if p != nr or q != nw or acc != np.uint64(0):
+        return ERR_TRAILING
+    return OK
+
+
+@kernel
+def build_lut(freq, start, lut):
+    """lut[c, slot] = the symbol whose range [start, start + freq) holds slot."""
+    for c in range(freq.shape[0]):
+        for sym in range(freq.shape[1]):
+            f = freq[c, sym]
+            b = start[c, sym]
+            for slot in range(b, b + f):
+                lut[c, slot] = sym
+
+
+# Tables: per class, the used symbols in increasing order, each as gamma(gap) gamma(freq), where gap
+# is the distance from the previous used symbol (+1 for the first) and gamma the Elias gamma code.
+
+@inline
+def _put_bits(buf, state, value, k):
+    """Append the ``k`` low bits of ``value`` (k <= 32) MSB first; state = [bit position]."""
+    for b in range(k - 1, -1, -1):
+        if (value >> b) & 1:
+            pos = state[0]
+            buf[pos >> 3] |= np.uint8(0x80 >> (pos & 7))
+        state[0] += 1
+
+
+@inline
+def _put_gamma(buf, state, v):
+    k = 0
+    while (v >> (k + 1)) > 0:
+        k += 1
+    state[0] += k  # k zeros
+    _put_bits(buf, state, v, k + 1)
+
+
+@kernel
+def write_tables(freq, buf):
+    """The tables' bits into the zeroed ``buf``; returns the byte count."""
+    state = np.zeros(1, dtype=np.int64)
+    for c in range(freq.shape[0]):
+        prev = -1
+        used = 0
+        for sym in range(freq.shape[1]):
+            if freq[c, sym] > 0:
+                used += 1
+        _put_gamma(buf, state, used)
+        for sym in range(freq.shape[1]):
+            f = np.int64(freq[c, sym])
+            if f > 0:
+                _put_gamma(buf, state, sym - prev)
+                _put_gamma(buf, state, f)
+                prev = sym
+    return (state[0] + 7) >> 3
+
+
+@inline
+def _get_gamma(buf, state, limit_bits):
+    """Elias gamma at the bit position state[0]; -1 past ``limit_bits`` or beyond 31 bits."""
+    k = 0
+    while True:
+        pos = state[0]
+        if pos >= limit_bits:
+            return -1
+        bit = (buf[pos >> 3] >> (7 - (pos & 7))) & 1
+        state[0] += 1
+        if bit:
+            break
+        k += 1
+        if k > 31:
+            return -1
+    v = 1
+    for _ in range(k):
+        pos = state[0]
+        if pos >= limit_bits:
+            return -1
+        v = (v << 1) | ((buf[pos >> 3] >> (7 - (pos & 7))) & 1)
+        state[0] += 1
+    return v
+
+
+@kernel
+def read_tables(buf, freq, start):
+    """Parse tables written by :func:`write_tables` into ``freq`` and ``start`` (zeroed, shape
+    (classes, alphabet)); returns the byte count read, or an error code."""
+    state = np.zeros(1, dtype=np.int64)
+    limit = buf.shape[0] * 8
+    alphabet = freq.shape[1]
+    for c in range(freq.shape[0]):
+        used = _get_gamma(buf, state, limit)
+        if used < 1 or used > alphabet:
+            return ERR_BAD_TABLE
+        sym = -1
+        total = 0
+        for _ in range(used):
+            gap = _get_gamma(buf, state, limit)
+            f = _get_gamma(buf, state, limit)
+            if gap < 1 or f < 1:
+                return ERR_BAD_TABLE
+            sym += gap
+            if sym >= alphabet or total + f > PROB_SCALE:
+                return ERR_BAD_TABLE
+            freq[c, sym] = f
+            start[c, sym] = total
+            total += f
+        if total != PROB_SCALE:
+            return ERR_BAD_TABLE
+    return (state[0] + 7) >> 3

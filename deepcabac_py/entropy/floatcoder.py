@@ -1,0 +1,233 @@
+"""Lossless coding of float tensors (bfloat16, float16, float32, float64), bit for bit.
+
+Trained weights leave little to a lossless coder: sign and low mantissa bits are close to uniform,
+and nearly all the redundancy is in the exponent. What is left after a byte-wise coder (ZipNN, at
+the order-0 bound of each byte) is the exponent's dependence on its row's scale and the fall of the
+density inside an octave. So the tensor is cut into *segments* (whole rows, at least
+:data:`MIN_SEGMENT` elements), each segment gets one of up to 16 *classes* by its mean exponent, and
+each class its own frequency table for the symbol (exponent, top mantissa bits). The rest of the
+bits go out raw, less the low mantissa bits that are zero in every element of the segment (float32
+tensors holding bfloat16 or float16 values). Tables are static per chunk, so decoding is a table
+lookup per element (:mod:`._float_kernels`).
+
+Chunks of :func:`chunk_elements` elements are independent substreams, like the level coder's.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+
+import numpy as np
+
+from ..errors import CorruptStreamError
+from . import _float_kernels as _k
+
+PROB_BITS = _k.PROB_BITS
+MIN_SEGMENT = 256  # a segment's class costs 4 bits: no segment is shorter than this
+MAX_SEGMENT = 1 << 16  # longer rows are split: the classes then follow the scale along the row
+CHUNK_TARGET = 1 << 20
+MAX_CLASSES = 1 << _k.MAX_CLASSES_LOG2
+
+# (total bits, mantissa bits) of each float dtype the coder takes, by dtype name
+FORMATS = {"bfloat16": (16, 7), "float16": (16, 10), "float32": (32, 23), "float64": (64, 52)}
+_WORDS = {16: np.uint16, 32: np.uint32, 64: np.uint64}
+
+_ERRORS = {
+    _k.ERR_OVERRUN: "the substream is shorter than its elements need (truncated)",
+    _k.ERR_BAD_END: "the coder does not end in its initial state (the substream is damaged)",
+    _k.ERR_BAD_TABLE: "a frequency table is invalid",
+    _k.ERR_TRAILING: "bytes are left after the last element",
+}
+
+
+def segment_length(shape: tuple[int, ...]) -> int:
+    """Elements per segment of a tensor of this shape (format: docs/format.md §4.4)."""
+    numel = math.prod(shape)
+    row = numel // shape[0] if len(shape) >= 2 and shape[0] > 0 else numel
+    row = min(max(row, 1), MAX_SEGMENT)
+    return row * -(-MIN_SEGMENT // row)
+
+
+def chunk_elements(shape: tuple[int, ...]) -> int:
+    """Elements per substream: whole segments, about :data:`CHUNK_TARGET`."""
+    seg = segment_length(shape)
+    return seg * max(1, CHUNK_TARGET // seg)
+
+
+def max_elements_for_payload(nbytes: int) -> int:
+    """At least one raw bit (the sign) per element."""
+    return 8 * nbytes
+
+
+def _alphabet(dtype_name: str) -> int:
+    W, M = FORMATS[dtype_name]
+    return 1 << (W - 1 - M + _k.TOP_BITS)
+
+
+def normalized(counts: np.ndarray) -> np.ndarray:
+    """Frequencies summing to 2**PROB_BITS, at least 1 where a count is (deterministic integers)."""
+    total = int(counts.sum())
+    freq = counts * (1 << PROB_BITS) // total
+    freq[(counts > 0) & (freq == 0)] = 1
+    excess = int(freq.sum()) - (1 << PROB_BITS)
+    if excess < 0:
+        freq[int(np.argmax(counts))] -= excess
+    else:  # (the largest give back what the rounding up of the rare ones took)
+        for sym in np.argsort(-freq, kind="stable"):
+            if not excess:
+                break
+            take = min(excess, int(freq[sym]) - 1)
+            freq[sym] -= take
+            excess -= take
+    return freq
+
+
+def _gamma_bits(v: np.ndarray) -> np.ndarray:
+    return 2 * np.floor(np.log2(np.maximum(v, 1))).astype(np.int64) + 1
+
+
+def _table_bits(freq: np.ndarray) -> int:
+    bits = 0
+    for row in freq:
+        used = np.flatnonzero(row)
+        gaps = np.diff(used, prepend=-1)
+        bits += int(_gamma_bits(np.array([used.size]))[0] + _gamma_bits(gaps).sum() + _gamma_bits(row[used]).sum())
+    return bits
+
+
+def _choose_classes(hist16: np.ndarray, nseg: int) -> tuple[int, np.ndarray]:
+    """(log2 of the class count, frequency tables) that make the chunk smallest, side bits included."""
+    best = None
+    for klog in range(_k.MAX_CLASSES_LOG2 + 1):
+        merged = hist16.reshape(1 << klog, -1, hist16.shape[1]).sum(axis=1)
+        rows = [r for r in merged if r.any()]
+        freq = np.zeros_like(merged)
+        for c, r in enumerate(merged):
+            if r.any():
+                freq[c] = normalized(r)
+        used = merged > 0
+        bits = float((merged[used] * (PROB_BITS - np.log2(freq[used]))).sum())
+        bits += _table_bits(freq) + (4 * nseg if klog else 0)
+        if best is None or bits < best[0]:
+            best = (bits, klog, freq)
+        if len(rows) < (1 << klog):  # (more classes than occupied ones change nothing)
+            break
+    assert best is not None
+    return best[1], best[2]
+
+
+def _words(values: np.ndarray, dtype_name: str) -> np.ndarray:
+    W, _ = FORMATS[dtype_name]
+    flat = np.ascontiguousarray(values).reshape(-1)
+    return flat.view(_WORDS[W])
+
+
+def encode_chunk(values: np.ndarray, dtype_name: str, seg_len: int) -> bytes:
+    """The substream of ``values`` (a flat array of the dtype's bits or values: float16/32/64, or the
+    uint16 bits of bfloat16), whose segments are ``seg_len`` long (the last may be shorter)."""
+    if dtype_name not in FORMATS:
+        raise ValueError(f"the lossless float coder takes {', '.join(FORMATS)}, not {dtype_name}")
+    W, M = FORMATS[dtype_name]
+    words = _words(values, dtype_name)
+    n = words.shape[0]
+    nseg = -(-n // seg_len)
+    zeros = np.empty(nseg, dtype=np.uint8)
+    mean_e = np.empty(nseg, dtype=np.float64)
+    _k.segment_stats(words, seg_len, W, M, zeros, mean_e)
+    # 16 classes of (nearly) equal size by mean exponent; fewer are their unions
+    rank = np.empty(nseg, dtype=np.int64)
+    rank[np.argsort(mean_e, kind="stable")] = np.arange(nseg)
+    classes16 = (rank * MAX_CLASSES // max(nseg, 1)).astype(np.uint8)
+    alphabet = _alphabet(dtype_name)
+    hist16 = np.zeros((MAX_CLASSES, alphabet), dtype=np.int64)
+    _k.histogram(words, seg_len, W, M, zeros, classes16, hist16)
+    klog, freq = _choose_classes(hist16, nseg)
+    classes = (classes16 >> (_k.MAX_CLASSES_LOG2 - klog)).astype(np.uint8)
+    freq32 = freq.astype(np.int32)
+    start = (np.cumsum(freq32, axis=1) - freq32).astype(np.int32)
+    rans = np.empty(n + 2 * _k.LANES + 2, dtype=np.uint16)
+    raw = np.empty(-(-_k.raw_bit_count(n, seg_len, M, zeros) // 32) + 1, dtype=np.uint32)
+    begin, nraw = _k.encode_kernel(words, seg_len, W, M, zeros, classes, freq32, start, rans, raw)
+    tables = np.zeros(_table_bits(freq) // 8 + 8, dtype=np.uint8)
+    tbytes = _k.write_tables(freq32, tables)
+
+    parts = []
+    if nseg and (zeros == zeros[0]).all():
+        parts.append(bytes([0, int(zeros[0])]))
+    else:
+        parts += [b"\x01", zeros.tobytes()]
+    parts.append(bytes([klog]))
+    if klog:
+        padded = np.zeros(2 * (-(-nseg // 2)), dtype=np.uint8)
+        padded[:nseg] = classes
+        parts.append((padded[0::2] | (padded[1::2] << 4)).tobytes())
+    parts += [struct.pack("<I", tbytes), tables[:tbytes].tobytes(),
+              struct.pack("<I", rans.shape[0] - begin), rans[begin:].astype("<u2").tobytes(),
+              raw[:nraw].astype("<u4").tobytes()]
+    return b"".join(parts)
+
+
+class _Reader:
+    def __init__(self, data: np.ndarray, where: str):
+        self.data, self.pos, self.where = data, 0, where
+
+    def take(self, n: int, what: str) -> np.ndarray:
+        if n < 0 or self.pos + n > self.data.shape[0]:
+            raise CorruptStreamError(f"{self.where}: the substream ends inside its {what}")
+        out = self.data[self.pos:self.pos + n]
+        self.pos += n
+        return out
+
+    def u32(self, what: str) -> int:
+        return int.from_bytes(self.take(4, what).tobytes(), "little")
+
+
+def decode_chunk(data, dtype_name: str, seg_len: int, out: np.ndarray, where: str = "substream") -> None:
+    """Decode a substream of :func:`encode_chunk` into ``out`` (the flat carrier of ``len(out)``
+    elements: float16/32/64, or uint16 for bfloat16). CorruptStreamError says what is wrong."""
+    W, M = FORMATS[dtype_name]
+    words = _words(out, dtype_name)
+    n = words.shape[0]
+    nseg = -(-n // seg_len)
+    r = _Reader(np.frombuffer(data, dtype=np.uint8), where)
+    (mode,) = r.take(1, "low-bit mode")
+    if mode == 0:
+        zeros = np.full(nseg, r.take(1, "low-bit count")[0], dtype=np.uint8)
+    elif mode == 1:
+        zeros = r.take(nseg, "low-bit counts")
+    else:
+        raise CorruptStreamError(f"{where}: unknown low-bit mode {mode}")
+    if nseg and int(zeros.max()) > M:
+        raise CorruptStreamError(f"{where}: drops more low bits than a {dtype_name} mantissa has")
+    (klog,) = r.take(1, "class count")
+    if klog > _k.MAX_CLASSES_LOG2:
+        raise CorruptStreamError(f"{where}: {1 << int(klog)} classes (at most {MAX_CLASSES})")
+    if klog:
+        packed = r.take(-(-nseg // 2), "classes")
+        classes = np.empty(2 * packed.shape[0], dtype=np.uint8)
+        classes[0::2] = packed & 15
+        classes[1::2] = packed >> 4
+        classes = classes[:nseg]
+        if nseg and int(classes.max()) >= 1 << int(klog):
+            raise CorruptStreamError(f"{where}: a segment of class {int(classes.max())} of {1 << int(klog)}")
+    else:
+        classes = np.zeros(nseg, dtype=np.uint8)
+    alphabet = _alphabet(dtype_name)
+    tables = r.take(r.u32("table size"), "tables")
+    freq = np.zeros((1 << int(klog), alphabet), dtype=np.int32)
+    start = np.zeros_like(freq)
+    got = _k.read_tables(tables, freq, start)
+    if got < 0 or got != tables.shape[0]:
+        raise CorruptStreamError(f"{where}: {_ERRORS.get(got, 'the frequency tables do not fill their bytes')}")
+    nrans = r.u32("coder size")
+    rans = r.take(2 * nrans, "coder words").view("<u2").copy()  # (aligned for the kernel)
+    raw_words = -(-_k.raw_bit_count(n, seg_len, M, zeros) // 32)
+    raw = r.take(4 * raw_words, "raw bits").view("<u4").copy()
+    if r.pos != r.data.shape[0]:
+        raise CorruptStreamError(f"{where}: {r.data.shape[0] - r.pos} bytes after the raw bits")
+    lut = np.empty((freq.shape[0], 1 << PROB_BITS), dtype=np.uint16)
+    _k.build_lut(freq, start, lut)
+    err = _k.decode_kernel(rans, raw, seg_len, W, M, zeros, classes, freq, start, lut, words)
+    if err != _k.OK:
+        raise CorruptStreamError(f"{where}: {_ERRORS[err]}")

@@ -1,0 +1,148 @@
+"""The lossless float coder: bit-exact round trips (NaN payloads, infinities, denormals, -0), the
+kernels against the plain-Python reference, the dropped low bits, and damaged substreams."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from reference_float_coder import decode as ref_decode
+from reference_float_coder import encode as ref_encode
+
+import deepcabac_py as dc
+from deepcabac_py.entropy import floatcoder
+from deepcabac_py.errors import CorruptStreamError
+from deepcabac_py.model.container import Mode, read_header
+
+DTYPES = {"bfloat16": np.uint16, "float16": np.float16, "float32": np.float32, "float64": np.float64}
+WORDS = {"bfloat16": np.uint16, "float16": np.uint16, "float32": np.uint32, "float64": np.uint64}
+
+
+def _weights(rng, dtype_name: str, shape) -> np.ndarray:
+    """Bell-shaped values whose scale varies by row (what the classes model), as the dtype's carrier."""
+    rows = shape[0] if len(shape) > 1 else 1
+    scale = np.exp2(rng.integers(-8, 0, size=(rows, 1)))
+    x = (rng.standard_normal((rows, int(np.prod(shape)) // rows)) * scale).reshape(shape)
+    if dtype_name == "bfloat16":
+        return torch.from_numpy(x.astype(np.float32)).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    return x.astype(DTYPES[dtype_name])
+
+
+def _with_specials(a: np.ndarray, dtype_name: str, rng) -> np.ndarray:
+    w = a.reshape(-1).view(WORDS[dtype_name]).copy()
+    W, M = floatcoder.FORMATS[dtype_name]
+    e_all = ((1 << (W - 1 - M)) - 1) << M
+    specials = [e_all | 1, e_all | ((1 << M) - 1), e_all, e_all | (1 << (W - 1)), 1 << (W - 1), 1, (1 << M) - 1,
+                e_all | (1 << (M - 1)) | 5]  # NaN payloads, +-inf, -0, denormals, a quiet NaN with payload
+    where = rng.choice(w.size, size=min(len(specials), w.size), replace=False)
+    w[where] = np.array(specials[:where.size], dtype=np.uint64).astype(w.dtype)
+    return w.view(a.dtype).reshape(a.shape)
+
+
+def _roundtrip(a: np.ndarray, dtype_name: str) -> bytes:
+    seg = floatcoder.segment_length(a.shape)
+    flat = a.reshape(-1)
+    data = floatcoder.encode_chunk(flat, dtype_name, seg)
+    out = np.empty_like(flat)
+    floatcoder.decode_chunk(data, dtype_name, seg, out)
+    assert out.view(np.uint8).tobytes() == flat.view(np.uint8).tobytes()
+    return data
+
+
+@pytest.mark.parametrize("dtype_name", sorted(DTYPES))
+@pytest.mark.parametrize("shape", [(1,), (7,), (300,), (33, 40), (5, 3, 3, 3), (2, 70000)])
+def test_roundtrip_is_bit_exact(dtype_name, shape):
+    rng = np.random.default_rng(len(shape) * 7 + shape[0])
+    _roundtrip(_with_specials(_weights(rng, dtype_name, shape), dtype_name, rng), dtype_name)
+
+
+@settings(max_examples=60, deadline=None)
+@given(dtype_name=st.sampled_from(sorted(DTYPES)), n=st.integers(1, 3000), seg=st.integers(1, 700),
+       seed=st.integers(0, 2**32 - 1), low_zero=st.integers(0, 60))
+def test_any_bits_roundtrip(dtype_name, n, seg, seed, low_zero):
+    rng = np.random.default_rng(seed)
+    W, M = floatcoder.FORMATS[dtype_name]
+    bits = rng.integers(0, 2**63, size=n, dtype=np.uint64) ^ (rng.integers(0, 2, size=n, dtype=np.uint64) << 63)
+    bits &= ~np.uint64(0) << np.uint64(min(low_zero, M))  # (low bits zero: what the segments drop)
+    words = (bits >> np.uint64(64 - W)).astype(WORDS[dtype_name]) if W < 64 else bits
+    flat = words.view(DTYPES[dtype_name]) if dtype_name != "bfloat16" else words
+    data = floatcoder.encode_chunk(flat, dtype_name, seg)
+    out = np.empty_like(flat)
+    floatcoder.decode_chunk(data, dtype_name, seg, out)
+    assert out.view(np.uint8).tobytes() == flat.view(np.uint8).tobytes()
+
+
+@pytest.mark.parametrize("dtype_name", sorted(DTYPES))
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_kernels_match_the_python_reference(dtype_name, seed):
+    rng = np.random.default_rng(seed)
+    shape = [(40, 30), (700,), (9, 4, 3, 3)][seed]
+    a = _with_specials(_weights(rng, dtype_name, shape), dtype_name, rng)
+    if seed == 1:  # some segments with zero low bits
+        w = a.view(WORDS[dtype_name])
+        w[:300] &= np.array(~((1 << 5) - 1) & ((1 << 64) - 1), dtype=np.uint64).astype(w.dtype)
+    seg = floatcoder.segment_length(a.shape)
+    words = [int(v) for v in a.reshape(-1).view(WORDS[dtype_name])]
+    data = floatcoder.encode_chunk(a.reshape(-1), dtype_name, seg)
+    assert ref_encode(words, dtype_name, seg) == data
+    assert ref_decode(data, dtype_name, seg, len(words)) == words
+
+
+def test_float32_holding_bfloat16_drops_the_zero_half():
+    x = torch.randn(256, 512).to(torch.bfloat16)
+    as_bf16 = _roundtrip(x.view(torch.int16).numpy().view(np.uint16), "bfloat16")
+    as_f32 = _roundtrip(x.float().numpy(), "float32")
+    assert abs(len(as_f32) - len(as_bf16)) < 0.01 * len(as_bf16)  # the 16 zero bits cost nothing
+    assert x.numel() * 4 / len(as_f32) > 2.5
+
+
+def test_classes_follow_the_row_scale():
+    """Rows of different scales: the per-class tables beat one table for the whole chunk."""
+    rng = np.random.default_rng(3)
+    a = _weights(rng, "float32", (256, 512))
+    data = _roundtrip(a, "float32")
+    one_class = floatcoder.encode_chunk(a.reshape(-1), "float32", a.size)  # one segment, one class
+    assert len(data) < 0.97 * len(one_class)
+
+
+def test_encode_model_keeps_exact_floats_losslessly_and_small():
+    rng = np.random.default_rng(4)
+    model = {"w": torch.from_numpy(_weights(rng, "float32", (64, 300))).to(torch.bfloat16),
+             "h": torch.from_numpy(_with_specials(_weights(rng, "float16", (2000,)), "float16", rng)),
+             "tiny": np.array([np.nan, -0.0], dtype=np.float32)}
+    data = dc.encode_model(model, keep_exact=True, threads=2)
+    modes = {e.name: e.mode for e in read_header(data).tensors}
+    assert modes == {"w": Mode.FLOAT, "h": Mode.FLOAT, "tiny": Mode.RAW}  # (two floats: raw is smaller)
+    assert len(data) < 0.8 * (64 * 300 * 2 + 2000 * 2)
+    back = dc.decode_model(data, threads=1)
+    assert back["w"].view(torch.int16).equal(model["w"].view(torch.int16))
+    assert back["h"].view(torch.int16).equal(model["h"].view(torch.int16))
+    assert back["tiny"].tobytes() == model["tiny"].tobytes()
+    assert dc.encode_model(model, keep_exact=True, threads=1) == data
+
+
+def _flipped(data: bytes, rng) -> list[bytes]:
+    out = []
+    for _ in range(40):
+        b = bytearray(data)
+        b[int(rng.integers(len(b)))] ^= 1 << int(rng.integers(8))
+        out.append(bytes(b))
+    return out
+
+
+@pytest.mark.parametrize("dtype_name", sorted(DTYPES))
+def test_damaged_substreams_are_refused_or_decode_within_bounds(dtype_name):
+    rng = np.random.default_rng(5)
+    a = _weights(rng, dtype_name, (20, 64)).reshape(-1)
+    seg = floatcoder.segment_length((20, 64))
+    data = floatcoder.encode_chunk(a, dtype_name, seg)
+    for bad in [data[:k] for k in (0, 1, 3, len(data) // 2, len(data) - 1)] + [data + b"\x00"]:
+        with pytest.raises(CorruptStreamError):
+            floatcoder.decode_chunk(bad, dtype_name, seg, np.empty_like(a))
+    for bad in _flipped(data, rng):  # (a flipped raw bit is another value: the payload's CRC tells)
+        try:
+            floatcoder.decode_chunk(bad, dtype_name, seg, np.empty_like(a))
+        except CorruptStreamError as exc:
+            assert "substream" in str(exc)
