@@ -9,6 +9,9 @@ import struct
 import numpy as np
 
 from deepcabac_py.entropy import floatcoder
+from deepcabac_py.entropy._float_kernels import cost_table
+
+_COSTS = cost_table()
 
 PROB_BITS = 14
 RANS_L = 1 << 16
@@ -30,6 +33,55 @@ def _split(w: int, W: int, M: int, z: int) -> tuple[int, int, int]:
 def _segments(n: int, seg: int):
     for j in range(-(-n // seg)):
         yield j, range(j * seg, min(n, (j + 1) * seg))
+
+
+def _normalized(counts: list[int], bits: int) -> list[int]:
+    total = sum(counts)
+    best = max(range(len(counts)), key=lambda i: (counts[i], -i))
+    freq = [max(1, c * (1 << bits) // total) if c else 0 for c in counts]
+    excess = sum(freq) - (1 << bits)
+    if excess < 0:
+        freq[best] -= excess
+    for i in sorted(range(len(freq)), key=lambda i: (-freq[i], i)):
+        if excess <= 0:
+            break
+        take = min(excess, freq[i] - 1)
+        freq[i] -= take
+        excess -= take
+    return freq
+
+
+def _gamma_length(v: int) -> int:
+    return 2 * (v.bit_length() - 1) + 1
+
+
+def choose_classes(hist: np.ndarray, nseg: int) -> tuple[int, int, list[list[int]]]:
+    """The class count, table precision and tables (at that precision) of the encoder policy
+    (docs/format.md §4.4), costs in integer units of 2**-16 bits."""
+    costs = [int(c) for c in _COSTS]
+    best = None
+    for klog in range(5):
+        per = 16 >> klog
+        rows = [[int(v) for v in hist[c * per:(c + 1) * per].sum(axis=0)] for c in range(1 << klog)]
+        if any(sum(r) == 0 for r in rows):
+            break
+        for bits in (14, 12, 10, 8):
+            if max(sum(1 for v in r if v) for r in rows) > 1 << bits:
+                continue
+            cost = (4 * nseg if klog else 0) << 16
+            tables = []
+            for r in rows:
+                f = _normalized(r, bits)
+                used = [s for s in range(len(f)) if f[s]]
+                cost += sum(r[s] * costs[f[s] << (PROB_BITS - bits)] for s in used)
+                gaps = [b - a for a, b in zip([-1] + used, used)]
+                cost += (_gamma_length(len(used)) + sum(map(_gamma_length, gaps))
+                         + sum(_gamma_length(f[s]) for s in used)) << 16
+                tables.append(f)
+            if best is None or cost < best[0]:
+                best = (cost, klog, bits, tables)
+    assert best is not None
+    return best[1], best[2], best[3]
 
 
 def _gamma(bits: list[int], v: int) -> None:
@@ -61,9 +113,10 @@ def encode(words: list[int], dtype_name: str, seg: int) -> bytes:
     for j, idx in _segments(n, seg):
         for i in idx:
             hist[classes16[j], _split(words[i], W, M, zeros[j])[0]] += 1
-    klog, freq = floatcoder._choose_classes(hist, nseg)
+    klog, precision, sent = choose_classes(hist, nseg)
+    freq = [[f << (PROB_BITS - precision) for f in row] for row in sent]
     classes = [c >> (4 - klog) for c in classes16]
-    starts = [[int(v) for v in np.cumsum(row) - row] for row in freq]
+    starts = [[sum(row[:s]) for s in range(len(row))] for row in freq]
     # raw bits, LSB first
     acc, nacc, raw = 0, 0, []
     for j, idx in _segments(n, seg):
@@ -84,7 +137,7 @@ def encode(words: list[int], dtype_name: str, seg: int) -> bytes:
     for i in range(n - 1, -1, -1):
         j = seg_of[i]
         sym = _split(words[i], W, M, zeros[j])[0]
-        f, b = int(freq[classes[j], sym]), starts[classes[j]][sym]
+        f, b = freq[classes[j]][sym], starts[classes[j]][sym]
         s = x[i % LANES]
         if s >= ((RANS_L >> PROB_BITS) << 16) * f:
             pushed.append(s & 0xFFFF)
@@ -95,7 +148,7 @@ def encode(words: list[int], dtype_name: str, seg: int) -> bytes:
     rans = pushed[::-1]
     # tables
     bits: list[int] = []
-    for row in freq:
+    for row in sent:
         used = [s for s in range(alphabet) if row[s]]
         _gamma(bits, len(used))
         prev = -1
@@ -106,7 +159,7 @@ def encode(words: list[int], dtype_name: str, seg: int) -> bytes:
     bits += [0] * (-len(bits) % 8)
     tables = bytes(int("".join(map(str, bits[k:k + 8])), 2) for k in range(0, len(bits), 8))
     out = bytes([0, zeros[0]]) if nseg and len(set(zeros)) == 1 else b"\x01" + bytes(zeros)
-    out += bytes([klog])
+    out += bytes([klog, precision])
     if klog:
         padded = classes + [0] * (nseg % 2)
         out += bytes(padded[k] | (padded[k + 1] << 4) for k in range(0, len(padded), 2))
@@ -124,8 +177,8 @@ def decode(data: bytes, dtype_name: str, seg: int, n: int) -> list[int]:
         zeros, pos = [data[1]] * nseg, 2
     else:
         zeros, pos = list(data[1:1 + nseg]), 1 + nseg
-    klog = data[pos]
-    pos += 1
+    klog, precision = data[pos], data[pos + 1]
+    pos += 2
     classes = [0] * nseg
     if klog:
         packed = data[pos:pos + -(-nseg // 2)]
@@ -152,7 +205,7 @@ def decode(data: bytes, dtype_name: str, seg: int, n: int) -> list[int]:
         sym, total, table = -1, 0, {}
         for _ in range(gamma()):
             sym += gamma()
-            f = gamma()
+            f = gamma() << (PROB_BITS - precision)
             table[sym] = (f, total)
             total += f
         tables.append(table)

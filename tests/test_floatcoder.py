@@ -146,3 +146,95 @@ def test_damaged_substreams_are_refused_or_decode_within_bounds(dtype_name):
             floatcoder.decode_chunk(bad, dtype_name, seg, np.empty_like(a))
         except CorruptStreamError as exc:
             assert "substream" in str(exc)
+
+
+# --- file-exact restore --------------------------------------------------------------------------
+
+def _handwritten_safetensors(path, rng) -> None:
+    """A safetensors file as another writer might lay it out: metadata last, keys unsorted, the data
+    in another order than the header's, extra padding."""
+    import json
+    import struct
+    w = torch.from_numpy(_weights(rng, "float32", (64, 300))).to(torch.bfloat16)
+    h = _weights(rng, "float16", (40, 30))
+    ids = np.arange(7, dtype=np.int64)
+    blobs = {"ids": ids.tobytes(), "w": w.view(torch.int16).numpy().tobytes(), "h": h.tobytes()}
+    offsets, pos = {}, 0
+    for name in ("ids", "w", "h"):
+        offsets[name] = [pos, pos + len(blobs[name])]
+        pos += len(blobs[name])
+    header = {"w": {"dtype": "BF16", "shape": [64, 300], "data_offsets": offsets["w"]},
+              "h": {"dtype": "F16", "shape": [40, 30], "data_offsets": offsets["h"]},
+              "ids": {"dtype": "I64", "shape": [7], "data_offsets": offsets["ids"]},
+              "__metadata__": {"format": "pt", "note": "hand"}}
+    text = json.dumps(header, indent=1).encode() + b"    "
+    path.write_bytes(struct.pack("<Q", len(text)) + text + b"".join(blobs[n] for n in ("ids", "w", "h")))
+
+
+def test_lossless_safetensors_file_comes_back_byte_for_byte(tmp_path):
+    src = tmp_path / "m.safetensors"
+    _handwritten_safetensors(src, np.random.default_rng(6))
+    dc.encode_file(src, tmp_path / "m.dcb", keep_exact=True)
+    assert "safetensors_header" in read_header((tmp_path / "m.dcb").read_bytes()).metadata
+    dc.decode_file(tmp_path / "m.dcb", tmp_path / "back.safetensors")
+    assert (tmp_path / "back.safetensors").read_bytes() == src.read_bytes()
+    # one in this library's own layout carries no copy of its header
+    dc.decode_file(tmp_path / "m.dcb", tmp_path / "ours.safetensors", names="*")
+    dc.encode_file(tmp_path / "ours.safetensors", tmp_path / "ours.dcb", keep_exact=True)
+    assert "safetensors_header" not in read_header((tmp_path / "ours.dcb").read_bytes()).metadata
+
+
+def test_a_kept_header_that_does_not_match_is_refused(tmp_path):
+    from deepcabac_py.model.container import pack_header
+    src = tmp_path / "m.safetensors"
+    _handwritten_safetensors(src, np.random.default_rng(7))
+    dc.encode_file(src, tmp_path / "m.dcb", keep_exact=True)
+    data = (tmp_path / "m.dcb").read_bytes()
+    h = read_header(data)
+    meta = dict(h.metadata, safetensors_header=h.metadata["safetensors_header"].replace('"F16"', '"F32"'))
+    (tmp_path / "bad.dcb").write_bytes(pack_header(h.qp, h.qp_1d, h.qp_density, meta, h.tensors)
+                                       + data[h.header_size:])
+    with pytest.raises(CorruptStreamError, match="safetensors header"):
+        dc.decode_file(tmp_path / "bad.dcb", tmp_path / "out.safetensors")
+    assert not (tmp_path / "out.safetensors").exists()
+
+
+def test_lossless_directory_round_trip_is_byte_for_byte(tmp_path):
+    import json
+    rng = np.random.default_rng(8)
+    model = tmp_path / "hf"
+    model.mkdir()
+    _handwritten_safetensors(model / "model-00001-of-00002.safetensors", rng)
+    from safetensors.numpy import save_file
+    save_file({"lm_head": _weights(rng, "float32", (16, 300))}, str(model / "model-00002-of-00002.safetensors"),
+              metadata={"format": "pt"})
+    index = {"metadata": {"total_size": 0}, "weight_map": {"w": "model-00001-of-00002.safetensors",
+             "h": "model-00001-of-00002.safetensors", "ids": "model-00001-of-00002.safetensors",
+             "lm_head": "model-00002-of-00002.safetensors"}}
+    (model / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    (model / "config.json").write_text('{"model_type": "toy"}\n')
+    dc.encode_directory(model, tmp_path / "enc", keep_exact=True)
+    dc.decode_directory(tmp_path / "enc", tmp_path / "back")
+    files = sorted(p.name for p in model.iterdir())
+    assert sorted(p.name for p in (tmp_path / "back").iterdir()) == files
+    for name in files:
+        assert (tmp_path / "back" / name).read_bytes() == (model / name).read_bytes(), name
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), nseg=st.integers(1, 40), alphabet=st.sampled_from([128, 1024]),
+       spread=st.integers(1, 60))
+def test_class_choice_matches_the_python_reference(seed, nseg, alphabet, spread):
+    from reference_float_coder import choose_classes as ref_choose
+
+    from deepcabac_py.entropy import _float_kernels
+    rng = np.random.default_rng(seed)
+    hist = np.zeros((16, alphabet), dtype=np.int64)
+    for j in range(nseg):  # segments as the encoder ranks them into 16 classes
+        centre = int(rng.integers(0, alphabet - spread))
+        np.add.at(hist[j * 16 // nseg], rng.integers(centre, centre + spread, size=int(rng.integers(1, 400))), 1)
+    freq = np.zeros((16, alphabet), dtype=np.int32)
+    klog, precision = _float_kernels.choose_classes(hist, nseg, _float_kernels.cost_table(), freq)
+    assert (klog, precision) == ref_choose(hist, nseg)[:2]
+    assert freq[:1 << klog].tolist() == ref_choose(hist, nseg)[2]
+    assert (freq[:1 << klog].sum(axis=1) == 1 << precision).all()

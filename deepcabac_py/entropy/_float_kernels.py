@@ -26,7 +26,7 @@ MAX_CLASSES_LOG2 = 4
 OK = 0
 ERR_OVERRUN = -1  # a stream is shorter than its elements need
 ERR_BAD_END = -2  # the rANS states do not end where they began: damaged
-ERR_BAD_TABLE = -3  # a frequency table does not sum to PROB_SCALE, or names a symbol twice
+ERR_BAD_TABLE = -3  # a frequency table does not sum to its scale, or names a symbol twice
 ERR_TRAILING = -4  # bytes left after the last element
 
 
@@ -91,9 +91,10 @@ def raw_bit_count(n, seg_len, M, zeros):
 
 
 @kernel
-def encode_kernel(words, seg_len, W, M, zeros, classes, freq, start, rans_out, raw_out):
+def encode_kernel(words, seg_len, W, M, zeros, classes, freq, start, inverse, rans_out, raw_out):
     """rANS words into the end of ``rans_out`` (returns where they begin) and raw bits into
-    ``raw_out`` (returns how many words). ``rans_out`` holds at least n + 2 * LANES words."""
+    ``raw_out`` (returns how many words). ``rans_out`` holds at least n + 2 * LANES + 2 words;
+    ``inverse`` is 1 / freq as float64 (where freq > 0)."""
     n = words.shape[0]
     # raw bits, forward
     acc = np.uint64(0)
@@ -136,11 +137,23 @@ def encode_kernel(words, seg_len, W, M, zeros, classes, freq, start, rans_out, r
             f = np.int64(freq[c, sym])
             lane = i & (LANES - 1)
             s = x[lane]
-            if s >= ((RANS_L >> PROB_BITS) << 16) * f:
-                pos -= 1
-                rans_out[pos] = np.uint16(s & 0xFFFF)
-                s >>= 16
-            x[lane] = (s // f) * PROB_SCALE + s % f + np.int64(start[c, sym])
+            # renormalise without a branch: the word goes below the pushed ones and stays there
+            # only when pushed (the buffer's slack keeps pos - 1 in bounds)
+            push = np.int64(s >= ((RANS_L >> PROB_BITS) << 16) * f)
+            rans_out[pos - 1] = np.uint16(s & 0xFFFF)
+            pos -= push
+            s >>= 16 * push
+            # s // f by a float reciprocal, corrected to the exact quotient: integer division
+            # would take most of the encoder's time
+            q = np.int64(s * inverse[c, sym])
+            r = s - q * f
+            if r < 0:
+                q -= 1
+                r += f
+            elif r >= f:
+                q += 1
+                r -= f
+            x[lane] = q * PROB_SCALE + r + np.int64(start[c, sym])
     for lane in range(LANES - 1, -1, -1):
         pos -= 1
         rans_out[pos] = np.uint16(x[lane] >> 16)
@@ -150,12 +163,13 @@ def encode_kernel(words, seg_len, W, M, zeros, classes, freq, start, rans_out, r
 
 
 @kernel
-def decode_kernel(rans, raw, seg_len, W, M, zeros, classes, freq, start, lut, out):
-    """Rebuild ``out`` (the float bits) from the two streams; OK or an error code. Reads only inside
-    ``rans`` and ``raw``; ends with the states where the encoder began and every word consumed."""
+def decode_kernel(rans, raw, seg_len, W, M, zeros, classes, freq, lut, out):
+    """Rebuild ``out`` (the float bits) from the two streams; OK or an error code. ``lut[c, slot]``
+    = symbol | (slot - start) << 16; ``rans`` and ``raw`` end with one word of padding each. Reads
+    only inside them; ends with the states where the encoder began and every word consumed."""
     n = out.shape[0]
-    nr = rans.shape[0]
-    nw = raw.shape[0]
+    nr = rans.shape[0] - 1  # (the last word of each is the caller's padding)
+    nw = raw.shape[0] - 1
     if nr < 2 * LANES:
         return ERR_OVERRUN
     x0 = np.int64(rans[0]) | (np.int64(rans[1]) << 16)
@@ -181,13 +195,16 @@ def decode_kernel(rans, raw, seg_len, W, M, zeros, classes, freq, start, lut, ou
             lane = i & 3
             s = x0 if lane == 0 else (x1 if lane == 1 else (x2 if lane == 2 else x3))
             slot = s & mask
-            sym = np.int64(lut[c, slot])
-            s = np.int64(freq[c, sym]) * (s >> PROB_BITS) + slot - np.int64(start[c, sym])
-            if s < RANS_L:
-                if p >= nr:
-                    return ERR_OVERRUN
-                s = (s << 16) | np.int64(rans[p])
-                p += 1
+            entry = np.int64(lut[c, slot])
+            sym = entry & 0xFFFF
+            s = np.int64(freq[c, sym]) * (s >> PROB_BITS) + (entry >> 16)
+            # renormalise without a branch (taken for about one symbol in six: unpredictable); the
+            # caller's extra word past the end keeps the read in bounds, the check stops after it
+            if p > nr:
+                return ERR_OVERRUN
+            need = np.int64(s < RANS_L)
+            s = (s << (16 * need)) | (np.int64(rans[p]) & -need)
+            p += need
             if lane == 0:
                 x0 = s
             elif lane == 1:
@@ -212,12 +229,13 @@ def decode_kernel(rans, raw, seg_len, W, M, zeros, classes, freq, start, lut, ou
                 nacc -= 32
                 got = 32
                 k -= 32
-            if nacc < k:
-                if q >= nw:
-                    return ERR_OVERRUN
-                acc |= np.uint64(raw[q]) << np.uint64(nacc)
-                q += 1
-                nacc += 32
+            # refill without a branch, as above (the shift is exact whenever the word is taken)
+            if q > nw:
+                return ERR_OVERRUN
+            take = np.uint64(nacc < k)
+            acc |= (np.uint64(raw[q]) << np.uint64(nacc & 31)) & (np.uint64(0) - take)
+            q += np.int64(take)
+            nacc += 32 * np.int64(take)
             value |= (acc & np.uint64((1 << k) - 1)) << np.uint64(got)
             acc >>= np.uint64(k)
             nacc -= k
@@ -226,6 +244,8 @@ def decode_kernel(rans, raw, seg_len, W, M, zeros, classes, freq, start, lut, ou
             sign = value >> np.uint64(low_bits)
             out[i] = ((sign << np.uint64(W - 1)) | (e << np.uint64(M)) | (top << top_shift)
                       | ((value & low_mask) << np.uint64(z)))
+    if p > nr or q > nw:
+        return ERR_OVERRUN
     if x0 != RANS_L or x1 != RANS_L or x2 != RANS_L or x3 != RANS_L:
         return ERR_BAD_END
     if p != nr or q != nw or acc != np.uint64(0):
@@ -235,13 +255,14 @@ def decode_kernel(rans, raw, seg_len, W, M, zeros, classes, freq, start, lut, ou
 
 @kernel
 def build_lut(freq, start, lut):
-    """lut[c, slot] = the symbol whose range [start, start + freq) holds slot."""
+    """lut[c, slot] = sym | (slot - start) << 16 for the symbol whose range [start, start + freq)
+    holds slot."""
     for c in range(freq.shape[0]):
         for sym in range(freq.shape[1]):
             f = freq[c, sym]
             b = start[c, sym]
             for slot in range(b, b + f):
-                lut[c, slot] = sym
+                lut[c, slot] = np.uint32(sym | ((slot - b) << 16))
 
 
 # Tables: per class, the used symbols in increasing order, each as gamma(gap) gamma(freq), where gap
@@ -312,9 +333,12 @@ def _get_gamma(buf, state, limit_bits):
 
 
 @kernel
-def read_tables(buf, freq, start):
-    """Parse tables written by :func:`write_tables` into ``freq`` and ``start`` (zeroed, shape
-    (classes, alphabet)); returns the byte count read, or an error code."""
+def read_tables(buf, precision, freq, start):
+    """Parse tables written by :func:`write_tables` (frequencies summing to 2**precision) into
+    ``freq`` and ``start`` (zeroed, shape (classes, alphabet)) at PROB_BITS; returns the byte count
+    read, or an error code."""
+    scale = np.int64(1) << precision
+    up = PROB_BITS - precision
     state = np.zeros(1, dtype=np.int64)
     limit = buf.shape[0] * 8
     alphabet = freq.shape[1]
@@ -330,11 +354,127 @@ def read_tables(buf, freq, start):
             if gap < 1 or f < 1:
                 return ERR_BAD_TABLE
             sym += gap
-            if sym >= alphabet or total + f > PROB_SCALE:
+            if sym >= alphabet or total + f > scale:
                 return ERR_BAD_TABLE
-            freq[c, sym] = f
-            start[c, sym] = total
+            freq[c, sym] = f << up
+            start[c, sym] = total << up
             total += f
-        if total != PROB_SCALE:
+        if total != scale:
             return ERR_BAD_TABLE
     return (state[0] + 7) >> 3
+
+
+COST_FRACTION_BITS = 16  # the class choice counts bits in units of 2**-16, in integers: deterministic
+
+
+def cost_table() -> np.ndarray:
+    """cost[f] = the bits of a symbol of frequency f (of 2**PROB_BITS), (PROB_BITS - log2 f) in
+    units of 2**-16."""
+    f = np.arange(PROB_SCALE + 1, dtype=np.float64)
+    f[0] = 1.0
+    return np.round((PROB_BITS - np.log2(f)) * (1 << COST_FRACTION_BITS)).astype(np.int64)
+
+
+@inline
+def _gamma_length(v):
+    k = 0
+    while (v >> (k + 1)) > 0:
+        k += 1
+    return 2 * k + 1
+
+
+@kernel
+def normalize_row(counts, scale_bits, out):
+    """Frequencies summing to 2**scale_bits, at least 1 where a count is: floor(count * scale /
+    total), the rare ones raised to 1, the excess taken from the largest (ties: the lower symbol
+    first) or a shortfall given to the most frequent symbol."""
+    scale = np.int64(1) << scale_bits
+    total = 0
+    best = 0
+    for i in range(counts.shape[0]):
+        total += counts[i]
+        if counts[i] > counts[best]:
+            best = i
+    s = 0
+    for i in range(counts.shape[0]):
+        f = counts[i] * scale // total
+        if counts[i] > 0 and f == 0:
+            f = 1
+        out[i] = f
+        s += f
+    excess = s - scale
+    if excess < 0:
+        out[best] -= excess
+    elif excess > 0:
+        order = np.argsort(-out, kind="mergesort")
+        for idx in order:
+            if excess == 0:
+                break
+            take = min(excess, np.int64(out[idx]) - 1)
+            out[idx] -= take
+            excess -= take
+
+
+TABLE_PRECISIONS = (14, 12, 10, 8)  # what the encoder tries: coarser tables cost fewer bits to send
+
+
+@kernel
+def choose_classes(hist16, nseg, costs, freq):
+    """The class count 2**klog (every class occupied) and the table precision (frequencies summing
+    to 2**precision, used as multiples of 2**(PROB_BITS - precision)) that make the chunk smallest,
+    frequency tables, class nibbles and gamma-coded tables included. The tables, at that precision,
+    go into ``freq`` (zeroed, 16 x alphabet). Returns (klog, precision)."""
+    groups = hist16.shape[0]
+    alphabet = hist16.shape[1]
+    rows = np.zeros((groups, alphabet), dtype=np.int64)
+    tmp = np.zeros(alphabet, dtype=np.int64)
+    best_cost = np.int64(-1)
+    best = 0
+    best_bits = PROB_BITS
+    for klog in range(MAX_CLASSES_LOG2 + 1):
+        K = 1 << klog
+        per = groups // K
+        complete = True
+        rows[:K] = 0
+        for c in range(K):
+            for g in range(c * per, (c + 1) * per):
+                for s in range(alphabet):
+                    rows[c, s] += hist16[g, s]
+            if rows[c].sum() == 0:
+                complete = False
+        if not complete:
+            break
+        most = 0  # (symbols of the fullest class: a table of 2**bits holds at most 2**bits)
+        for c in range(K):
+            most = max(most, np.count_nonzero(rows[c]))
+        for bits in TABLE_PRECISIONS:
+            if most > (1 << bits):
+                continue
+            cost = np.int64(4 * nseg if klog else 0) << COST_FRACTION_BITS
+            for c in range(K):
+                normalize_row(rows[c], bits, tmp)
+                used = 0
+                prev = -1
+                table = 0
+                for s in range(alphabet):
+                    if tmp[s] > 0:
+                        cost += rows[c, s] * costs[tmp[s] << (PROB_BITS - bits)]
+                        used += 1
+                        table += _gamma_length(s - prev) + _gamma_length(tmp[s])
+                        prev = s
+                cost += np.int64(table + _gamma_length(used)) << COST_FRACTION_BITS
+            if best_cost < 0 or cost < best_cost:
+                best_cost = cost
+                best = klog
+                best_bits = bits
+    K = 1 << best
+    per = groups // K
+    for c in range(K):
+        rows[c] = 0
+        for g in range(c * per, (c + 1) * per):
+            for s in range(alphabet):
+                rows[c, s] += hist16[g, s]
+        normalize_row(rows[c], best_bits, tmp)
+        for s in range(alphabet):
+            freq[c, s] = tmp[s]
+    return best, best_bits

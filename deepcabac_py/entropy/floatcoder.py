@@ -65,56 +65,7 @@ def _alphabet(dtype_name: str) -> int:
     return 1 << (W - 1 - M + _k.TOP_BITS)
 
 
-def normalized(counts: np.ndarray) -> np.ndarray:
-    """Frequencies summing to 2**PROB_BITS, at least 1 where a count is (deterministic integers)."""
-    total = int(counts.sum())
-    freq = counts * (1 << PROB_BITS) // total
-    freq[(counts > 0) & (freq == 0)] = 1
-    excess = int(freq.sum()) - (1 << PROB_BITS)
-    if excess < 0:
-        freq[int(np.argmax(counts))] -= excess
-    else:  # (the largest give back what the rounding up of the rare ones took)
-        for sym in np.argsort(-freq, kind="stable"):
-            if not excess:
-                break
-            take = min(excess, int(freq[sym]) - 1)
-            freq[sym] -= take
-            excess -= take
-    return freq
-
-
-def _gamma_bits(v: np.ndarray) -> np.ndarray:
-    return 2 * np.floor(np.log2(np.maximum(v, 1))).astype(np.int64) + 1
-
-
-def _table_bits(freq: np.ndarray) -> int:
-    bits = 0
-    for row in freq:
-        used = np.flatnonzero(row)
-        gaps = np.diff(used, prepend=-1)
-        bits += int(_gamma_bits(np.array([used.size]))[0] + _gamma_bits(gaps).sum() + _gamma_bits(row[used]).sum())
-    return bits
-
-
-def _choose_classes(hist16: np.ndarray, nseg: int) -> tuple[int, np.ndarray]:
-    """(log2 of the class count, frequency tables) that make the chunk smallest, side bits included."""
-    best = None
-    for klog in range(_k.MAX_CLASSES_LOG2 + 1):
-        merged = hist16.reshape(1 << klog, -1, hist16.shape[1]).sum(axis=1)
-        rows = [r for r in merged if r.any()]
-        freq = np.zeros_like(merged)
-        for c, r in enumerate(merged):
-            if r.any():
-                freq[c] = normalized(r)
-        used = merged > 0
-        bits = float((merged[used] * (PROB_BITS - np.log2(freq[used]))).sum())
-        bits += _table_bits(freq) + (4 * nseg if klog else 0)
-        if best is None or bits < best[0]:
-            best = (bits, klog, freq)
-        if len(rows) < (1 << klog):  # (more classes than occupied ones change nothing)
-            break
-    assert best is not None
-    return best[1], best[2]
+_COSTS = _k.cost_table()
 
 
 def _words(values: np.ndarray, dtype_name: str) -> np.ndarray:
@@ -142,22 +93,25 @@ def encode_chunk(values: np.ndarray, dtype_name: str, seg_len: int) -> bytes:
     alphabet = _alphabet(dtype_name)
     hist16 = np.zeros((MAX_CLASSES, alphabet), dtype=np.int64)
     _k.histogram(words, seg_len, W, M, zeros, classes16, hist16)
-    klog, freq = _choose_classes(hist16, nseg)
+    freq16 = np.zeros((MAX_CLASSES, alphabet), dtype=np.int32)
+    klog, precision = _k.choose_classes(hist16, nseg, _COSTS, freq16)
     classes = (classes16 >> (_k.MAX_CLASSES_LOG2 - klog)).astype(np.uint8)
-    freq32 = freq.astype(np.int32)
+    sent = freq16[:1 << klog]
+    freq32 = sent << (PROB_BITS - precision)
     start = (np.cumsum(freq32, axis=1) - freq32).astype(np.int32)
     rans = np.empty(n + 2 * _k.LANES + 2, dtype=np.uint16)
     raw = np.empty(-(-_k.raw_bit_count(n, seg_len, M, zeros) // 32) + 1, dtype=np.uint32)
-    begin, nraw = _k.encode_kernel(words, seg_len, W, M, zeros, classes, freq32, start, rans, raw)
-    tables = np.zeros(_table_bits(freq) // 8 + 8, dtype=np.uint8)
-    tbytes = _k.write_tables(freq32, tables)
+    inverse = 1.0 / np.maximum(freq32, 1)
+    begin, nraw = _k.encode_kernel(words, seg_len, W, M, zeros, classes, freq32, start, inverse, rans, raw)
+    tables = np.zeros(freq32.shape[0] * (8 + alphabet * 8) + 8, dtype=np.uint8)  # (gamma codes of <= 31 bits)
+    tbytes = _k.write_tables(sent, tables)
 
     parts = []
     if nseg and (zeros == zeros[0]).all():
         parts.append(bytes([0, int(zeros[0])]))
     else:
         parts += [b"\x01", zeros.tobytes()]
-    parts.append(bytes([klog]))
+    parts.append(bytes([klog, precision]))
     if klog:
         padded = np.zeros(2 * (-(-nseg // 2)), dtype=np.uint8)
         padded[:nseg] = classes
@@ -200,34 +154,38 @@ def decode_chunk(data, dtype_name: str, seg_len: int, out: np.ndarray, where: st
         raise CorruptStreamError(f"{where}: unknown low-bit mode {mode}")
     if nseg and int(zeros.max()) > M:
         raise CorruptStreamError(f"{where}: drops more low bits than a {dtype_name} mantissa has")
-    (klog,) = r.take(1, "class count")
+    klog, precision = (int(v) for v in r.take(2, "class count and table precision"))
     if klog > _k.MAX_CLASSES_LOG2:
-        raise CorruptStreamError(f"{where}: {1 << int(klog)} classes (at most {MAX_CLASSES})")
+        raise CorruptStreamError(f"{where}: {1 << klog} classes (at most {MAX_CLASSES})")
+    if not 1 <= precision <= PROB_BITS:
+        raise CorruptStreamError(f"{where}: tables of {precision}-bit precision (1 to {PROB_BITS})")
     if klog:
         packed = r.take(-(-nseg // 2), "classes")
         classes = np.empty(2 * packed.shape[0], dtype=np.uint8)
         classes[0::2] = packed & 15
         classes[1::2] = packed >> 4
         classes = classes[:nseg]
-        if nseg and int(classes.max()) >= 1 << int(klog):
-            raise CorruptStreamError(f"{where}: a segment of class {int(classes.max())} of {1 << int(klog)}")
+        if nseg and int(classes.max()) >= 1 << klog:
+            raise CorruptStreamError(f"{where}: a segment of class {int(classes.max())} of {1 << klog}")
     else:
         classes = np.zeros(nseg, dtype=np.uint8)
     alphabet = _alphabet(dtype_name)
     tables = r.take(r.u32("table size"), "tables")
-    freq = np.zeros((1 << int(klog), alphabet), dtype=np.int32)
+    freq = np.zeros((1 << klog, alphabet), dtype=np.int32)
     start = np.zeros_like(freq)
-    got = _k.read_tables(tables, freq, start)
+    got = _k.read_tables(tables, precision, freq, start)
     if got < 0 or got != tables.shape[0]:
         raise CorruptStreamError(f"{where}: {_ERRORS.get(got, 'the frequency tables do not fill their bytes')}")
     nrans = r.u32("coder size")
-    rans = r.take(2 * nrans, "coder words").view("<u2").copy()  # (aligned for the kernel)
+    rans = np.zeros(nrans + 1, dtype=np.uint16)  # (aligned for the kernel, one word of padding)
+    rans[:nrans] = r.take(2 * nrans, "coder words").view("<u2")
     raw_words = -(-_k.raw_bit_count(n, seg_len, M, zeros) // 32)
-    raw = r.take(4 * raw_words, "raw bits").view("<u4").copy()
+    raw = np.zeros(raw_words + 1, dtype=np.uint32)
+    raw[:raw_words] = r.take(4 * raw_words, "raw bits").view("<u4")
     if r.pos != r.data.shape[0]:
         raise CorruptStreamError(f"{where}: {r.data.shape[0] - r.pos} bytes after the raw bits")
-    lut = np.empty((freq.shape[0], 1 << PROB_BITS), dtype=np.uint16)
+    lut = np.empty((freq.shape[0], 1 << PROB_BITS), dtype=np.uint32)
     _k.build_lut(freq, start, lut)
-    err = _k.decode_kernel(rans, raw, seg_len, W, M, zeros, classes, freq, start, lut, words)
+    err = _k.decode_kernel(rans, raw, seg_len, W, M, zeros, classes, freq, lut, words)
     if err != _k.OK:
         raise CorruptStreamError(f"{where}: {_ERRORS[err]}")

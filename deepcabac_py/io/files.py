@@ -267,6 +267,7 @@ class SafetensorsIndex:
     entries: list[tuple[str, str, list[int], int, int]]  # (name, dtype code, shape, begin, end), header order
     metadata: dict[str, str] | None  # ``__metadata__`` as stored (reserved keys included)
     data_start: int
+    header_text: str = ""  # the JSON header as the file spells it (padding included)
 
     def read_tensor(self, f, i: int) -> torch.Tensor:
         """Tensor ``i`` of :attr:`entries`, read from the open file ``f``."""
@@ -350,7 +351,7 @@ def read_safetensors_index(f, path: str) -> SafetensorsIndex:
     for (_b0, e0, n0), (b1, _e1, n1) in zip(spans, spans[1:]):
         if b1 < e0:
             raise bad(f"tensors {n0!r:.80} and {n1!r:.80} overlap")
-    return SafetensorsIndex(path, entries, metadata, data_start)
+    return SafetensorsIndex(path, entries, metadata, data_start, text)
 
 
 def safetensors_dtype(code: str) -> tuple[str, int]:
@@ -792,6 +793,44 @@ class SafetensorsLayout:
             raise CheckpointError("tensor names and metadata must be valid Unicode") from None
         hbytes += b" " * (-len(hbytes) % 8)
         return cls(len(hbytes).to_bytes(8, "little") + hbytes, [tensors[i][0] for i in order], sizes)
+
+    @classmethod
+    def verbatim(cls, text: str, tensors: list[tuple[str, str, list[int]]],
+                 metadata: dict[str, str] | None) -> SafetensorsLayout | None:
+        """The layout of a safetensors file whose JSON header is ``text`` exactly (its key order,
+        spacing and padding: a file restored byte for byte), or None where ``text`` does not
+        describe these ``(name, dtype code, shape)`` tensors and this metadata in one gapless data
+        section."""
+        try:
+            header = json.loads(text)
+        except (json.JSONDecodeError, RecursionError):
+            return None
+        if not isinstance(header, dict) or header.pop("__metadata__", None) != metadata:
+            return None
+        wanted = {name: (code, list(shape)) for name, code, shape in tensors}
+        if set(header) != set(wanted):
+            return None
+        spans = []
+        for name, info in header.items():
+            code, shape = wanted[name]
+            kept = info.get("dtype") if isinstance(info, dict) else None
+            if kept not in _ST_DTYPES or _ST_DTYPES[kept][:2] != _ST_DTYPES[code][:2] or info.get("shape") != shape:
+                return None
+            offsets = info.get("data_offsets")
+            if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_nonneg_int(o) for o in offsets):
+                return None
+            spans.append((offsets[0], offsets[1], name))
+        spans.sort()
+        pos = 0
+        sizes = {}
+        for begin, end, name in spans:
+            code, shape = wanted[name]
+            if begin != pos or end - begin != math.prod(shape) * _ST_DTYPES[code][1]:
+                return None
+            sizes[name] = end - begin
+            pos = end
+        raw = text.encode("utf-8")
+        return cls(len(raw).to_bytes(8, "little") + raw, [name for _, _, name in spans], sizes)
 
     def write(self, f, data: Iterable[tuple[str, np.ndarray]]) -> None:
         """Write the file to ``f``: the header, then ``(name, raw bytes)`` (see

@@ -59,6 +59,7 @@ class TensorSource:
     metadata: dict[str, str] | None
     aliases: dict[str, str]
     names: list[str]
+    file_header: str | None = None  # a safetensors file's JSON header as it is spelled
 
     def spec(self, name: str) -> TensorSpec:
         raise NotImplementedError
@@ -129,6 +130,7 @@ class SafetensorsSource(TensorSource):
         # against the values, so open_source loads such a file whole
         self.structured = meta is not None and (ST_SKELETON_KEY in meta or ST_ALIASES_KEY in meta)
         self.kind, self.metadata, self.aliases = "safetensors", meta, {}
+        self.file_header = self._index.header_text
         self._position = {}
         self._specs = {}
         for i, (name, code, shape, _, _) in enumerate(self._index.entries):

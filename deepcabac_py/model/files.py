@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
-from ..errors import InputError
+from ..errors import CorruptStreamError, InputError
 from ..io.atomic import write_atomic
 from ..io.checkpoint import Checkpoint, is_plain_structure, plain_skeleton
 from ..io.directories import (
@@ -122,6 +122,13 @@ def _safetensors_layout(header: StreamHeader, names) -> SafetensorsLayout:
     ckpt = checkpoint_of(header, {e.name: None for e in header.tensors if not e.is_alias})
     tensors = list(ckpt.tensors)
     plain = is_plain_structure(ckpt.skeleton, tensors, ckpt.aliases)
+    text = header.metadata.get("safetensors_header")
+    if text is not None:  # the file's own header: restored byte for byte
+        layout = SafetensorsLayout.verbatim(text, [spec(n) for n in tensors], ckpt.metadata) \
+            if isinstance(text, str) and plain and not ckpt.aliases else None
+        if layout is None:
+            raise CorruptStreamError("the safetensors header kept in the stream does not describe its tensors")
+        return layout
     return SafetensorsLayout.of([spec(n) for n in tensors + list(ckpt.aliases)], ckpt.skeleton, ckpt.metadata,
                                 ckpt.aliases, plain)
 

@@ -16,6 +16,7 @@ import numpy as np
 
 from ..errors import CheckpointError
 from ..io.checkpoint import Checkpoint, TensorLike, flatten, is_plain_structure, tensor_of_bits, tensor_to_numpy
+from ..io.files import SafetensorsLayout, safetensors_code
 from ..io.tensor_source import CheckpointSource, TensorSource
 from ..quant.steps import QP_MIN, step_from_qp
 from . import batchnorm
@@ -118,6 +119,9 @@ def plan_model(model: Mapping[str, Any] | Checkpoint | TensorSource, settings: E
     # cannot hold, a structure too large) is refused now, not after coding every tensor.
     metadata_bytes(metadata, [(n, source.spec(n).shape) for n in source.names]
                    + [(alias, source.spec(target).shape) for alias, target in source.aliases.items()])
+    if settings.keep_exact is True and not isinstance(settings.importance, Mapping):
+        # nothing is quantized: no rule, importance or allocation has anything to decide
+        return ModelPlan(source, TensorPlanner(settings, {}, {}), {}, [], metadata)
     given = rule_vectors(source)  # (read once: every rule below works on them)
     arrays = rule_arrays(source, given)
     # (the absorbers are found from the statistics as given, before any compensation)
@@ -137,7 +141,26 @@ def stream_metadata(source: TensorSource) -> dict:
         metadata["skeleton"] = source.skeleton
     if source.metadata is not None:
         metadata["safetensors_metadata"] = source.metadata
+    header = _unusual_safetensors_header(source)
+    if header is not None:
+        metadata["safetensors_header"] = header
     return metadata
+
+
+# A header longer than this is not kept (the stream's metadata holds 8 MiB): such a file decodes to
+# the same tensors in this library's own layout.
+MAX_KEPT_HEADER = 1 << 22
+
+
+def _unusual_safetensors_header(source: TensorSource) -> str | None:
+    """A safetensors file's header where this library would write another (other key order, spacing,
+    padding or data order), so that decoding can restore the file byte for byte; else None."""
+    text = source.file_header
+    if text is None or len(text) > MAX_KEPT_HEADER:
+        return None
+    specs = [(n, safetensors_code(source.spec(n).dtype_name), list(source.spec(n).shape)) for n in source.names]
+    ours = SafetensorsLayout.of(specs, None, source.metadata, None, True).header[8:]
+    return None if ours == text.encode("utf-8") else text
 
 
 def _planner(source: TensorSource, vectors: Mapping[str, TensorLike], arrays: Mapping[str, np.ndarray],
