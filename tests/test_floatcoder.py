@@ -238,3 +238,31 @@ def test_class_choice_matches_the_python_reference(seed, nseg, alphabet, spread)
     assert (klog, precision) == ref_choose(hist, nseg)[:2]
     assert freq[:1 << klog].tolist() == ref_choose(hist, nseg)[2]
     assert (freq[:1 << klog].sum(axis=1) == 1 << precision).all()
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".npz"])
+def test_lossless_pt_and_npz_keep_every_bit_and_the_structure(tmp_path, suffix):
+    rng = np.random.default_rng(9)
+    w = _with_specials(_weights(rng, "float32", (48, 100)), "float32", rng)
+    h = _with_specials(_weights(rng, "float16", (30, 40)), "float16", rng)
+    d = _with_specials(_weights(rng, "float64", (20, 30)), "float64", rng)
+    if suffix == ".pt":
+        obj = {"model": {"w": torch.from_numpy(w), "h": torch.from_numpy(h).to(torch.bfloat16),
+                         "d": torch.from_numpy(d)}, "step": 7, "ids": torch.arange(5)}
+        torch.save(obj, tmp_path / "m.pt")
+    else:
+        np.savez(tmp_path / "m.npz", w=w, h=h, d=d)
+    dc.encode_file(tmp_path / f"m{suffix}", tmp_path / "m.dcb", keep_exact=True)
+    assert {e.mode for e in read_header((tmp_path / "m.dcb").read_bytes()).tensors if e.dtype.is_float} == {Mode.FLOAT}
+    dc.decode_file(tmp_path / "m.dcb", tmp_path / f"back{suffix}")
+    if suffix == ".pt":
+        back = torch.load(tmp_path / "back.pt", weights_only=True)
+        assert back["step"] == 7 and back["ids"].equal(obj["ids"])
+        for k, v in obj["model"].items():
+            got = back["model"][k]
+            assert got.dtype == v.dtype and got.shape == v.shape
+            assert got.view(torch.uint8).equal(v.contiguous().view(torch.uint8)), k
+    else:
+        with np.load(tmp_path / "back.npz", allow_pickle=False) as z:
+            for k, v in (("w", w), ("h", h), ("d", d)):
+                assert z[k].dtype == v.dtype and z[k].tobytes() == v.tobytes(), k
