@@ -18,7 +18,7 @@ the mean and worst time to extract one entry from a fresh object (the chain from
 
 Goals (the checkpoint issue): the series at least 50x smaller than the raw files at this fidelity
 (held-out loss within 0.5%, next-step cosine >= 0.99, norm within 5%), at most 0.5x ExCP's bytes at
-equal or better resumed loss.
+equal or better resumed loss; the lossless series (``keep_exact=True``, bit for bit) at least 1.3x.
 """
 from __future__ import annotations
 
@@ -269,6 +269,18 @@ def sweep_key_every(values: list[int], checkpoints: int, every: int) -> None:
         print(f"{k:>9} {size:>12,} {size / first:>14.3f}x {np.mean(times):>15.3f} {max(times):>8.3f}")
 
 
+def _bits_equal(a, b) -> bool:
+    """Whether two checkpoints hold the same structure and every tensor bit for bit."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_bits_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_bits_equal(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return (a.dtype == b.dtype and a.shape == b.shape
+                and a.reshape(-1).view(torch.uint8).equal(b.reshape(-1).view(torch.uint8)))
+    return type(a) is type(b) and a == b
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--checkpoints", type=int, default=12)
@@ -293,6 +305,11 @@ def main() -> None:
                 series.append(c)
             series_bytes = sum(e.bytes for e in series.entries())
             series_decoded = [series[i] for i in range(len(cks))]
+            lossless = dc.CheckpointSeries(Path(tmp) / "lossless.dcs", key_every=args.key_every, keep_exact=True)
+            for c in cks:
+                lossless.append(c)
+            lossless_bytes = sum(e.bytes for e in lossless.entries())
+            exact = all(_bits_equal(lossless[i], c) for i, c in enumerate(cks))
         excp_sizes, excp_decoded = excp(cks)
         middle = len(cks) // 2
         params = sum(t.numel() for t in cks[0]["model"].values())
@@ -313,6 +330,9 @@ def main() -> None:
                 f"{f[c]:>20.4f}" for c in cols[2:]))
         print(f"series / ExCP bytes: {series_bytes / sum(excp_sizes):.2f}x; series vs raw: {raw / series_bytes:.1f}x "
               f"(goals: >= 50x, <= 0.5x ExCP)")
+        print(f"lossless series (--lossless): {lossless_bytes:,} bytes, {raw / lossless_bytes:.3f}x the raw files "
+              f"(goal >= 1.3x), every entry bit for bit: {exact}; each coded on its own losslessly: "
+              f"{raw / sum(len(dc.encode_model(c, keep_exact=True)) for c in cks):.3f}x")
 
 
 if __name__ == "__main__":

@@ -250,3 +250,63 @@ def test_a_bfloat16_entry_is_its_parent_plus_its_residual(tmp_path):
     got = series[1]["w"].float()
     # within bfloat16's half ulp (values below 8: 2**-5) and the trellis's error of the residual
     assert (got - moved).abs().max() <= 2.0**-5 + 2 * step_from_qp(dc.encode_model.__kwdefaults__["qp"])
+
+
+def _bits_equal(a, b) -> bool:
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_bits_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_bits_equal(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor):
+        return (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
+                and a.reshape(-1).view(torch.uint8).equal(b.reshape(-1).view(torch.uint8)))
+    return type(a) is type(b) and a == b
+
+
+def test_a_lossless_series_is_bit_exact_and_codes_bits_against_the_parent(run, tmp_path):
+    series = dc.CheckpointSeries(tmp_path / "ll.dcs", keep_exact=True)
+    for c in run:
+        series.append(c)
+    fresh = dc.CheckpointSeries(tmp_path / "ll.dcs")
+    assert all(_bits_equal(fresh[i], c) for i, c in enumerate(run))
+    with SeriesFile(tmp_path / "ll.dcs") as f:
+        coded = [set(r.meta.get("bit_residuals", []) + r.meta.get("xor_residuals", [])) for r in f.records]
+    assert not coded[0] and all(names for names in coded[1:])
+    sizes = [e.bytes for e in series.entries()]
+    assert max(sizes[1:]) < sizes[0]  # (the second moments move slowly: their bits are close)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_a_lossless_residual_survives_sign_changes_nan_and_inf(tmp_path, dtype):
+    torch.manual_seed(1)
+    a = torch.randn(64, 50).to(dtype)
+    b = (a.double() * (1 + 1e-3 * torch.randn(64, 50, dtype=torch.float64))).to(dtype)
+    b[0, :6] = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, 0.0, 1e-30]).to(dtype)
+    b[1] = -b[1]  # sign changes: far apart as bits
+    series = dc.CheckpointSeries(tmp_path / "s.dcs", keep_exact=True)
+    series.append({"w": a})
+    series.append({"w": b})
+    assert _bits_equal(dc.CheckpointSeries(tmp_path / "s.dcs")[1], {"w": b})
+
+
+def test_the_order_key_keeps_value_order_and_comes_back():
+    from deepcabac_py.series.checkpoint_series import _from_order_key, _order_key
+    rng = np.random.default_rng(2)
+    for words in (np.uint16, np.uint32, np.uint64):
+        w = rng.integers(0, np.iinfo(words).max, size=5000, dtype=words, endpoint=True)
+        assert np.array_equal(_from_order_key(_order_key(w)), w)
+    x = np.sort((rng.standard_normal(3000) * 10.0 ** rng.integers(-30, 30, 3000)).astype(np.float32))
+    keys = _order_key(x.view(np.uint32))
+    assert np.all(np.diff(keys.astype(np.int64)) >= 0)
+
+
+def test_the_cli_adds_losslessly(run, tmp_path):
+    paths = []
+    for i, c in enumerate(run[:3]):
+        torch.save(c, tmp_path / f"c{i}.pt")
+        paths.append(str(tmp_path / f"c{i}.pt"))
+    result = CliRunner().invoke(main, ["series", "add", str(tmp_path / "r.dcs"), *paths, "--lossless", "-q"])
+    assert result.exit_code == 0, result.output
+    assert _bits_equal(dc.CheckpointSeries(tmp_path / "r.dcs")[2], run[2])
+    result = CliRunner().invoke(main, ["series", "add", str(tmp_path / "r.dcs"), paths[0], "--lossless", "--qp", "-30"])
+    assert result.exit_code == 2 and "exclude" in result.output

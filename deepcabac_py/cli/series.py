@@ -25,13 +25,18 @@ def series_group():
 @click.option("--qp", type=int, default=None, help="qp of the weights and of their residuals [default: encode's].")
 @click.option("--input-format", type=click.Choice(KINDS), default=None, help="The checkpoints' kind (default: "
               "from the suffix).")
+@click.option("--lossless", is_flag=True, help="Keep every tensor bit for bit (residuals on the float bits).")
 @click.option("-q", "--quiet", is_flag=True, help="Print nothing but errors.")
-def add_cmd(series, checkpoints, key_every, qp, input_format, quiet):
+def add_cmd(series, checkpoints, key_every, qp, input_format, lossless, quiet):
     """Append each CKPT to RUN.dcs (created on first use); a line per entry."""
     from deepcabac_py.io.files import load_checkpoint
     from deepcabac_py.series.checkpoint_series import DEFAULT_KEY_EVERY, CheckpointSeries
 
-    settings = {} if qp is None else {"qp": qp}
+    if lossless and qp is not None:
+        raise click.UsageError("--qp and --lossless exclude each other: a lossless series has no step")
+    settings: dict = {} if qp is None else {"qp": qp}
+    if lossless:
+        settings["keep_exact"] = True
     s = CheckpointSeries(series, key_every=key_every or DEFAULT_KEY_EVERY, **settings)
     for path in checkpoints:
         index = s.append(load_checkpoint(path, input_format))

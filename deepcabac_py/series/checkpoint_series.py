@@ -7,6 +7,12 @@ which moves slowly: 0.999 per step) as its ratio to the previous one as decoded,
 so the error of an entry is that of its own quantization and does not accumulate along the chain.
 First moments, steps and everything else are coded as themselves. An entry whose tensors differ from its parent's (a new
 parameter, a changed shape or dtype) is a key.
+
+A lossless series (``keep_exact=True``) is bit-exact: there a float tensor's residual is taken on
+its bits, as the difference of their order-preserving integer keys modulo 2**width (close values,
+close keys: the level coder codes the difference's magnitude) or as their XOR (coded as floats:
+what did not change, sign and exponent, costs next to nothing), whichever of these and the tensor
+itself (the lossless float coder) codes smallest.
 """
 
 from __future__ import annotations
@@ -96,6 +102,11 @@ class CheckpointSeries:
                 payload = encode_model(ckpt, **self.settings)
                 self._key = (index, _quantized_qps(payload))
                 residuals: list[str] = []
+            elif self.settings.get("keep_exact") is True:
+                coded, keyed, xored = _bit_residual_checkpoint(ckpt, parent)
+                meta["bit_residuals"], meta["xor_residuals"] = keyed, xored
+                residuals = []
+                payload = encode_model(coded, **self.settings)
             else:
                 coded, residuals, ratios = _residual_checkpoint(ckpt, parent)
                 meta["ratios"] = ratios
@@ -171,9 +182,25 @@ def _reconstruct(path: str, index: int, payload: bytes, meta: dict, parent: Chec
     if parent is None:
         raise CorruptStreamError(f"{path}: entry {index} is a residual without its parent")
     residuals, ratios = _names(meta.get("residuals")), _names(meta.get("ratios", []))
-    if residuals is None or ratios is None or not set(residuals + ratios) <= set(decoded.tensors):
+    keyed, xored = _names(meta.get("bit_residuals", [])), _names(meta.get("xor_residuals", []))
+    if (residuals is None or ratios is None or keyed is None or xored is None
+            or not set(residuals + ratios + keyed + xored) <= set(decoded.tensors)):
         raise CorruptStreamError(f"{path}: entry {index} lists residuals it does not hold")
     tensors = dict(decoded.tensors)
+    for name in keyed + xored:
+        if name not in parent.tensors:
+            raise CorruptStreamError(f"{path}: entry {index}: residual {name!r} has no parent tensor")
+        base, dtype, is_torch = tensor_to_numpy(parent.tensors[name])
+        delta, delta_dtype, _ = tensor_to_numpy(tensors[name])
+        words = _WORDS.get(dtype)
+        if words is None or delta.shape != base.shape or delta_dtype != (_DELTAS[dtype] if name in keyed else dtype):
+            raise CorruptStreamError(f"{path}: entry {index}: bit residual {name!r} does not match its parent")
+        theirs = np.require(base, requirements="C").view(words)
+        if name in keyed:
+            bits = _from_order_key(np.asarray(_order_key(theirs) + delta.view(words)))  # (modulo 2**width)
+        else:
+            bits = theirs ^ np.require(delta, requirements="C").view(words)
+        tensors[name] = numpy_to_tensor(np.asarray(bits).view(base.dtype).reshape(base.shape), dtype, is_torch)
     for name in residuals + ratios:
         if name not in parent.tensors:
             raise CorruptStreamError(f"{path}: entry {index}: residual {name!r} has no parent tensor")
@@ -236,6 +263,53 @@ def _residual_checkpoint(ckpt: Checkpoint, parent: Checkpoint) -> tuple[Checkpoi
                 continue
         tensors[name] = t
     return Checkpoint(tensors, ckpt.skeleton, ckpt.kind, ckpt.metadata, dict(ckpt.aliases)), residuals, ratios
+
+
+_WORDS = {"bfloat16": np.uint16, "float16": np.uint16, "float32": np.uint32, "float64": np.uint64}
+_DELTAS = {"bfloat16": "int16", "float16": "int16", "float32": "int32", "float64": "int64"}
+
+
+def _order_key(words: np.ndarray) -> np.ndarray:
+    """Float bits as unsigned integers in the order of the values (negatives reversed below the
+    positives), so that close values have close keys."""
+    top = np.array(1, dtype=words.dtype) << np.array(8 * words.itemsize - 1, dtype=words.dtype)
+    return np.where(words & top, ~words, words | top)
+
+
+def _from_order_key(keys: np.ndarray) -> np.ndarray:
+    top = np.array(1, dtype=keys.dtype) << np.array(8 * keys.itemsize - 1, dtype=keys.dtype)
+    return np.where(keys & top, keys ^ top, ~keys)
+
+
+def _bit_residual_checkpoint(ckpt: Checkpoint, parent: Checkpoint) -> tuple[Checkpoint, list[str], list[str]]:
+    """``ckpt`` with every float tensor replaced by what codes smallest of: itself, the difference
+    of its order keys from ``parent``'s (a signed integer of the same width, wrapping: the level
+    coder codes its magnitude; where it can, |d| < 2**31 - 1) and the XOR of its bits with
+    ``parent``'s (as the same float dtype: the float coder drops what did not change, sign and
+    exponent). Returns it and the names coded by key difference and by XOR."""
+    tensors: dict[str, Any] = {}
+    keyed: list[str] = []
+    xored: list[str] = []
+    for name, t in ckpt.tensors.items():
+        arr, dtype, is_torch = tensor_to_numpy(t)
+        words = _WORDS.get(dtype)
+        if words is None or not arr.size:
+            tensors[name] = t
+            continue
+        base, _, _ = tensor_to_numpy(parent.tensors[name])
+        mine = np.require(arr, requirements="C").view(words)
+        theirs = np.require(base, requirements="C").view(words)
+        delta = np.asarray(_order_key(mine) - _order_key(theirs)).reshape(arr.shape).view(_DELTAS[dtype])
+        xor = np.asarray(mine ^ theirs).reshape(arr.shape).view(arr.dtype)
+        options: list[tuple[Any, list[str] | None]] = [(t, None), (numpy_to_tensor(xor, dtype, is_torch), xored)]
+        if np.abs(delta.astype(np.float64)).max() < 2.0**31 - 1:
+            options.append((numpy_to_tensor(delta, _DELTAS[dtype], is_torch), keyed))
+        sizes = [len(encode_model({name: option}, keep_exact=True, threads=1)) for option, _ in options]
+        chosen, names = options[int(np.argmin(sizes))]
+        tensors[name] = chosen
+        if names is not None:
+            names.append(name)
+    return Checkpoint(tensors, ckpt.skeleton, ckpt.kind, ckpt.metadata, dict(ckpt.aliases)), keyed, xored
 
 
 def _same_tensors(a: Checkpoint, b: Checkpoint) -> bool:
