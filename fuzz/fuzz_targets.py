@@ -43,9 +43,10 @@ Targets (``TARGETS`` maps the CLI names to functions):
                         body size, the tensor count, the metadata length) before it is resealed.
 * ``update_sizes``   -- the input sets the payload length and the header size an update message
                         declares, read from a file object through ``iter_messages``.
-* ``float_chunk``    -- the lossless float coder's ``decode_chunk``: the input is ``dtype:u8 count:u16
-                        segment:u16`` and a substream (seeds: valid substreams of each dtype); the
-                        output array is the count's, so every allocation the payload can cause shows.
+* ``float_chunk``    -- the lossless float coder's ``decode_chunk`` and ``decode_magnitudes``: the input
+                        is ``dtype:u8 count:u16 segment:u16`` and a substream (seeds: valid substreams
+                        of each float and signed integer dtype); the output array is the count's, so
+                        every allocation the payload can cause shows.
 * ``output``         -- the input picks an output target (a new or existing file, a link, a directory,
                         a missing directory, a FIFO, a character device) and ``force``: ``write_atomic``
                         writes or raises OutputError/OutputExistsError, a device or FIFO stays one, a
@@ -573,7 +574,7 @@ def target_output(data: bytes) -> None:
 
 
 _FLOAT_CARRIERS = {"bfloat16": np.uint16, "float16": np.float16, "float32": np.float32, "float64": np.float64}
-FLOAT_DTYPES = sorted(_FLOAT_CARRIERS)
+FLOAT_DTYPES = sorted(_FLOAT_CARRIERS) + sorted(floatcoder.INTEGER_WIDTHS)  # (codes 0-3: floats, 4-7: by magnitude)
 
 
 def target_float_chunk(data: bytes) -> None:
@@ -581,6 +582,9 @@ def target_float_chunk(data: bytes) -> None:
         return
     dtype = FLOAT_DTYPES[data[0] % len(FLOAT_DTYPES)]
     count, segment = struct.unpack_from("<HH", data, 1)
+    if dtype in floatcoder.INTEGER_WIDTHS:
+        _check(floatcoder.decode_magnitudes, data[5:], max(segment, 1), np.empty(count, dtype=dtype))
+        return
     out = np.empty(count, dtype=_FLOAT_CARRIERS[dtype])
     _check(floatcoder.decode_chunk, data[5:], dtype, max(segment, 1), out)
 

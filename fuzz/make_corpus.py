@@ -189,7 +189,7 @@ def float_model() -> dict:
     rng = np.random.default_rng(7)
     w = rng.standard_normal((24, 40)) * np.exp2(rng.integers(-6, -1, (24, 1)))
     return {"bf16": torch.from_numpy(w.astype(np.float32)).to(torch.bfloat16), "f16": w[:, :20].astype(np.float16),
-            "f32": w.astype(np.float32), "f64": w[:8]}
+            "f32": w.astype(np.float32), "f64": w[:8], "wide": (w[:4] * 2.0**45).astype(np.int64).reshape(-1)}
 
 
 def float_chunks() -> dict[str, bytes]:
@@ -204,6 +204,11 @@ def float_chunks() -> dict[str, bytes]:
         flat = a.reshape(-1)
         seg = floatcoder.segment_length(a.shape)
         out[f"{name}.bin"] = struct.pack("<BHH", code, flat.size, seg) + floatcoder.encode_chunk(flat, name, seg)
+    rng = np.random.default_rng(8)
+    for code, name in enumerate(sorted(floatcoder.INTEGER_WIDTHS), start=4):
+        info = np.iinfo(name)
+        v = np.clip(rng.laplace(size=700) * np.exp2(rng.integers(0, info.bits - 1, 700)), info.min // 2, info.max // 2)
+        out[f"{name}.bin"] = struct.pack("<BHH", code, 700, 256) + floatcoder.encode_magnitudes(v.astype(name), 256)
     return out
 
 

@@ -242,3 +242,69 @@ def decode(data: bytes, dtype_name: str, seg: int, n: int) -> list[int]:
                        | ((value & ((1 << low_bits) - 1)) << z))
     assert x == [RANS_L] * LANES and p == len(rans)
     return out
+
+
+# --- integers by magnitude class ----------------------------------------------------------------
+
+def encode_magnitudes(values: list[int], width: int, seg: int) -> bytes:
+    n = len(values)
+    lengths = [abs(v).bit_length() for v in values]
+    means = [sum(lengths[i] for i in idx) / len(idx) for _, idx in _segments(n, seg)]
+    nseg = len(means)
+    order = sorted(range(nseg), key=lambda j: (means[j], j))
+    classes16 = [0] * nseg
+    for r, j in enumerate(order):
+        classes16[j] = r * 16 // nseg
+    def split(v: int) -> tuple[int, int, int]:
+        b = abs(v).bit_length()
+        k = max(b - 1, 0)
+        t = min(TOP, k)
+        top = (abs(v) >> (k - t)) & ((1 << t) - 1)
+        return b * (1 << TOP) + (top << (TOP - t)), abs(v) & ((1 << (k - t)) - 1), k - t
+
+    symbols = [split(v) for v in values]
+    hist = np.zeros((16, (width + 1) << TOP), dtype=np.int64)
+    for j, idx in _segments(n, seg):
+        for i in idx:
+            hist[classes16[j], symbols[i][0]] += 1
+    klog, precision, sent = choose_classes(hist, nseg)
+    freq = [[f << (PROB_BITS - precision) for f in row] for row in sent]
+    starts = [[sum(row[:s]) for s in range(len(row))] for row in freq]
+    classes = [c >> (4 - klog) for c in classes16]
+    bits = 0
+    nbits = 0
+    for v, (_, low, count) in zip(values, symbols):  # the sign, then the bits below the symbol's
+        bits |= ((low << 1) | (v < 0)) << nbits
+        nbits += 1 + count
+    raw = [(bits >> (32 * k)) & 0xFFFFFFFF for k in range(-(-nbits // 32))]
+    x = [RANS_L] * LANES
+    pushed: list[int] = []
+    seg_of = [j for j, idx in _segments(n, seg) for _ in idx]
+    for i in range(n - 1, -1, -1):
+        c = classes[seg_of[i]]
+        f, b0 = freq[c][symbols[i][0]], starts[c][symbols[i][0]]
+        s = x[i % LANES]
+        if s >= ((RANS_L >> PROB_BITS) << 16) * f:
+            pushed.append(s & 0xFFFF)
+            s >>= 16
+        x[i % LANES] = (s // f) * (1 << PROB_BITS) + s % f + b0
+    for lane in range(LANES - 1, -1, -1):
+        pushed += [x[lane] >> 16, x[lane] & 0xFFFF]
+    rans = pushed[::-1]
+    tbits: list[int] = []
+    for row in sent:
+        used = [s for s in range((width + 1) << TOP) if row[s]]
+        _gamma(tbits, len(used))
+        prev = -1
+        for s in used:
+            _gamma(tbits, s - prev)
+            _gamma(tbits, int(row[s]))
+            prev = s
+    tbits += [0] * (-len(tbits) % 8)
+    tables = bytes(int("".join(map(str, tbits[k:k + 8])), 2) for k in range(0, len(tbits), 8))
+    out = bytes([klog, precision])
+    if klog:
+        padded = classes + [0] * (nseg % 2)
+        out += bytes(padded[k] | (padded[k + 1] << 4) for k in range(0, len(padded), 2))
+    out += struct.pack("<I", len(tables)) + tables + struct.pack("<I", len(rans))
+    return out + struct.pack(f"<{len(rans)}H", *rans) + struct.pack(f"<{len(raw)}I", *raw)

@@ -266,3 +266,64 @@ def test_lossless_pt_and_npz_keep_every_bit_and_the_structure(tmp_path, suffix):
         with np.load(tmp_path / "back.npz", allow_pickle=False) as z:
             for k, v in (("w", w), ("h", h), ("d", d)):
                 assert z[k].dtype == v.dtype and z[k].tobytes() == v.tobytes(), k
+
+
+# --- integers by magnitude class ----------------------------------------------------------------
+
+INTS = ["int8", "int16", "int32", "int64"]
+
+
+def _wide_ints(rng, dtype: str, n: int) -> np.ndarray:
+    info = np.iinfo(dtype)
+    scale = np.exp2(rng.integers(0, 8 * np.dtype(dtype).itemsize - 1, size=n)).astype(np.float64)
+    v = np.clip(np.round(rng.laplace(size=n) * scale), info.min, info.max).astype(dtype)
+    v[:4] = [info.min, info.max, 0, -1]
+    return v
+
+
+@pytest.mark.parametrize("dtype", INTS)
+def test_magnitudes_match_the_python_reference(dtype):
+    from reference_float_coder import encode_magnitudes as ref_encode_magnitudes
+    rng = np.random.default_rng(10)
+    v = _wide_ints(rng, dtype, 900)
+    data = floatcoder.encode_magnitudes(v, 256)
+    assert data == ref_encode_magnitudes([int(x) for x in v], 8 * v.itemsize, 256)
+    out = np.empty_like(v)
+    floatcoder.decode_magnitudes(data, 256, out)
+    assert np.array_equal(out, v)
+
+
+@settings(max_examples=40, deadline=None)
+@given(dtype=st.sampled_from(INTS), n=st.integers(1, 3000), seg=st.integers(1, 700), seed=st.integers(0, 2**32 - 1))
+def test_any_integers_roundtrip_by_magnitude(dtype, n, seg, seed):
+    v = _wide_ints(np.random.default_rng(seed), dtype, max(n, 4))[:n]
+    out = np.empty_like(v)
+    floatcoder.decode_magnitudes(floatcoder.encode_magnitudes(v, seg), seg, out)
+    assert np.array_equal(out, v)
+
+
+@pytest.mark.parametrize("dtype", INTS)
+def test_damaged_magnitude_substreams_are_refused_or_decode_within_bounds(dtype):
+    rng = np.random.default_rng(11)
+    v = _wide_ints(rng, dtype, 2000)
+    data = floatcoder.encode_magnitudes(v, 256)
+    for bad in [data[:k] for k in (0, 1, 3, len(data) // 2, len(data) - 1)] + [data + b"\x00"]:
+        with pytest.raises(CorruptStreamError):
+            floatcoder.decode_magnitudes(bad, 256, np.empty_like(v))
+    for bad in _flipped(data, rng):
+        try:
+            floatcoder.decode_magnitudes(bad, 256, np.empty_like(v))
+        except CorruptStreamError as exc:
+            assert "substream" in str(exc)
+
+
+def test_wide_integers_go_to_the_magnitude_coder_and_narrow_ones_do_not():
+    rng = np.random.default_rng(12)
+    model = {"wide": _wide_ints(rng, "int32", 20000).reshape(100, 200), "ids": np.arange(5000),
+             "huge": np.array([2**40, -2**62, 7] * 2000, dtype=np.int64),
+             "small": (rng.laplace(size=100) * 1e5).astype(np.int32)}
+    data = dc.encode_model(model)
+    modes = {e.name: e.mode for e in read_header(data).tensors}
+    assert modes == {"wide": Mode.MAGNITUDE, "ids": Mode.INTEGER, "huge": Mode.MAGNITUDE, "small": Mode.INTEGER}
+    back = dc.decode_model(data)
+    assert all(back[k].dtype == v.dtype and np.array_equal(back[k], v) for k, v in model.items())

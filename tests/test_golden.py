@@ -66,11 +66,13 @@ def golden_cases() -> dict[str, tuple[object, dict]]:
             torch.from_numpy(golden_floats(14, (6, 40), -3)).to(torch.bfloat16).float().numpy(),
             golden_floats(15, (6, 40), -3).astype(np.float32)])),
         "f64": golden_floats(16, (6, 40), 3),
+        # format version 6: integers beyond the level coder's range, by magnitude class
+        "wide": golden_ints(17, (60,), -1000, 1001).astype(np.int64) * 2**33 + golden_ints(18, (60,), 0, 2**20),
     }
     lossless["f64"][0, :4] = [np.nan, -np.inf, -0.0, 5e-324]
     lossless["f32"][3, :3] = torch.tensor([np.inf, -0.0, 1e-40])
     return {
-        # format version 5: lossless float coding
+        # format versions 5 and 6: lossless float coding, integers by magnitude
         "lossless": (lossless, {"keep_exact": True}),
         # format version 1 (plain rounding); qp_1d -75 was the default when they were written
         "state_dict": (state_dict, {"qp": -36, "qp_1d": -75, "quantizer": "nearest"}),

@@ -1,5 +1,6 @@
 """Entropy coding of integer levels: the context-adaptive binary arithmetic coder and the linear
-prediction across columns whose residuals it codes.
+prediction across columns whose residuals it codes; and the lossless coder of float bits and wide
+integers (static per-class tables, rANS).
 
 May import: ``errors`` and ``_jit``. The range coder and modelling kernels in ``_cabac_kernels``
 are shared with the quantizers (which price levels with the coder's own contexts) and with the
@@ -8,4 +9,7 @@ update coder (which reuses the range coder).
 * :mod:`.chunk_layout`: how a tensor is cut into substreams and the ``coder_param`` byte (format).
 * :mod:`.levelcoder`: ``encode_chunk``/``decode_chunk``, the validated front of the kernels.
 * :mod:`.linear_prediction`: pivots, integer coefficients and the exact residual arithmetic.
+* :mod:`.floatcoder`: ``encode_chunk``/``decode_chunk`` (floats bit for bit) and
+  ``encode_magnitudes``/``decode_magnitudes`` (signed integers by magnitude class), the validated
+  front of ``_float_kernels``.
 """

@@ -478,3 +478,213 @@ def choose_classes(hist16, nseg, costs, freq):
         for s in range(alphabet):
             freq[c, s] = tmp[s]
     return best, best_bits
+
+
+# --- integers by magnitude class (Mode.MAGNITUDE) ------------------------------------------------
+# The symbol is the bit length b of |v| (0 to the width) and the TOP_BITS bits below its leading
+# one (the density falls inside an octave, as a float's mantissa), coded like the float symbol; the
+# raw bits are the sign and the rest of |v|: wide integers (differences of float bits) cost their
+# length's entropy plus their own bits, nothing per bit of the length.
+
+ERR_BAD_INTEGER = -6  # a decoded integer outside its dtype, or a negative zero
+
+
+@inline
+def _magnitude(v):
+    """(bit length, |v| as uint64) of an int64."""
+    m = np.uint64(v) if v >= 0 else np.uint64(-(v + 1)) + np.uint64(1)
+    b = 0
+    while b < 64 and (m >> np.uint64(b)) > np.uint64(0):
+        b += 1
+    return b, m
+
+
+@inline
+def _magnitude_parts(v):
+    """(symbol, the bits of |v| below the symbol's, their count) of an int64."""
+    b, m = _magnitude(v)
+    k = max(b - 1, 0)
+    t = min(TOP_BITS, k)
+    low_bits = k - t
+    top = np.int64((m >> np.uint64(low_bits)) & np.uint64((1 << t) - 1))
+    return b * (1 << TOP_BITS) + (top << (TOP_BITS - t)), m & ((np.uint64(1) << np.uint64(low_bits)) - np.uint64(1)), \
+        low_bits
+
+
+@kernel
+def int_stats(values, seg_len, mean_length):
+    n = values.shape[0]
+    for j in range(mean_length.shape[0]):
+        start = j * seg_len
+        stop = min(n, start + seg_len)
+        total = 0
+        for i in range(start, stop):
+            b, _ = _magnitude(np.int64(values[i]))
+            total += b
+        mean_length[j] = total / max(stop - start, 1)
+
+
+@kernel
+def int_histogram(values, seg_len, classes, hist):
+    n = values.shape[0]
+    for j in range(classes.shape[0]):
+        c = np.int64(classes[j])
+        for i in range(j * seg_len, min(n, (j + 1) * seg_len)):
+            sym, _, _ = _magnitude_parts(np.int64(values[i]))
+            hist[c, sym] += 1
+
+
+@kernel
+def int_encode_kernel(values, seg_len, classes, freq, start, inverse, rans_out, raw_out):
+    """As :func:`encode_kernel`, for integers by magnitude class; ``raw_out`` holds 2 words per
+    element and one more."""
+    n = values.shape[0]
+    acc = np.uint64(0)
+    nacc = 0
+    nraw = 0
+    for i in range(n):
+        v = np.int64(values[i])
+        _, rest, left = _magnitude_parts(v)
+        # the sign, then the bits below the symbol's (at most 61), in pieces of at most 32
+        acc |= np.uint64(v < 0) << np.uint64(nacc)
+        nacc += 1
+        while True:
+            if nacc >= 32:
+                raw_out[nraw] = np.uint32(acc & np.uint64(0xFFFFFFFF))
+                nraw += 1
+                acc >>= np.uint64(32)
+                nacc -= 32
+            if left == 0:
+                break
+            piece = min(left, 32)
+            acc |= (rest & ((np.uint64(1) << np.uint64(piece)) - np.uint64(1))) << np.uint64(nacc)
+            nacc += piece
+            rest >>= np.uint64(piece)
+            left -= piece
+    if nacc > 0:
+        raw_out[nraw] = np.uint32(acc & np.uint64(0xFFFFFFFF))
+        nraw += 1
+    x = np.full(LANES, RANS_L, dtype=np.int64)
+    pos = rans_out.shape[0]
+    nseg = classes.shape[0]
+    for jj in range(nseg):
+        j = nseg - 1 - jj
+        c = np.int64(classes[j])
+        lo = j * seg_len
+        for i in range(min(n, lo + seg_len) - 1, lo - 1, -1):
+            sym, _, _ = _magnitude_parts(np.int64(values[i]))
+            f = np.int64(freq[c, sym])
+            lane = i & (LANES - 1)
+            s = x[lane]
+            push = np.int64(s >= ((RANS_L >> PROB_BITS) << 16) * f)
+            rans_out[pos - 1] = np.uint16(s & 0xFFFF)
+            pos -= push
+            s >>= 16 * push
+            q = np.int64(s * inverse[c, sym])
+            r = s - q * f
+            if r < 0:
+                q -= 1
+                r += f
+            elif r >= f:
+                q += 1
+                r -= f
+            x[lane] = q * PROB_SCALE + r + np.int64(start[c, sym])
+    for lane in range(LANES - 1, -1, -1):
+        pos -= 1
+        rans_out[pos] = np.uint16(x[lane] >> 16)
+        pos -= 1
+        rans_out[pos] = np.uint16(x[lane] & 0xFFFF)
+    return pos, nraw
+
+
+@kernel
+def int_decode_kernel(rans, raw, seg_len, classes, freq, lut, lo_value, hi_value, out):
+    """Rebuild the integers ``out`` (each in [lo_value, hi_value]); OK or an error code. As
+    :func:`decode_kernel`: ``rans`` and ``raw`` end with one word of padding each."""
+    n = out.shape[0]
+    nr = rans.shape[0] - 1
+    nw = raw.shape[0] - 1
+    if nr < 2 * LANES:
+        return ERR_OVERRUN
+    x0 = np.int64(rans[0]) | (np.int64(rans[1]) << 16)
+    x1 = np.int64(rans[2]) | (np.int64(rans[3]) << 16)
+    x2 = np.int64(rans[4]) | (np.int64(rans[5]) << 16)
+    x3 = np.int64(rans[6]) | (np.int64(rans[7]) << 16)
+    p = 2 * LANES
+    acc = np.uint64(0)
+    nacc = 0
+    q = 0
+    mask = PROB_SCALE - 1
+    for j in range(classes.shape[0]):
+        c = np.int64(classes[j])
+        for i in range(j * seg_len, min(n, (j + 1) * seg_len)):
+            lane = i & 3
+            s = x0 if lane == 0 else (x1 if lane == 1 else (x2 if lane == 2 else x3))
+            entry = np.int64(lut[c, s & mask])
+            sym = entry & 0xFFFF
+            s = np.int64(freq[c, sym]) * (s >> PROB_BITS) + (entry >> 16)
+            if p > nr:
+                return ERR_OVERRUN
+            need = np.int64(s < RANS_L)
+            s = (s << (16 * need)) | (np.int64(rans[p]) & -need)
+            p += need
+            if lane == 0:
+                x0 = s
+            elif lane == 1:
+                x1 = s
+            elif lane == 2:
+                x2 = s
+            else:
+                x3 = s
+            # the sign, then b - 1 bits
+            if nacc < 1:
+                if q >= nw:
+                    return ERR_OVERRUN
+                acc |= np.uint64(raw[q]) << np.uint64(nacc)
+                q += 1
+                nacc += 32
+            negative = (acc & np.uint64(1)) != np.uint64(0)
+            acc >>= np.uint64(1)
+            nacc -= 1
+            b = sym >> TOP_BITS
+            k = max(b - 1, 0)
+            t = min(TOP_BITS, k)
+            if sym & ((1 << (TOP_BITS - t)) - 1):  # (bits below the value's own: not canonical)
+                return ERR_BAD_INTEGER
+            left = k - t
+            m = np.uint64(0)
+            got = 0
+            while left > 0:
+                piece = min(left, 32)
+                if nacc < piece:
+                    if q >= nw:
+                        return ERR_OVERRUN
+                    acc |= np.uint64(raw[q]) << np.uint64(nacc)
+                    q += 1
+                    nacc += 32
+                m |= (acc & ((np.uint64(1) << np.uint64(piece)) - np.uint64(1))) << np.uint64(got)
+                acc >>= np.uint64(piece)
+                nacc -= piece
+                got += piece
+                left -= piece
+            if b == 0:
+                if negative:
+                    return ERR_BAD_INTEGER
+                value = np.int64(0)
+            else:
+                top = np.uint64((sym & ((1 << TOP_BITS) - 1)) >> (TOP_BITS - t))
+                m |= (np.uint64(1) << np.uint64(b - 1)) | (top << np.uint64(k - t))
+                if negative:  # (-2**63 included: -(m - 1) - 1)
+                    if m - np.uint64(1) > np.uint64(-(lo_value + 1)):
+                        return ERR_BAD_INTEGER
+                    value = -np.int64(m - np.uint64(1)) - 1
+                else:
+                    if m > np.uint64(hi_value):
+                        return ERR_BAD_INTEGER
+                    value = np.int64(m)
+            out[i] = value
+    if x0 != RANS_L or x1 != RANS_L or x2 != RANS_L or x3 != RANS_L:
+        return ERR_BAD_END
+    if p != nr or q != nw or acc != np.uint64(0):
+        return ERR_TRAILING
+    return OK

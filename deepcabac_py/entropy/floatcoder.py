@@ -38,6 +38,7 @@ _ERRORS = {
     _k.ERR_BAD_END: "the coder does not end in its initial state (the substream is damaged)",
     _k.ERR_BAD_TABLE: "a frequency table is invalid",
     _k.ERR_TRAILING: "bytes are left after the last element",
+    _k.ERR_BAD_INTEGER: "a decoded integer is outside its dtype (or a negative zero)",
 }
 
 
@@ -74,6 +75,45 @@ def _words(values: np.ndarray, dtype_name: str) -> np.ndarray:
     return flat.view(_WORDS[W])
 
 
+def _classes_of(mean: np.ndarray) -> np.ndarray:
+    """16 classes of (nearly) equal size by a segment statistic; fewer classes are their unions."""
+    nseg = mean.shape[0]
+    rank = np.empty(nseg, dtype=np.int64)
+    rank[np.argsort(mean, kind="stable")] = np.arange(nseg)
+    return (rank * MAX_CLASSES // max(nseg, 1)).astype(np.uint8)
+
+
+class _Tables:
+    """The class count, precision, tables and per-segment classes the encoder chose for a chunk."""
+
+    def __init__(self, hist16: np.ndarray, classes16: np.ndarray):
+        alphabet = hist16.shape[1]
+        freq16 = np.zeros((MAX_CLASSES, alphabet), dtype=np.int32)
+        self.klog, self.precision = _k.choose_classes(hist16, classes16.shape[0], _COSTS, freq16)
+        self.classes = (classes16 >> (_k.MAX_CLASSES_LOG2 - self.klog)).astype(np.uint8)
+        self.sent = freq16[:1 << self.klog]
+        self.freq = self.sent << (PROB_BITS - self.precision)
+        self.start = (np.cumsum(self.freq, axis=1) - self.freq).astype(np.int32)
+        self.inverse = 1.0 / np.maximum(self.freq, 1)
+
+    def header(self) -> list[bytes]:
+        """The class count, precision, class nibbles and tables, as the substream holds them."""
+        nseg = self.classes.shape[0]
+        parts = [bytes([self.klog, self.precision])]
+        if self.klog:
+            padded = np.zeros(2 * (-(-nseg // 2)), dtype=np.uint8)
+            padded[:nseg] = self.classes
+            parts.append((padded[0::2] | (padded[1::2] << 4)).tobytes())
+        tables = np.zeros(self.freq.shape[0] * (8 + self.freq.shape[1] * 8) + 8, dtype=np.uint8)  # (gamma <= 31 bits)
+        tbytes = _k.write_tables(self.sent, tables)
+        return parts + [struct.pack("<I", tbytes), tables[:tbytes].tobytes()]
+
+
+def _coded(parts: list[bytes], rans: np.ndarray, begin: int, raw: np.ndarray, nraw: int) -> bytes:
+    return b"".join(parts + [struct.pack("<I", rans.shape[0] - begin), rans[begin:].astype("<u2").tobytes(),
+                             raw[:nraw].astype("<u4").tobytes()])
+
+
 def encode_chunk(values: np.ndarray, dtype_name: str, seg_len: int) -> bytes:
     """The substream of ``values`` (a flat array of the dtype's bits or values: float16/32/64, or the
     uint16 bits of bfloat16), whose segments are ``seg_len`` long (the last may be shorter)."""
@@ -86,40 +126,18 @@ def encode_chunk(values: np.ndarray, dtype_name: str, seg_len: int) -> bytes:
     zeros = np.empty(nseg, dtype=np.uint8)
     mean_e = np.empty(nseg, dtype=np.float64)
     _k.segment_stats(words, seg_len, W, M, zeros, mean_e)
-    # 16 classes of (nearly) equal size by mean exponent; fewer are their unions
-    rank = np.empty(nseg, dtype=np.int64)
-    rank[np.argsort(mean_e, kind="stable")] = np.arange(nseg)
-    classes16 = (rank * MAX_CLASSES // max(nseg, 1)).astype(np.uint8)
-    alphabet = _alphabet(dtype_name)
-    hist16 = np.zeros((MAX_CLASSES, alphabet), dtype=np.int64)
+    classes16 = _classes_of(mean_e)
+    hist16 = np.zeros((MAX_CLASSES, _alphabet(dtype_name)), dtype=np.int64)
     _k.histogram(words, seg_len, W, M, zeros, classes16, hist16)
-    freq16 = np.zeros((MAX_CLASSES, alphabet), dtype=np.int32)
-    klog, precision = _k.choose_classes(hist16, nseg, _COSTS, freq16)
-    classes = (classes16 >> (_k.MAX_CLASSES_LOG2 - klog)).astype(np.uint8)
-    sent = freq16[:1 << klog]
-    freq32 = sent << (PROB_BITS - precision)
-    start = (np.cumsum(freq32, axis=1) - freq32).astype(np.int32)
+    t = _Tables(hist16, classes16)
     rans = np.empty(n + 2 * _k.LANES + 2, dtype=np.uint16)
     raw = np.empty(-(-_k.raw_bit_count(n, seg_len, M, zeros) // 32) + 1, dtype=np.uint32)
-    inverse = 1.0 / np.maximum(freq32, 1)
-    begin, nraw = _k.encode_kernel(words, seg_len, W, M, zeros, classes, freq32, start, inverse, rans, raw)
-    tables = np.zeros(freq32.shape[0] * (8 + alphabet * 8) + 8, dtype=np.uint8)  # (gamma codes of <= 31 bits)
-    tbytes = _k.write_tables(sent, tables)
-
-    parts = []
+    begin, nraw = _k.encode_kernel(words, seg_len, W, M, zeros, t.classes, t.freq, t.start, t.inverse, rans, raw)
     if nseg and (zeros == zeros[0]).all():
-        parts.append(bytes([0, int(zeros[0])]))
+        parts = [bytes([0, int(zeros[0])])]
     else:
-        parts += [b"\x01", zeros.tobytes()]
-    parts.append(bytes([klog, precision]))
-    if klog:
-        padded = np.zeros(2 * (-(-nseg // 2)), dtype=np.uint8)
-        padded[:nseg] = classes
-        parts.append((padded[0::2] | (padded[1::2] << 4)).tobytes())
-    parts += [struct.pack("<I", tbytes), tables[:tbytes].tobytes(),
-              struct.pack("<I", rans.shape[0] - begin), rans[begin:].astype("<u2").tobytes(),
-              raw[:nraw].astype("<u4").tobytes()]
-    return b"".join(parts)
+        parts = [b"\x01", zeros.tobytes()]
+    return _coded(parts + t.header(), rans, begin, raw, nraw)
 
 
 class _Reader:
@@ -135,6 +153,54 @@ class _Reader:
 
     def u32(self, what: str) -> int:
         return int.from_bytes(self.take(4, what).tobytes(), "little")
+
+    def tables(self, nseg: int, alphabet: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(classes, frequencies, lookup table) of a substream: class count, precision, class
+        nibbles and tables, validated."""
+        where = self.where
+        klog, precision = (int(v) for v in self.take(2, "class count and table precision"))
+        if klog > _k.MAX_CLASSES_LOG2:
+            raise CorruptStreamError(f"{where}: {1 << klog} classes (at most {MAX_CLASSES})")
+        if not 1 <= precision <= PROB_BITS:
+            raise CorruptStreamError(f"{where}: tables of {precision}-bit precision (1 to {PROB_BITS})")
+        if klog:
+            packed = self.take(-(-nseg // 2), "classes")
+            classes = np.empty(2 * packed.shape[0], dtype=np.uint8)
+            classes[0::2] = packed & 15
+            classes[1::2] = packed >> 4
+            classes = classes[:nseg]
+            if nseg and int(classes.max()) >= 1 << klog:
+                raise CorruptStreamError(f"{where}: a segment of class {int(classes.max())} of {1 << klog}")
+        else:
+            classes = np.zeros(nseg, dtype=np.uint8)
+        tables = self.take(self.u32("table size"), "tables")
+        freq = np.zeros((1 << klog, alphabet), dtype=np.int32)
+        start = np.zeros_like(freq)
+        got = _k.read_tables(tables, precision, freq, start)
+        if got < 0 or got != tables.shape[0]:
+            raise CorruptStreamError(f"{where}: {_ERRORS.get(got, 'the frequency tables do not fill their bytes')}")
+        lut = np.empty((freq.shape[0], 1 << PROB_BITS), dtype=np.uint32)
+        _k.build_lut(freq, start, lut)
+        return classes, freq, lut
+
+    def rans(self) -> np.ndarray:
+        nrans = self.u32("coder size")
+        rans = np.zeros(nrans + 1, dtype=np.uint16)  # (aligned for the kernel, one word of padding)
+        rans[:nrans] = self.take(2 * nrans, "coder words").view("<u2")
+        return rans
+
+    def raw(self, words: int | None) -> np.ndarray:
+        """The raw bits to the end: ``words`` of them exactly (None: any whole number)."""
+        rest = self.data.shape[0] - self.pos
+        if words is None:
+            if rest % 4:
+                raise CorruptStreamError(f"{self.where}: raw bits of {rest} bytes, not whole words")
+            words = rest // 4
+        raw = np.zeros(words + 1, dtype=np.uint32)
+        raw[:words] = self.take(4 * words, "raw bits").view("<u4")
+        if self.pos != self.data.shape[0]:
+            raise CorruptStreamError(f"{self.where}: {self.data.shape[0] - self.pos} bytes after the raw bits")
+        return raw
 
 
 def decode_chunk(data, dtype_name: str, seg_len: int, out: np.ndarray, where: str = "substream") -> None:
@@ -154,38 +220,56 @@ def decode_chunk(data, dtype_name: str, seg_len: int, out: np.ndarray, where: st
         raise CorruptStreamError(f"{where}: unknown low-bit mode {mode}")
     if nseg and int(zeros.max()) > M:
         raise CorruptStreamError(f"{where}: drops more low bits than a {dtype_name} mantissa has")
-    klog, precision = (int(v) for v in r.take(2, "class count and table precision"))
-    if klog > _k.MAX_CLASSES_LOG2:
-        raise CorruptStreamError(f"{where}: {1 << klog} classes (at most {MAX_CLASSES})")
-    if not 1 <= precision <= PROB_BITS:
-        raise CorruptStreamError(f"{where}: tables of {precision}-bit precision (1 to {PROB_BITS})")
-    if klog:
-        packed = r.take(-(-nseg // 2), "classes")
-        classes = np.empty(2 * packed.shape[0], dtype=np.uint8)
-        classes[0::2] = packed & 15
-        classes[1::2] = packed >> 4
-        classes = classes[:nseg]
-        if nseg and int(classes.max()) >= 1 << klog:
-            raise CorruptStreamError(f"{where}: a segment of class {int(classes.max())} of {1 << klog}")
-    else:
-        classes = np.zeros(nseg, dtype=np.uint8)
-    alphabet = _alphabet(dtype_name)
-    tables = r.take(r.u32("table size"), "tables")
-    freq = np.zeros((1 << klog, alphabet), dtype=np.int32)
-    start = np.zeros_like(freq)
-    got = _k.read_tables(tables, precision, freq, start)
-    if got < 0 or got != tables.shape[0]:
-        raise CorruptStreamError(f"{where}: {_ERRORS.get(got, 'the frequency tables do not fill their bytes')}")
-    nrans = r.u32("coder size")
-    rans = np.zeros(nrans + 1, dtype=np.uint16)  # (aligned for the kernel, one word of padding)
-    rans[:nrans] = r.take(2 * nrans, "coder words").view("<u2")
-    raw_words = -(-_k.raw_bit_count(n, seg_len, M, zeros) // 32)
-    raw = np.zeros(raw_words + 1, dtype=np.uint32)
-    raw[:raw_words] = r.take(4 * raw_words, "raw bits").view("<u4")
-    if r.pos != r.data.shape[0]:
-        raise CorruptStreamError(f"{where}: {r.data.shape[0] - r.pos} bytes after the raw bits")
-    lut = np.empty((freq.shape[0], 1 << PROB_BITS), dtype=np.uint32)
-    _k.build_lut(freq, start, lut)
+    classes, freq, lut = r.tables(nseg, _alphabet(dtype_name))
+    rans = r.rans()
+    raw = r.raw(-(-_k.raw_bit_count(n, seg_len, M, zeros) // 32))
     err = _k.decode_kernel(rans, raw, seg_len, W, M, zeros, classes, freq, lut, words)
+    if err != _k.OK:
+        raise CorruptStreamError(f"{where}: {_ERRORS[err]}")
+
+
+# --- integers by magnitude class ----------------------------------------------------------------
+
+#: signed integer dtypes the magnitude coder takes, by name: their width
+INTEGER_WIDTHS = {"int8": 8, "int16": 16, "int32": 32, "int64": 64}
+
+
+def mean_bit_length(values: np.ndarray, out: np.ndarray) -> None:
+    """out[0] = the mean bit length of |v| over the flat signed integers ``values``."""
+    _k.int_stats(values, max(values.shape[0], 1), out)
+
+
+def encode_magnitudes(values: np.ndarray, seg_len: int) -> bytes:
+    """The substream of the flat signed integers ``values`` by magnitude class: each one's bit
+    length and the two bits below its leading one through the classes' rANS tables, its sign and
+    the rest raw."""
+    width = INTEGER_WIDTHS.get(values.dtype.name)
+    if width is None or values.ndim != 1:
+        raise ValueError(f"the magnitude coder takes flat {', '.join(INTEGER_WIDTHS)} arrays, not {values.dtype}")
+    values = np.ascontiguousarray(values)
+    n = values.shape[0]
+    nseg = -(-n // seg_len)
+    mean = np.empty(nseg, dtype=np.float64)
+    _k.int_stats(values, seg_len, mean)
+    classes16 = _classes_of(mean)
+    hist16 = np.zeros((MAX_CLASSES, (width + 1) << _k.TOP_BITS), dtype=np.int64)
+    _k.int_histogram(values, seg_len, classes16, hist16)
+    t = _Tables(hist16, classes16)
+    rans = np.empty(n + 2 * _k.LANES + 2, dtype=np.uint16)
+    raw = np.empty(2 * n + 2, dtype=np.uint32)
+    begin, nraw = _k.int_encode_kernel(values, seg_len, t.classes, t.freq, t.start, t.inverse, rans, raw)
+    return _coded(t.header(), rans, begin, raw, nraw)
+
+
+def decode_magnitudes(data, seg_len: int, out: np.ndarray, where: str = "substream") -> None:
+    """Decode a substream of :func:`encode_magnitudes` into the flat signed integers ``out``."""
+    width = INTEGER_WIDTHS[out.dtype.name]
+    n = out.shape[0]
+    r = _Reader(np.frombuffer(data, dtype=np.uint8), where)
+    classes, freq, lut = r.tables(-(-n // seg_len), (width + 1) << _k.TOP_BITS)
+    rans = r.rans()
+    raw = r.raw(None)
+    info = np.iinfo(out.dtype)
+    err = _k.int_decode_kernel(rans, raw, seg_len, classes, freq, lut, int(info.min), int(info.max), out)
     if err != _k.OK:
         raise CorruptStreamError(f"{where}: {_ERRORS[err]}")

@@ -46,9 +46,10 @@ MAGIC = STREAM_MAGIC
 # Version 2 added Mode.DEPENDENT, version 3 the linear prediction across columns (LINEAR_BIT) and
 # the choice to switch the column model off (NO_COLUMNS_BIT), version 4 Mode.LOG. A writer stamps
 # the lowest version that describes its stream, so streams without them stay readable by older
-# readers; version 5 Mode.FLOAT (lossless float coding). This reader reads all five.
-FORMAT_VERSION = 5
-READABLE_VERSIONS = (1, 2, 3, 4, 5)
+# readers; version 5 Mode.FLOAT (lossless float coding), version 6 Mode.MAGNITUDE. This reader reads
+# all six.
+FORMAT_VERSION = 6
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)
 SWITCHES_VERSION = 3  # LINEAR_BIT and NO_COLUMNS_BIT
 PREAMBLE = struct.Struct("<8sHHI")
 MAX_HEADER_SIZE = 1 << 27  # (more than the limits below let a header need)
@@ -74,6 +75,7 @@ class Mode(enum.IntEnum):
     DEPENDENT = 3  # transmitted levels of the 4-state trellis (format version 2); see docs/format.md
     LOG = 4  # levels of log2|value| in steps of qp's step, in octaves (format version 4; quant.log_domain)
     FLOAT = 5  # the float bits themselves, losslessly (format version 5; entropy.floatcoder)
+    MAGNITUDE = 6  # signed integers by magnitude class, losslessly (format version 6; entropy.floatcoder)
 
     @property
     def is_quantized(self) -> bool:
@@ -86,7 +88,7 @@ class Mode(enum.IntEnum):
 
     @property
     def min_version(self) -> int:
-        return {Mode.DEPENDENT: 2, Mode.LOG: 4, Mode.FLOAT: 5}.get(self, 1)
+        return {Mode.DEPENDENT: 2, Mode.LOG: 4, Mode.FLOAT: 5, Mode.MAGNITUDE: 6}.get(self, 1)
 
 
 class Coder(enum.IntEnum):
@@ -94,7 +96,7 @@ class Coder(enum.IntEnum):
 
     NONE = 0  # RAW payloads
     ADAPTIVE_SCALE = 1  # levelcoder / _cabac_kernels, format version 1
-    FLOAT_CLASSES = 2  # floatcoder / _float_kernels (Mode.FLOAT), format version 5
+    FLOAT_CLASSES = 2  # floatcoder / _float_kernels (Mode.FLOAT, Mode.MAGNITUDE), format version 5
 
 
 FLAG_TORCH = 1  # the tensor was a torch.Tensor (decode returns one)
@@ -537,7 +539,7 @@ def _validate_entry(e: TensorEntry, index: int, where: str, earlier: list[Tensor
                 for k, size in enumerate(e.chunk_sizes)):
             raise CorruptStreamError(f"{where}: raw chunk sizes do not match its shape and dtype")
         return
-    if e.mode == Mode.FLOAT:
+    if e.mode in (Mode.FLOAT, Mode.MAGNITUDE):
         _validate_float_entry(e, where)
         return
     if e.coder != Coder.ADAPTIVE_SCALE:
@@ -585,12 +587,14 @@ def _validate_entry(e: TensorEntry, index: int, where: str, earlier: list[Tensor
 
 
 def _validate_float_entry(e: TensorEntry, where: str) -> None:
-    if e.dtype.dtype_name not in floatcoder.FORMATS:
-        raise CorruptStreamError(f"{where}: lossless float coding of a {e.dtype.name} tensor")
+    """A FLOAT or MAGNITUDE entry (the classes-and-rANS coder; at least one raw bit per element)."""
+    takes = floatcoder.FORMATS if e.mode == Mode.FLOAT else floatcoder.INTEGER_WIDTHS
+    if e.dtype.dtype_name not in takes:
+        raise CorruptStreamError(f"{where}: coding mode {e.mode.name} of a {e.dtype.name} tensor")
     if e.coder != Coder.FLOAT_CLASSES:
-        raise FormatError(f"{where}: coding mode FLOAT needs the float coder")
+        raise FormatError(f"{where}: coding mode {e.mode.name} needs the classes-and-rANS coder")
     if e.qp or e.qp_density or e.coder_param:
-        raise CorruptStreamError(f"{where}: a losslessly coded float tensor has no qp and no coder parameter")
+        raise CorruptStreamError(f"{where}: a losslessly coded tensor has no qp and no coder parameter")
     ce = floatcoder.chunk_elements(e.shape)
     if e.chunk_elements != ce:
         raise CorruptStreamError(f"{where}: chunks of {e.chunk_elements} elements, the shape needs {ce}")
@@ -600,4 +604,4 @@ def _validate_float_entry(e: TensorEntry, where: str) -> None:
     for k, size in enumerate(e.chunk_sizes):
         count = min(ce, numel - k * ce)
         if count > floatcoder.max_elements_for_payload(size):
-            raise CorruptStreamError(f"{where}: chunk {k} claims {count} floats in {size} bytes")
+            raise CorruptStreamError(f"{where}: chunk {k} claims {count} elements in {size} bytes")

@@ -247,7 +247,9 @@ def decode_levels(source, *, threads: int | None = None, max_elements: int | Non
         header = stream.header
         check_max_elements(header, max_elements)
         # (values in the log domain are not levels times a step)
-        coded = [e for e in header.tensors if not e.is_alias and e.mode not in (Mode.RAW, Mode.LOG, Mode.FLOAT)]
+        # (nor are exact floats, nor integers by magnitude: these may not fit int32)
+        coded = [e for e in header.tensors
+                 if not e.is_alias and e.mode not in (Mode.RAW, Mode.LOG, Mode.FLOAT, Mode.MAGNITUDE)]
         levels = _decode_in_order(stream, coded, coded, threads, None, ELEMENTS_IN_FLIGHT, output="levels")
         return {e.name: quantized(e, values) for e, (_, values) in zip(coded, levels)}
     finally:
@@ -310,7 +312,7 @@ class _Tensor:
         if e.mode == Mode.RAW:
             self.out = _raw_values(e, views)
             return
-        if e.mode == Mode.FLOAT:
+        if e.mode in (Mode.FLOAT, Mode.MAGNITUDE):
             self.views = views
             self.out = np.empty(e.numel, dtype=e.dtype.carrier)
             return
@@ -335,11 +337,14 @@ class _Tensor:
     def run(self, k: int) -> int:
         """Decode chunk ``k`` into the output; returns its element count."""
         e, out = self.entry, self.out
-        if e.mode == Mode.FLOAT:
+        if e.mode in (Mode.FLOAT, Mode.MAGNITUDE):
             start = k * e.chunk_elements
             stop = min(e.numel, start + e.chunk_elements)
-            floatcoder.decode_chunk(self.views[k], e.dtype.dtype_name, floatcoder.segment_length(e.shape),
-                                    out[start:stop], where=f"tensor {e.name!r}, chunk {k}")
+            seg, where = floatcoder.segment_length(e.shape), f"tensor {e.name!r}, chunk {k}"
+            if e.mode == Mode.MAGNITUDE:
+                floatcoder.decode_magnitudes(self.views[k], seg, out[start:stop], where=where)
+            else:
+                floatcoder.decode_chunk(self.views[k], e.dtype.dtype_name, seg, out[start:stop], where=where)
             return stop - start
         start, stop = self.layout.bounds(k)
         dependent = e.mode == Mode.DEPENDENT

@@ -163,7 +163,7 @@ def build_report(header: StreamHeader, original: Checkpoint | None = None,
 
 # The modes in words (``internals``: the stream's own names, as ``info --json`` gives them).
 _MODE_WORDS = {"DEPENDENT": "trellis", "UNIFORM": "uniform", "INTEGER": "lossless", "RAW": "exact",
-               "FLOAT": "float-lossless", "ALIAS": "tied", "LOG": "log"}
+               "FLOAT": "float-lossless", "MAGNITUDE": "lossless", "ALIAS": "tied", "LOG": "log"}
 _MODE_LEGEND = {
     "trellis": "trellis = dependent quantization, 4 states (its effective step is about twice qp's)",
     "uniform": "uniform = one step, levels rounded to it",

@@ -103,6 +103,25 @@ def relative_importance(name: str, importance, shape: tuple[int, ...]) -> Import
     return Importance(imp, mean)
 
 
+_CLASS_CODED = (Mode.FLOAT, Mode.MAGNITUDE)  # the classes-and-rANS coder (entropy.floatcoder)
+# Signed integers this wide on average (bits of |v|) go to the magnitude coder: the level coder's
+# escape codes cost a few bits per value more there (differences of float bits, as a lossless
+# checkpoint series makes), and it cannot hold |v| >= 2**31 at all.
+WIDE_MEAN_BITS = 12
+WIDE_MIN_ELEMENTS = 4096  # (smaller ones: the magnitude coder's tables would cost what it saves)
+
+
+def _wide(arr: np.ndarray, lo: int, hi: int) -> bool:
+    if lo < -LEVEL_MAX or hi > LEVEL_MAX:
+        return True
+    if max(-lo, hi) < 1 << WIDE_MEAN_BITS or arr.size < WIDE_MIN_ELEMENTS:
+        return False
+    flat = np.ascontiguousarray(arr).reshape(-1)
+    mean = np.empty(1, dtype=np.float64)
+    floatcoder.mean_bit_length(flat, mean)
+    return float(mean[0]) >= WIDE_MEAN_BITS
+
+
 @dataclass
 class TensorPlan:
     """How one tensor is coded, and the means to quantize and code its chunks."""
@@ -143,17 +162,19 @@ class TensorPlan:
 
     @property
     def is_chunked(self) -> bool:
-        """Coded in independent substreams (level-coded, or Mode.FLOAT), not stored raw."""
-        return self.layout is not None or self.entry.mode == Mode.FLOAT
+        """Coded in independent substreams (level-coded, Mode.FLOAT or MAGNITUDE), not stored raw."""
+        return self.layout is not None or self.entry.mode in _CLASS_CODED
 
     @property
     def chunk_count(self) -> int:
         e = self.entry
-        return -(-e.numel // e.chunk_elements) if e.mode == Mode.FLOAT else self.chunks.count
+        return -(-e.numel // e.chunk_elements) if e.mode in _CLASS_CODED else self.chunks.count
 
     def chunk_size(self, k: int) -> int:
         e = self.entry
-        return min(e.chunk_elements, e.numel - k * e.chunk_elements) if e.mode == Mode.FLOAT else self.chunks.size(k)
+        if e.mode in _CLASS_CODED:
+            return min(e.chunk_elements, e.numel - k * e.chunk_elements)
+        return self.chunks.size(k)
 
     @property
     def is_quantized(self) -> bool:
@@ -195,10 +216,13 @@ class TensorPlan:
         """Chunk ``k``'s substream and its levels (the transmitted levels of trellis chunks; None for
         Mode.FLOAT)."""
         e = self.entry
-        if e.mode == Mode.FLOAT:
+        if e.mode in _CLASS_CODED:
             ce = e.chunk_elements
             part = self.values.reshape(-1)[k * ce:(k + 1) * ce]
-            return floatcoder.encode_chunk(part, e.dtype.dtype_name, floatcoder.segment_length(e.shape)), None
+            seg = floatcoder.segment_length(e.shape)
+            if e.mode == Mode.MAGNITUDE:
+                return floatcoder.encode_magnitudes(part, seg), None
+            return floatcoder.encode_chunk(part, e.dtype.dtype_name, seg), None
         layout = self.chunks
         start, stop = layout.bounds(k)
         if self.linear is not None and self.levels is not None:
@@ -274,6 +298,10 @@ class TensorPlanner:
         if dtype == DType.UINT64 and int(arr.max()) > LEVEL_MAX:
             return TensorPlan(entry, arr)
         lo, hi = _planning_kernels.int_range(arr.reshape(-1).view(np.uint8) if dtype == DType.BOOL else arr.reshape(-1))
+        if dtype_name in floatcoder.INTEGER_WIDTHS and _wide(arr, lo, hi):
+            entry.mode, entry.coder = Mode.MAGNITUDE, Coder.FLOAT_CLASSES
+            entry.chunk_elements = floatcoder.chunk_elements(entry.shape)
+            return TensorPlan(entry, arr)
         if lo < -LEVEL_MAX or hi > LEVEL_MAX:
             return TensorPlan(entry, arr)
         entry.mode, entry.coder = Mode.INTEGER, Coder.ADAPTIVE_SCALE

@@ -10,7 +10,7 @@ parameter, a changed shape or dtype) is a key.
 
 A lossless series (``keep_exact=True``) is bit-exact: there a float tensor's residual is taken on
 its bits, as the difference of their order-preserving integer keys modulo 2**width (close values,
-close keys: the level coder codes the difference's magnitude) or as their XOR (coded as floats:
+close keys: wide differences are coded by magnitude class) or as their XOR (coded as floats:
 what did not change, sign and exponent, costs next to nothing), whichever of these and the tensor
 itself (the lossless float coder) codes smallest.
 """
@@ -283,8 +283,8 @@ def _from_order_key(keys: np.ndarray) -> np.ndarray:
 
 def _bit_residual_checkpoint(ckpt: Checkpoint, parent: Checkpoint) -> tuple[Checkpoint, list[str], list[str]]:
     """``ckpt`` with every float tensor replaced by what codes smallest of: itself, the difference
-    of its order keys from ``parent``'s (a signed integer of the same width, wrapping: the level
-    coder codes its magnitude; where it can, |d| < 2**31 - 1) and the XOR of its bits with
+    of its order keys from ``parent``'s (a signed integer of the same width, wrapping; coded by
+    magnitude class when wide) and the XOR of its bits with
     ``parent``'s (as the same float dtype: the float coder drops what did not change, sign and
     exponent). Returns it and the names coded by key difference and by XOR."""
     tensors: dict[str, Any] = {}
@@ -301,9 +301,8 @@ def _bit_residual_checkpoint(ckpt: Checkpoint, parent: Checkpoint) -> tuple[Chec
         theirs = np.require(base, requirements="C").view(words)
         delta = np.asarray(_order_key(mine) - _order_key(theirs)).reshape(arr.shape).view(_DELTAS[dtype])
         xor = np.asarray(mine ^ theirs).reshape(arr.shape).view(arr.dtype)
-        options: list[tuple[Any, list[str] | None]] = [(t, None), (numpy_to_tensor(xor, dtype, is_torch), xored)]
-        if np.abs(delta.astype(np.float64)).max() < 2.0**31 - 1:
-            options.append((numpy_to_tensor(delta, _DELTAS[dtype], is_torch), keyed))
+        options: list[tuple[Any, list[str] | None]] = [(t, None), (numpy_to_tensor(xor, dtype, is_torch), xored),
+                                                       (numpy_to_tensor(delta, _DELTAS[dtype], is_torch), keyed)]
         sizes = [len(encode_model({name: option}, keep_exact=True, threads=1)) for option, _ in options]
         chosen, names = options[int(np.argmin(sizes))]
         tensors[name] = chosen
