@@ -89,6 +89,45 @@ def _gamma(bits: list[int], v: int) -> None:
     bits += [0] * k + [int(b) for b in bin(v)[2:]]
 
 
+def _tail(symbols: list[int], seg: int, klog: int, precision: int, sent: list[list[int]], classes: list[int],
+          raw: list[int]) -> bytes:
+    """The substream from its class count on: classes, tables, rANS words of ``symbols``, raw words."""
+    n, nseg = len(symbols), len(classes)
+    freq = [[f << (PROB_BITS - precision) for f in row] for row in sent]
+    starts = [[sum(row[:s]) for s in range(len(row))] for row in freq]
+    x = [RANS_L] * LANES
+    pushed: list[int] = []
+    seg_of = [j for j, idx in _segments(n, seg) for _ in idx]
+    for i in range(n - 1, -1, -1):  # last element first
+        c = classes[seg_of[i]]
+        f, b = freq[c][symbols[i]], starts[c][symbols[i]]
+        s = x[i % LANES]
+        if s >= ((RANS_L >> PROB_BITS) << 16) * f:
+            pushed.append(s & 0xFFFF)
+            s >>= 16
+        x[i % LANES] = (s // f) * (1 << PROB_BITS) + s % f + b
+    for lane in range(LANES - 1, -1, -1):
+        pushed += [x[lane] >> 16, x[lane] & 0xFFFF]
+    rans = pushed[::-1]
+    bits: list[int] = []
+    for row in sent:
+        used = [s for s in range(len(row)) if row[s]]
+        _gamma(bits, len(used))
+        prev = -1
+        for s in used:
+            _gamma(bits, s - prev)
+            _gamma(bits, int(row[s]))
+            prev = s
+    bits += [0] * (-len(bits) % 8)
+    tables = bytes(int("".join(map(str, bits[k:k + 8])), 2) for k in range(0, len(bits), 8))
+    out = bytes([klog, precision])
+    if klog:
+        padded = classes + [0] * (nseg % 2)
+        out += bytes(padded[k] | (padded[k + 1] << 4) for k in range(0, len(padded), 2))
+    out += struct.pack("<I", len(tables)) + tables + struct.pack("<I", len(rans))
+    return out + struct.pack(f"<{len(rans)}H", *rans) + struct.pack(f"<{len(raw)}I", *raw)
+
+
 def encode(words: list[int], dtype_name: str, seg: int) -> bytes:
     W, M = floatcoder.FORMATS[dtype_name]
     n = len(words)
@@ -114,9 +153,7 @@ def encode(words: list[int], dtype_name: str, seg: int) -> bytes:
         for i in idx:
             hist[classes16[j], _split(words[i], W, M, zeros[j])[0]] += 1
     klog, precision, sent = choose_classes(hist, nseg)
-    freq = [[f << (PROB_BITS - precision) for f in row] for row in sent]
     classes = [c >> (4 - klog) for c in classes16]
-    starts = [[sum(row[:s]) for s in range(len(row))] for row in freq]
     # raw bits, LSB first
     acc, nacc, raw = 0, 0, []
     for j, idx in _segments(n, seg):
@@ -130,42 +167,9 @@ def encode(words: list[int], dtype_name: str, seg: int) -> bytes:
                 nacc -= 32
     if nacc:
         raw.append(acc)
-    # rANS, last element first
-    x = [RANS_L] * LANES
-    pushed: list[int] = []
-    seg_of = [j for j, idx in _segments(n, seg) for _ in idx]
-    for i in range(n - 1, -1, -1):
-        j = seg_of[i]
-        sym = _split(words[i], W, M, zeros[j])[0]
-        f, b = freq[classes[j]][sym], starts[classes[j]][sym]
-        s = x[i % LANES]
-        if s >= ((RANS_L >> PROB_BITS) << 16) * f:
-            pushed.append(s & 0xFFFF)
-            s >>= 16
-        x[i % LANES] = (s // f) * (1 << PROB_BITS) + s % f + b
-    for lane in range(LANES - 1, -1, -1):
-        pushed += [x[lane] >> 16, x[lane] & 0xFFFF]
-    rans = pushed[::-1]
-    # tables
-    bits: list[int] = []
-    for row in sent:
-        used = [s for s in range(alphabet) if row[s]]
-        _gamma(bits, len(used))
-        prev = -1
-        for s in used:
-            _gamma(bits, s - prev)
-            _gamma(bits, int(row[s]))
-            prev = s
-    bits += [0] * (-len(bits) % 8)
-    tables = bytes(int("".join(map(str, bits[k:k + 8])), 2) for k in range(0, len(bits), 8))
-    out = bytes([0, zeros[0]]) if nseg and len(set(zeros)) == 1 else b"\x01" + bytes(zeros)
-    out += bytes([klog, precision])
-    if klog:
-        padded = classes + [0] * (nseg % 2)
-        out += bytes(padded[k] | (padded[k + 1] << 4) for k in range(0, len(padded), 2))
-    out += struct.pack("<I", len(tables)) + tables + struct.pack("<I", len(rans))
-    out += struct.pack(f"<{len(rans)}H", *rans) + struct.pack(f"<{len(raw)}I", *raw)
-    return out
+    symbols = [_split(words[i], W, M, zeros[j])[0] for j, idx in _segments(n, seg) for i in idx]
+    head = bytes([0, zeros[0]]) if nseg and len(set(zeros)) == 1 else b"\x01" + bytes(zeros)
+    return head + _tail(symbols, seg, klog, precision, sent, classes, raw)
 
 
 def decode(data: bytes, dtype_name: str, seg: int, n: int) -> list[int]:
@@ -268,8 +272,6 @@ def encode_magnitudes(values: list[int], width: int, seg: int) -> bytes:
         for i in idx:
             hist[classes16[j], symbols[i][0]] += 1
     klog, precision, sent = choose_classes(hist, nseg)
-    freq = [[f << (PROB_BITS - precision) for f in row] for row in sent]
-    starts = [[sum(row[:s]) for s in range(len(row))] for row in freq]
     classes = [c >> (4 - klog) for c in classes16]
     bits = 0
     nbits = 0
@@ -277,34 +279,4 @@ def encode_magnitudes(values: list[int], width: int, seg: int) -> bytes:
         bits |= ((low << 1) | (v < 0)) << nbits
         nbits += 1 + count
     raw = [(bits >> (32 * k)) & 0xFFFFFFFF for k in range(-(-nbits // 32))]
-    x = [RANS_L] * LANES
-    pushed: list[int] = []
-    seg_of = [j for j, idx in _segments(n, seg) for _ in idx]
-    for i in range(n - 1, -1, -1):
-        c = classes[seg_of[i]]
-        f, b0 = freq[c][symbols[i][0]], starts[c][symbols[i][0]]
-        s = x[i % LANES]
-        if s >= ((RANS_L >> PROB_BITS) << 16) * f:
-            pushed.append(s & 0xFFFF)
-            s >>= 16
-        x[i % LANES] = (s // f) * (1 << PROB_BITS) + s % f + b0
-    for lane in range(LANES - 1, -1, -1):
-        pushed += [x[lane] >> 16, x[lane] & 0xFFFF]
-    rans = pushed[::-1]
-    tbits: list[int] = []
-    for row in sent:
-        used = [s for s in range((width + 1) << TOP) if row[s]]
-        _gamma(tbits, len(used))
-        prev = -1
-        for s in used:
-            _gamma(tbits, s - prev)
-            _gamma(tbits, int(row[s]))
-            prev = s
-    tbits += [0] * (-len(tbits) % 8)
-    tables = bytes(int("".join(map(str, tbits[k:k + 8])), 2) for k in range(0, len(tbits), 8))
-    out = bytes([klog, precision])
-    if klog:
-        padded = classes + [0] * (nseg % 2)
-        out += bytes(padded[k] | (padded[k + 1] << 4) for k in range(0, len(padded), 2))
-    out += struct.pack("<I", len(tables)) + tables + struct.pack("<I", len(rans))
-    return out + struct.pack(f"<{len(rans)}H", *rans) + struct.pack(f"<{len(raw)}I", *raw)
+    return _tail([sym for sym, _, _ in symbols], seg, klog, precision, sent, classes, raw)

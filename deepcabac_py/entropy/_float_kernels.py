@@ -91,19 +91,18 @@ def raw_bit_count(n, seg_len, M, zeros):
 
 
 @kernel
-def encode_kernel(words, seg_len, W, M, zeros, classes, freq, start, inverse, rans_out, raw_out):
-    """rANS words into the end of ``rans_out`` (returns where they begin) and raw bits into
-    ``raw_out`` (returns how many words). ``rans_out`` holds at least n + 2 * LANES + 2 words;
-    ``inverse`` is 1 / freq as float64 (where freq > 0)."""
+def encode_kernel(words, seg_len, W, M, zeros, symbols, raw_out):
+    """The symbols of the floats ``words`` into ``symbols`` and their raw bits into ``raw_out``;
+    returns how many raw words."""
     n = words.shape[0]
-    # raw bits, forward
     acc = np.uint64(0)
     nacc = 0
     nraw = 0
     for j in range(zeros.shape[0]):
         z = np.int64(zeros[j])
         for i in range(j * seg_len, min(n, (j + 1) * seg_len)):
-            _, raw, k = _parts(np.uint64(words[i]), W, M, z)
+            sym, raw, k = _parts(np.uint64(words[i]), W, M, z)
+            symbols[i] = sym
             if k > 32:
                 acc |= (raw & np.uint64(0xFFFFFFFF)) << np.uint64(nacc)
                 nacc += 32
@@ -123,17 +122,25 @@ def encode_kernel(words, seg_len, W, M, zeros, classes, freq, start, inverse, ra
     if nacc > 0:
         raw_out[nraw] = np.uint32(acc & np.uint64(0xFFFFFFFF))
         nraw += 1
-    # rANS, backward: the decoder reads forward what is pushed here last
+    return nraw
+
+
+@kernel
+def rans_encode(symbols, seg_len, classes, freq, start, inverse, rans_out):
+    """The rANS words of ``symbols`` (each segment with its class's table) into the end of
+    ``rans_out``, which holds at least n + 2 * LANES + 2 words; returns where they begin.
+    ``inverse`` is 1 / freq as float64 (where freq > 0). Backward: the decoder reads forward what
+    is pushed here last."""
+    n = symbols.shape[0]
     x = np.full(LANES, RANS_L, dtype=np.int64)
     pos = rans_out.shape[0]
-    nseg = zeros.shape[0]
+    nseg = classes.shape[0]
     for jj in range(nseg):
         j = nseg - 1 - jj
-        z = np.int64(zeros[j])
         c = np.int64(classes[j])
         lo = j * seg_len
         for i in range(min(n, lo + seg_len) - 1, lo - 1, -1):
-            sym, _, _ = _parts(np.uint64(words[i]), W, M, z)
+            sym = np.int64(symbols[i])
             f = np.int64(freq[c, sym])
             lane = i & (LANES - 1)
             s = x[lane]
@@ -159,17 +166,16 @@ def encode_kernel(words, seg_len, W, M, zeros, classes, freq, start, inverse, ra
         rans_out[pos] = np.uint16(x[lane] >> 16)
         pos -= 1
         rans_out[pos] = np.uint16(x[lane] & 0xFFFF)
-    return pos, nraw
+    return pos
 
 
 @kernel
-def decode_kernel(rans, raw, seg_len, W, M, zeros, classes, freq, lut, out):
-    """Rebuild ``out`` (the float bits) from the two streams; OK or an error code. ``lut[c, slot]``
-    = symbol | (slot - start) << 16; ``rans`` and ``raw`` end with one word of padding each. Reads
-    only inside them; ends with the states where the encoder began and every word consumed."""
-    n = out.shape[0]
-    nr = rans.shape[0] - 1  # (the last word of each is the caller's padding)
-    nw = raw.shape[0] - 1
+def rans_decode(rans, seg_len, classes, freq, lut, symbols):
+    """The symbols of a substream (each segment with its class's table); OK or an error code.
+    ``lut[c, slot]`` = symbol | (slot - start) << 16; ``rans`` ends with one word of padding. Reads
+    only inside it; ends with the states where the encoder began and every word consumed."""
+    n = symbols.shape[0]
+    nr = rans.shape[0] - 1  # (the last word is the caller's padding)
     if nr < 2 * LANES:
         return ERR_OVERRUN
     x0 = np.int64(rans[0]) | (np.int64(rans[1]) << 16)
@@ -177,29 +183,17 @@ def decode_kernel(rans, raw, seg_len, W, M, zeros, classes, freq, lut, out):
     x2 = np.int64(rans[4]) | (np.int64(rans[5]) << 16)
     x3 = np.int64(rans[6]) | (np.int64(rans[7]) << 16)
     p = 2 * LANES
-    acc = np.uint64(0)
-    nacc = 0
-    q = 0
     mask = PROB_SCALE - 1
-    for j in range(zeros.shape[0]):
-        z = np.int64(zeros[j])
+    for j in range(classes.shape[0]):
         c = np.int64(classes[j])
-        mr = M - z
-        t = min(TOP_BITS, mr)
-        low_bits = mr - t
-        k_all = low_bits + 1
-        top_shift = np.uint64(M - t)
-        top_drop = TOP_BITS - t
-        low_mask = np.uint64((1 << low_bits) - 1)
         for i in range(j * seg_len, min(n, (j + 1) * seg_len)):
             lane = i & 3
             s = x0 if lane == 0 else (x1 if lane == 1 else (x2 if lane == 2 else x3))
-            slot = s & mask
-            entry = np.int64(lut[c, slot])
+            entry = np.int64(lut[c, s & mask])
             sym = entry & 0xFFFF
             s = np.int64(freq[c, sym]) * (s >> PROB_BITS) + (entry >> 16)
             # renormalise without a branch (taken for about one symbol in six: unpredictable); the
-            # caller's extra word past the end keeps the read in bounds, the check stops after it
+            # extra word past the end keeps the read in bounds, the check stops after it
             if p > nr:
                 return ERR_OVERRUN
             need = np.int64(s < RANS_L)
@@ -213,11 +207,40 @@ def decode_kernel(rans, raw, seg_len, W, M, zeros, classes, freq, lut, out):
                 x2 = s
             else:
                 x3 = s
-            # raw bits
+            symbols[i] = sym
+    if p > nr:
+        return ERR_OVERRUN
+    if x0 != RANS_L or x1 != RANS_L or x2 != RANS_L or x3 != RANS_L:
+        return ERR_BAD_END
+    if p != nr:
+        return ERR_TRAILING
+    return OK
+
+
+@kernel
+def decode_kernel(raw, seg_len, W, M, zeros, symbols, out):
+    """Rebuild ``out`` (the float bits) from the decoded ``symbols`` and the raw bits; OK or an
+    error code. ``raw`` ends with one word of padding; every other word is read, none beyond."""
+    n = out.shape[0]
+    nw = raw.shape[0] - 1
+    acc = np.uint64(0)
+    nacc = 0
+    q = 0
+    for j in range(zeros.shape[0]):
+        z = np.int64(zeros[j])
+        mr = M - z
+        t = min(TOP_BITS, mr)
+        low_bits = mr - t
+        k_all = low_bits + 1
+        top_shift = np.uint64(M - t)
+        top_drop = TOP_BITS - t
+        low_mask = np.uint64((1 << low_bits) - 1)
+        for i in range(j * seg_len, min(n, (j + 1) * seg_len)):
+            sym = np.int64(symbols[i])
             k = k_all
             value = np.uint64(0)
             got = 0
-            if k > 32:
+            if k > 32:  # (float64 only)
                 if nacc < 32:
                     if q >= nw:
                         return ERR_OVERRUN
@@ -229,7 +252,7 @@ def decode_kernel(rans, raw, seg_len, W, M, zeros, classes, freq, lut, out):
                 nacc -= 32
                 got = 32
                 k -= 32
-            # refill without a branch, as above (the shift is exact whenever the word is taken)
+            # refill without a branch, as in rans_decode (the shift is exact whenever the word is taken)
             if q > nw:
                 return ERR_OVERRUN
             take = np.uint64(nacc < k)
@@ -244,11 +267,9 @@ def decode_kernel(rans, raw, seg_len, W, M, zeros, classes, freq, lut, out):
             sign = value >> np.uint64(low_bits)
             out[i] = ((sign << np.uint64(W - 1)) | (e << np.uint64(M)) | (top << top_shift)
                       | ((value & low_mask) << np.uint64(z)))
-    if p > nr or q > nw:
+    if q > nw:
         return ERR_OVERRUN
-    if x0 != RANS_L or x1 != RANS_L or x2 != RANS_L or x3 != RANS_L:
-        return ERR_BAD_END
-    if p != nr or q != nw or acc != np.uint64(0):
+    if q != nw or acc != np.uint64(0):
         return ERR_TRAILING
     return OK
 
@@ -535,7 +556,7 @@ def int_histogram(values, seg_len, classes, hist):
 
 
 @kernel
-def int_encode_kernel(values, seg_len, classes, freq, start, inverse, rans_out, raw_out):
+def int_encode_kernel(values, symbols, raw_out):
     """As :func:`encode_kernel`, for integers by magnitude class; ``raw_out`` holds 2 words per
     element and one more."""
     n = values.shape[0]
@@ -544,7 +565,8 @@ def int_encode_kernel(values, seg_len, classes, freq, start, inverse, rans_out, 
     nraw = 0
     for i in range(n):
         v = np.int64(values[i])
-        _, rest, left = _magnitude_parts(v)
+        sym, rest, left = _magnitude_parts(v)
+        symbols[i] = sym
         # the sign, then the bits below the symbol's (at most 61), in pieces of at most 32
         acc |= np.uint64(v < 0) << np.uint64(nacc)
         nacc += 1
@@ -564,127 +586,68 @@ def int_encode_kernel(values, seg_len, classes, freq, start, inverse, rans_out, 
     if nacc > 0:
         raw_out[nraw] = np.uint32(acc & np.uint64(0xFFFFFFFF))
         nraw += 1
-    x = np.full(LANES, RANS_L, dtype=np.int64)
-    pos = rans_out.shape[0]
-    nseg = classes.shape[0]
-    for jj in range(nseg):
-        j = nseg - 1 - jj
-        c = np.int64(classes[j])
-        lo = j * seg_len
-        for i in range(min(n, lo + seg_len) - 1, lo - 1, -1):
-            sym, _, _ = _magnitude_parts(np.int64(values[i]))
-            f = np.int64(freq[c, sym])
-            lane = i & (LANES - 1)
-            s = x[lane]
-            push = np.int64(s >= ((RANS_L >> PROB_BITS) << 16) * f)
-            rans_out[pos - 1] = np.uint16(s & 0xFFFF)
-            pos -= push
-            s >>= 16 * push
-            q = np.int64(s * inverse[c, sym])
-            r = s - q * f
-            if r < 0:
-                q -= 1
-                r += f
-            elif r >= f:
-                q += 1
-                r -= f
-            x[lane] = q * PROB_SCALE + r + np.int64(start[c, sym])
-    for lane in range(LANES - 1, -1, -1):
-        pos -= 1
-        rans_out[pos] = np.uint16(x[lane] >> 16)
-        pos -= 1
-        rans_out[pos] = np.uint16(x[lane] & 0xFFFF)
-    return pos, nraw
+    return nraw
 
 
 @kernel
-def int_decode_kernel(rans, raw, seg_len, classes, freq, lut, lo_value, hi_value, out):
-    """Rebuild the integers ``out`` (each in [lo_value, hi_value]); OK or an error code. As
-    :func:`decode_kernel`: ``rans`` and ``raw`` end with one word of padding each."""
+def int_decode_kernel(raw, symbols, lo_value, hi_value, out):
+    """Rebuild the integers ``out`` (each in [lo_value, hi_value]) from the decoded ``symbols`` and
+    the raw bits; OK or an error code. As :func:`decode_kernel`: ``raw`` ends with one word of
+    padding."""
     n = out.shape[0]
-    nr = rans.shape[0] - 1
     nw = raw.shape[0] - 1
-    if nr < 2 * LANES:
-        return ERR_OVERRUN
-    x0 = np.int64(rans[0]) | (np.int64(rans[1]) << 16)
-    x1 = np.int64(rans[2]) | (np.int64(rans[3]) << 16)
-    x2 = np.int64(rans[4]) | (np.int64(rans[5]) << 16)
-    x3 = np.int64(rans[6]) | (np.int64(rans[7]) << 16)
-    p = 2 * LANES
     acc = np.uint64(0)
     nacc = 0
     q = 0
-    mask = PROB_SCALE - 1
-    for j in range(classes.shape[0]):
-        c = np.int64(classes[j])
-        for i in range(j * seg_len, min(n, (j + 1) * seg_len)):
-            lane = i & 3
-            s = x0 if lane == 0 else (x1 if lane == 1 else (x2 if lane == 2 else x3))
-            entry = np.int64(lut[c, s & mask])
-            sym = entry & 0xFFFF
-            s = np.int64(freq[c, sym]) * (s >> PROB_BITS) + (entry >> 16)
-            if p > nr:
+    for i in range(n):
+        sym = np.int64(symbols[i])
+        # the sign, then the bits below the symbol's
+        if nacc < 1:
+            if q >= nw:
                 return ERR_OVERRUN
-            need = np.int64(s < RANS_L)
-            s = (s << (16 * need)) | (np.int64(rans[p]) & -need)
-            p += need
-            if lane == 0:
-                x0 = s
-            elif lane == 1:
-                x1 = s
-            elif lane == 2:
-                x2 = s
-            else:
-                x3 = s
-            # the sign, then b - 1 bits
-            if nacc < 1:
+            acc |= np.uint64(raw[q]) << np.uint64(nacc)
+            q += 1
+            nacc += 32
+        negative = (acc & np.uint64(1)) != np.uint64(0)
+        acc >>= np.uint64(1)
+        nacc -= 1
+        b = sym >> TOP_BITS
+        k = max(b - 1, 0)
+        t = min(TOP_BITS, k)
+        if sym & ((1 << (TOP_BITS - t)) - 1):  # (bits below the value's own: not canonical)
+            return ERR_BAD_INTEGER
+        left = k - t
+        m = np.uint64(0)
+        got = 0
+        while left > 0:
+            piece = min(left, 32)
+            if nacc < piece:
                 if q >= nw:
                     return ERR_OVERRUN
                 acc |= np.uint64(raw[q]) << np.uint64(nacc)
                 q += 1
                 nacc += 32
-            negative = (acc & np.uint64(1)) != np.uint64(0)
-            acc >>= np.uint64(1)
-            nacc -= 1
-            b = sym >> TOP_BITS
-            k = max(b - 1, 0)
-            t = min(TOP_BITS, k)
-            if sym & ((1 << (TOP_BITS - t)) - 1):  # (bits below the value's own: not canonical)
+            m |= (acc & ((np.uint64(1) << np.uint64(piece)) - np.uint64(1))) << np.uint64(got)
+            acc >>= np.uint64(piece)
+            nacc -= piece
+            got += piece
+            left -= piece
+        if b == 0:
+            if negative:
                 return ERR_BAD_INTEGER
-            left = k - t
-            m = np.uint64(0)
-            got = 0
-            while left > 0:
-                piece = min(left, 32)
-                if nacc < piece:
-                    if q >= nw:
-                        return ERR_OVERRUN
-                    acc |= np.uint64(raw[q]) << np.uint64(nacc)
-                    q += 1
-                    nacc += 32
-                m |= (acc & ((np.uint64(1) << np.uint64(piece)) - np.uint64(1))) << np.uint64(got)
-                acc >>= np.uint64(piece)
-                nacc -= piece
-                got += piece
-                left -= piece
-            if b == 0:
-                if negative:
+            value = np.int64(0)
+        else:
+            top = np.uint64((sym & ((1 << TOP_BITS) - 1)) >> (TOP_BITS - t))
+            m |= (np.uint64(1) << np.uint64(b - 1)) | (top << np.uint64(k - t))
+            if negative:  # (-2**63 included: -(m - 1) - 1)
+                if m - np.uint64(1) > np.uint64(-(lo_value + 1)):
                     return ERR_BAD_INTEGER
-                value = np.int64(0)
+                value = -np.int64(m - np.uint64(1)) - 1
             else:
-                top = np.uint64((sym & ((1 << TOP_BITS) - 1)) >> (TOP_BITS - t))
-                m |= (np.uint64(1) << np.uint64(b - 1)) | (top << np.uint64(k - t))
-                if negative:  # (-2**63 included: -(m - 1) - 1)
-                    if m - np.uint64(1) > np.uint64(-(lo_value + 1)):
-                        return ERR_BAD_INTEGER
-                    value = -np.int64(m - np.uint64(1)) - 1
-                else:
-                    if m > np.uint64(hi_value):
-                        return ERR_BAD_INTEGER
-                    value = np.int64(m)
-            out[i] = value
-    if x0 != RANS_L or x1 != RANS_L or x2 != RANS_L or x3 != RANS_L:
-        return ERR_BAD_END
-    if p != nr or q != nw or acc != np.uint64(0):
+                if m > np.uint64(hi_value):
+                    return ERR_BAD_INTEGER
+                value = np.int64(m)
+        out[i] = value
+    if q != nw or acc != np.uint64(0):
         return ERR_TRAILING
     return OK

@@ -109,9 +109,13 @@ class _Tables:
         return parts + [struct.pack("<I", tbytes), tables[:tbytes].tobytes()]
 
 
-def _coded(parts: list[bytes], rans: np.ndarray, begin: int, raw: np.ndarray, nraw: int) -> bytes:
-    return b"".join(parts + [struct.pack("<I", rans.shape[0] - begin), rans[begin:].astype("<u2").tobytes(),
-                             raw[:nraw].astype("<u4").tobytes()])
+def _coded(parts: list[bytes], t: _Tables, seg_len: int, symbols: np.ndarray, raw: np.ndarray, nraw: int) -> bytes:
+    """The substream: ``parts`` (what precedes the coder words), the rANS words of ``symbols`` and
+    the raw bits."""
+    rans = np.empty(symbols.shape[0] + 2 * _k.LANES + 2, dtype=np.uint16)
+    begin = _k.rans_encode(symbols, seg_len, t.classes, t.freq, t.start, t.inverse, rans)
+    return b"".join(parts + t.header() + [struct.pack("<I", rans.shape[0] - begin),
+                                         rans[begin:].astype("<u2").tobytes(), raw[:nraw].astype("<u4").tobytes()])
 
 
 def encode_chunk(values: np.ndarray, dtype_name: str, seg_len: int) -> bytes:
@@ -130,14 +134,14 @@ def encode_chunk(values: np.ndarray, dtype_name: str, seg_len: int) -> bytes:
     hist16 = np.zeros((MAX_CLASSES, _alphabet(dtype_name)), dtype=np.int64)
     _k.histogram(words, seg_len, W, M, zeros, classes16, hist16)
     t = _Tables(hist16, classes16)
-    rans = np.empty(n + 2 * _k.LANES + 2, dtype=np.uint16)
+    symbols = np.empty(n, dtype=np.uint16)
     raw = np.empty(-(-_k.raw_bit_count(n, seg_len, M, zeros) // 32) + 1, dtype=np.uint32)
-    begin, nraw = _k.encode_kernel(words, seg_len, W, M, zeros, t.classes, t.freq, t.start, t.inverse, rans, raw)
+    nraw = _k.encode_kernel(words, seg_len, W, M, zeros, symbols, raw)
     if nseg and (zeros == zeros[0]).all():
         parts = [bytes([0, int(zeros[0])])]
     else:
         parts = [b"\x01", zeros.tobytes()]
-    return _coded(parts + t.header(), rans, begin, raw, nraw)
+    return _coded(parts, t, seg_len, symbols, raw, nraw)
 
 
 class _Reader:
@@ -183,11 +187,17 @@ class _Reader:
         _k.build_lut(freq, start, lut)
         return classes, freq, lut
 
-    def rans(self) -> np.ndarray:
+    def symbols(self, n: int, seg_len: int, alphabet: int) -> np.ndarray:
+        """The ``n`` symbols of a substream: its classes, tables and rANS words read and decoded."""
+        classes, freq, lut = self.tables(-(-n // seg_len), alphabet)
         nrans = self.u32("coder size")
         rans = np.zeros(nrans + 1, dtype=np.uint16)  # (aligned for the kernel, one word of padding)
         rans[:nrans] = self.take(2 * nrans, "coder words").view("<u2")
-        return rans
+        symbols = np.empty(n, dtype=np.uint16)
+        err = _k.rans_decode(rans, seg_len, classes, freq, lut, symbols)
+        if err != _k.OK:
+            raise CorruptStreamError(f"{self.where}: {_ERRORS[err]}")
+        return symbols
 
     def raw(self, words: int | None) -> np.ndarray:
         """The raw bits to the end: ``words`` of them exactly (None: any whole number)."""
@@ -220,10 +230,9 @@ def decode_chunk(data, dtype_name: str, seg_len: int, out: np.ndarray, where: st
         raise CorruptStreamError(f"{where}: unknown low-bit mode {mode}")
     if nseg and int(zeros.max()) > M:
         raise CorruptStreamError(f"{where}: drops more low bits than a {dtype_name} mantissa has")
-    classes, freq, lut = r.tables(nseg, _alphabet(dtype_name))
-    rans = r.rans()
+    symbols = r.symbols(n, seg_len, _alphabet(dtype_name))
     raw = r.raw(-(-_k.raw_bit_count(n, seg_len, M, zeros) // 32))
-    err = _k.decode_kernel(rans, raw, seg_len, W, M, zeros, classes, freq, lut, words)
+    err = _k.decode_kernel(raw, seg_len, W, M, zeros, symbols, words)
     if err != _k.OK:
         raise CorruptStreamError(f"{where}: {_ERRORS[err]}")
 
@@ -255,10 +264,10 @@ def encode_magnitudes(values: np.ndarray, seg_len: int) -> bytes:
     hist16 = np.zeros((MAX_CLASSES, (width + 1) << _k.TOP_BITS), dtype=np.int64)
     _k.int_histogram(values, seg_len, classes16, hist16)
     t = _Tables(hist16, classes16)
-    rans = np.empty(n + 2 * _k.LANES + 2, dtype=np.uint16)
+    symbols = np.empty(n, dtype=np.uint16)
     raw = np.empty(2 * n + 2, dtype=np.uint32)
-    begin, nraw = _k.int_encode_kernel(values, seg_len, t.classes, t.freq, t.start, t.inverse, rans, raw)
-    return _coded(t.header(), rans, begin, raw, nraw)
+    nraw = _k.int_encode_kernel(values, symbols, raw)
+    return _coded([], t, seg_len, symbols, raw, nraw)
 
 
 def decode_magnitudes(data, seg_len: int, out: np.ndarray, where: str = "substream") -> None:
@@ -266,10 +275,9 @@ def decode_magnitudes(data, seg_len: int, out: np.ndarray, where: str = "substre
     width = INTEGER_WIDTHS[out.dtype.name]
     n = out.shape[0]
     r = _Reader(np.frombuffer(data, dtype=np.uint8), where)
-    classes, freq, lut = r.tables(-(-n // seg_len), (width + 1) << _k.TOP_BITS)
-    rans = r.rans()
+    symbols = r.symbols(n, seg_len, (width + 1) << _k.TOP_BITS)
     raw = r.raw(None)
     info = np.iinfo(out.dtype)
-    err = _k.int_decode_kernel(rans, raw, seg_len, classes, freq, lut, int(info.min), int(info.max), out)
+    err = _k.int_decode_kernel(raw, symbols, int(info.min), int(info.max), out)
     if err != _k.OK:
         raise CorruptStreamError(f"{where}: {_ERRORS[err]}")
