@@ -215,6 +215,11 @@ def test_error_feedback_survives_a_bucket_rebuild(single_process_group):
     assert state.layout_changes == 2  # buckets 0 and 1 at the rebuild; bucket 2 is new
     assert [s.compressed for s in state.log] == [False, True, True, True, True]
     assert state.iter == 5 and state.stats()["compressed_steps"] == 4
+    # close() lets go of the last exchange of every bucket and the hook's thread, once
+    assert state._exchanges
+    state.close()
+    state.close()
+    assert not state._exchanges and state._finisher._shutdown
 
 
 # --------------------------------------------------------------------------------------------------

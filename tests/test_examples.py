@@ -40,10 +40,11 @@ def test_zarr_weights(tmp_path):
     assert (tmp_path / "weights.zarr" / "zarr.json").exists()
 
 
-# A worker of a fresh CI machine aborted in 3 of 9 runs (libstdc++'s "terminate called without an
-# active exception", SIGABRT, the first DDP test, while the other test worker compiled kernels), never
-# in local runs, cold or warm: that one signature gets a second run; anything else, or the abort
-# twice, fails. (Tracked in the issue notes; torch distributed has known aborts of this kind.)
+# PyTorch's gloo process group can abort a process on its way out (libstdc++'s "terminate called
+# without an active exception", SIGABRT, after the script's last line): measured here with plain
+# DDP and no communication hook, 4 of 20 runs of this script under load (5 busy processes beside
+# it), and 1 of 16 with the hook. A run that ends so counts when both ranks finished (printed their
+# results, which are checked below); any other failure fails.
 _DDP_ABORT = "terminate called without an active exception"
 
 
@@ -52,9 +53,8 @@ def test_ddp_hook(dtype):
     args = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(EXAMPLES / "ddp_hook.py"),
             "--steps", "30", "--dtype", dtype]
     done = subprocess.run(args, capture_output=True, text=True, timeout=600)
-    if done.returncode != 0 and _DDP_ABORT in done.stderr:
-        done = subprocess.run(args, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    finished = len(re.findall(r"rank \d: loss", done.stdout)) == 2
+    assert done.returncode == 0 or (finished and _DDP_ABORT in done.stderr), done.stderr[-3000:]
     out = done.stdout
     # (the ranks print at once: their lines may interleave)
     found = re.findall(r"(\d+)x less than a dense fp32 all-reduce, (\d+)x less than dense", out)

@@ -8,6 +8,7 @@
     ddp_model.register_comm_hook(state, deepcabac_hook)
     ...                                   # train as usual
     state.stats()                         # bytes this rank handed to the collectives, totals and per step
+    state.close()                         # before dist.destroy_process_group()
 
 For every gradient bucket of a step, each rank
 
@@ -23,7 +24,7 @@ For every gradient bucket of a step, each rank
 5. decodes every other rank's message, adds its own sent values, divides by the world size in rank
    order (so every rank ends with bit-identical gradients) and writes the mean into the bucket.
 
-The first ``warmup_steps`` steps use PyTorch's own ``allreduce_hook`` (dense, bit-identical to DDP
+The first ``warmup_steps`` steps do what PyTorch's own ``allreduce_hook`` does (dense, bit-identical to DDP
 without a hook).
 
 What :meth:`DeepCabacState.stats` calls *bytes sent* is what this rank passes to collectives: per
@@ -38,6 +39,7 @@ traffic a rank *receives* grows faster than with all-reduce; on two ranks the tw
 import hashlib
 import math
 import struct
+import weakref
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -47,7 +49,6 @@ from functools import cached_property
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from ..errors import CorruptStreamError, UpdateMismatchError
 from ..updates.messages import UpdateSession, _Tensor, decode_update, encode_sparse, read_update_header
@@ -279,6 +280,9 @@ class DeepCabacState:
         # each in its sender's session.
         self._finisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deepcabac-ddp")
         self._exchanges: dict[int, tuple] = {}  # the last collective of each bucket, see deepcabac_hook
+        # Gloo's work objects must not outlive the interpreter's healthy part: an exchange left for
+        # finalization to destroy can abort the process on its way out (finalize also runs at exit).
+        self._release = weakref.finalize(self, _release, self._finisher, self._exchanges)
         self._param_keys: dict[int, str] = {}
         self._params: dict[int, torch.Tensor] = {}  # keeps each id() above bound to its parameter
         # of the step in progress: bytes sent, payload, dense fp32, dense in the gradients' dtype; whether a
@@ -287,6 +291,13 @@ class DeepCabacState:
         self._step_compressed = False
         self._totals = {"steps": 0, "compressed_steps": 0, "bytes_sent": 0, "payload_bytes": 0, "dense_fp32_bytes": 0,
                         "dense_bytes": 0}
+
+    def close(self) -> None:
+        """Release what the hook holds between steps (its thread, the last collective of each
+        bucket) while the process group is still there: call it before
+        ``dist.destroy_process_group()``; it also runs when the interpreter exits. The state cannot
+        be used afterwards."""
+        self._release()
 
     # -- reports ------------------------------------------------------------------------------------
 
@@ -357,6 +368,11 @@ class DeepCabacState:
             self.iter += 1
 
 
+def _release(finisher: ThreadPoolExecutor, exchanges: dict) -> None:
+    finisher.shutdown(wait=True)
+    exchanges.clear()
+
+
 def deepcabac_hook(state: DeepCabacState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Communication hook for ``DistributedDataParallel.register_comm_hook(state, deepcabac_hook)``."""
     buffer = bucket.buffer()
@@ -366,9 +382,12 @@ def deepcabac_hook(state: DeepCabacState, bucket: dist.GradBucket) -> torch.futu
     group = state._group()
     if state.iter < state.warmup_steps:
         nbytes = buffer.numel() * buffer.element_size()
-        fut = allreduce_hook(group, bucket)
+        # (what PyTorch's allreduce_hook does, the mean of the buckets, but finished on our thread:
+        # see below)
+        world = dist.get_world_size(group)
+        dense = dist.all_reduce(buffer.div_(world), group=group, async_op=True)
         state._record(bucket, nbytes, nbytes, compressed=False)
-        return fut
+        return _finished_on_our_thread(state, bucket, dense, lambda: buffer, (dense, buffer))
 
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     coding = state._coding(bucket.index(), BucketLayout.of(bucket), rank, world)
@@ -414,26 +433,38 @@ def deepcabac_hook(state: DeepCabacState, bucket: dist.GradBucket) -> torch.futu
         buffer.copy_(torch.from_numpy(total))
         return buffer
 
-    # Not ``work.get_future().then(average)``: a gloo thread would own the Python callback and drop it
-    # after running it, which needs the GIL; when the training script ends in that instant, the
-    # interpreter is already finalizing and the process aborts ("terminate called without an active
-    # exception"). Our own thread waits and decodes instead, and the interpreter joins it before it
-    # finalizes. For the same reason the exchange's tensors stay referenced here until the bucket's
-    # next step, so that a gloo thread never holds the last reference to a Python tensor.
+    return _finished_on_our_thread(state, bucket, work, average, (work, sending, received))
+
+
+def _finished_on_our_thread(state: DeepCabacState, bucket: dist.GradBucket, work, value, keep: tuple
+                            ) -> torch.futures.Future[torch.Tensor]:
+    """The future DDP waits for: completed with ``value()`` by the hook's own thread once ``work``
+    is done.
+
+    Not ``work.get_future().then(...)``: a gloo thread would own the Python callback and drop it
+    after running it, which needs the GIL; when the training script ends in that instant, the
+    interpreter is already finalizing and the process aborts ("terminate called without an active
+    exception"). Our own thread waits instead, and the interpreter joins it before it finalizes. For
+    the same reason the exchange (``keep``: the work and its tensors) stays referenced until the
+    bucket's next step or :meth:`DeepCabacState.close`, so that a gloo thread never holds the last
+    reference to a Python tensor."""
+    device = bucket.buffer().device
     devices: list[int | str | torch.device] | None = [device] if device.type == "cuda" else None
     result: torch.futures.Future[torch.Tensor] = torch.futures.Future(devices=devices)
     index = bucket.index()
 
     def finish() -> None:
+        # (the exchange is recorded before the result is set: once DDP has it, nothing of this step
+        # runs on our thread any more, and close() finds every exchange)
         try:
             work.wait()
-            value = average()
+            out = value()
         except BaseException as exc:  # the reducer raises it where DDP waits for the bucket
+            state._exchanges[index] = keep
             result.set_exception(exc)  # type: ignore[arg-type]  # (torch types it as the result)
         else:
-            result.set_result(value)
-        finally:
-            state._exchanges[index] = (work, sending, received)
+            state._exchanges[index] = keep
+            result.set_result(out)
 
     state._finisher.submit(finish)
     return result
