@@ -87,6 +87,11 @@ class Mode(enum.IntEnum):
         return self in (Mode.UNIFORM, Mode.DEPENDENT, Mode.LOG)
 
     @property
+    def is_class_coded(self) -> bool:
+        """Coded by classes and rANS (entropy.floatcoder): the exact values, not levels."""
+        return self in (Mode.FLOAT, Mode.MAGNITUDE)
+
+    @property
     def min_version(self) -> int:
         return {Mode.DEPENDENT: 2, Mode.LOG: 4, Mode.FLOAT: 5, Mode.MAGNITUDE: 6}.get(self, 1)
 
@@ -539,8 +544,8 @@ def _validate_entry(e: TensorEntry, index: int, where: str, earlier: list[Tensor
                 for k, size in enumerate(e.chunk_sizes)):
             raise CorruptStreamError(f"{where}: raw chunk sizes do not match its shape and dtype")
         return
-    if e.mode in (Mode.FLOAT, Mode.MAGNITUDE):
-        _validate_float_entry(e, where)
+    if e.mode.is_class_coded:
+        _validate_class_coded_entry(e, where)
         return
     if e.coder != Coder.ADAPTIVE_SCALE:
         raise FormatError(f"{where}: coding mode {e.mode.name} needs a level coder")
@@ -586,7 +591,7 @@ def _validate_entry(e: TensorEntry, index: int, where: str, earlier: list[Tensor
             raise CorruptStreamError(f"{where}: chunk {k} claims {stop - start} levels in {size} bytes")
 
 
-def _validate_float_entry(e: TensorEntry, where: str) -> None:
+def _validate_class_coded_entry(e: TensorEntry, where: str) -> None:
     """A FLOAT or MAGNITUDE entry (the classes-and-rANS coder; at least one raw bit per element)."""
     takes = floatcoder.FORMATS if e.mode == Mode.FLOAT else floatcoder.INTEGER_WIDTHS
     if e.dtype.dtype_name not in takes:

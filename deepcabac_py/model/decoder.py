@@ -249,7 +249,7 @@ def decode_levels(source, *, threads: int | None = None, max_elements: int | Non
         # (values in the log domain are not levels times a step)
         # (nor are exact floats, nor integers by magnitude: these may not fit int32)
         coded = [e for e in header.tensors
-                 if not e.is_alias and e.mode not in (Mode.RAW, Mode.LOG, Mode.FLOAT, Mode.MAGNITUDE)]
+                 if not e.is_alias and e.mode not in (Mode.RAW, Mode.LOG) and not e.mode.is_class_coded]
         levels = _decode_in_order(stream, coded, coded, threads, None, ELEMENTS_IN_FLIGHT, output="levels")
         return {e.name: quantized(e, values) for e, (_, values) in zip(coded, levels)}
     finally:
@@ -312,7 +312,7 @@ class _Tensor:
         if e.mode == Mode.RAW:
             self.out = _raw_values(e, views)
             return
-        if e.mode in (Mode.FLOAT, Mode.MAGNITUDE):
+        if e.mode.is_class_coded:
             self.views = views
             self.out = np.empty(e.numel, dtype=e.dtype.carrier)
             return
@@ -337,7 +337,7 @@ class _Tensor:
     def run(self, k: int) -> int:
         """Decode chunk ``k`` into the output; returns its element count."""
         e, out = self.entry, self.out
-        if e.mode in (Mode.FLOAT, Mode.MAGNITUDE):
+        if e.mode.is_class_coded:
             start = k * e.chunk_elements
             stop = min(e.numel, start + e.chunk_elements)
             seg, where = floatcoder.segment_length(e.shape), f"tensor {e.name!r}, chunk {k}"

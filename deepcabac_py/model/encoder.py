@@ -231,7 +231,7 @@ class _TensorCoder:
         done = [w.result() for w in work] if self.pool is not None else [self._run(job) for job in work]
         chunks = [data for data, _ in done]
         raw_size = p.entry.numel * p.entry.dtype.itemsize
-        if p.entry.mode in (Mode.FLOAT, Mode.MAGNITUDE) and sum(map(len, chunks)) >= raw_size:
+        if p.entry.mode.is_class_coded and sum(map(len, chunks)) >= raw_size:
             # (a few values: the frequency tables would cost more than they save)
             p.entry.mode, p.entry.coder = Mode.RAW, Coder.NONE
             self._store_raw(p, counted=True)

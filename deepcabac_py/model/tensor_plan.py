@@ -103,7 +103,6 @@ def relative_importance(name: str, importance, shape: tuple[int, ...]) -> Import
     return Importance(imp, mean)
 
 
-_CLASS_CODED = (Mode.FLOAT, Mode.MAGNITUDE)  # the classes-and-rANS coder (entropy.floatcoder)
 # Signed integers this wide on average (bits of |v|) go to the magnitude coder: the level coder's
 # escape codes cost a few bits per value more there (differences of float bits, as a lossless
 # checkpoint series makes), and it cannot hold |v| >= 2**31 at all.
@@ -163,16 +162,16 @@ class TensorPlan:
     @property
     def is_chunked(self) -> bool:
         """Coded in independent substreams (level-coded, Mode.FLOAT or MAGNITUDE), not stored raw."""
-        return self.layout is not None or self.entry.mode in _CLASS_CODED
+        return self.layout is not None or self.entry.mode.is_class_coded
 
     @property
     def chunk_count(self) -> int:
         e = self.entry
-        return -(-e.numel // e.chunk_elements) if e.mode in _CLASS_CODED else self.chunks.count
+        return -(-e.numel // e.chunk_elements) if e.mode.is_class_coded else self.chunks.count
 
     def chunk_size(self, k: int) -> int:
         e = self.entry
-        if e.mode in _CLASS_CODED:
+        if e.mode.is_class_coded:
             return min(e.chunk_elements, e.numel - k * e.chunk_elements)
         return self.chunks.size(k)
 
@@ -216,7 +215,7 @@ class TensorPlan:
         """Chunk ``k``'s substream and its levels (the transmitted levels of trellis chunks; None for
         Mode.FLOAT)."""
         e = self.entry
-        if e.mode in _CLASS_CODED:
+        if e.mode.is_class_coded:
             ce = e.chunk_elements
             part = self.values.reshape(-1)[k * ce:(k + 1) * ce]
             seg = floatcoder.segment_length(e.shape)
