@@ -454,16 +454,18 @@ def _finished_on_our_thread(state: DeepCabacState, bucket: dist.GradBucket, work
     index = bucket.index()
 
     def finish() -> None:
-        # (the exchange is recorded before the result is set: once DDP has it, nothing of this step
-        # runs on our thread any more, and close() finds every exchange)
+        error: BaseException | None = None
         try:
             work.wait()
             out = value()
         except BaseException as exc:  # the reducer raises it where DDP waits for the bucket
-            state._exchanges[index] = keep
-            result.set_exception(exc)  # type: ignore[arg-type]  # (torch types it as the result)
+            error = exc
+        # (recorded before the result is set: once DDP has it, nothing of this step runs on our
+        # thread any more, and close() finds every exchange)
+        state._exchanges[index] = keep
+        if error is not None:
+            result.set_exception(error)  # type: ignore[arg-type]  # (torch types it as the result)
         else:
-            state._exchanges[index] = keep
             result.set_result(out)
 
     state._finisher.submit(finish)

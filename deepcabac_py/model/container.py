@@ -138,6 +138,16 @@ class TensorEntry:
         return bool(self.flags & FLAG_ALIAS)
 
     @property
+    def even_chunk_count(self) -> int:
+        """Chunks of a RAW or class-coded entry: ``chunk_elements`` each, the last one shorter."""
+        return -(-self.numel // self.chunk_elements)
+
+    def even_chunk_bounds(self, k: int) -> tuple[int, int]:
+        """Flat element range of chunk ``k`` of a RAW or class-coded entry."""
+        start = k * self.chunk_elements
+        return start, min(self.numel, start + self.chunk_elements)
+
+    @property
     def is_linear(self) -> bool:
         """The first substream is a linear predictor, the others code its residuals."""
         return bool(self.coder_param & LINEAR_BIT) and not self.is_alias
@@ -538,10 +548,9 @@ def _validate_entry(e: TensorEntry, index: int, where: str, earlier: list[Tensor
         if (e.coder != Coder.NONE or e.qp or e.qp_density or e.coder_param
                 or e.chunk_elements != raw_chunk_elements(e.dtype) or e.size != numel * e.dtype.itemsize):
             raise CorruptStreamError(f"{where}: raw payload of {e.size} bytes does not match its shape and dtype")
-        chunks = -(-numel // e.chunk_elements)
-        if len(e.chunk_sizes) != chunks or any(
-                size != min(e.chunk_elements, numel - k * e.chunk_elements) * e.dtype.itemsize
-                for k, size in enumerate(e.chunk_sizes)):
+        if len(e.chunk_sizes) != e.even_chunk_count or any(
+                size != (stop - start) * e.dtype.itemsize
+                for size, (start, stop) in zip(e.chunk_sizes, map(e.even_chunk_bounds, range(e.even_chunk_count)))):
             raise CorruptStreamError(f"{where}: raw chunk sizes do not match its shape and dtype")
         return
     if e.mode.is_class_coded:

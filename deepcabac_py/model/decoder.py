@@ -338,8 +338,7 @@ class _Tensor:
         """Decode chunk ``k`` into the output; returns its element count."""
         e, out = self.entry, self.out
         if e.mode.is_class_coded:
-            start = k * e.chunk_elements
-            stop = min(e.numel, start + e.chunk_elements)
+            start, stop = e.even_chunk_bounds(k)
             seg, where = floatcoder.segment_length(e.shape), f"tensor {e.name!r}, chunk {k}"
             if e.mode == Mode.MAGNITUDE:
                 floatcoder.decode_magnitudes(self.views[k], seg, out[start:stop], where=where)

@@ -167,12 +167,13 @@ class TensorPlan:
     @property
     def chunk_count(self) -> int:
         e = self.entry
-        return -(-e.numel // e.chunk_elements) if e.mode.is_class_coded else self.chunks.count
+        return e.even_chunk_count if e.mode.is_class_coded else self.chunks.count
 
     def chunk_size(self, k: int) -> int:
         e = self.entry
         if e.mode.is_class_coded:
-            return min(e.chunk_elements, e.numel - k * e.chunk_elements)
+            start, stop = e.even_chunk_bounds(k)
+            return stop - start
         return self.chunks.size(k)
 
     @property
@@ -216,8 +217,8 @@ class TensorPlan:
         Mode.FLOAT)."""
         e = self.entry
         if e.mode.is_class_coded:
-            ce = e.chunk_elements
-            part = self.values.reshape(-1)[k * ce:(k + 1) * ce]
+            start, stop = e.even_chunk_bounds(k)
+            part = self.values.reshape(-1)[start:stop]
             seg = floatcoder.segment_length(e.shape)
             if e.mode == Mode.MAGNITUDE:
                 return floatcoder.encode_magnitudes(part, seg), None
