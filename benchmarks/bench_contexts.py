@@ -46,7 +46,7 @@ def _suffix_bin(ctx: str, decoder: bool) -> str:
         part, end = src[src.index("def decode_levels_kernel"):], "            u = (u << 1) | bit\n"
     else:
         part, end = src[src.index("def _encode_span"):src.index("def _encoder_finish")], "            remaining = k - 1\n"
-    first = "            c = base + N_UNARY_CTX + (1 if q > 0 else 0)\n"
+    first = "            c = base + N_UNARY_CTX + np.int64(q > 0)\n"
     i = part.index(first)
     block = f"            c = {ctx}\n" + part[i + len(first):part.index(end, i)]
     return "".join("    " + line + "\n" for line in block.splitlines())
@@ -72,25 +72,28 @@ _QUARTER_OCTAVES = [
      "        bucket = 4 * length + ((s >> (length - 3)) & 3)\n"),
     ("    k = (bucket - 2 * SCALE_FRAC - k_offset) >> 1\n", "    k = (bucket - 4 * SCALE_FRAC - 2 * k_offset) >> 2\n"),
     ("N_BUCKETS = 76 ", "N_BUCKETS = 152 "),
+    ("    if 0 <= k_offset < K_OFFSETS:\n        return k_offset, SMALL_SCALES\n", "    if False:\n        return 0, 0\n"),
 ]
 # The row and column scales combined as a product over a slow global scale (a separable model of
 # the magnitudes) instead of their mean.
 _GEOMETRIC_SCALE = [
-    ("            s = (row_scale + col_scale[col]) >> 1\n",
-     "            s = ((row_scale * col_scale[col]) << 10) // (glob + 1)\n"),
-    ("            col_scale[col] += ((u << SCALE_FRAC) - col_scale[col]) >> COL_SHIFT\n",
-     "            if i < ncols:\n                col_scale[col] = row_scale\n"
-     "            else:\n                col_scale[col] += ((u << SCALE_FRAC) - col_scale[col]) >> COL_SHIFT\n"),
+    ("            s = (row_scale + col_scale[np.uint64(col)]) >> 1\n",
+     "            s = ((row_scale * col_scale[np.uint64(col)]) << 10) // (glob + 1)\n"),
+    ("            col_scale[np.uint64(col)] += ((u << SCALE_FRAC) - col_scale[np.uint64(col)]) >> COL_SHIFT\n",
+     "            if i < ncols:\n                col_scale[np.uint64(col)] = row_scale\n"
+     "            else:\n                col_scale[np.uint64(col)] += ((u << SCALE_FRAC) - col_scale[np.uint64(col)])"
+     " >> COL_SHIFT\n"),
     ("        row_scale += ((u << SCALE_FRAC) - row_scale) >> ROW_SHIFT\n",
      "        row_scale += ((u << SCALE_FRAC) - row_scale) >> ROW_SHIFT\n"
      "        glob += ((u << (SCALE_FRAC + 10)) - glob) >> 10\n"),
-    ("    col = es[ENC_COL]\n\n    for i in range(start, stop):",
-     "    col = es[ENC_COL]\n    glob = 1 << (SCALE_FRAC + 10)\n\n    for i in range(start, stop):"),
+    ("    lut_row, lut_bound = _scale_lut(k_offset)\n\n    for i in range(start, stop):",
+     "    lut_row, lut_bound = _scale_lut(k_offset)\n    glob = 1 << (SCALE_FRAC + 10)\n\n"
+     "    for i in range(start, stop):"),
     ("    row_scale = 0\n\n    for i in range(n):", "    row_scale = 0\n    glob = 1 << (SCALE_FRAC + 10)\n\n    for i in range(n):"),
 ]
 # Each unary bin's probability is the mean of two estimators: the shipped context and one that also
 # knows whether the row's or the column's scale is the larger (by 2x or more).
-_BALANCE = ("        cs = col_scale[col] if use_cols else row_scale\n"
+_BALANCE = ("        cs = col_scale[np.uint64(col)] if use_cols else row_scale\n"
             "        base2 = N_BUCKETS * CTX_PER_BUCKET + (bucket * 3 + (0 if 2 * row_scale < cs else"
             " (2 if row_scale > 2 * cs else 1))) * N_UNARY_CTX\n")
 _TWO_ESTIMATORS = [
@@ -99,30 +102,36 @@ _TWO_ESTIMATORS = [
      "        base = bucket * CTX_PER_BUCKET\n        q = u >> k\n" + _BALANCE),
     ("        base = bucket * CTX_PER_BUCKET\n\n        q = 0\n",
      "        base = bucket * CTX_PER_BUCKET\n" + _BALANCE + "\n        q = 0\n"),
-    ("            c = base + (j if j < N_UNARY_CTX - 1 else N_UNARY_CTX - 1)\n            p = _prob(state[c, 0])",
+    # encoder
+    ("            c = base + (j if j < N_UNARY_CTX - 1 else N_UNARY_CTX - 1)\n"
+     "            context = state[np.uint64(c)]\n"
+     "            low, rng = _encode_bin(low, rng, _prob(context), bit)\n"
+     "            state[np.uint64(c)] = _adapt(context, bit)\n",
      "            c = base + (j if j < N_UNARY_CTX - 1 else N_UNARY_CTX - 1)\n"
      "            c2 = base2 + (j if j < N_UNARY_CTX - 1 else N_UNARY_CTX - 1)\n"
-     "            p = (_prob(state[c, 0]) + _prob(state[c2, 0])) >> 1"),
-    ("            c = base + (q if q < N_UNARY_CTX - 1 else N_UNARY_CTX - 1)\n            p = _prob(state[c, 0])",
-     "            c = base + (q if q < N_UNARY_CTX - 1 else N_UNARY_CTX - 1)\n"
+     "            context = state[np.uint64(c)]\n"
+     "            context2 = state[np.uint64(c2)]\n"
+     "            low, rng = _encode_bin(low, rng, (_prob(context) + _prob(context2)) >> 1, bit)\n"
+     "            state[np.uint64(c)] = _adapt(context, bit)\n"
+     "            state[np.uint64(c2)] = _adapt(context2, bit)\n"),
+    # decoder
+    ("            context = state[np.uint64(c)]\n"
+     "            bound = (rng >> PROB_BITS) * _prob(context)\n"
+     "            if code < bound:\n",
      "            c2 = base2 + (q if q < N_UNARY_CTX - 1 else N_UNARY_CTX - 1)\n"
-     "            p = (_prob(state[c, 0]) + _prob(state[c2, 0])) >> 1"),
-    ("            state[c, 0], state[c, 1] = _adapt(state[c, 0], state[c, 1], bit)\n"
-     "            while rng < TOP:\n                rng <<= 8\n"
-     "                low, cache, cache_size, pos = _shift_low(low, cache, cache_size, out, pos)\n        if q >= Q_MAX:",
-     "            state[c, 0], state[c, 1] = _adapt(state[c, 0], state[c, 1], bit)\n"
-     "            state[c2, 0], state[c2, 1] = _adapt(state[c2, 0], state[c2, 1], bit)\n"
-     "            while rng < TOP:\n                rng <<= 8\n"
-     "                low, cache, cache_size, pos = _shift_low(low, cache, cache_size, out, pos)\n        if q >= Q_MAX:"),
-    ("            state[c, 0], state[c, 1] = _adapt(state[c, 0], state[c, 1], bit)\n"
-     "            while rng < TOP:\n                rng <<= 8\n"
-     "                code = (code << 8) | (np.int64(buf[pos]) if pos < size else 0)\n                pos += 1\n"
-     "            if bit == 0:",
-     "            state[c, 0], state[c, 1] = _adapt(state[c, 0], state[c, 1], bit)\n"
-     "            state[c2, 0], state[c2, 1] = _adapt(state[c2, 0], state[c2, 1], bit)\n"
-     "            while rng < TOP:\n                rng <<= 8\n"
-     "                code = (code << 8) | (np.int64(buf[pos]) if pos < size else 0)\n                pos += 1\n"
-     "            if bit == 0:"),
+     "            context = state[np.uint64(c)]\n"
+     "            context2 = state[np.uint64(c2)]\n"
+     "            bound = (rng >> PROB_BITS) * ((_prob(context) + _prob(context2)) >> 1)\n"
+     "            if code < bound:\n"),
+    ("            state[np.uint64(c)] = _adapt(context, bit)\n"
+     "            if rng < TOP:\n"
+     "                code, rng, pos = _refill(code, rng, buf, pos, size)\n"
+     "            if bit == 0:\n",
+     "            state[np.uint64(c)] = _adapt(context, bit)\n"
+     "            state[np.uint64(c2)] = _adapt(context2, bit)\n"
+     "            if rng < TOP:\n"
+     "                code, rng, pos = _refill(code, rng, buf, pos, size)\n"
+     "            if bit == 0:\n"),
 ]
 
 # name -> (list of (old, new) source substitutions, k_offset, use the column model, predict)
@@ -135,15 +144,18 @@ VARIANTS = {
     "estimator window 2**7": ([("RATE = 8\n", "RATE = 7\n")], 0, True, True),
     "estimator window 2**10": ([("RATE = 8\n", "RATE = 10\n")], 0, True, True),
     "two-rate estimator (2**6 + 2**9)": ([
-        ("def _prob(state):\n    # OR instead of a clamp: cheaper, and it keeps p in [P_MIN, PROB_ONE - 1].\n"
-         "    return (state >> 1) | P_MIN",
-         "def _prob(state):\n    return (((state & 0xFFFFFFFF) + (state >> 32)) >> 2) | P_MIN"),
-        ("    state += ((bit << 16) - state) >> SHIFT_FOR_COUNT[count]\n",
-         "    fast = state & 0xFFFFFFFF\n    slow = state >> 32\n"
-         "    sh = SHIFT_FOR_COUNT[count]\n    fast += ((bit << 16) - fast) >> (sh if sh < 6 else 6)\n"
-         "    slow += ((bit << 16) - slow) >> (sh if sh < 9 else 9)\n    state = fast | (slow << 32)\n"),
+        ("    return (context >> (COUNT_BITS + 1)) | P_MIN",
+         "    return ((((context >> COUNT_BITS) & 0xFFFF) + (context >> 32)) >> 2) | P_MIN"),
+        ("    p = context >> COUNT_BITS\n    count = context & COUNT_MASK\n"
+         "    p += ((bit << 16) - p) >> SHIFT_FOR_COUNT[count]\n"
+         "    return (p << COUNT_BITS) | (count + np.int64(count < WARMUP_MAX))",
+         "    fast = (context >> COUNT_BITS) & 0xFFFF\n    slow = context >> 32\n    count = context & COUNT_MASK\n"
+         "    sh = np.int64(SHIFT_FOR_COUNT[count])\n    fast += ((bit << 16) - fast) >> (sh if sh < 6 else 6)\n"
+         "    slow += ((bit << 16) - slow) >> (sh if sh < 9 else 9)\n"
+         "    return (slow << 32) | (fast << COUNT_BITS) | (count + np.int64(count < WARMUP_MAX))"),
         ("WARMUP_MAX = (1 << RATE) - 1", "WARMUP_MAX = (1 << 9) - 1"),
-        ("        state[c, 0] = 1 << 15\n", "        state[c, 0] = (1 << 15) | (1 << 47)\n"),
+        ("COUNT_BITS = RATE ", "COUNT_BITS = 9 "),
+        ("CONTEXT_INIT = (1 << 15) << COUNT_BITS", "CONTEXT_INIT = ((1 << 15) << COUNT_BITS) | (1 << 47)"),
         ("SHIFT_FOR_COUNT = np.array([min(RATE, int(np.log2(n + 2)))",
          "SHIFT_FOR_COUNT = np.array([min(9, int(np.log2(n + 2)))"),
     ], 0, True, True),

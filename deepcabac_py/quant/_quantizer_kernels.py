@@ -42,12 +42,13 @@ from ..entropy._cabac_kernels import (
     SEL_SHIFT,
     _adapt,
     _bitlen,
-    _bucket_and_k,
+    _bucket_and_k_lut,
     _encode_span,
     _encoder_finish,
     _encoder_start,
     _fresh_contexts,
     _prob,
+    _scale_lut,
 )
 from ._reconstruct_kernels import MAX_DQ_LEVEL, N_STATES
 
@@ -103,13 +104,13 @@ def _live_bits(state, base, u, k):
         if j == Q_MAX:
             break
         c = base + (j if j < N_UNARY_CTX - 1 else N_UNARY_CTX - 1)
-        p = _prob(state[c, 0])
+        p = _prob(state[c])
         bits += BIT_COST[p] if j < q else BIT_COST[PROB_ONE - p]
     if q >= Q_MAX:
         bits += _escape_bits(q)
     if k >= 2:
         c = base + N_UNARY_CTX + (1 if q > 0 else 0)
-        p = _prob(state[c, 0])
+        p = _prob(state[c])
         bits += BIT_COST[p] if (u >> (k - 1)) & 1 else BIT_COST[PROB_ONE - p]
         bits += k - 1
     else:
@@ -133,10 +134,10 @@ def _adapt_element(state, base, u, k):
             break
         bit = 1 if j < q else 0
         c = base + (j if j < N_UNARY_CTX - 1 else N_UNARY_CTX - 1)
-        state[c, 0], state[c, 1] = _adapt(state[c, 0], state[c, 1], bit)
+        state[c] = _adapt(state[c], bit)
     if k >= 2:
         c = base + N_UNARY_CTX + (1 if q > 0 else 0)
-        state[c, 0], state[c, 1] = _adapt(state[c, 0], state[c, 1], (u >> (k - 1)) & 1)
+        state[c] = _adapt(state[c], (u >> (k - 1)) & 1)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -189,6 +190,7 @@ def _rd_pass(values, importance, step, lam, ncols, col0, k_offset, predict, max_
     row_scale = 0
     inv_step = 1.0 / step
     total = 0.0
+    lut_row, lut_bound = _scale_lut(k_offset)
 
     for i in range(n):
         w = np.float64(values[i]) * inv_step
@@ -200,7 +202,7 @@ def _rd_pass(values, importance, step, lam, ncols, col0, k_offset, predict, max_
             s = (row_scale + col_scale[col]) >> 1
         else:
             s = row_scale
-        bucket, k = _bucket_and_k(s, k_offset)
+        bucket, k = _bucket_and_k_lut(s, k_offset, lut_row, lut_bound)
         base = bucket * CTX_PER_BUCKET
 
         if candidates == 0:
@@ -276,11 +278,11 @@ def _fill_bucket_table(state, bucket, unary, suffix):
             unary[bucket, q] = ones
             break
         c = base + (q if q < N_UNARY_CTX - 1 else N_UNARY_CTX - 1)
-        p = _prob(state[c, 0])
+        p = _prob(state[c])
         unary[bucket, q] = ones + BIT_COST[PROB_ONE - p]
         ones += BIT_COST[p]
     for j in range(2):
-        p = _prob(state[base + N_UNARY_CTX + j, 0])
+        p = _prob(state[base + N_UNARY_CTX + j])
         suffix[bucket, j, 0] = BIT_COST[PROB_ONE - p]
         suffix[bucket, j, 1] = BIT_COST[p]
 
@@ -412,6 +414,7 @@ def trellis_kernel(values, importance, step, lam, ncols, col0, k_offset, predict
     use_cols = ncols > 0
     pred_on = use_cols and predict
     inv_step = 1.0 / step
+    lut_row, lut_bound = _scale_lut(k_offset)
 
     if use_cols:
         rows_per_block = max(1, -(-BLOCK_MIN // ncols))
@@ -453,30 +456,31 @@ def trellis_kernel(values, importance, step, lam, ncols, col0, k_offset, predict
         col = col_start
         for t in range(length):
             i = start + t
-            w = np.float64(values[i]) * inv_step
+            w = np.float64(values[np.uint64(i)]) * inv_step
             a = abs(w)
             if not a <= A_MAX:
                 a = A_MAX
             sign = np.int64(-1) if w < 0 else np.int64(1)
-            imp = np.float64(importance[i]) if weighted else 1.0
+            imp = np.float64(importance[np.uint64(i)]) if weighted else 1.0
             pred = 0
             if pred_on:
-                pred = (col_pred[col] + 128) >> 8
+                pred = (col_pred[np.uint64(col)] + 128) >> 8
             cs = 0
             two = use_cols and i >= ncols
             if two:
-                cs = col_scale[col]
+                cs = col_scale[np.uint64(col)]
             # Distortion and zigzag value do not depend on the state; the bits depend on it only
             # through the bucket of its row scale, so states that share a grid and a bucket share
             # the rates.
             de0, do0, dz0, ve0, vo0, ue0, uo0, uz0, hz0 = _grid_options(a, 0, sign, imp, pred, use_pred)
             de1, do1, dz1, ve1, vo1, ue1, uo1, uz1, hz1 = _grid_options(a, 1, sign, imp, pred, use_pred)
 
-            b0, k0 = _bucket_and_k((rs0 + cs) >> 1 if two else rs0, k_offset)
-            b1, k1 = _bucket_and_k((rs1 + cs) >> 1 if two else rs1, k_offset)
-            b2, k2 = _bucket_and_k((rs2 + cs) >> 1 if two else rs2, k_offset)
-            b3, k3 = _bucket_and_k((rs3 + cs) >> 1 if two else rs3, k_offset)
-            if stamp[b0] != block_id or stamp[b1] != block_id or stamp[b2] != block_id or stamp[b3] != block_id:
+            b0, k0 = _bucket_and_k_lut((rs0 + cs) >> 1 if two else rs0, k_offset, lut_row, lut_bound)
+            b1, k1 = _bucket_and_k_lut((rs1 + cs) >> 1 if two else rs1, k_offset, lut_row, lut_bound)
+            b2, k2 = _bucket_and_k_lut((rs2 + cs) >> 1 if two else rs2, k_offset, lut_row, lut_bound)
+            b3, k3 = _bucket_and_k_lut((rs3 + cs) >> 1 if two else rs3, k_offset, lut_row, lut_bound)
+            if (stamp[np.uint64(b0)] != block_id or stamp[np.uint64(b1)] != block_id
+                    or stamp[np.uint64(b2)] != block_id or stamp[np.uint64(b3)] != block_id):
                 for bb in (b0, b1, b2, b3):
                     if stamp[bb] != block_id:
                         kk = (bb - 2 * SCALE_FRAC - k_offset) >> 1
@@ -509,13 +513,13 @@ def trellis_kernel(values, importance, step, lam, ncols, col0, k_offset, predict
             c31 = cost3 + do1 + ro3
 
             # the two ways into each state, in the order above; the first wins ties
-            n_cost0, n_rs0, back[t, 0] = _pick(c00, _rs_after(rs0, u00), (v00 << 2) | 0,
+            n_cost0, n_rs0, back[np.uint64(t), 0] = _pick(c00, _rs_after(rs0, u00), (v00 << 2) | 0,
                                                c11, _rs_after(rs1, uo0), (vo0 << 2) | 1)
-            n_cost1, n_rs1, back[t, 1] = _pick(c20, _rs_after(rs2, u20), (v20 << 2) | 2,
+            n_cost1, n_rs1, back[np.uint64(t), 1] = _pick(c20, _rs_after(rs2, u20), (v20 << 2) | 2,
                                                c31, _rs_after(rs3, uo1), (vo1 << 2) | 3)
-            n_cost2, n_rs2, back[t, 2] = _pick(c01, _rs_after(rs0, uo0), (vo0 << 2) | 0,
+            n_cost2, n_rs2, back[np.uint64(t), 2] = _pick(c01, _rs_after(rs0, uo0), (vo0 << 2) | 0,
                                                c10, _rs_after(rs1, u10), (v10 << 2) | 1)
-            n_cost3, n_rs3, back[t, 3] = _pick(c21, _rs_after(rs2, uo1), (vo1 << 2) | 2,
+            n_cost3, n_rs3, back[np.uint64(t), 3] = _pick(c21, _rs_after(rs2, uo1), (vo1 << 2) | 2,
                                                c30, _rs_after(rs3, u30), (v30 << 2) | 3)
             cost0, cost1, cost2, cost3 = n_cost0, n_cost1, n_cost2, n_cost3
             rs0, rs1, rs2, rs3 = n_rs0, n_rs1, n_rs2, n_rs3
