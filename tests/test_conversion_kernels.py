@@ -59,3 +59,27 @@ def test_bfloat16_to_float32_kernel_matches_the_reference(patterns):
     out = np.empty(bits.size, dtype=np.float32)
     _planning_kernels.bfloat16_to_float32(bits, out)
     assert out.view(np.uint32).tolist() == [p << 16 for p in patterns]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 0xFFFF), min_size=0, max_size=3000))
+@example([0x7F80, 0x0001])  # infinity
+@example([0x8000, 0x0000])  # only zeros, one negative
+def test_bfloat16_range_on_the_bits_matches_the_float_pass(patterns):
+    bits = np.array(patterns, dtype=np.uint16)
+    values = (bits.astype(np.uint32) << 16).view(np.float32)
+    assert _planning_kernels.bfloat16_range(bits) == _planning_kernels.float_range(values)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.integers(-60, 10), st.sampled_from([3, 300, 5000]), st.booleans())
+def test_table_reconstruction_of_large_chunks_matches_the_reference(seed, qp, spread, dependent):
+    # chunks of 16,384 elements or more go through the table of small indices; indices beyond it
+    # (spread 5000) are rounded one by one
+    rng = np.random.default_rng(seed)
+    values = np.round(rng.laplace(0, spread / 4, 20_000)).clip(-2**20, 2**20).astype(np.int32)
+    step = step_from_qp(qp, 2)
+    out = np.empty(values.size, dtype=np.uint16)
+    reconstruct_bf16_into(values.copy(), step, out, dependent=dependent)
+    indices = dq_indices(values.tolist()) if dependent else values.tolist()
+    assert out.tolist() == [bf16_of(float(i) * step) for i in indices]

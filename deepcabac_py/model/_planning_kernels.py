@@ -25,6 +25,21 @@ def float_range(values):
 
 
 @kernel
+def bfloat16_range(bits):
+    """max |x| over the finite values and whether all are finite, of bfloat16 patterns: as
+    :func:`float_range`, on the bits themselves (a finite pattern's magnitude orders as its value)."""
+    top = np.int32(0)
+    largest = np.int32(0)  # (two plain int32 maxima: the loop vectorizes, 0.15 ns per element)
+    for i in range(bits.shape[0]):
+        magnitude = np.int32(bits[i] & np.uint16(0x7FFF))
+        largest = max(largest, magnitude)
+        top = max(top, magnitude if magnitude < np.int32(0x7F80) else np.int32(0))
+    wide = np.empty(1, dtype=np.uint32)
+    wide[0] = np.uint32(top) << np.uint32(16)
+    return np.float64(wide.view(np.float32)[0]), largest < np.int32(0x7F80)
+
+
+@kernel
 def bfloat16_to_float32(bits, out):
     """float32 values of bfloat16 patterns (exact: bfloat16 is float32's top half), in one pass."""
     wide = out.view(np.uint32)
@@ -54,22 +69,20 @@ def relative_importance(part, mean, floor, out):
 
 
 @kernel
-def row_statistics(x, samples, margin):
-    """Over up to ``samples`` evenly spaced rows r >= 1: the share clearly closer to row r - 1 than
-    to zero (sum |x_r - x_(r-1)| < margin * sum |x_r|), and the standard deviations of
-    log(mean |x|) of those rows and of the columns over them."""
-    rows, ncols = x.shape
-    count = min(samples, rows - 1)
+def row_statistics(rows, above, margin):
+    """Over sampled rows (``rows[k]`` and the row above it in the tensor, ``above[k]``): the share
+    clearly closer to the row above than to zero (sum |x_r - x_(r-1)| < margin * sum |x_r|), and the
+    standard deviations of log(mean |x|) of those rows and of the columns over them."""
+    count, ncols = rows.shape
     hits = 0
     row_mean = np.zeros(max(count, 1))
     col_mean = np.zeros(ncols)
     for k in range(count):
-        r = 1 + (k * (rows - 1)) // count
         near = 0.0
         far = 0.0
         for c in range(ncols):
-            a = np.float64(x[r, c])
-            near += abs(a - np.float64(x[r - 1, c]))
+            a = np.float64(rows[k, c])
+            near += abs(a - np.float64(above[k, c]))
             far += abs(a)
             col_mean[c] += abs(a)
         if near < margin * far:

@@ -182,11 +182,14 @@ class TensorPlan:
 
     def _quantizer_inputs(self, start: int, stop: int):
         """The float values of a quantized chunk, its step, and its relative importance (or None)."""
-        floats = self.floats if self.floats is not None else _as_float_for_quantizer(self.values, self.entry.dtype)
+        if self.floats is not None:
+            floats = self.floats[start:stop]
+        else:
+            floats = _as_float_for_quantizer(self.values.reshape(-1)[start:stop], self.entry.dtype)
         # nearest rounding has no use for it: no pass over the chunk's importance then
         weighted = self.importance is not None and self.quantizer != "nearest"
         imp = self.importance.chunk(start, stop) if self.importance is not None and weighted else None
-        return floats[start:stop], step_from_qp(self.entry.qp, self.entry.qp_density), imp
+        return floats, step_from_qp(self.entry.qp, self.entry.qp_density), imp
 
     def chunk_levels(self, start: int, stop: int) -> np.ndarray:
         """The levels of elements ``start:stop`` (a chunk), as the encoder quantizes them."""
@@ -312,8 +315,13 @@ class TensorPlanner:
 
     def _plan_float(self, entry: TensorEntry, arr: np.ndarray) -> TensorPlan:
         s, name = self.settings, entry.name
-        values = _as_float_for_quantizer(arr, entry.dtype)
-        top, finite = _planning_kernels.float_range(values)
+        if entry.dtype == DType.BFLOAT16:
+            # (the chunks convert their own part: no float32 copy of the whole tensor)
+            values = None
+            top, finite = _planning_kernels.bfloat16_range(arr.reshape(-1))
+        else:
+            values = _as_float_for_quantizer(arr, entry.dtype)
+            top, finite = _planning_kernels.float_range(values)
         if not finite:
             warnings.warn(f"{name}: holds NaN or infinity; stored exactly", DeepCabacWarning, stacklevel=5)
             return TensorPlan(entry, arr)
@@ -336,11 +344,11 @@ class TensorPlanner:
         max_level = int(float(top) / step_from_qp(entry.qp, s.qp_density) + 0.5)
         if s.dependent:
             max_level = max_level // 2 + 1
-        columns, predict = _column_choices(values, entry.shape)
+        columns, predict = _column_choices(arr, entry.dtype, entry.shape)
         layout = chunk_layout.layout_for_shape(entry.shape, max_abs_level=max_level, predict=predict, columns=columns)
         entry.chunk_elements = layout.chunk_elements
         entry.coder_param = layout.coder_param
-        # (converted once: the chunks read their part of it)
+        # (converted once, but for bfloat16: the chunks read their part of it)
         return TensorPlan(entry, arr, layout, s.quantizer, s.lam,
                           relative_importance(name, self.importance.get(name), arr.shape), max_level=max_level,
                           floats=values)
@@ -387,12 +395,15 @@ def _qp_that_holds(top: float, qp: int, qp_density: int, dtype: str, dependent: 
         qp -= 1
 
 
-def _column_choices(values: np.ndarray, shape: tuple[int, ...]) -> tuple[bool, bool]:
+def _column_choices(arr: np.ndarray, dtype: DType, shape: tuple[int, ...]) -> tuple[bool, bool]:
     """(column model, column prediction) for a quantized tensor of ``shape``."""
-    if len(shape) < 2 or values.size < PREDICT_TEST_MIN_ELEMENTS or shape[0] < 2:
+    if len(shape) < 2 or arr.size < PREDICT_TEST_MIN_ELEMENTS or shape[0] < 2:
         return True, True
-    share, row_spread, col_spread = _planning_kernels.row_statistics(values.reshape(shape[0], -1),
-                                                                     PREDICT_SAMPLE_ROWS, PREDICT_MARGIN)
+    matrix = arr.reshape(shape[0], -1)
+    count = min(PREDICT_SAMPLE_ROWS, shape[0] - 1)
+    sampled = 1 + (np.arange(count) * (shape[0] - 1)) // count  # evenly spaced rows r >= 1
+    rows, above = (_as_float_for_quantizer(matrix[r], dtype).reshape(count, -1) for r in (sampled, sampled - 1))
+    share, row_spread, col_spread = _planning_kernels.row_statistics(rows, above, PREDICT_MARGIN)
     if share >= PREDICT_MIN_SHARE:
         return True, True
     return row_spread <= NO_COLUMNS_MIN_RATIO * col_spread, False
