@@ -18,7 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from deepcabac_py.errors import CheckpointError, DeepCabacError, InputError, OutputError, OutputExistsError
-from deepcabac_py.io.atomic import write_atomic
+from deepcabac_py.io import atomic
+from deepcabac_py.io.atomic import UNCACHED_MIN, AppendingWriter, write_atomic
 from deepcabac_py.io.checkpoint import DTYPE_NAMES, Checkpoint, flatten, numpy_to_tensor, tensor_to_numpy, unflatten
 from deepcabac_py.io.files import kind_from_suffix, load_checkpoint, save_checkpoint
 
@@ -509,6 +510,45 @@ def test_write_atomic_failure_leaves_nothing(tmp_path):
 
     with pytest.raises(OutputError):
         write_atomic(tmp_path / "no" / "such" / "dir.bin", b"x")
+
+
+@pytest.mark.parametrize("pieces", [[0], [5], [4096], [1 << 24], [(1 << 24) + 1, 7], [3, (1 << 25) + 4093, 1 << 12]])
+def test_large_appending_output_keeps_every_byte(tmp_path, pieces):
+    # large outputs go around the page cache (O_DIRECT where the file system allows it) through
+    # a 16 MiB aligned staging buffer: whole blocks, a padded last block, the file cut back
+    rng = np.random.default_rng(len(pieces) + sum(pieces))
+    parts = [rng.integers(0, 256, n, dtype=np.uint8) for n in pieces]
+    path = tmp_path / "big.bin"
+    writer = AppendingWriter(lambda f: [f.write(p.data) for p in parts], UNCACHED_MIN)
+    write_atomic(path, writer)
+    assert path.read_bytes() == b"".join(p.tobytes() for p in parts)
+    assert os.listdir(tmp_path) == ["big.bin"]
+
+
+def test_large_appending_output_falls_back_where_direct_writes_are_refused(tmp_path, monkeypatch):
+    # a file system may take O_DIRECT at open and refuse it on the first write (EINVAL)
+    real_write, refused = os.write, []
+
+    def refuse_first(fd, data):
+        if not refused:
+            refused.append(fd)
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+        return real_write(fd, data)
+
+    monkeypatch.setattr(atomic.os, "write", refuse_first)
+    data = np.arange(3 * (1 << 22) + 11, dtype=np.uint32).view(np.uint8)
+    write_atomic(tmp_path / "big.bin", AppendingWriter(lambda f: f.write(data.data), UNCACHED_MIN))
+    assert refused and (tmp_path / "big.bin").read_bytes() == data.tobytes()
+
+
+def test_large_appending_output_that_fails_leaves_nothing(tmp_path):
+    def boom(f):
+        f.write(bytes(1 << 25))
+        raise RuntimeError("writer failed")
+
+    with pytest.raises(RuntimeError, match="writer failed"):
+        write_atomic(tmp_path / "big.bin", AppendingWriter(boom, UNCACHED_MIN))
+    assert os.listdir(tmp_path) == []
 
 
 # --------------------------------------------------------------------------------------------------

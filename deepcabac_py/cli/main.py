@@ -269,7 +269,7 @@ def encode(ctx, inputs, output, to_stdout, force, remove, keep, input_format, qp
     from deepcabac_py.io.files import load_checkpoint
     from deepcabac_py.io.tensor_source import open_source
     from deepcabac_py.model.decoder import check_stream_file
-    from deepcabac_py.model.encoder import write_stream
+    from deepcabac_py.model.files import stream_writer
     from deepcabac_py.model.settings import EncodeSettings
 
     settings = _encode_settings(qp, qp_density, qp_1d, qp_tensor, exact, exact_all, quantizer, lambda_scale,
@@ -314,13 +314,12 @@ def encode(ctx, inputs, output, to_stdout, force, remove, keep, input_format, qp
                 else:
                     # a safetensors file is read a tensor at a time and the stream written as it is coded
                     enc = EncodeSettings(**settings)
-                    written = []
+                    written: list = []
                     with open_source(path, input_format) as source, \
                             progress_bar(source.numel, "encode", not (quiet or no_progress),
                                          enc.quantizer) as update:
-                        write_output(output, lambda f: written.append(
-                            write_stream(f, source, enc, threads=threads, progress=update)), force,
-                            input_mode(input))
+                        write_output(output, stream_writer(source, enc, written, threads=threads, progress=update),
+                                     force, input_mode(input))
                     header = written[0]
             except TypeError as exc:  # an unsupported tensor type inside the checkpoint
                 raise InputError(str(exc)) from None

@@ -10,15 +10,22 @@ from __future__ import annotations
 
 import errno
 import io
+import mmap
 import os
 import secrets
 import stat
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import BinaryIO
+
+try:
+    import fcntl
+except ImportError:  # (not on Windows, which has no O_DIRECT either)
+    fcntl = None  # type: ignore[assignment]
 
 from ..errors import OutputError, OutputExistsError
 
-__all__ = ["write_atomic", "os_reason"]
+__all__ = ["write_atomic", "AppendingWriter", "os_reason"]
 
 Writer = Callable[[BinaryIO], None]
 
@@ -106,6 +113,111 @@ def _write_in_place(path: str, data) -> None:
         raise _os_error(path, exc) from exc
 
 
+# Outputs of this size or more, written by an appending writer, bypass the page cache: copying
+# gigabytes into it costs more CPU time than the writing itself (on this project's virtual
+# machines, whose freshly used memory the host backs page by page, 2.2 GB took 4.5-5.4 s of kernel
+# time buffered and 0.16 s with O_DIRECT), and a restored checkpoint that large gains little from
+# staying cached.
+UNCACHED_MIN = 1 << 26
+_UNCACHED_BLOCK = 1 << 24  # staging buffer: every direct write is one whole, aligned block
+_ALIGN = 4096
+
+
+@dataclass(frozen=True)
+class AppendingWriter:
+    """A writer (a callable taking a binary file) that only appends, never seeks nor reads back,
+    and the number of bytes it writes: what lets :func:`write_atomic` write a large output around
+    the page cache."""
+
+    write: Writer
+    size: int
+
+    def __call__(self, f: BinaryIO) -> None:
+        self.write(f)
+
+
+def _uncached(fd: int) -> bool:
+    """Switch ``fd`` to O_DIRECT; False where the platform or file system does not allow it."""
+    direct = getattr(os, "O_DIRECT", 0)
+    if not direct or fcntl is None:
+        return False
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | direct)
+    except OSError:
+        return False
+    return True
+
+
+class _UncachedFile:
+    """An append-only binary file over an O_DIRECT descriptor: bytes gather in a page-aligned
+    staging buffer written out a whole block at a time; the last, partial block is written padded
+    and the file cut back to its length. Where the file system refuses a direct write after all,
+    the descriptor falls back to ordinary writes."""
+
+    def __init__(self, fd: int):
+        self._fd = fd
+        self._staging = mmap.mmap(-1, _UNCACHED_BLOCK)
+        self._view = memoryview(self._staging)
+        self._fill = 0  # staged bytes
+        self._written = 0  # bytes in the file
+
+    def write(self, data) -> int:
+        src = memoryview(data).cast("B")
+        total = len(src)
+        while len(src):
+            n = min(len(src), _UNCACHED_BLOCK - self._fill)
+            self._view[self._fill:self._fill + n] = src[:n]
+            self._fill += n
+            src = src[n:]
+            if self._fill == _UNCACHED_BLOCK:
+                self._drain(_UNCACHED_BLOCK)
+        return total
+
+    def tell(self) -> int:
+        return self._written + self._fill
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def flush(self) -> None:
+        """Write what is staged; the file then has exactly the bytes written so far (a later write
+        goes on without O_DIRECT, as the end is no longer aligned)."""
+        if not self._fill:
+            return
+        length = self._fill
+        padded = -(-length // _ALIGN) * _ALIGN
+        self._view[length:padded] = bytes(padded - length)
+        self._drain(padded)
+        os.ftruncate(self._fd, self._written - padded + length)
+        self._written += length - padded
+        self._buffered()
+        os.lseek(self._fd, self._written, os.SEEK_SET)
+
+    def _drain(self, n: int) -> None:
+        done = 0
+        while done < n:
+            try:
+                done += os.write(self._fd, self._view[done:n])
+            except OSError as exc:
+                if exc.errno != errno.EINVAL or done:
+                    raise
+                self._buffered()  # the file system took O_DIRECT at open but not for writing
+        self._written += n
+        self._fill = 0
+
+    def _buffered(self) -> None:
+        flags = fcntl.fcntl(self._fd, fcntl.F_GETFL)
+        fcntl.fcntl(self._fd, fcntl.F_SETFL, flags & ~getattr(os, "O_DIRECT", 0))
+
+    def __enter__(self) -> _UncachedFile:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._view.release()
+        self._staging.close()
+        os.close(self._fd)
+
+
 def write_atomic(
     path: str | os.PathLike,
     data: bytes | bytearray | memoryview | Writer,
@@ -123,6 +235,9 @@ def write_atomic(
     and an existing ``path`` is left untouched. ``mode`` sets the new file's permission bits (default:
     those of the file it replaces, else 0o666 minus the umask). A device, FIFO or socket at ``path`` is
     written in place (no temporary file, no rename, ``force`` not needed).
+
+    An :class:`AppendingWriter` of at least :data:`UNCACHED_MIN` bytes bypasses the page cache
+    where the file system allows it (``O_DIRECT``), through an aligned staging buffer.
     """
     if not (isinstance(data, (bytes, bytearray, memoryview)) or callable(data)):
         raise TypeError(f"data must be bytes-like or a callable taking a binary file, not {type(data).__name__}")
@@ -159,13 +274,20 @@ def write_atomic(
             tmp_name, fd = _open_temp(directory, base)
         except OSError as exc:
             raise _os_error(path, exc) from exc
-        with os.fdopen(fd, "w+b") as f:
-            if callable(data) and not isinstance(data, (bytes, bytearray, memoryview)):
-                data(f)
-            else:
-                f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        if isinstance(data, AppendingWriter) and data.size >= UNCACHED_MIN and _uncached(fd):
+            with _UncachedFile(fd) as out:
+                # (an append-only file: all an AppendingWriter uses of one)
+                data(out)  # type: ignore[arg-type]
+                out.flush()
+                os.fsync(fd)
+        else:
+            with os.fdopen(fd, "w+b") as f:
+                if callable(data) and not isinstance(data, (bytes, bytearray, memoryview)):
+                    data(f)
+                else:
+                    f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
         new_mode = mode if mode is not None else existing_mode
         if new_mode is not None:
             try:

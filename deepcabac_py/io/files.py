@@ -832,6 +832,10 @@ class SafetensorsLayout:
         raw = text.encode("utf-8")
         return cls(len(raw).to_bytes(8, "little") + raw, [name for _, _, name in spans], sizes)
 
+    @property
+    def file_size(self) -> int:
+        return len(self.header) + sum(self.sizes.values())
+
     def write(self, f, data: Iterable[tuple[str, np.ndarray]]) -> None:
         """Write the file to ``f``: the header, then ``(name, raw bytes)`` (see
         :func:`safetensors_bytes`) in :attr:`data_order`, each produced when it is written."""

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
 from ..errors import CorruptStreamError, InputError
-from ..io.atomic import write_atomic
+from ..io.atomic import AppendingWriter, write_atomic
 from ..io.checkpoint import Checkpoint, is_plain_structure, plain_skeleton
 from ..io.directories import (
     check_output_directory,
@@ -30,7 +30,7 @@ from ..io.directories import (
 )
 from ..io.files import SafetensorsLayout, checkpoint_writer, kind_from_suffix, safetensors_bytes, safetensors_code
 from ..io.kinds import KINDS
-from ..io.tensor_source import open_source
+from ..io.tensor_source import TensorSource, open_source
 from .container import StreamHeader
 from .decoder import StreamFile, checkpoint_of, iter_decoded, select
 from .encoder import write_stream
@@ -52,9 +52,20 @@ def encode_file(src: str | os.PathLike, dst: str | os.PathLike, *, input_format:
     enc = EncodeSettings(**settings)
     with open_source(src, input_format) as source:
         written: list[StreamHeader] = []
-        write_atomic(dst, lambda f: written.append(write_stream(f, source, enc, threads=threads, progress=progress)),
-                     force=force, mode=mode)
+        write_atomic(dst, stream_writer(source, enc, written, threads=threads, progress=progress), force=force,
+                     mode=mode)
     return written[0]
+
+
+def stream_writer(source: TensorSource, settings: EncodeSettings, written: list[StreamHeader], *,
+                  threads: int | None = None, progress: Progress | None = None) -> Callable[[BinaryIO], None]:
+    """A writer (for :func:`~deepcabac_py.io.atomic.write_atomic`) of ``source`` encoded, which
+    appends the header it wrote to ``written``. (Written through the page cache: a stream is a
+    fraction of its checkpoint, and is often decoded or checked right after.)"""
+    def write(f: BinaryIO) -> None:
+        written.append(write_stream(f, source, settings, threads=threads, progress=progress))
+
+    return write
 
 
 def decode_file(src: str | os.PathLike | StreamFile, dst: str | os.PathLike, *, kind: str | None = None,
@@ -97,7 +108,7 @@ def decoded_writer(stream, kind: str, *, names: str | Iterable[str] | None = Non
                                  max_elements=max_elements, bits=True))
             layout.write(f, data)
 
-        return write
+        return AppendingWriter(write, layout.file_size)
     values = dict(iter_decoded(stream, names, threads=threads, progress=progress, max_elements=max_elements))
     ckpt = checkpoint_of(header, values) if names is None else _flat(values)
     return checkpoint_writer(ckpt, kind)
