@@ -14,8 +14,15 @@ microseconds, so callers keep a serial path (a plain ``kernel``) for small input
 
 Where Numba finds no writable place for its cache (a read-only install, an unwritable home), the
 kernels are cached in a temporary directory for this process instead, with one warning.
+
+Numba keys a kernel's cache on the kernel's own source file only: a kernel that calls kernels of
+another module (the trellis codes through the level coder's ``_encode_span``) would go on running
+their old machine code after that module alone changed, as a checkout's files do. So the package
+keeps a stamp of its kernel modules beside its own ``__pycache__`` and drops every cached kernel when
+any of them changes.
 """
 
+import glob
 import os
 import tempfile
 import warnings
@@ -41,6 +48,35 @@ def _cached(**options):
     return decorate
 
 
+def drop_stale_caches(root: str) -> None:
+    """Remove the Numba caches of the package at ``root`` unless its kernel modules are those the
+    stamp in ``root/__pycache__`` names; then stamp them."""
+    try:
+        sources = sorted(glob.glob(os.path.join(root, "*", "_*kernels.py")))
+        stamp = "\n".join(f"{os.path.relpath(p, root)} {st.st_mtime_ns} {st.st_size}"
+                          for p in sources for st in [os.stat(p)])
+        marker = os.path.join(root, "__pycache__", "kernel-sources.stamp")
+        try:
+            with open(marker, encoding="utf-8") as f:
+                if f.read() == stamp:
+                    return
+        except OSError:
+            pass
+        for cached in glob.glob(os.path.join(root, "*", "__pycache__", "*.nb[ic]")):
+            try:
+                os.remove(cached)
+            except FileNotFoundError:  # (another process dropped it first)
+                pass
+        os.makedirs(os.path.dirname(marker), exist_ok=True)
+        partial = f"{marker}.{os.getpid()}"
+        with open(partial, "w", encoding="utf-8") as f:
+            f.write(stamp)
+        os.replace(partial, marker)
+    except OSError:
+        pass  # a read-only install: its files are replaced together, and Numba's own keys suffice
+
+
+drop_stale_caches(os.path.dirname(os.path.abspath(__file__)))
 kernel = _cached(nogil=True)
 inline = _cached(inline="always")
 parallel_kernel = _cached(parallel=True, nogil=True)

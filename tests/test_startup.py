@@ -133,3 +133,31 @@ def test_the_compile_notice_appears_only_when_something_will_compile(cold_coder,
     assert asked[0] == (task != "encode")
     if task == "encode" and not cold_coder:
         assert asked[1] == "rdoq"
+
+
+def test_a_changed_kernel_module_drops_every_cached_kernel(tmp_path):
+    # Numba keys a kernel's cache on its own file: one calling into a changed module would keep the
+    # old machine code, so any kernel module's change drops the whole package's caches
+    from deepcabac_py._jit import drop_stale_caches
+
+    root = tmp_path / "pkg"
+    for sub in ("entropy", "quant"):
+        (root / sub / "__pycache__").mkdir(parents=True)
+        (root / sub / f"_{sub}_kernels.py").write_text("x = 1\n")
+    cached = [root / "entropy" / "__pycache__" / "a.nbi", root / "quant" / "__pycache__" / "b.1.nbc"]
+    other = root / "quant" / "__pycache__" / "plain.cpython-311.pyc"
+
+    def fill():
+        for f in cached + [other]:
+            f.write_bytes(b"x")
+
+    drop_stale_caches(str(root))  # (no stamp yet: whatever is cached cannot be trusted)
+    fill()
+    drop_stale_caches(str(root))
+    assert all(f.exists() for f in cached)  # nothing changed: kept
+    (root / "entropy" / "_entropy_kernels.py").write_text("x = 22\n")
+    drop_stale_caches(str(root))
+    assert not any(f.exists() for f in cached) and other.exists()
+    fill()
+    drop_stale_caches(str(root))
+    assert all(f.exists() for f in cached)
