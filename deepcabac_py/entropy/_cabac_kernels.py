@@ -537,8 +537,8 @@ def decode_levels_kernel(payload, ncols, col0, k_offset, predict, out):
                 if rng < TOP:
                     code, rng, pos = _refill(code, rng, buf, pos, size)
             q = Q_MAX + x - 1
-            if q > (U_MAX >> k):
-                return ERR_BAD_VALUE
+        if q > (U_MAX >> k):
+            return ERR_BAD_VALUE
 
         u = q
         remaining = k
