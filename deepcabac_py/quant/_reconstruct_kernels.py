@@ -183,48 +183,16 @@ def _from_table(index, table, half, out, i):
 
 
 @kernel
-def table_bf16_kernel(levels, dependent, table, out):
-    """bfloat16 patterns of a chunk's levels (transmitted levels through the state machine when
-    ``dependent``) by look-up: ``out[i] = table[index + half]`` for the reconstruction indices within
+def table_bf16_kernel(indices, table, out):
+    """bfloat16 patterns by look-up: ``out[i] = table[indices[i] + half]`` for the indices within
     the table's ``half`` (its length is ``2 * half + 1``), the exact rounding done once per small
-    index instead of once per element. Returns the largest |level|, the largest |index| and how many
-    indices fall outside the table (their ``out`` is left for the caller)."""
+    index instead of once per element. Returns the largest |index| and how many indices fall outside
+    the table (their ``out`` is left for the caller)."""
     half = (table.shape[0] - 1) >> 1
-    n = levels.shape[0]
-    lo = np.int32(0)
-    hi = np.int32(0)
-    outside = 0
     top = np.int64(0)
-    i = 0
-    if dependent:
-        hb = np.uint64(0)
-        lb = np.uint64(0)
-        while i + _DQ_BLOCK <= n:
-            high, hb, lb = _dq_block_high_bits(levels, i, hb, lb)
-            for j in range(_DQ_BLOCK):
-                k = levels[i + j]
-                lo = min(lo, k)
-                hi = max(hi, k)
-                g = np.int64((high >> np.uint64(j)) & np.uint64(1))
-                k64 = np.int64(k)
-                index = 2 * k64 - g * (np.int64(k64 > 0) - np.int64(k64 < 0))
-                top = max(top, abs(index))
-                outside += _from_table(index, table, half, out, i + j)
-            i += _DQ_BLOCK
-        state = 2 * np.int64(hb) + np.int64(lb)
-        for t in range(i, n):
-            k64 = np.int64(levels[t])
-            lo = min(lo, np.int32(k64))
-            hi = max(hi, np.int32(k64))
-            index = dq_value(k64, state)
-            top = max(top, abs(index))
-            outside += _from_table(index, table, half, out, t)
-            state = dq_next(state, k64)
-    else:
-        for t in range(n):
-            k = levels[t]
-            lo = min(lo, k)
-            hi = max(hi, k)
-            outside += _from_table(np.int64(k), table, half, out, t)
-        top = max(np.int64(hi), -np.int64(lo))
-    return max(np.int64(hi), -np.int64(lo)), top, outside
+    outside = 0
+    for i in range(indices.shape[0]):
+        index = np.int64(indices[i])
+        top = max(top, abs(index))
+        outside += _from_table(index, table, half, out, i)
+    return top, outside
