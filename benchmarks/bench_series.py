@@ -12,9 +12,13 @@ orders, against resuming from the original).
 
     .venv/bin/python benchmarks/bench_series.py [--checkpoints 12] [--every 40] [--key-every 10]
     .venv/bin/python benchmarks/bench_series.py --sweep-key-every 1,5,10,20 [--checkpoints 20]
+    .venv/bin/python benchmarks/bench_series.py --floor
 
 The second form measures the choice of ``key_every`` on the char-LSTM run: the series' bytes, and
 the mean and worst time to extract one entry from a fresh object (the chain from its key decoded).
+The third prints what Adam's first moments alone cost at the goal's next-step cosine, rounded in
+the update domain and counted by their order-0 entropy: a floor on the bits of any coder that does
+not predict them, beside the raw files' bits per parameter.
 
 Goals (the checkpoint issue): the series at least 50x smaller than the raw files at this fidelity
 (held-out loss within 0.5%, next-step cosine >= 0.99, norm within 5%), at most 0.5x ExCP's bytes at
@@ -269,6 +273,42 @@ def sweep_key_every(values: list[int], checkpoints: int, every: int) -> None:
         print(f"{k:>9} {size:>12,} {size / first:>14.3f}x {np.mean(times):>15.3f} {max(times):>8.3f}")
 
 
+def _entropy_bits(q: np.ndarray) -> float:
+    """Order-0 entropy of integer levels, in bits (all of them)."""
+    _, counts = np.unique(q, return_counts=True)
+    p = counts / counts.sum()
+    return float(-(p * np.log2(p)).sum()) * q.size
+
+
+def floor(run: Run, cks: list[dict], fractions=(0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0)) -> None:
+    """What Adam's first moments alone cost at the fidelity of the goal: each exp_avg rounded in the
+    update domain (m / sqrt(v), v exact, a step of ``f`` times its root mean square per tensor), the
+    next step's cosine against the original's (smallest over checkpoints 1, middle and last), and
+    the order-0 entropy of those levels: a floor for any scalar coder of m that does not predict it
+    (m is its gradients of the last ~10 steps: beta1^40 leaves nothing of the parent)."""
+    params = sum(t.numel() for t in cks[0]["model"].values())
+    picks = [1, len(cks) // 2, len(cks) - 1]
+    print(f"{'step / rms(u)':>14} {'next-step cosine, min':>22} {'m bits/param':>13} {'ratio bound if m were all':>26}")
+    for f in fractions:
+        cosines, bits = [], []
+        for i in picks:
+            d = copy.deepcopy(cks[i])
+            total = 0.0
+            for st in d["optimizer"]["state"].values():
+                m, v = st["exp_avg"].double().numpy(), st["exp_avg_sq"].double().numpy()
+                scale = np.sqrt(v) + 1e-8
+                u = m / scale
+                step = f * np.sqrt(np.mean(u * u)) + 1e-300
+                q = np.rint(u / step)
+                total += _entropy_bits(q)
+                st["exp_avg"] = torch.from_numpy(q * step * scale).to(st["exp_avg"].dtype)
+            a, b = run.next_step(cks[i]), run.next_step(d)
+            cosines.append(F.cosine_similarity(a, b, dim=0).item())
+            bits.append(total / params)
+        raw_bits = 8 * sum(len(pt_bytes(c)) for c in cks) / len(cks) / params
+        print(f"{f:>14.2f} {min(cosines):>22.4f} {np.mean(bits):>13.2f} {raw_bits / np.mean(bits):>25.1f}x")
+
+
 def _bits_equal(a, b) -> bool:
     """Whether two checkpoints hold the same structure and every tensor bit for bit."""
     if isinstance(a, dict) and isinstance(b, dict):
@@ -288,7 +328,14 @@ def main() -> None:
     ap.add_argument("--key-every", type=int, default=10)
     ap.add_argument("--resume-steps", type=int, default=80)
     ap.add_argument("--sweep-key-every", default=None, help="comma-separated key_every values to compare")
+    ap.add_argument("--floor", action="store_true", help="only what the first moments cost at the goal's fidelity")
     args = ap.parse_args()
+    if args.floor:
+        for name in ("digits-cnn", "char-lstm"):
+            run = Run(name)
+            print(f"\n{name}: Adam's first moments alone, rounded in the update domain")
+            floor(run, run.train(args.checkpoints, args.every))
+        return
     if args.sweep_key_every:
         sweep_key_every([int(v) for v in args.sweep_key_every.split(",")], args.checkpoints, args.every)
         return

@@ -83,7 +83,8 @@ def test_residuals_are_smaller_than_keys(run, tmp_path):
         series.append(c)
     own = [len(dc.encode_model(c)) for c in run]
     sizes = [e.bytes for e in series.entries()]
-    assert sizes[0] == own[0]  # the key is the checkpoint coded on its own
+    # the key is the checkpoint coded on its own but for its first moments, in the update domain
+    assert sizes[0] < own[0]
     assert sum(sizes[1:]) < sum(own[1:])
 
 
@@ -310,3 +311,70 @@ def test_the_cli_adds_losslessly(run, tmp_path):
     assert _bits_equal(dc.CheckpointSeries(tmp_path / "r.dcs")[2], run[2])
     result = CliRunner().invoke(main, ["series", "add", str(tmp_path / "r.dcs"), paths[0], "--lossless", "--qp", "-30"])
     assert result.exit_code == 2 and "exclude" in result.output
+
+
+def test_first_moments_are_coded_in_the_update_domain(run, tmp_path):
+    from deepcabac_py.model.decoder import decode_checkpoint, read_stream_header
+    from deepcabac_py.series.checkpoint_series import ADAM_EPS, UPDATE_QP, UPDATE_SUFFIX
+
+    series = dc.CheckpointSeries(tmp_path / "run.dcs", key_every=3)
+    for c in run[:4]:
+        series.append(c)
+    with SeriesFile(tmp_path / "run.dcs") as f:
+        records = [(r.meta, f.payload(r)) for r in f.records]
+    for i, (meta, payload) in enumerate(records):
+        firsts = sorted(n for n in series.checkpoint(i).tensors if n.endswith(".exp_avg"))
+        assert sorted(meta["update_domain"]) == firsts and firsts
+        entries = {e.name: e for e in read_stream_header(payload).tensors}
+        for name in firsts:
+            assert name not in entries and entries[name + UPDATE_SUFFIX].qp == UPDATE_QP
+        # what docs/format.md says the entry's first moments are: u * r * (sqrt(v) + eps), v as decoded
+        coded = decode_checkpoint(payload).tensors
+        got = series.checkpoint(i).tensors
+        for name, r in meta["update_domain"].items():
+            v = got[name[:-len("exp_avg")] + "exp_avg_sq"].double().numpy()
+            scale = np.sqrt(v) + ADAM_EPS
+            want = (coded[name + UPDATE_SUFFIX].double().numpy() * r * scale).astype(np.float32)
+            assert np.array_equal(got[name].numpy(), want)
+            # each element errs by at most about a step of the update domain, relative to its scale
+            original = run[i]["optimizer"]["state"][int(name.split(".")[-2])]["exp_avg"].double().numpy()
+            assert np.max(np.abs(got[name].double().numpy() - original) / (scale * r)) <= 2 * step_from_qp(UPDATE_QP)
+
+
+def test_malformed_update_domain_scales_are_refused(run, tmp_path):
+    path = tmp_path / "run.dcs"
+    dc.CheckpointSeries(path).append(run[0])
+    with SeriesFile(path) as f:
+        meta, payload = dict(f.records[0].meta), f.payload(f.records[0])
+    for bad in ({"optimizer.state.0.exp_avg": -1.0}, {"optimizer.state.0.exp_avg": "1"}, {"not.there": 1.0}, [1.0]):
+        other = tmp_path / "bad.dcs"
+        other.unlink(missing_ok=True)
+        with SeriesFile(other, writer=True) as f:
+            f.append({**meta, "update_domain": bad}, payload)
+        with pytest.raises(CorruptStreamError, match="update-domain|no second moment"):
+            dc.CheckpointSeries(other)[0]
+
+
+def test_a_version_1_series_still_reads_and_takes_appends(run, tmp_path, monkeypatch):
+    from deepcabac_py.series import checkpoint_series, records
+
+    path = tmp_path / "old.dcs"
+    with monkeypatch.context() as m:  # a series as version 1 wrote it: first moments in the log domain
+        m.setattr(records, "SERIES_VERSION", 1)
+        m.setattr(checkpoint_series, "_update_partners", lambda ckpt: {})
+        old = dc.CheckpointSeries(path)
+        for c in run[:2]:
+            old.append(c)
+        written = [old[i] for i in range(2)]
+    assert int.from_bytes(path.read_bytes()[8:10], "little") == 1
+    series = dc.CheckpointSeries(path)
+    for i in range(2):
+        assert _max_weight_error(series[i], written[i]) == 0.0
+        for k, state in written[i]["optimizer"]["state"].items():
+            assert torch.equal(series[i]["optimizer"]["state"][k]["exp_avg"], state["exp_avg"])
+    series.append(run[2])
+    assert int.from_bytes(path.read_bytes()[8:10], "little") == 2
+    fresh = dc.CheckpointSeries(path)
+    assert [e.kind for e in fresh.entries()] == ["key", "residual", "residual"]
+    assert _max_weight_error(fresh[1], written[1]) == 0.0
+    assert _max_weight_error(fresh[2], run[2]) <= 2 * step_from_qp(dc.encode_model.__kwdefaults__["qp"])

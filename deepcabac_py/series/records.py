@@ -25,7 +25,8 @@ from ..io.inputs import unreadable
 __all__ = ["SERIES_MAGIC", "SERIES_VERSION", "Record", "SeriesFile"]
 
 SERIES_MAGIC = b"\x89DCS\r\n\x1a\n"
-SERIES_VERSION = 1
+SERIES_VERSION = 2  # 2: first moments in the update domain (``update_domain`` in a record's meta)
+_READABLE = (1, 2)
 _PREAMBLE = struct.Struct("<8sHH")  # magic, version, flags (0)
 _RECORD = struct.Struct("<4sIIQI")  # tag, index, meta length, payload length, crc32
 _TAG = b"DCSR"
@@ -82,13 +83,15 @@ class SeriesFile:
             f.write(_PREAMBLE.pack(SERIES_MAGIC, SERIES_VERSION, 0))
             f.flush()
             os.fsync(f.fileno())
+            self.version = SERIES_VERSION
             return [], _PREAMBLE.size
         if len(head) < _PREAMBLE.size or head[:8] != SERIES_MAGIC:
             raise FormatError(f"{self.path} is not a checkpoint series (no .dcs preamble)")
         _, version, flags = _PREAMBLE.unpack(head)
-        if version != SERIES_VERSION or flags:
+        if version not in _READABLE or flags:
             raise FormatError(f"{self.path}: checkpoint series version {version} (flags {flags}); this reader "
-                              f"reads version {SERIES_VERSION}")
+                              f"reads versions {', '.join(map(str, _READABLE))}")
+        self.version = version
         records: list[Record] = []
         pos = _PREAMBLE.size
         while pos < size:
@@ -131,6 +134,11 @@ class SeriesFile:
         crc = zlib.crc32(payload, zlib.crc32(meta_bytes))
         f = self._f
         try:
+            if self.version != SERIES_VERSION:
+                # (an older series gets the version of what is appended: its records read as before)
+                f.seek(len(SERIES_MAGIC))
+                f.write(struct.pack("<H", SERIES_VERSION))
+                self.version = SERIES_VERSION
             f.truncate(self.end)
             f.seek(self.end)
             f.write(_RECORD.pack(_TAG, index, len(meta_bytes), len(payload), crc))
