@@ -16,6 +16,7 @@ import deepcabac_py as dc
 from deepcabac_py.cli.main import main
 from deepcabac_py.errors import CorruptStreamError, FormatError, InputError, OutputError
 from deepcabac_py.quant.steps import step_from_qp
+from deepcabac_py.series.checkpoint_series import DEFAULT_SERIES_QP as SERIES_QP
 from deepcabac_py.series.records import SeriesFile
 
 
@@ -58,7 +59,7 @@ def test_keys_and_residuals_without_error_along_the_chain(run, tmp_path):
                      ("key", None, 75), ("residual", 4, 90)]
     # every entry is as close to its checkpoint as a key would be: the trellis's step bound, and no
     # growth along the chain
-    bound = 2 * step_from_qp(dc.encode_model.__kwdefaults__["qp"] - 24)  # (qp_1d is 6 octaves finer)
+    bound = 2 * step_from_qp(SERIES_QP - 24)  # (qp_1d is 6 octaves finer)
     errors = []
     for i, original in enumerate(run):
         got = series[i]
@@ -67,7 +68,7 @@ def test_keys_and_residuals_without_error_along_the_chain(run, tmp_path):
         for index, state in original["optimizer"]["state"].items():
             assert torch.equal(got["optimizer"]["state"][index]["step"], state["step"])
         errors.append(_max_weight_error(got, original))
-    assert max(errors) <= 2 * step_from_qp(dc.encode_model.__kwdefaults__["qp"])
+    assert max(errors) <= 2 * step_from_qp(SERIES_QP)
     assert errors[3] <= 1.5 * max(errors[0], errors[4]) + bound
     # the same entries from a fresh object (the chain decoded from its key), and negative indices
     again = dc.CheckpointSeries(tmp_path / "run.dcs")
@@ -81,7 +82,7 @@ def test_residuals_are_smaller_than_keys(run, tmp_path):
     series = dc.CheckpointSeries(tmp_path / "run.dcs", key_every=100)
     for c in run:
         series.append(c)
-    own = [len(dc.encode_model(c)) for c in run]
+    own = [len(dc.encode_model(c, qp=SERIES_QP)) for c in run]
     sizes = [e.bytes for e in series.entries()]
     # the key is the checkpoint coded on its own but for its first moments, in the update domain
     assert sizes[0] < own[0]
@@ -181,7 +182,7 @@ def test_the_cli(run, tmp_path):
     assert out.exit_code == 0, out.output
     back = torch.load(dst, weights_only=True)
     assert back["step"] == 45
-    assert _max_weight_error(back, run[2]) <= 2 * step_from_qp(dc.encode_model.__kwdefaults__["qp"])
+    assert _max_weight_error(back, run[2]) <= 2 * step_from_qp(SERIES_QP)
     out = r.invoke(main, ["series", "extract", str(tmp_path / "run.dcs"), "2", "-o", str(dst)])
     assert out.exit_code == 1 and "exists" in out.output  # never overwritten without -f
     out = r.invoke(main, ["series", "extract", str(tmp_path / "run.dcs"), "7", "-o", str(tmp_path / "x.pt")])
@@ -201,7 +202,7 @@ def test_numpy_checkpoints_and_bfloat16(tmp_path):
     series.append({"w": w2, "b": torch.from_numpy(w2[0]).to(torch.bfloat16)})
     got = series[1]
     assert isinstance(got["w"], np.ndarray) and got["b"].dtype == torch.bfloat16
-    assert np.abs(got["w"] - w2).max() <= 2 * step_from_qp(dc.encode_model.__kwdefaults__["qp"])
+    assert np.abs(got["w"] - w2).max() <= 2 * step_from_qp(SERIES_QP)
     with pytest.raises(InputError):
         len(dc.CheckpointSeries(tmp_path))  # a directory
 
@@ -250,7 +251,7 @@ def test_a_bfloat16_entry_is_its_parent_plus_its_residual(tmp_path):
     assert [e.kind for e in series.entries()] == ["key", "residual"]
     got = series[1]["w"].float()
     # within bfloat16's half ulp (values below 8: 2**-5) and the trellis's error of the residual
-    assert (got - moved).abs().max() <= 2.0**-5 + 2 * step_from_qp(dc.encode_model.__kwdefaults__["qp"])
+    assert (got - moved).abs().max() <= 2.0**-5 + 2 * step_from_qp(SERIES_QP)
 
 
 def _bits_equal(a, b) -> bool:
@@ -377,4 +378,4 @@ def test_a_version_1_series_still_reads_and_takes_appends(run, tmp_path, monkeyp
     fresh = dc.CheckpointSeries(path)
     assert [e.kind for e in fresh.entries()] == ["key", "residual", "residual"]
     assert _max_weight_error(fresh[1], written[1]) == 0.0
-    assert _max_weight_error(fresh[2], run[2]) <= 2 * step_from_qp(dc.encode_model.__kwdefaults__["qp"])
+    assert _max_weight_error(fresh[2], run[2]) <= 2 * step_from_qp(SERIES_QP)
