@@ -15,8 +15,10 @@ from click.testing import CliRunner
 import deepcabac_py as dc
 from deepcabac_py.cli.main import main
 from deepcabac_py.errors import CorruptStreamError, FormatError, InputError, OutputError
+from deepcabac_py.model.settings import DEFAULT_MOMENTS_QP
 from deepcabac_py.quant.steps import step_from_qp
 from deepcabac_py.series.checkpoint_series import DEFAULT_SERIES_QP as SERIES_QP
+from deepcabac_py.series.checkpoint_series import LOG_RATIO_QP_OFFSET
 from deepcabac_py.series.records import SeriesFile
 
 
@@ -228,14 +230,16 @@ def test_a_residual_entry_resumes_as_its_checkpoint(run, tmp_path):
         series.append(c)
     assert series.entries()[5].kind == "residual"
     with SeriesFile(tmp_path / "run.dcs") as f:
-        assert f.records[5].meta["ratios"]  # second moments as ratios to their parent's
+        assert f.records[5].meta["log_ratios"]  # second moments as log2 ratios to their parent's
     for i in (1, 5):
         got, original = series[i], run[i]
         for index, state in original["optimizer"]["state"].items():
             v, w = state["exp_avg_sq"], got["optimizer"]["state"][index]["exp_avg_sq"]
             assert not torch.any((v > 0) & (w == 0))
             nz = v != 0
-            assert ((w[nz] - v[nz]).abs() / v[nz]).max() <= 2 ** 0.125 - 1 + 1e-6
+            # (log2 of the ratio to the parent's quantized like a weight: within twice the step)
+            octaves = 2 * step_from_qp(DEFAULT_MOMENTS_QP + LOG_RATIO_QP_OFFSET)
+            assert ((w[nz] - v[nz]).abs() / v[nz]).max() <= 2 ** octaves - 1 + 1e-6
         a, b = _next_step(original), _next_step(got)
         assert torch.nn.functional.cosine_similarity(a, b, dim=0).item() >= 0.99
         assert abs(b.norm().item() / a.norm().item() - 1) <= 0.05
@@ -362,7 +366,7 @@ def test_a_version_1_series_still_reads_and_takes_appends(run, tmp_path, monkeyp
     path = tmp_path / "old.dcs"
     with monkeypatch.context() as m:  # a series as version 1 wrote it: first moments in the log domain
         m.setattr(records, "SERIES_VERSION", 1)
-        m.setattr(checkpoint_series, "_update_partners", lambda ckpt: {})
+        m.setattr(checkpoint_series, "_update_partners", lambda tensors: {})
         old = dc.CheckpointSeries(path)
         for c in run[:2]:
             old.append(c)
@@ -379,3 +383,17 @@ def test_a_version_1_series_still_reads_and_takes_appends(run, tmp_path, monkeyp
     assert [e.kind for e in fresh.entries()] == ["key", "residual", "residual"]
     assert _max_weight_error(fresh[1], written[1]) == 0.0
     assert _max_weight_error(fresh[2], run[2]) <= 2 * step_from_qp(SERIES_QP)
+
+
+def test_settings_that_name_weights_reach_only_the_weights(run, tmp_path):
+    # the second moments are coded alone first (the update domain needs them as decoded): settings
+    # that name weights must neither fail there nor change them
+    names = [f"model.{k}" for k in run[0]["model"]]
+    settings = {"importance": {n: np.ones(tuple(run[0]["model"][n[6:]].shape)) for n in names},
+                "qp_overrides": {"model.0.*": -50}, "keep_exact": ["model.2.bias"]}
+    series = dc.CheckpointSeries(tmp_path / "run.dcs", key_every=2, **settings)
+    for c in run[:3]:
+        series.append(c)
+    got = series[1]
+    assert torch.equal(got["model"]["2.bias"], run[1]["model"]["2.bias"])
+    assert (got["model"]["0.weight"] - run[1]["model"]["0.weight"]).abs().max() <= 2 * step_from_qp(-50)

@@ -38,6 +38,7 @@ from ..io.dtypes import bfloat16_to_float32, float64_to_bfloat16
 from ..model.decoder import decode_checkpoint, read_stream_header
 from ..model.encoder import encode_model
 from ..model.optimizer_state import FIRST_MOMENT, SECOND_MOMENT, role_of
+from ..model.settings import DEFAULT_MOMENTS_QP, matches
 from .records import SeriesFile
 
 __all__ = ["CheckpointSeries", "SeriesEntry", "DEFAULT_KEY_EVERY", "DEFAULT_SERIES_QP"]
@@ -51,6 +52,12 @@ DEFAULT_SERIES_QP = -52
 # qp of a first moment in the update domain (``u`` has a root mean square of 1)
 UPDATE_QP = -11
 UPDATE_SUFFIX = "~update"  # the coded name of a first moment in the update domain (no role matches it)
+# A residual entry's second moment is coded as log2 of its ratio to the parent's, a float centred on
+# 0 quantized like a weight, at this many qp below ``moments_qp`` (the log domain of a key codes
+# levels counted from the smallest magnitude: about 3 bits per element for ratios near 1 where
+# their log costs 1.5)
+LOG_RATIO_SUFFIX = "~log2ratio"
+LOG_RATIO_QP_OFFSET = -4
 ADAM_EPS = 1e-8  # (torch's default; where sqrt(v) is far above it, as it is wherever m matters, it is moot)
 KEY, RESIDUAL = "key", "residual"
 _FLOATS = ("float16", "bfloat16", "float32", "float64")
@@ -130,15 +137,18 @@ class CheckpointSeries:
                 residuals = []
                 payload = encode_model(coded, **self.settings)
             else:
-                coded, residuals, ratios = _residual_checkpoint(ckpt, parent)
-                meta["ratios"] = ratios
+                coded, residuals, log_ratios = _residual_checkpoint(ckpt, parent)
+                meta["log_ratios"] = log_ratios
                 # A residual is not a model (no importance from its own structure, no BatchNorm
                 # shifts): each residual gets the qp its tensor got in the key, where the model's
                 # structure chose it (finer where errors cost more).
                 key_qps = self._key_qps(f, index)
                 settings = {"importance": None, "bias_correction": False, **self.settings}
-                overrides = {n: key_qps[n] for n in residuals if n in key_qps}
-                coded, meta["update_domain"], overrides = _in_update_domain(coded, settings, overrides, ratios, parent)
+                log_ratio_qp = settings.get("moments_qp", DEFAULT_MOMENTS_QP) + LOG_RATIO_QP_OFFSET
+                overrides = {**{n: key_qps[n] for n in residuals if n in key_qps},
+                             **{n + LOG_RATIO_SUFFIX: log_ratio_qp for n in log_ratios}}
+                coded, meta["update_domain"], overrides = _in_update_domain(coded, settings, overrides, log_ratios,
+                                                                            parent)
                 settings["qp_overrides"] = {**overrides, **(self.settings.get("qp_overrides") or {})}
                 payload = encode_model(coded, **settings)
             meta["residuals"] = residuals
@@ -207,10 +217,12 @@ def _reconstruct(path: str, index: int, payload: bytes, meta: dict, parent: Chec
         raise CorruptStreamError(f"{path}: entry {index} is a residual without its parent")
     residuals, ratios = _names(meta.get("residuals")), _names(meta.get("ratios", []))
     keyed, xored = _names(meta.get("bit_residuals", [])), _names(meta.get("xor_residuals", []))
-    if (residuals is None or ratios is None or keyed is None or xored is None
-            or not set(residuals + ratios + keyed + xored) <= set(decoded.tensors)):
+    log_ratios = _names(meta.get("log_ratios", []))
+    if (residuals is None or ratios is None or keyed is None or xored is None or log_ratios is None
+            or not set(residuals + ratios + keyed + xored + [n + LOG_RATIO_SUFFIX for n in log_ratios])
+            <= set(decoded.tensors)):
         raise CorruptStreamError(f"{path}: entry {index} lists residuals it does not hold")
-    tensors = dict(decoded.tensors)
+    tensors = _from_log_ratios(f"{path}: entry {index}", decoded.tensors, log_ratios, parent)
     for name in keyed + xored:
         if name not in parent.tensors:
             raise CorruptStreamError(f"{path}: entry {index}: residual {name!r} has no parent tensor")
@@ -227,37 +239,56 @@ def _reconstruct(path: str, index: int, payload: bytes, meta: dict, parent: Chec
         tensors[name] = numpy_to_tensor(np.asarray(bits).view(base.dtype).reshape(base.shape), dtype, is_torch)
     for name in residuals + ratios:
         tensors[name] = _applied(f"{path}: entry {index}", name, tensors[name], parent.tensors.get(name),
-                                 name in ratios)
+                                 RATIO if name in ratios else RESIDUAL)
     return Checkpoint(_from_update_domain(f"{path}: entry {index}", tensors, meta.get("update_domain", {})),
                       decoded.skeleton, decoded.kind, decoded.metadata, dict(decoded.aliases))
 
 
-def _applied(where: str, name: str, change: Any, parent: Any, ratio: bool) -> Any:
-    """The tensor ``name`` of an entry from its parent's and its decoded residual or ratio."""
+RATIO, LOG_RATIO = "ratio", "log2 ratio"
+
+
+def _applied(where: str, name: str, change: Any, parent: Any, kind: str) -> Any:
+    """The tensor ``name`` of an entry from its parent's and its decoded change: a ``RESIDUAL``
+    (added), a ``RATIO`` (multiplied; written before log2 ratios were) or a ``LOG_RATIO``."""
     if parent is None:
         raise CorruptStreamError(f"{where}: residual {name!r} has no parent tensor")
     base, dtype, is_torch = tensor_to_numpy(parent)
     delta, _, _ = tensor_to_numpy(change)
     if delta.shape != base.shape:
         raise CorruptStreamError(f"{where}: residual {name!r} does not match its parent")
-    # (a residual or ratio is float32 or float64 whatever its parent's dtype)
+    # (a change is float32 or float64 whatever its parent's dtype)
     factor = delta.astype(np.float64)
-    value = _to_carrier(base * factor if ratio else _floats(base, dtype) + factor, dtype)
-    return numpy_to_tensor(value, dtype, is_torch)
+    if kind == RESIDUAL:
+        value = _floats(base, dtype) + factor
+    else:
+        if kind == LOG_RATIO:
+            with np.errstate(over="ignore", under="ignore"):
+                factor = np.exp2(factor)
+        value = base * factor
+    return numpy_to_tensor(_to_carrier(value, dtype), dtype, is_torch)
 
 
-def _update_partners(ckpt: Checkpoint) -> dict[str, str]:
+def _from_log_ratios(where: str, tensors: dict[str, Any], names: list[str], parent: Checkpoint) -> dict[str, Any]:
+    """The decoded tensors with each second moment coded as a log2 ratio back as itself, in its place."""
+    if not names:
+        return dict(tensors)
+    coded = {n + LOG_RATIO_SUFFIX: n for n in names}
+    return {coded.get(k, k): _applied(where, coded[k], t, parent.tensors.get(coded[k]), LOG_RATIO) if k in coded else t
+            for k, t in tensors.items()}
+
+
+def _update_partners(tensors: dict[str, Any]) -> dict[str, str]:
     """First moment -> the second moment its Adam step divides it by (``max_exp_avg_sq`` under
     amsgrad, else ``exp_avg_sq``), for the pairs the update domain takes: float32/float64, one shape."""
     pairs = {}
-    for name, t in ckpt.tensors.items():
+    for name, t in tensors.items():
         if role_of(name) != FIRST_MOMENT or not name.endswith("exp_avg"):
             continue
-        partner = _partner_of(name, ckpt.tensors)
+        partner = _partner_of(name, tensors)
         if partner is None:
             continue
         m, dm, _ = tensor_to_numpy(t)
-        v, dv, _ = tensor_to_numpy(ckpt.tensors[partner])
+        v, dv, _ = tensor_to_numpy(tensors[partner])
         if dm in ("float32", "float64") and dv in ("float32", "float64") and m.shape == v.shape and m.size:
             pairs[name] = partner
     return pairs
@@ -272,25 +303,25 @@ def _update_scale(second: np.ndarray) -> np.ndarray:
     return np.sqrt(np.abs(second.astype(np.float64))) + ADAM_EPS
 
 
-def _in_update_domain(coded: Checkpoint, settings: dict[str, Any], overrides: dict[str, int], ratios: list[str],
+def _in_update_domain(coded: Checkpoint, settings: dict[str, Any], overrides: dict[str, int], log_ratios: list[str],
                       parent: Checkpoint | None) -> tuple[Checkpoint, dict[str, float], dict[str, int]]:
     """``coded`` (an entry as it will be coded) with its first moments in the update domain, their
     ``r`` by name and the qp overrides with theirs. The second moments are those the entry will
-    decode to: coded alone with the entry's settings (the log domain codes each tensor on its own,
-    so they are the same levels), their ratios applied to the parent."""
-    partners = _update_partners(coded)
+    decode to: coded alone with the entry's settings (each is quantized on its own, without
+    importance: the same levels), their log2 ratios applied to the parent's."""
+    # (a second moment coded as a log2 ratio has its moment's shape and dtype)
+    partners = _update_partners({**coded.tensors, **{n: coded.tensors[n + LOG_RATIO_SUFFIX] for n in log_ratios}})
     if not partners:
         return coded, {}, overrides
     names = sorted(set(partners.values()))
-    alone = Checkpoint({n: coded.tensors[n] for n in names}, plain_skeleton(names))
-    # (importance and BatchNorm shifts name the weights and touch no moment)
-    decoded = decode_checkpoint(encode_model(alone, **{**settings, "importance": None, "bias_correction": False})).tensors
-    second = {}
-    for n in names:
-        t = decoded[n]
-        if n in ratios:
-            t = _applied("a second moment", n, t, parent.tensors.get(n) if parent is not None else None, True)
-        second[n] = tensor_to_numpy(t)[0]
+    sources = sorted(n + LOG_RATIO_SUFFIX if n in log_ratios else n for n in names)
+    alone = Checkpoint({n: coded.tensors[n] for n in sources}, plain_skeleton(sources))
+    decoded = decode_checkpoint(encode_model(alone, **_settings_of_part(sources, settings, overrides))).tensors
+    if log_ratios:
+        if parent is None:
+            raise RuntimeError("internal error: log2 ratios without a parent")
+        decoded = _from_log_ratios("a second moment", decoded, [n for n in names if n in log_ratios], parent)
+    second = {n: tensor_to_numpy(decoded[n])[0] for n in names}
     tensors: dict[str, Any] = {}
     scales: dict[str, float] = {}
     overrides = dict(overrides)
@@ -307,6 +338,22 @@ def _in_update_domain(coded: Checkpoint, settings: dict[str, Any], overrides: di
                 continue
         tensors[name] = t
     return Checkpoint(tensors, coded.skeleton, coded.kind, coded.metadata, dict(coded.aliases)), scales, overrides
+
+
+def _settings_of_part(names: list[str], settings: dict[str, Any], overrides: dict[str, int]) -> dict[str, Any]:
+    """The settings that code the tensors ``names`` of an entry alone as the entry codes them: the
+    qp overrides and exact patterns that reach them (in their order: the first match wins), no
+    importance or BatchNorm shifts (they name the weights and touch no moment)."""
+    def reaching(patterns):
+        return [p for p in patterns if any(matches(n, [p]) for n in names)]
+
+    qps = {**overrides, **(settings.get("qp_overrides") or {})}
+    part = {**settings, "importance": None, "bias_correction": False,
+            "qp_overrides": {p: qps[p] for p in reaching(qps)}}
+    exact = settings.get("keep_exact", False)
+    if not isinstance(exact, bool):
+        part["keep_exact"] = reaching([exact] if isinstance(exact, str) else list(exact))
+    return part
 
 
 def _from_update_domain(where: str, tensors: dict[str, Any], scales: Any) -> dict[str, Any]:
@@ -359,21 +406,22 @@ def _to_carrier(x: np.ndarray, dtype: str) -> np.ndarray:
 
 def _residual_checkpoint(ckpt: Checkpoint, parent: Checkpoint) -> tuple[Checkpoint, list[str], list[str]]:
     """``ckpt`` with every weight-like float tensor replaced by its difference from ``parent``, and
-    every second moment by its ratio to ``parent``'s where that is defined (the parent nonzero
-    wherever the moment is)."""
-    tensors, residuals, ratios = {}, [], []
+    every second moment by log2 of its ratio to ``parent``'s (under its name with
+    ``LOG_RATIO_SUFFIX``) where that is defined: the parent nonzero wherever the moment is, and
+    neither negative. Returns it, the names of the residuals and of the log ratios."""
+    tensors, residuals, log_ratios = {}, [], []
     for name, t in ckpt.tensors.items():
         arr, dtype, is_torch = tensor_to_numpy(t)
         if dtype in ("float32", "float64") and role_of(name) == SECOND_MOMENT and arr.size:
             base, _, _ = tensor_to_numpy(parent.tensors[name])
             x, b = arr.astype(np.float64), base.astype(np.float64)
-            if not np.any((b == 0) & (x != 0)) and np.all(np.isfinite(x)):
+            if (not np.any((b == 0) & (x != 0)) and np.all(np.isfinite(x)) and np.all(np.isfinite(b))
+                    and x.min() >= 0 and b.min() >= 0):
                 with np.errstate(divide="ignore", invalid="ignore"):
-                    ratio = np.where(b == 0, 0.0, x / np.where(b == 0, 1.0, b))
-                ratio = ratio.astype(dtype)
-                if np.all(np.isfinite(ratio)):
-                    tensors[name] = numpy_to_tensor(ratio, dtype, is_torch)
-                    ratios.append(name)
+                    log_ratio = np.where(b == 0, 0.0, np.log2(np.where(x == 0, 1.0, x) / np.where(b == 0, 1.0, b)))
+                if np.all(np.isfinite(log_ratio)):
+                    tensors[name + LOG_RATIO_SUFFIX] = numpy_to_tensor(log_ratio.astype(dtype), dtype, is_torch)
+                    log_ratios.append(name)
                     continue
         if dtype in _FLOATS and role_of(name) is None and arr.size:
             base, _, _ = tensor_to_numpy(parent.tensors[name])
@@ -385,7 +433,7 @@ def _residual_checkpoint(ckpt: Checkpoint, parent: Checkpoint) -> tuple[Checkpoi
                 residuals.append(name)
                 continue
         tensors[name] = t
-    return Checkpoint(tensors, ckpt.skeleton, ckpt.kind, ckpt.metadata, dict(ckpt.aliases)), residuals, ratios
+    return Checkpoint(tensors, ckpt.skeleton, ckpt.kind, ckpt.metadata, dict(ckpt.aliases)), residuals, log_ratios
 
 
 _WORDS = {"bfloat16": np.uint16, "float16": np.uint16, "float32": np.uint32, "float64": np.uint64}
