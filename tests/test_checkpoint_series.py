@@ -397,3 +397,37 @@ def test_settings_that_name_weights_reach_only_the_weights(run, tmp_path):
     got = series[1]
     assert torch.equal(got["model"]["2.bias"], run[1]["model"]["2.bias"])
     assert (got["model"]["0.weight"] - run[1]["model"]["0.weight"]).abs().max() <= 2 * step_from_qp(-50)
+
+
+def test_residuals_are_predicted_from_the_adam_direction(run, tmp_path):
+    from deepcabac_py.model.decoder import decode_checkpoint
+    from deepcabac_py.series.checkpoint_series import ADAM_EPS
+
+    series = dc.CheckpointSeries(tmp_path / "run.dcs")
+    for c in run[:3]:
+        series.append(c)
+    with SeriesFile(tmp_path / "run.dcs") as f:
+        meta, payload = f.records[2].meta, f.payload(f.records[2])
+    assert meta["predicted"]  # (this run's steps follow its moments)
+    coded = decode_checkpoint(payload).tensors
+    parent, got = series.checkpoint(1).tensors, series.checkpoint(2).tensors
+    for name, (moment, c) in meta["predicted"].items():
+        assert name in meta["residuals"] and moment.endswith(".exp_avg")
+        # what docs/format.md says: parent + residual + c * m / (sqrt(v) + eps), rounded once
+        m, v = got[moment].double().numpy(), got[moment + "_sq"].double().numpy()
+        want = parent[name].double().numpy() + coded[name].double().numpy() + c * (m / (np.sqrt(v) + ADAM_EPS))
+        assert np.array_equal(got[name].numpy(), want.astype(np.float32))
+    # a prediction the entry cannot follow is refused
+    other = tmp_path / "bad.dcs"
+    with SeriesFile(tmp_path / "run.dcs") as f:
+        records = [(r.meta, f.payload(r)) for r in f.records]
+    name = next(iter(meta["predicted"]))
+    for bad in ({name: ["optimizer.state.9.exp_avg", 1.0]}, {name: ["optimizer.state.0.exp_avg", "x"]},
+                {"model.nothing": ["optimizer.state.0.exp_avg", 1.0]}, [1]):
+        other.unlink(missing_ok=True)
+        with SeriesFile(other, writer=True) as f:
+            for i, (m_, p_) in enumerate(records):
+                f.append({**m_, "predicted": bad} if i == 2 else m_, p_)
+        dc.CheckpointSeries(other)[1]
+        with pytest.raises(CorruptStreamError, match="prediction"):
+            dc.CheckpointSeries(other)[2]

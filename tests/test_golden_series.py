@@ -6,7 +6,7 @@ second moments as ratios) and is never regenerated; ``v2.dcs`` by today's (first
 update domain, second moments as log2 ratios). Each ``.npz`` holds every entry's extracted tensors
 as ``"<entry>/<name>"``. Regenerate ``v2`` only for an intended format change:
 
-    DEEPCABAC_REGEN_GOLDEN=1 .venv/bin/python -m pytest tests/test_golden_series.py
+    DEEPCABAC_REGEN_GOLDEN=1 .venv/bin/python -m pytest -n 0 tests/test_golden_series.py
 """
 
 from __future__ import annotations
