@@ -277,9 +277,26 @@ def test_a_lossless_series_is_bit_exact_and_codes_bits_against_the_parent(run, t
     assert all(_bits_equal(fresh[i], c) for i, c in enumerate(run))
     with SeriesFile(tmp_path / "ll.dcs") as f:
         coded = [set(r.meta.get("bit_residuals", []) + r.meta.get("xor_residuals", [])) for r in f.records]
+        predicted = [r.meta.get("bit_predicted", {}) for r in f.records]
     assert not coded[0] and all(names for names in coded[1:])
     sizes = [e.bytes for e in series.entries()]
     assert max(sizes[1:]) < sizes[0]  # (the second moments move slowly: their bits are close)
+    # the weights' keys against the parent moved along Adam's direction: this run's steps follow it
+    assert all(set(p) == {"model.0.weight", "model.0.bias", "model.2.weight"} for p in predicted[1:])
+    assert all(m.endswith(".exp_avg") and c + c_parent < 0 for p in predicted[1:] for m, c, c_parent in p.values())
+    # a prediction the entry cannot follow is refused
+    with SeriesFile(tmp_path / "ll.dcs") as f:
+        records = [(r.meta, f.payload(r)) for r in f.records]
+    name = "model.0.weight"
+    for bad in ({name: ["optimizer.state.7.exp_avg", -1.0, 0.0]}, {name: ["optimizer.state.0.exp_avg", None, 0.0]},
+                {name: ["optimizer.state.0.exp_avg", -1.0]}, [2]):
+        other = tmp_path / "bad.dcs"
+        other.unlink(missing_ok=True)
+        with SeriesFile(other, writer=True) as f:
+            for i, (meta, payload) in enumerate(records[:2]):
+                f.append({**meta, "bit_predicted": bad} if i == 1 else meta, payload)
+        with pytest.raises(CorruptStreamError, match="prediction"):
+            dc.CheckpointSeries(other)[1]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
@@ -411,19 +428,24 @@ def test_residuals_are_predicted_from_the_adam_direction(run, tmp_path):
     assert meta["predicted"]  # (this run's steps follow its moments)
     coded = decode_checkpoint(payload).tensors
     parent, got = series.checkpoint(1).tensors, series.checkpoint(2).tensors
-    for name, (moment, c) in meta["predicted"].items():
+    def direction(tensors, moment):
+        m, v = tensors[moment].double().numpy(), tensors[moment + "_sq"].double().numpy()
+        return m / (np.sqrt(v) + ADAM_EPS)
+
+    for name, (moment, c, c_parent) in meta["predicted"].items():
         assert name in meta["residuals"] and moment.endswith(".exp_avg")
-        # what docs/format.md says: parent + residual + c * m / (sqrt(v) + eps), rounded once
-        m, v = got[moment].double().numpy(), got[moment + "_sq"].double().numpy()
-        want = parent[name].double().numpy() + coded[name].double().numpy() + c * (m / (np.sqrt(v) + ADAM_EPS))
+        # what docs/format.md says: parent + residual + c m / (sqrt(v) + eps) + the parent's such term
+        want = (parent[name].double().numpy() + coded[name].double().numpy()
+                + (c * direction(got, moment) + c_parent * direction(parent, moment)))
         assert np.array_equal(got[name].numpy(), want.astype(np.float32))
     # a prediction the entry cannot follow is refused
     other = tmp_path / "bad.dcs"
     with SeriesFile(tmp_path / "run.dcs") as f:
         records = [(r.meta, f.payload(r)) for r in f.records]
     name = next(iter(meta["predicted"]))
-    for bad in ({name: ["optimizer.state.9.exp_avg", 1.0]}, {name: ["optimizer.state.0.exp_avg", "x"]},
-                {"model.nothing": ["optimizer.state.0.exp_avg", 1.0]}, [1]):
+    for bad in ({name: ["optimizer.state.9.exp_avg", 1.0, 0.0]}, {name: ["optimizer.state.0.exp_avg", "x", 0.0]},
+                {"model.nothing": ["optimizer.state.0.exp_avg", 1.0, 0.0]},
+                {name: ["optimizer.state.0.exp_avg", 1.0]}, [1]):
         other.unlink(missing_ok=True)
         with SeriesFile(other, writer=True) as f:
             for i, (m_, p_) in enumerate(records):

@@ -132,7 +132,7 @@ class CheckpointSeries:
                 self._key = (index, _quantized_qps(payload))
                 residuals: list[str] = []
             elif self.settings.get("keep_exact") is True:
-                coded, keyed, xored = _bit_residual_checkpoint(ckpt, parent)
+                coded, keyed, xored, meta["bit_predicted"] = _bit_residual_checkpoint(ckpt, parent)
                 meta["bit_residuals"], meta["xor_residuals"] = keyed, xored
                 residuals = []
                 payload = encode_model(coded, **self.settings)
@@ -224,16 +224,24 @@ def _reconstruct(path: str, index: int, payload: bytes, meta: dict, parent: Chec
             <= set(decoded.tensors)):
         raise CorruptStreamError(f"{path}: entry {index} lists residuals it does not hold")
     tensors = _from_log_ratios(f"{path}: entry {index}", decoded.tensors, log_ratios, parent)
-    for name in keyed + xored:
+    bit_predicted = meta.get("bit_predicted", {})
+    if (not isinstance(bit_predicted, dict) or not set(bit_predicted) <= set(decoded.tensors)
+            or set(bit_predicted) & set(keyed + xored)):
+        raise CorruptStreamError(f"{path}: entry {index}: malformed predictions")
+    for name in keyed + xored + list(bit_predicted):  # (predicted last: from the moments as restored)
         if name not in parent.tensors:
             raise CorruptStreamError(f"{path}: entry {index}: residual {name!r} has no parent tensor")
         base, dtype, is_torch = tensor_to_numpy(parent.tensors[name])
         delta, delta_dtype, _ = tensor_to_numpy(tensors[name])
         words = _WORDS.get(dtype)
-        if words is None or delta.shape != base.shape or delta_dtype != (_DELTAS[dtype] if name in keyed else dtype):
+        if (words is None or delta.shape != base.shape
+                or delta_dtype != (dtype if name in xored else _DELTAS.get(dtype))):
             raise CorruptStreamError(f"{path}: entry {index}: bit residual {name!r} does not match its parent")
+        if name in bit_predicted:
+            moment, coefs = _predictions(f"{path}: entry {index}", {name: bit_predicted[name]}, [name], tensors)[name]
+            base = _predicted_bits(base, dtype, _prediction(tensors, parent.tensors, moment, coefs))
         theirs = np.require(base, requirements="C").view(words)
-        if name in keyed:
+        if name in keyed or name in bit_predicted:
             bits = _from_order_key(np.asarray(_order_key(theirs) + delta.view(words)))  # (modulo 2**width)
         else:
             bits = theirs ^ np.require(delta, requirements="C").view(words)
@@ -247,8 +255,8 @@ def _reconstruct(path: str, index: int, payload: bytes, meta: dict, parent: Chec
     for name in residuals:
         extra = None
         if name in predicted:
-            moment, c = predicted[name]
-            extra = c * _adam_direction(tensors, moment)
+            moment, coefs = predicted[name]
+            extra = _prediction(tensors, parent.tensors, moment, coefs)
         tensors[name] = _applied(where, name, tensors[name], parent.tensors.get(name), RESIDUAL, extra)
     return Checkpoint(tensors, decoded.skeleton, decoded.kind, decoded.metadata, dict(decoded.aliases))
 
@@ -264,22 +272,42 @@ def _adam_direction(tensors: dict[str, Any], moment: str) -> np.ndarray:
     return m.astype(np.float64) / _update_scale(v)
 
 
+def _prediction(tensors: dict[str, Any], parent: dict[str, Any], moment: str, coefs: tuple[float, float]) -> np.ndarray:
+    """A weight's change since the parent as its entry's and its parent's Adam directions of first
+    moment ``moment`` predict it (Adam's steps in between went from the one to the other)."""
+    if moment not in parent:
+        raise CorruptStreamError(f"prediction from {moment!r}, which the parent does not hold")
+    return coefs[0] * _adam_direction(tensors, moment) + coefs[1] * _adam_direction(parent, moment)
+
+
+def _fitted(change: np.ndarray, now: np.ndarray, before: np.ndarray) -> tuple[float, float] | None:
+    """Least-squares coefficients of ``change`` on two directions, None where they do not hold."""
+    a, b, d = now.ravel(), before.ravel(), change.ravel()
+    g = np.array([[np.dot(a, a), np.dot(a, b)], [np.dot(a, b), np.dot(b, b)]])
+    r = np.array([np.dot(a, d), np.dot(b, d)])
+    with np.errstate(all="ignore"):
+        if not np.all(np.isfinite(g)) or abs(np.linalg.det(g)) <= 1e-12 * max(g[0, 0] * g[1, 1], 1e-300):
+            return None
+        c = np.linalg.solve(g, r)
+    return (float(c[0]), float(c[1])) if np.all(np.isfinite(c)) else None
+
+
 def _predictions(where: str, listed: Any, residuals: list[str],
-                 tensors: dict[str, Any]) -> dict[str, tuple[str, float]]:
-    """The meta's ``predicted``, checked: residual name -> (first moment, coefficient)."""
+                 tensors: dict[str, Any]) -> dict[str, tuple[str, tuple[float, float]]]:
+    """The meta's ``predicted``, checked: residual name -> (first moment, coefficients)."""
     if not isinstance(listed, dict):
         raise CorruptStreamError(f"{where}: malformed predictions")
     out = {}
     for name, value in listed.items():
-        if (not isinstance(value, list) or len(value) != 2 or not isinstance(value[0], str)
-                or type(value[1]) is not float or not np.isfinite(value[1])):
+        if (not isinstance(value, list) or len(value) != 3 or not isinstance(value[0], str)
+                or not all(type(c) is float and np.isfinite(c) for c in value[1:])):
             raise CorruptStreamError(f"{where}: malformed prediction of {name!r}")
         moment = value[0]
         if name not in residuals or role_of(moment) != FIRST_MOMENT or moment not in tensors:
             raise CorruptStreamError(f"{where}: prediction of {name!r} names what the entry does not hold")
         if tensor_to_numpy(tensors[moment])[0].shape != tensor_to_numpy(tensors[name])[0].shape:
             raise CorruptStreamError(f"{where}: prediction of {name!r} does not match its first moment")
-        out[name] = (moment, value[1])
+        out[name] = (moment, (value[1], value[2]))
     return out
 
 
@@ -389,10 +417,11 @@ MIN_PREDICTION_GAIN = 0.05
 
 def _predicted_residuals(coded: Checkpoint, residuals: list[str], settings: dict[str, Any], overrides: dict[str, int],
                          meta: dict[str, Any], parent: Checkpoint) -> tuple[Checkpoint, dict[str, list]]:
-    """``coded`` with each weight's residual less ``c`` times the Adam direction of its first moment
-    as the entry decodes it (Adam's steps since the parent follow the moments: for the char-LSTM of
-    bench_series their correlation is 0.7-0.9), ``c`` fitted by least squares; and the meta's
-    ``predicted``: weight -> [first moment, c]. Weights and first moments are paired in order by
+    """``coded`` with each weight's residual less its prediction from the Adam directions of its
+    first moment, as the entry decodes it and as the parent did (Adam's steps since the parent
+    follow the moments: for the char-LSTM of bench_series their correlation is 0.7-0.9), the two
+    coefficients fitted by least squares; and the meta's ``predicted``: weight -> [first moment,
+    c_entry, c_parent]. Weights and first moments are paired in order by
     shape, as torch numbers an optimizer's state by the model's parameters (buffers have none)."""
     firsts = list(meta.get("update_domain") or {})
     if not firsts or not residuals:
@@ -411,28 +440,31 @@ def _predicted_residuals(coded: Checkpoint, residuals: list[str], settings: dict
     predicted: dict[str, list] = {}
     exact = settings.get("keep_exact", False)
     exact = [] if isinstance(exact, bool) else [exact] if isinstance(exact, str) else list(exact)
-    k = 0
-    for name in residuals:
-        if k == len(firsts):
-            break
+    for name, moment in _paired(residuals, coded.tensors, firsts, decoded).items():
         delta, dtype, is_torch = tensor_to_numpy(coded.tensors[name])
-        if delta.shape != tensor_to_numpy(decoded[firsts[k]])[0].shape:
-            continue
-        moment, k = firsts[k], k + 1
         if matches(name, exact):  # (kept as its residual is: a prediction would round it)
             continue
-        p = _adam_direction(decoded, moment)
         d = delta.astype(np.float64)
-        pp = float(np.dot(p.ravel(), p.ravel()))
-        c = float(np.dot(d.ravel(), p.ravel())) / pp if pp > 0 else 0.0
-        rest = d - c * p
-        if not np.isfinite(c) or c == 0 or not np.all(np.isfinite(rest)):
+        coefs = _fitted(d, _adam_direction(decoded, moment), _adam_direction(parent.tensors, moment))
+        if coefs is None:
             continue
-        if float(np.dot(rest.ravel(), rest.ravel())) > (1 - MIN_PREDICTION_GAIN) * float(np.dot(d.ravel(), d.ravel())):
+        rest = d - _prediction(decoded, parent.tensors, moment, coefs)
+        if not np.all(np.isfinite(rest)) or np.vdot(rest, rest) > (1 - MIN_PREDICTION_GAIN) * np.vdot(d, d):
             continue
         tensors[name] = numpy_to_tensor(rest.astype(dtype), dtype, is_torch)
-        predicted[name] = [moment, c]
+        predicted[name] = [moment, *coefs]
     return Checkpoint(tensors, coded.skeleton, coded.kind, coded.metadata, dict(coded.aliases)), predicted
+
+
+def _paired(weights: list[str], tensors: dict[str, Any], firsts: list[str], moments: dict[str, Any]) -> dict[str, str]:
+    """Weight -> its first moment, paired in order by shape (``firsts`` in the optimizer's order)."""
+    pairs, k = {}, 0
+    for name in weights:
+        if k == len(firsts):
+            break
+        if tensor_to_numpy(tensors[name])[0].shape == tensor_to_numpy(moments[firsts[k]])[0].shape:
+            pairs[name], k = firsts[k], k + 1
+    return pairs
 
 
 def _settings_of_part(names: list[str], settings: dict[str, Any], overrides: dict[str, int]) -> dict[str, Any]:
@@ -547,15 +579,24 @@ def _from_order_key(keys: np.ndarray) -> np.ndarray:
     return np.where(keys & top, keys ^ top, ~keys)
 
 
-def _bit_residual_checkpoint(ckpt: Checkpoint, parent: Checkpoint) -> tuple[Checkpoint, list[str], list[str]]:
+def _bit_residual_checkpoint(ckpt: Checkpoint,
+                             parent: Checkpoint) -> tuple[Checkpoint, list[str], list[str], dict[str, list]]:
     """``ckpt`` with every float tensor replaced by what codes smallest of: itself, the difference
     of its order keys from ``parent``'s (a signed integer of the same width, wrapping; coded by
-    magnitude class when wide) and the XOR of its bits with
-    ``parent``'s (as the same float dtype: the float coder drops what did not change, sign and
-    exponent). Returns it and the names coded by key difference and by XOR."""
+    magnitude class when wide), the XOR of its bits with ``parent``'s (as the same float dtype: the
+    float coder drops what did not change, sign and exponent) and, for a weight with an Adam
+    first moment, the difference of its keys from a prediction's (the parent plus the entry's and
+    the parent's m / (sqrt(v) + eps), each times a coefficient fitted by least squares). Returns
+    it, the names coded by key difference and by XOR, and the predictions: weight -> [first
+    moment, c_entry, c_parent]."""
     tensors: dict[str, Any] = {}
     keyed: list[str] = []
     xored: list[str] = []
+    predicted: dict[str, list] = {}
+    firsts = sorted((n for n in ckpt.tensors if role_of(n) == FIRST_MOMENT and n.endswith("exp_avg")
+                     and _partner_of(n, ckpt.tensors) is not None), key=lambda n: int(n.split(".")[-2]))
+    weights = [n for n, t in ckpt.tensors.items() if role_of(n) is None and tensor_to_numpy(t)[1] in _FLOATS]
+    pairs = _paired(weights, ckpt.tensors, firsts, ckpt.tensors)
     for name, t in ckpt.tensors.items():
         arr, dtype, is_torch = tensor_to_numpy(t)
         words = _WORDS.get(dtype)
@@ -567,14 +608,32 @@ def _bit_residual_checkpoint(ckpt: Checkpoint, parent: Checkpoint) -> tuple[Chec
         theirs = np.require(base, requirements="C").view(words)
         delta = np.asarray(_order_key(mine) - _order_key(theirs)).reshape(arr.shape).view(_DELTAS[dtype])
         xor = np.asarray(mine ^ theirs).reshape(arr.shape).view(arr.dtype)
-        options: list[tuple[Any, list[str] | None]] = [(t, None), (numpy_to_tensor(xor, dtype, is_torch), xored),
-                                                       (numpy_to_tensor(delta, _DELTAS[dtype], is_torch), keyed)]
+        options: list[tuple[Any, Any]] = [(t, None), (numpy_to_tensor(xor, dtype, is_torch), xored),
+                                          (numpy_to_tensor(delta, _DELTAS[dtype], is_torch), keyed)]
+        if name in pairs:
+            moment = pairs[name]
+            coefs = _fitted(_floats(arr, dtype) - _floats(base, dtype), _adam_direction(ckpt.tensors, moment),
+                            _adam_direction(parent.tensors, moment))
+            if coefs is not None:
+                guess = _predicted_bits(base, dtype, _prediction(ckpt.tensors, parent.tensors, moment, coefs))
+                guess = np.require(guess, requirements="C").view(words)
+                wrong = np.asarray(_order_key(mine) - _order_key(guess)).reshape(arr.shape).view(_DELTAS[dtype])
+                options.append((numpy_to_tensor(wrong, _DELTAS[dtype], is_torch), (moment, *coefs)))
         sizes = [len(encode_model({name: option}, keep_exact=True, threads=1)) for option, _ in options]
         chosen, names = options[int(np.argmin(sizes))]
         tensors[name] = chosen
-        if names is not None:
+        if isinstance(names, tuple):  # (a prediction: its moment and coefficients)
+            predicted[name] = list(names)
+        elif names is not None:
             names.append(name)
-    return Checkpoint(tensors, ckpt.skeleton, ckpt.kind, ckpt.metadata, dict(ckpt.aliases)), keyed, xored
+    return (Checkpoint(tensors, ckpt.skeleton, ckpt.kind, ckpt.metadata, dict(ckpt.aliases)), keyed, xored,
+            predicted)
+
+
+def _predicted_bits(base: np.ndarray, dtype: str, change: np.ndarray) -> np.ndarray:
+    """The parent plus a predicted change, rounded once to ``dtype`` (its carrier)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        return _to_carrier(_floats(base, dtype) + change, dtype)
 
 
 def _same_tensors(a: Checkpoint, b: Checkpoint) -> bool:
