@@ -2,9 +2,10 @@
 
 The first entry and every ``key_every``-th are coded on their own (:func:`encode_model`); the
 others as residuals: every float tensor that is not an optimizer moment or step is coded as its
-difference from the previous entry *as decoded*, and every second moment (Adam's ``exp_avg_sq``,
-which moves slowly: 0.999 per step) as its ratio to the previous one as decoded, in the log domain;
-so the error of an entry is that of its own quantization and does not accumulate along the chain.
+difference from the previous entry *as decoded* (less what Adam's directions predict of it), and
+every second moment (Adam's ``exp_avg_sq``, which moves slowly: 0.999 per step) as log2 of its
+ratio to the previous one as decoded; so the error of an entry is that of its own quantization and
+does not accumulate along the chain.
 Steps and everything else are coded as themselves. An entry whose tensors differ from its parent's (a new
 parameter, a changed shape or dtype) is a key.
 
@@ -126,7 +127,7 @@ class CheckpointSeries:
                 settings = dict(self.settings)
                 coded = ckpt
                 if self.settings.get("keep_exact") is not True:
-                    coded, meta["update_domain"], overrides = _in_update_domain(ckpt, settings, {}, [], None)
+                    coded, meta["update_domain"], overrides, _ = _in_update_domain(ckpt, settings, {}, [], None)
                     settings["qp_overrides"] = {**overrides, **(self.settings.get("qp_overrides") or {})}
                 payload = encode_model(coded, **settings)
                 self._key = (index, _quantized_qps(payload))
@@ -147,9 +148,10 @@ class CheckpointSeries:
                 log_ratio_qp = settings.get("moments_qp", DEFAULT_MOMENTS_QP) + LOG_RATIO_QP_OFFSET
                 overrides = {**{n: key_qps[n] for n in residuals if n in key_qps},
                              **{n + LOG_RATIO_SUFFIX: log_ratio_qp for n in log_ratios}}
-                coded, meta["update_domain"], overrides = _in_update_domain(coded, settings, overrides, log_ratios,
-                                                                            parent)
-                coded, meta["predicted"] = _predicted_residuals(coded, residuals, settings, overrides, meta, parent)
+                coded, meta["update_domain"], overrides, seconds = _in_update_domain(coded, settings, overrides,
+                                                                                     log_ratios, parent)
+                coded, meta["predicted"] = _predicted_residuals(coded, residuals, settings, overrides,
+                                                                meta["update_domain"], seconds, parent)
                 settings["qp_overrides"] = {**overrides, **(self.settings.get("qp_overrides") or {})}
                 payload = encode_model(coded, **settings)
             meta["residuals"] = residuals
@@ -211,8 +213,9 @@ class CheckpointSeries:
 
 def _reconstruct(path: str, index: int, payload: bytes, meta: dict, parent: Checkpoint | None) -> Checkpoint:
     decoded = decode_checkpoint(payload)
+    where = f"{path}: entry {index}"
     if meta.get("kind") == KEY:
-        return Checkpoint(_from_update_domain(f"{path}: entry {index}", decoded.tensors, meta.get("update_domain", {})),
+        return Checkpoint(_from_update_domain(where, decoded.tensors, meta.get("update_domain", {})),
                           decoded.skeleton, decoded.kind, decoded.metadata, dict(decoded.aliases))
     if parent is None:
         raise CorruptStreamError(f"{path}: entry {index} is a residual without its parent")
@@ -223,11 +226,9 @@ def _reconstruct(path: str, index: int, payload: bytes, meta: dict, parent: Chec
             or not set(residuals + ratios + keyed + xored + [n + LOG_RATIO_SUFFIX for n in log_ratios])
             <= set(decoded.tensors)):
         raise CorruptStreamError(f"{path}: entry {index} lists residuals it does not hold")
-    tensors = _from_log_ratios(f"{path}: entry {index}", decoded.tensors, log_ratios, parent)
-    bit_predicted = meta.get("bit_predicted", {})
-    if (not isinstance(bit_predicted, dict) or not set(bit_predicted) <= set(decoded.tensors)
-            or set(bit_predicted) & set(keyed + xored)):
-        raise CorruptStreamError(f"{path}: entry {index}: malformed predictions")
+    tensors = _from_log_ratios(where, decoded.tensors, log_ratios, parent)
+    bit_predicted = _predictions(where, meta.get("bit_predicted", {}),
+                                 [n for n in decoded.tensors if n not in keyed + xored], tensors)
     for name in keyed + xored + list(bit_predicted):  # (predicted last: from the moments as restored)
         if name not in parent.tensors:
             raise CorruptStreamError(f"{path}: entry {index}: residual {name!r} has no parent tensor")
@@ -238,7 +239,7 @@ def _reconstruct(path: str, index: int, payload: bytes, meta: dict, parent: Chec
                 or delta_dtype != (dtype if name in xored else _DELTAS.get(dtype))):
             raise CorruptStreamError(f"{path}: entry {index}: bit residual {name!r} does not match its parent")
         if name in bit_predicted:
-            moment, coefs = _predictions(f"{path}: entry {index}", {name: bit_predicted[name]}, [name], tensors)[name]
+            moment, coefs = bit_predicted[name]
             base = _predicted_bits(base, dtype, _prediction(tensors, parent.tensors, moment, coefs))
         theirs = np.require(base, requirements="C").view(words)
         if name in keyed or name in bit_predicted:
@@ -246,7 +247,6 @@ def _reconstruct(path: str, index: int, payload: bytes, meta: dict, parent: Chec
         else:
             bits = theirs ^ np.require(delta, requirements="C").view(words)
         tensors[name] = numpy_to_tensor(np.asarray(bits).view(base.dtype).reshape(base.shape), dtype, is_torch)
-    where = f"{path}: entry {index}"
     for name in ratios:
         tensors[name] = _applied(where, name, tensors[name], parent.tensors.get(name), RATIO)
     # the moments first: a residual may be predicted from the step they make
@@ -374,15 +374,15 @@ def _update_scale(second: np.ndarray) -> np.ndarray:
 
 
 def _in_update_domain(coded: Checkpoint, settings: dict[str, Any], overrides: dict[str, int], log_ratios: list[str],
-                      parent: Checkpoint | None) -> tuple[Checkpoint, dict[str, float], dict[str, int]]:
+                      parent: Checkpoint | None) -> tuple[Checkpoint, dict[str, float], dict[str, int], dict[str, Any]]:
     """``coded`` (an entry as it will be coded) with its first moments in the update domain, their
-    ``r`` by name and the qp overrides with theirs. The second moments are those the entry will
-    decode to: coded alone with the entry's settings (each is quantized on its own, without
-    importance: the same levels), their log2 ratios applied to the parent's."""
+    ``r`` by name, the qp overrides with theirs, and the second moments they are divided by as the
+    entry decodes them: coded alone with the entry's settings (each is quantized on its own,
+    without importance: the same levels), their log2 ratios applied to the parent's."""
     # (a second moment coded as a log2 ratio has its moment's shape and dtype)
     partners = _update_partners({**coded.tensors, **{n: coded.tensors[n + LOG_RATIO_SUFFIX] for n in log_ratios}})
     if not partners:
-        return coded, {}, overrides
+        return coded, {}, overrides, {}
     names = sorted(set(partners.values()))
     sources = sorted(n + LOG_RATIO_SUFFIX if n in log_ratios else n for n in names)
     alone = Checkpoint({n: coded.tensors[n] for n in sources}, plain_skeleton(sources))
@@ -391,7 +391,8 @@ def _in_update_domain(coded: Checkpoint, settings: dict[str, Any], overrides: di
         if parent is None:
             raise RuntimeError("internal error: log2 ratios without a parent")
         decoded = _from_log_ratios("a second moment", decoded, [n for n in names if n in log_ratios], parent)
-    second = {n: tensor_to_numpy(decoded[n])[0] for n in names}
+    seconds = {n: decoded[n] for n in names}
+    second = {n: tensor_to_numpy(t)[0] for n, t in seconds.items()}
     tensors: dict[str, Any] = {}
     scales: dict[str, float] = {}
     overrides = dict(overrides)
@@ -407,7 +408,8 @@ def _in_update_domain(coded: Checkpoint, settings: dict[str, Any], overrides: di
                 overrides[name + UPDATE_SUFFIX] = UPDATE_QP
                 continue
         tensors[name] = t
-    return Checkpoint(tensors, coded.skeleton, coded.kind, coded.metadata, dict(coded.aliases)), scales, overrides
+    return (Checkpoint(tensors, coded.skeleton, coded.kind, coded.metadata, dict(coded.aliases)), scales, overrides,
+            seconds)
 
 
 # A weight's residual is predicted from its Adam direction m / (sqrt(v) + eps) only where that takes
@@ -416,30 +418,27 @@ MIN_PREDICTION_GAIN = 0.05
 
 
 def _predicted_residuals(coded: Checkpoint, residuals: list[str], settings: dict[str, Any], overrides: dict[str, int],
-                         meta: dict[str, Any], parent: Checkpoint) -> tuple[Checkpoint, dict[str, list]]:
+                         scales: dict[str, float], seconds: dict[str, Any],
+                         parent: Checkpoint) -> tuple[Checkpoint, dict[str, list]]:
     """``coded`` with each weight's residual less its prediction from the Adam directions of its
     first moment, as the entry decodes it and as the parent did (Adam's steps since the parent
     follow the moments: for the char-LSTM of bench_series their correlation is 0.7-0.9), the two
     coefficients fitted by least squares; and the meta's ``predicted``: weight -> [first moment,
-    c_entry, c_parent]. Weights and first moments are paired in order by
-    shape, as torch numbers an optimizer's state by the model's parameters (buffers have none)."""
-    firsts = list(meta.get("update_domain") or {})
+    c_entry, c_parent]. ``scales`` are the first moments' in the update domain and ``seconds`` the
+    second moments as :func:`_in_update_domain` decoded them. Weights and first moments are paired
+    in order by shape, as torch numbers an optimizer's state by the model's parameters (buffers
+    have none)."""
+    firsts = _in_optimizer_order(scales)
     if not firsts or not residuals:
         return coded, {}
-    firsts.sort(key=lambda n: int(n.split(".")[-2]))
-    # the moments as the entry will hold them (a second moment coded as a log2 ratio under its own name)
-    held = {n[:-len(LOG_RATIO_SUFFIX)] if n.endswith(LOG_RATIO_SUFFIX) else n: n for n in coded.tensors}
-    seconds = [v for v in (_partner_of(m, held) for m in firsts) if v is not None]
-    sources = sorted({m + UPDATE_SUFFIX for m in firsts} | {held[v] for v in seconds})
+    # the first moments as the entry decodes them (quantized on their own: the same levels)
+    sources = sorted(m + UPDATE_SUFFIX for m in firsts)
     alone = Checkpoint({n: coded.tensors[n] for n in sources}, plain_skeleton(sources))
     decoded = decode_checkpoint(encode_model(alone, **_settings_of_part(sources, settings, overrides))).tensors
-    names = [n[:-len(LOG_RATIO_SUFFIX)] for n in sources if n.endswith(LOG_RATIO_SUFFIX)]
-    decoded = _from_log_ratios("a second moment", decoded, names, parent)
-    decoded = _from_update_domain("a first moment", decoded, meta["update_domain"])
+    decoded = _from_update_domain("a first moment", {**seconds, **decoded}, scales)
     tensors = dict(coded.tensors)
     predicted: dict[str, list] = {}
-    exact = settings.get("keep_exact", False)
-    exact = [] if isinstance(exact, bool) else [exact] if isinstance(exact, str) else list(exact)
+    exact = _exact_patterns(settings)
     for name, moment in _paired(residuals, coded.tensors, firsts, decoded).items():
         delta, dtype, is_torch = tensor_to_numpy(coded.tensors[name])
         if matches(name, exact):  # (kept as its residual is: a prediction would round it)
@@ -477,10 +476,20 @@ def _settings_of_part(names: list[str], settings: dict[str, Any], overrides: dic
     qps = {**overrides, **(settings.get("qp_overrides") or {})}
     part = {**settings, "importance": None, "bias_correction": False,
             "qp_overrides": {p: qps[p] for p in reaching(qps)}}
-    exact = settings.get("keep_exact", False)
-    if not isinstance(exact, bool):
-        part["keep_exact"] = reaching([exact] if isinstance(exact, str) else list(exact))
+    if not isinstance(settings.get("keep_exact", False), bool):
+        part["keep_exact"] = reaching(_exact_patterns(settings))
     return part
+
+
+def _exact_patterns(settings: dict[str, Any]) -> list[str]:
+    """The names or patterns ``keep_exact`` gives (none for True or False: all or nothing)."""
+    exact = settings.get("keep_exact", False)
+    return [] if isinstance(exact, bool) else [exact] if isinstance(exact, str) else list(exact)
+
+
+def _in_optimizer_order(firsts) -> list[str]:
+    """First-moment names by their optimizer state index (``...state.<i>.exp_avg``)."""
+    return sorted(firsts, key=lambda n: int(n.split(".")[-2]))
 
 
 def _from_update_domain(where: str, tensors: dict[str, Any], scales: Any) -> dict[str, Any]:
@@ -593,8 +602,8 @@ def _bit_residual_checkpoint(ckpt: Checkpoint,
     keyed: list[str] = []
     xored: list[str] = []
     predicted: dict[str, list] = {}
-    firsts = sorted((n for n in ckpt.tensors if role_of(n) == FIRST_MOMENT and n.endswith("exp_avg")
-                     and _partner_of(n, ckpt.tensors) is not None), key=lambda n: int(n.split(".")[-2]))
+    firsts = _in_optimizer_order(n for n in ckpt.tensors if role_of(n) == FIRST_MOMENT and n.endswith("exp_avg")
+                                 and _partner_of(n, ckpt.tensors) is not None)
     weights = [n for n, t in ckpt.tensors.items() if role_of(n) is None and tensor_to_numpy(t)[1] in _FLOATS]
     pairs = _paired(weights, ckpt.tensors, firsts, ckpt.tensors)
     for name, t in ckpt.tensors.items():
