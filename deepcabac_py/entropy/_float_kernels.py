@@ -22,6 +22,7 @@ RANS_L = 1 << 16  # states stay in [RANS_L, 2**32); renormalisation moves 16 bit
 LANES = 4  # interleaved states: element i uses state i % LANES
 TOP_BITS = 2  # mantissa bits coded with the exponent (they depend on it: the density falls inside an octave)
 MAX_CLASSES_LOG2 = 4
+_U = np.uint64  # (indices: see rans_decode)
 
 OK = 0
 ERR_OVERRUN = -1  # a stream is shorter than its elements need
@@ -58,7 +59,7 @@ def segment_stats(words, seg_len, W, M, zeros, mean_exponent):
         acc = np.uint64(0)
         total = 0
         for i in range(start, stop):
-            w = np.uint64(words[i])
+            w = np.uint64(words[_U(i)])
             acc |= w & mmask
             total += np.int64(w >> np.uint64(M)) & ((1 << (W - 1 - M)) - 1)
         z = 0
@@ -69,15 +70,23 @@ def segment_stats(words, seg_len, W, M, zeros, mean_exponent):
 
 
 @kernel
-def histogram(words, seg_len, W, M, zeros, classes, hist):
-    """hist[class, symbol] += 1 for every element (``classes``: the class of each segment)."""
-    n = words.shape[0]
-    for j in range(zeros.shape[0]):
-        z = np.int64(zeros[j])
-        c = np.int64(classes[j])
-        for i in range(j * seg_len, min(n, (j + 1) * seg_len)):
-            sym, _, _ = _parts(np.uint64(words[i]), W, M, z)
-            hist[c, sym] += 1
+def histogram(symbols, seg_len, classes, hist):
+    """hist[class, symbol] += 1 for every symbol (``classes``: the class of each segment)."""
+    n = symbols.shape[0]
+    alphabet = hist.shape[1]
+    # four partial histograms, one per element mod 4: runs of one symbol (the common exponent)
+    # would otherwise wait on their own counter's store
+    part = np.zeros(4 * hist.shape[0] * alphabet, dtype=np.int64)
+    for j in range(classes.shape[0]):
+        base = _U(4 * np.int64(classes[j]) * alphabet)
+        lo = j * seg_len
+        stop = min(n, lo + seg_len)
+        for i in range(lo, stop):
+            part[base + _U((i & 3) * alphabet) + _U(symbols[_U(i)])] += 1
+    for c in range(hist.shape[0]):
+        for q in range(4):
+            for s in range(alphabet):
+                hist[c, s] += part[(4 * c + q) * alphabet + s]
 
 
 @kernel
@@ -92,113 +101,190 @@ def raw_bit_count(n, seg_len, M, zeros):
 
 @kernel
 def encode_kernel(words, seg_len, W, M, zeros, symbols, raw_out):
-    """The symbols of the floats ``words`` into ``symbols`` and their raw bits into ``raw_out``;
-    returns how many raw words."""
+    """The symbols of the floats ``words`` into ``symbols`` and their raw bits into ``raw_out``
+    (one word more than they fill); returns how many raw words."""
     n = words.shape[0]
     acc = np.uint64(0)
     nacc = 0
     nraw = 0
     for j in range(zeros.shape[0]):
         z = np.int64(zeros[j])
-        for i in range(j * seg_len, min(n, (j + 1) * seg_len)):
-            sym, raw, k = _parts(np.uint64(words[i]), W, M, z)
-            symbols[i] = sym
-            if k > 32:
+        lo = j * seg_len
+        stop = min(n, lo + seg_len)
+        if M - z - min(TOP_BITS, M - z) + 1 <= 32:
+            for i in range(lo, stop):
+                sym, raw, k = _parts(np.uint64(words[_U(i)]), W, M, z)
+                symbols[_U(i)] = sym
+                acc |= raw << np.uint64(nacc)
+                nacc += k
+                # the low word is stored every time and kept when full: no branch to mispredict
+                raw_out[_U(nraw)] = np.uint32(acc & np.uint64(0xFFFFFFFF))
+                full = np.int64(nacc >= 32)
+                nraw += full
+                acc >>= np.uint64(32 * full)
+                nacc -= 32 * full
+        else:  # (float64: up to 51 raw bits, in two pieces)
+            for i in range(lo, stop):
+                sym, raw, k = _parts(np.uint64(words[_U(i)]), W, M, z)
+                symbols[_U(i)] = sym
                 acc |= (raw & np.uint64(0xFFFFFFFF)) << np.uint64(nacc)
-                nacc += 32
+                raw_out[_U(nraw)] = np.uint32(acc & np.uint64(0xFFFFFFFF))
+                nraw += 1
+                acc >>= np.uint64(32)
                 raw >>= np.uint64(32)
                 k -= 32
-                raw_out[nraw] = np.uint32(acc & np.uint64(0xFFFFFFFF))
-                nraw += 1
-                acc >>= np.uint64(32)
-                nacc -= 32
-            acc |= raw << np.uint64(nacc)
-            nacc += k
-            if nacc >= 32:
-                raw_out[nraw] = np.uint32(acc & np.uint64(0xFFFFFFFF))
-                nraw += 1
-                acc >>= np.uint64(32)
-                nacc -= 32
+                acc |= raw << np.uint64(nacc)
+                nacc += k
+                if nacc >= 32:
+                    raw_out[_U(nraw)] = np.uint32(acc & np.uint64(0xFFFFFFFF))
+                    nraw += 1
+                    acc >>= np.uint64(32)
+                    nacc -= 32
     if nacc > 0:
-        raw_out[nraw] = np.uint32(acc & np.uint64(0xFFFFFFFF))
+        raw_out[_U(nraw)] = np.uint32(acc & np.uint64(0xFFFFFFFF))
         nraw += 1
     return nraw
 
 
+@inline
+def _rans_put(x, sym, tables, inverse, base, rans_out, pos):
+    """Push ``sym`` onto the state ``x``: (new state, new position). ``tables`` holds per class
+    and symbol (freq, start), ``inverse`` 1 / freq."""
+    at = base + _U(sym)
+    f = tables[_U(2) * at]
+    # renormalise without a branch: the word goes below the pushed ones and stays there only when
+    # pushed (the buffer's slack keeps pos - 1 in bounds)
+    push = np.int64(x >= ((RANS_L >> PROB_BITS) << 16) * f)
+    rans_out[_U(pos - 1)] = np.uint16(x & 0xFFFF)
+    pos -= push
+    x >>= 16 * push
+    # x // f by a float reciprocal, corrected to the exact quotient: integer division would take
+    # most of the encoder's time
+    q = np.int64(x * inverse[at])
+    r = x - q * f
+    if r < 0:
+        q -= 1
+        r += f
+    elif r >= f:
+        q += 1
+        r -= f
+    return q * PROB_SCALE + r + tables[_U(2) * at + _U(1)], pos
+
+
 @kernel
-def rans_encode(symbols, seg_len, classes, freq, start, inverse, rans_out):
+def rans_encode(symbols, seg_len, classes, freq, start, rans_out):
     """The rANS words of ``symbols`` (each segment with its class's table) into the end of
     ``rans_out``, which holds at least n + 2 * LANES + 2 words; returns where they begin.
-    ``inverse`` is 1 / freq as float64 (where freq > 0). Backward: the decoder reads forward what
-    is pushed here last."""
+    Backward: the decoder reads forward what is pushed here last."""
     n = symbols.shape[0]
-    x = np.full(LANES, RANS_L, dtype=np.int64)
+    alphabet = freq.shape[1]
+    tables = np.zeros(2 * freq.shape[0] * alphabet, dtype=np.int64)
+    inverse = np.zeros(freq.shape[0] * alphabet, dtype=np.float64)
+    for c in range(freq.shape[0]):
+        for s in range(alphabet):
+            f = np.int64(freq[c, s])
+            at = c * alphabet + s
+            tables[2 * at] = f
+            tables[2 * at + 1] = start[c, s]
+            inverse[at] = 1.0 / max(f, 1)
+    x0 = x1 = x2 = x3 = np.int64(RANS_L)
     pos = rans_out.shape[0]
     nseg = classes.shape[0]
     for jj in range(nseg):
         j = nseg - 1 - jj
-        c = np.int64(classes[j])
+        base = _U(np.int64(classes[j]) * alphabet)
         lo = j * seg_len
-        for i in range(min(n, lo + seg_len) - 1, lo - 1, -1):
-            sym = np.int64(symbols[i])
-            f = np.int64(freq[c, sym])
-            lane = i & (LANES - 1)
-            s = x[lane]
-            # renormalise without a branch: the word goes below the pushed ones and stays there
-            # only when pushed (the buffer's slack keeps pos - 1 in bounds)
-            push = np.int64(s >= ((RANS_L >> PROB_BITS) << 16) * f)
-            rans_out[pos - 1] = np.uint16(s & 0xFFFF)
-            pos -= push
-            s >>= 16 * push
-            # s // f by a float reciprocal, corrected to the exact quotient: integer division
-            # would take most of the encoder's time
-            q = np.int64(s * inverse[c, sym])
-            r = s - q * f
-            if r < 0:
-                q -= 1
-                r += f
-            elif r >= f:
-                q += 1
-                r -= f
-            x[lane] = q * PROB_SCALE + r + np.int64(start[c, sym])
-    for lane in range(LANES - 1, -1, -1):
+        i = min(n, lo + seg_len) - 1
+        while i >= lo:
+            if (i & 3) == 3 and i - 3 >= lo:  # (a whole group of lanes: see rans_decode)
+                x3, pos = _rans_put(x3, np.int64(symbols[_U(i)]), tables, inverse, base, rans_out, pos)
+                x2, pos = _rans_put(x2, np.int64(symbols[_U(i - 1)]), tables, inverse, base, rans_out, pos)
+                x1, pos = _rans_put(x1, np.int64(symbols[_U(i - 2)]), tables, inverse, base, rans_out, pos)
+                x0, pos = _rans_put(x0, np.int64(symbols[_U(i - 3)]), tables, inverse, base, rans_out, pos)
+                i -= 4
+                continue
+            lane = i & 3
+            x = x0 if lane == 0 else (x1 if lane == 1 else (x2 if lane == 2 else x3))
+            x, pos = _rans_put(x, np.int64(symbols[_U(i)]), tables, inverse, base, rans_out, pos)
+            if lane == 0:
+                x0 = x
+            elif lane == 1:
+                x1 = x
+            elif lane == 2:
+                x2 = x
+            else:
+                x3 = x
+            i -= 1
+    for x in (x3, x2, x1, x0):
         pos -= 1
-        rans_out[pos] = np.uint16(x[lane] >> 16)
+        rans_out[pos] = np.uint16(x >> 16)
         pos -= 1
-        rans_out[pos] = np.uint16(x[lane] & 0xFFFF)
+        rans_out[pos] = np.uint16(x & 0xFFFF)
     return pos
 
 
+@inline
+def _rans_step(s, lut_step, lut_sym, base, up, up_mask, rans, p):
+    """One symbol of the state ``s``: (new state, symbol, new read position). The table holds
+    2**precision slots per class (``up`` = PROB_BITS - precision): the slot's frequency and its
+    distance from the symbol's start in the step table (both at PROB_BITS), its symbol apart, so
+    the state's chain waits for one load only."""
+    slot = s & (PROB_SCALE - 1)
+    at = base + (_U(slot) >> _U(up))
+    entry = np.int64(lut_step[at])
+    s = (entry & 0xFFFF) * (s >> PROB_BITS) + (entry >> 16) + (slot & up_mask)
+    # renormalise without a branch (taken for about one symbol in six: unpredictable); the word
+    # past the end keeps the read in bounds, the caller checks p before it
+    need = np.int64(s < RANS_L)
+    s = (s << (16 * need)) | (np.int64(rans[p]) & -need)
+    return s, lut_sym[at], p + _U(need)
+
+
 @kernel
-def rans_decode(rans, seg_len, classes, freq, lut, symbols):
+def rans_decode(rans, seg_len, classes, up, lut_step, lut_sym, symbols):
     """The symbols of a substream (each segment with its class's table); OK or an error code.
-    ``lut[c, slot]`` = symbol | (slot - start) << 16; ``rans`` ends with one word of padding. Reads
-    only inside it; ends with the states where the encoder began and every word consumed."""
+    ``lut_step``/``lut_sym`` come from :func:`build_lut` at 2**(PROB_BITS - up) slots per class;
+    ``rans`` ends with one word of padding. Reads only inside it; ends with the states where the
+    encoder began and every word consumed."""
     n = symbols.shape[0]
     nr = rans.shape[0] - 1  # (the last word is the caller's padding)
     if nr < 2 * LANES:
         return ERR_OVERRUN
+    # indices are unsigned from here on: Numba then drops its negative-index wraparound, which
+    # costs as much as the arithmetic (the values stay far below 2**63)
+    step = lut_step.ravel()
+    sym = lut_sym.ravel()
+    slots = _U(lut_step.shape[1])
+    up_mask = (1 << up) - 1
     x0 = np.int64(rans[0]) | (np.int64(rans[1]) << 16)
     x1 = np.int64(rans[2]) | (np.int64(rans[3]) << 16)
     x2 = np.int64(rans[4]) | (np.int64(rans[5]) << 16)
     x3 = np.int64(rans[6]) | (np.int64(rans[7]) << 16)
-    p = 2 * LANES
-    mask = PROB_SCALE - 1
+    p = _U(2 * LANES)
+    end = _U(nr)
     for j in range(classes.shape[0]):
-        c = np.int64(classes[j])
-        for i in range(j * seg_len, min(n, (j + 1) * seg_len)):
+        base = _U(classes[j]) * slots
+        i = j * seg_len
+        stop = min(n, i + seg_len)
+        while i < stop:
+            # four lanes at once where a whole group lies in the segment: the states' chains
+            # then overlap (p moves at most one word per symbol)
+            if (i & 3) == 0 and i + 4 <= stop and p + _U(3) <= end:
+                x0, s0, p = _rans_step(x0, step, sym, base, up, up_mask, rans, p)
+                x1, s1, p = _rans_step(x1, step, sym, base, up, up_mask, rans, p)
+                x2, s2, p = _rans_step(x2, step, sym, base, up, up_mask, rans, p)
+                x3, s3, p = _rans_step(x3, step, sym, base, up, up_mask, rans, p)
+                symbols[_U(i)] = s0
+                symbols[_U(i + 1)] = s1
+                symbols[_U(i + 2)] = s2
+                symbols[_U(i + 3)] = s3
+                i += 4
+                continue
+            if p > end:
+                return ERR_OVERRUN
             lane = i & 3
             s = x0 if lane == 0 else (x1 if lane == 1 else (x2 if lane == 2 else x3))
-            entry = np.int64(lut[c, s & mask])
-            sym = entry & 0xFFFF
-            s = np.int64(freq[c, sym]) * (s >> PROB_BITS) + (entry >> 16)
-            # renormalise without a branch (taken for about one symbol in six: unpredictable); the
-            # extra word past the end keeps the read in bounds, the check stops after it
-            if p > nr:
-                return ERR_OVERRUN
-            need = np.int64(s < RANS_L)
-            s = (s << (16 * need)) | (np.int64(rans[p]) & -need)
-            p += need
+            s, symbols[_U(i)], p = _rans_step(s, step, sym, base, up, up_mask, rans, p)
             if lane == 0:
                 x0 = s
             elif lane == 1:
@@ -207,83 +293,88 @@ def rans_decode(rans, seg_len, classes, freq, lut, symbols):
                 x2 = s
             else:
                 x3 = s
-            symbols[i] = sym
-    if p > nr:
+            i += 1
+    if p > end:
         return ERR_OVERRUN
     if x0 != RANS_L or x1 != RANS_L or x2 != RANS_L or x3 != RANS_L:
         return ERR_BAD_END
-    if p != nr:
+    if p != end:
         return ERR_TRAILING
     return OK
+
+
+@inline
+def _raw_at(raw, p, k):
+    """The ``k`` (<= 32) raw bits at bit position ``p`` (the stream is LSB first in 32-bit words;
+    the word after the one holding bit p must exist)."""
+    w = _U(p) >> _U(5)
+    pair = np.uint64(raw[w]) | (np.uint64(raw[w + _U(1)]) << np.uint64(32))
+    return np.int64(pair >> _U(p & 31)) & ((np.int64(1) << k) - 1)
 
 
 @kernel
 def decode_kernel(raw, seg_len, W, M, zeros, symbols, out):
     """Rebuild ``out`` (the float bits) from the decoded ``symbols`` and the raw bits; OK or an
-    error code. ``raw`` ends with one word of padding; every other word is read, none beyond."""
+    error code. ``raw`` ends with one word of padding; every other word is used, none beyond.
+
+    Every element of a segment has the same raw bit count, so each one's bits are found from its
+    index: no element waits for the previous one's bit reader."""
     n = out.shape[0]
     nw = raw.shape[0] - 1
-    acc = np.uint64(0)
-    nacc = 0
-    q = 0
+    total = 0
+    for j in range(zeros.shape[0]):
+        count = min(n, (j + 1) * seg_len) - j * seg_len
+        mr = M - np.int64(zeros[j])
+        total += count * (mr - min(TOP_BITS, mr) + 1)
+    if total > 32 * nw:
+        return ERR_OVERRUN
+    if (total + 31) >> 5 != nw or (total & 31 and raw[nw - 1] >> np.uint32(total & 31)):
+        return ERR_TRAILING
+    pos = 0
     for j in range(zeros.shape[0]):
         z = np.int64(zeros[j])
         mr = M - z
         t = min(TOP_BITS, mr)
         low_bits = mr - t
-        k_all = low_bits + 1
-        top_shift = np.uint64(M - t)
-        top_drop = TOP_BITS - t
-        low_mask = np.uint64((1 << low_bits) - 1)
-        for i in range(j * seg_len, min(n, (j + 1) * seg_len)):
-            sym = np.int64(symbols[i])
-            k = k_all
-            value = np.uint64(0)
-            got = 0
-            if k > 32:  # (float64 only)
-                if nacc < 32:
-                    if q >= nw:
-                        return ERR_OVERRUN
-                    acc |= np.uint64(raw[q]) << np.uint64(nacc)
-                    q += 1
-                    nacc += 32
-                value = acc & np.uint64(0xFFFFFFFF)
-                acc >>= np.uint64(32)
-                nacc -= 32
-                got = 32
-                k -= 32
-            # refill without a branch, as in rans_decode (the shift is exact whenever the word is taken)
-            if q > nw:
-                return ERR_OVERRUN
-            take = np.uint64(nacc < k)
-            acc |= (np.uint64(raw[q]) << np.uint64(nacc & 31)) & (np.uint64(0) - take)
-            q += np.int64(take)
-            nacc += 32 * np.int64(take)
-            value |= (acc & np.uint64((1 << k) - 1)) << np.uint64(got)
-            acc >>= np.uint64(k)
-            nacc -= k
-            e = np.uint64(sym >> TOP_BITS)
-            top = np.uint64((sym & ((1 << TOP_BITS) - 1)) >> top_drop)
-            sign = value >> np.uint64(low_bits)
-            out[i] = ((sign << np.uint64(W - 1)) | (e << np.uint64(M)) | (top << top_shift)
-                      | ((value & low_mask) << np.uint64(z)))
-    if q > nw:
-        return ERR_OVERRUN
-    if q != nw or acc != np.uint64(0):
-        return ERR_TRAILING
+        k = low_bits + 1
+        low_mask = (np.int64(1) << low_bits) - 1
+        lo = j * seg_len
+        count = min(n, lo + seg_len) - lo
+        if t == TOP_BITS and k <= 32:  # (all but float64 and segments keeping < 2 mantissa bits)
+            sym_shift = M - TOP_BITS
+            for i in range(count):
+                v = _raw_at(raw, pos + i * k, k)
+                sym = np.int64(symbols[_U(lo + i)])
+                out[_U(lo + i)] = ((v >> low_bits) << (W - 1)) | (sym << sym_shift) | ((v & low_mask) << z)
+        else:
+            top_shift = M - t
+            top_drop = TOP_BITS - t
+            for i in range(count):
+                at = pos + i * k
+                if k > 32:
+                    v = _raw_at(raw, at, 32) | (_raw_at(raw, at + 32, k - 32) << 32)
+                else:
+                    v = _raw_at(raw, at, k)
+                sym = np.int64(symbols[_U(lo + i)])
+                value = (((v >> low_bits) << (W - 1)) | ((sym >> TOP_BITS) << M)
+                         | (((sym & ((1 << TOP_BITS) - 1)) >> top_drop) << top_shift) | ((v & low_mask) << z))
+                out[_U(lo + i)] = value
+        pos += count * k
     return OK
 
 
 @kernel
-def build_lut(freq, start, lut):
-    """lut[c, slot] = sym | (slot - start) << 16 for the symbol whose range [start, start + freq)
-    holds slot."""
+def build_lut(freq, start, up, lut_step, lut_sym):
+    """The decoder's tables at 2**(PROB_BITS - up) slots per class (``freq`` and ``start`` at
+    PROB_BITS, multiples of 2**up): lut_step = freq | (distance from the symbol's start) << 16,
+    lut_sym = the symbol."""
     for c in range(freq.shape[0]):
         for sym in range(freq.shape[1]):
-            f = freq[c, sym]
-            b = start[c, sym]
-            for slot in range(b, b + f):
-                lut[c, slot] = np.uint32(sym | ((slot - b) << 16))
+            f = np.int64(freq[c, sym])
+            b = np.int64(start[c, sym]) >> up
+            for slot in range(b, b + (f >> up)):
+                lut_step[c, slot] = np.uint32(f | ((slot - b) << (16 + up)))
+                lut_sym[c, slot] = sym
 
 
 # Tables: per class, the used symbols in increasing order, each as gamma(gap) gamma(freq), where gap
@@ -446,9 +537,16 @@ def choose_classes(hist16, nseg, costs, freq):
     frequency tables, class nibbles and gamma-coded tables included. The tables, at that precision,
     go into ``freq`` (zeroed, 16 x alphabet). Returns (klog, precision)."""
     groups = hist16.shape[0]
-    alphabet = hist16.shape[1]
-    rows = np.zeros((groups, alphabet), dtype=np.int64)
-    tmp = np.zeros(alphabet, dtype=np.int64)
+    # only the symbols the chunk uses take part (a few dozen of an alphabet of up to 8192): an
+    # unused symbol gets no frequency and no table entry, and dropping it moves no tie
+    used_syms = np.nonzero(hist16.sum(axis=0))[0]
+    nu = used_syms.shape[0]
+    hist = np.empty((groups, nu), dtype=np.int64)
+    for g in range(groups):
+        for u in range(nu):
+            hist[g, u] = hist16[g, used_syms[u]]
+    rows = np.zeros((groups, nu), dtype=np.int64)
+    tmp = np.zeros(nu, dtype=np.int64)
     best_cost = np.int64(-1)
     best = 0
     best_bits = PROB_BITS
@@ -459,8 +557,8 @@ def choose_classes(hist16, nseg, costs, freq):
         rows[:K] = 0
         for c in range(K):
             for g in range(c * per, (c + 1) * per):
-                for s in range(alphabet):
-                    rows[c, s] += hist16[g, s]
+                for u in range(nu):
+                    rows[c, u] += hist[g, u]
             if rows[c].sum() == 0:
                 complete = False
         if not complete:
@@ -477,12 +575,12 @@ def choose_classes(hist16, nseg, costs, freq):
                 used = 0
                 prev = -1
                 table = 0
-                for s in range(alphabet):
-                    if tmp[s] > 0:
-                        cost += rows[c, s] * costs[tmp[s] << (PROB_BITS - bits)]
+                for u in range(nu):
+                    if tmp[u] > 0:
+                        cost += rows[c, u] * costs[tmp[u] << (PROB_BITS - bits)]
                         used += 1
-                        table += _gamma_length(s - prev) + _gamma_length(tmp[s])
-                        prev = s
+                        table += _gamma_length(used_syms[u] - prev) + _gamma_length(tmp[u])
+                        prev = used_syms[u]
                 cost += np.int64(table + _gamma_length(used)) << COST_FRACTION_BITS
             if best_cost < 0 or cost < best_cost:
                 best_cost = cost
@@ -493,11 +591,11 @@ def choose_classes(hist16, nseg, costs, freq):
     for c in range(K):
         rows[c] = 0
         for g in range(c * per, (c + 1) * per):
-            for s in range(alphabet):
-                rows[c, s] += hist16[g, s]
+            for u in range(nu):
+                rows[c, u] += hist[g, u]
         normalize_row(rows[c], best_bits, tmp)
-        for s in range(alphabet):
-            freq[c, s] = tmp[s]
+        for u in range(nu):
+            freq[c, used_syms[u]] = tmp[u]
     return best, best_bits
 
 
@@ -543,16 +641,6 @@ def int_stats(values, seg_len, mean_length):
             b, _ = _magnitude(np.int64(values[i]))
             total += b
         mean_length[j] = total / max(stop - start, 1)
-
-
-@kernel
-def int_histogram(values, seg_len, classes, hist):
-    n = values.shape[0]
-    for j in range(classes.shape[0]):
-        c = np.int64(classes[j])
-        for i in range(j * seg_len, min(n, (j + 1) * seg_len)):
-            sym, _, _ = _magnitude_parts(np.int64(values[i]))
-            hist[c, sym] += 1
 
 
 @kernel

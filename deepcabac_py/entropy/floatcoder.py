@@ -94,7 +94,6 @@ class _Tables:
         self.sent = freq16[:1 << self.klog]
         self.freq = self.sent << (PROB_BITS - self.precision)
         self.start = (np.cumsum(self.freq, axis=1) - self.freq).astype(np.int32)
-        self.inverse = 1.0 / np.maximum(self.freq, 1)
 
     def header(self) -> list[bytes]:
         """The class count, precision, class nibbles and tables, as the substream holds them."""
@@ -113,7 +112,7 @@ def _coded(parts: list[bytes], t: _Tables, seg_len: int, symbols: np.ndarray, ra
     """The substream: ``parts`` (what precedes the coder words), the rANS words of ``symbols`` and
     the raw bits."""
     rans = np.empty(symbols.shape[0] + 2 * _k.LANES + 2, dtype=np.uint16)
-    begin = _k.rans_encode(symbols, seg_len, t.classes, t.freq, t.start, t.inverse, rans)
+    begin = _k.rans_encode(symbols, seg_len, t.classes, t.freq, t.start, rans)
     return b"".join(parts + t.header() + [struct.pack("<I", rans.shape[0] - begin),
                                          rans[begin:].astype("<u2").tobytes(), raw[:nraw].astype("<u4").tobytes()])
 
@@ -131,12 +130,12 @@ def encode_chunk(values: np.ndarray, dtype_name: str, seg_len: int) -> bytes:
     mean_e = np.empty(nseg, dtype=np.float64)
     _k.segment_stats(words, seg_len, W, M, zeros, mean_e)
     classes16 = _classes_of(mean_e)
-    hist16 = np.zeros((MAX_CLASSES, _alphabet(dtype_name)), dtype=np.int64)
-    _k.histogram(words, seg_len, W, M, zeros, classes16, hist16)
-    t = _Tables(hist16, classes16)
     symbols = np.empty(n, dtype=np.uint16)
     raw = np.empty(-(-_k.raw_bit_count(n, seg_len, M, zeros) // 32) + 1, dtype=np.uint32)
     nraw = _k.encode_kernel(words, seg_len, W, M, zeros, symbols, raw)
+    hist16 = np.zeros((MAX_CLASSES, _alphabet(dtype_name)), dtype=np.int64)
+    _k.histogram(symbols, seg_len, classes16, hist16)
+    t = _Tables(hist16, classes16)
     if nseg and (zeros == zeros[0]).all():
         parts = [bytes([0, int(zeros[0])])]
     else:
@@ -158,9 +157,10 @@ class _Reader:
     def u32(self, what: str) -> int:
         return int.from_bytes(self.take(4, what).tobytes(), "little")
 
-    def tables(self, nseg: int, alphabet: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(classes, frequencies, lookup table) of a substream: class count, precision, class
-        nibbles and tables, validated."""
+    def tables(self, nseg: int, alphabet: int) -> tuple[np.ndarray, int, np.ndarray, np.ndarray]:
+        """(classes, PROB_BITS - precision, the decoder's two lookup tables) of a substream: class
+        count, precision, class nibbles and tables, validated. The lookup tables have a slot per
+        unit of the precision the tables were sent at: a coarser table is smaller, and faster."""
         where = self.where
         klog, precision = (int(v) for v in self.take(2, "class count and table precision"))
         if klog > _k.MAX_CLASSES_LOG2:
@@ -183,18 +183,19 @@ class _Reader:
         got = _k.read_tables(tables, precision, freq, start)
         if got < 0 or got != tables.shape[0]:
             raise CorruptStreamError(f"{where}: {_ERRORS.get(got, 'the frequency tables do not fill their bytes')}")
-        lut = np.empty((freq.shape[0], 1 << PROB_BITS), dtype=np.uint32)
-        _k.build_lut(freq, start, lut)
-        return classes, freq, lut
+        lut_step = np.empty((freq.shape[0], 1 << precision), dtype=np.uint32)
+        lut_sym = np.empty((freq.shape[0], 1 << precision), dtype=np.uint16)
+        _k.build_lut(freq, start, PROB_BITS - precision, lut_step, lut_sym)
+        return classes, PROB_BITS - precision, lut_step, lut_sym
 
     def symbols(self, n: int, seg_len: int, alphabet: int) -> np.ndarray:
         """The ``n`` symbols of a substream: its classes, tables and rANS words read and decoded."""
-        classes, freq, lut = self.tables(-(-n // seg_len), alphabet)
+        classes, up, lut_step, lut_sym = self.tables(-(-n // seg_len), alphabet)
         nrans = self.u32("coder size")
         rans = np.zeros(nrans + 1, dtype=np.uint16)  # (aligned for the kernel, one word of padding)
         rans[:nrans] = self.take(2 * nrans, "coder words").view("<u2")
         symbols = np.empty(n, dtype=np.uint16)
-        err = _k.rans_decode(rans, seg_len, classes, freq, lut, symbols)
+        err = _k.rans_decode(rans, seg_len, classes, up, lut_step, lut_sym, symbols)
         if err != _k.OK:
             raise CorruptStreamError(f"{self.where}: {_ERRORS[err]}")
         return symbols
@@ -261,12 +262,12 @@ def encode_magnitudes(values: np.ndarray, seg_len: int) -> bytes:
     mean = np.empty(nseg, dtype=np.float64)
     _k.int_stats(values, seg_len, mean)
     classes16 = _classes_of(mean)
-    hist16 = np.zeros((MAX_CLASSES, (width + 1) << _k.TOP_BITS), dtype=np.int64)
-    _k.int_histogram(values, seg_len, classes16, hist16)
-    t = _Tables(hist16, classes16)
     symbols = np.empty(n, dtype=np.uint16)
     raw = np.empty(2 * n + 2, dtype=np.uint32)
     nraw = _k.int_encode_kernel(values, symbols, raw)
+    hist16 = np.zeros((MAX_CLASSES, (width + 1) << _k.TOP_BITS), dtype=np.int64)
+    _k.histogram(symbols, seg_len, classes16, hist16)
+    t = _Tables(hist16, classes16)
     return _coded([], t, seg_len, symbols, raw, nraw)
 
 

@@ -105,9 +105,21 @@ batchnorm_eps, bias_correction, moments_qp
                               keep_exact=keep_exact, quantizer=quantizer, lambda_scale=lambda_scale,
                               importance=importance, batchnorm_eps=batchnorm_eps, bias_correction=bias_correction,
                               moments_qp=moments_qp)
-    out = io.BytesIO()
-    write_stream(out, model, settings, threads=threads, progress=progress, spool=io.BytesIO())
-    return out.getvalue()
+    out = _Pieces()
+    _write(out, model, settings, resolve_threads(threads), progress, _MemoryPayloads(), ELEMENTS_IN_FLIGHT)
+    return b"".join(out.pieces)
+
+
+class _Pieces:
+    """A write-only binary sink that keeps what it is given: the stream is joined once at the end
+    instead of being copied into a growing buffer piece by piece."""
+
+    def __init__(self):
+        self.pieces: list[bytes] = []
+
+    def write(self, b: bytes) -> int:
+        self.pieces.append(b)
+        return len(b)
 
 
 def write_stream(out: BinaryIO, model: Mapping[str, Any] | Checkpoint | TensorSource, settings: EncodeSettings, *,
@@ -125,11 +137,16 @@ def write_stream(out: BinaryIO, model: Mapping[str, Any] | Checkpoint | TensorSo
     threads = resolve_threads(threads)
     if max_elements_in_flight < 1:
         raise ValueError(f"max_elements_in_flight must be positive, got {max_elements_in_flight!r}")
-    plan = plan_model(model, settings)
     with contextlib.ExitStack() as stack:
         if spool is None:
             spool = stack.enter_context(tempfile.TemporaryFile(prefix="deepcabac-"))
-        payloads = _Payloads(spool)
+        return _write(out, model, settings, threads, progress, _Payloads(spool), max_elements_in_flight)
+
+
+def _write(out: BinaryIO | _Pieces, model: Mapping[str, Any] | Checkpoint | TensorSource, settings: EncodeSettings,
+           threads: int, progress: Progress | None, payloads: _Payloads, max_elements_in_flight: int) -> StreamHeader:
+    plan = plan_model(model, settings)
+    with contextlib.ExitStack() as stack:
         pool = ThreadPoolExecutor(max_workers=threads) if threads > 1 else None
         if pool is not None:  # (on an error or ^C, the chunks not started are dropped, not run)
             stack.callback(pool.shutdown, wait=True, cancel_futures=True)
@@ -174,7 +191,7 @@ class _Payloads:
         self.where[entry.name] = (self.end, entry.size)
         self.end += entry.size
 
-    def copy_to(self, out: BinaryIO, name: str) -> None:
+    def copy_to(self, out: BinaryIO | _Pieces, name: str) -> None:
         start, size = self.where[name]
         self.spool.seek(start)
         while size:
@@ -186,6 +203,26 @@ class _Payloads:
 
 
 COPY_PIECE = 1 << 24
+
+
+class _MemoryPayloads(_Payloads):
+    """The substreams kept as they came, for a caller that returns the whole stream as bytes."""
+
+    def __init__(self):
+        self.chunks: dict[str, list[bytes]] = {}
+
+    def add(self, entry: TensorEntry, chunks: list[bytes]) -> None:
+        crc = 0
+        for c in chunks:
+            crc = zlib.crc32(c, crc)
+        entry.chunk_sizes = [len(c) for c in chunks]
+        entry.size = sum(entry.chunk_sizes)
+        entry.crc32 = crc
+        self.chunks[entry.name] = chunks
+
+    def copy_to(self, out: BinaryIO | _Pieces, name: str) -> None:
+        for c in self.chunks.pop(name):
+            out.write(c)
 
 
 class _TensorCoder:
