@@ -17,6 +17,7 @@ from deepcabac_py.entropy import chunk_layout
 from deepcabac_py.errors import CorruptStreamError
 from deepcabac_py.io.checkpoint import tensor_to_numpy
 from deepcabac_py.model.container import FLAG_ALIAS, FLAG_TORCH, DType, Mode
+from deepcabac_py.model.parallel import POOL_MIN_ELEMENTS
 from deepcabac_py.quant.steps import step_from_qp
 
 decode_model, encode_model = dc.decode_model, dc.encode_model
@@ -326,12 +327,15 @@ def test_qp_1d_applies_to_ndim_le_1():
 def test_deterministic_across_threads_and_calls():
     model = {f"layer{i}.weight": rand((40, 25), seed=30 + i) for i in range(6)}
     model["ids"] = np.arange(100, dtype=np.int64).reshape(10, 10)
+    model["big.weight"] = rand((200, 200), seed=29)  # (large enough for the pool; the others are not)
+    assert model["big.weight"].size >= POOL_MIN_ELEMENTS > model["layer0.weight"].size
     one = dc.encode_model(model, threads=1)
     assert dc.encode_model(model, threads=2) == one
     assert dc.encode_model(model, threads=2) == one
     assert dc.encode_model(model) == one
     on_two, on_one = dc.decode_model(one, threads=2), dc.decode_model(one, threads=1)
     assert bits(on_two["layer3.weight"]) == bits(on_one["layer3.weight"])
+    assert bits(on_two["big.weight"]) == bits(on_one["big.weight"])
 
 
 def test_decode_levels_gives_levels_and_step():

@@ -109,13 +109,13 @@ def test_classes_follow_the_row_scale():
 
 def test_encode_model_keeps_exact_floats_losslessly_and_small():
     rng = np.random.default_rng(4)
-    model = {"w": torch.from_numpy(_weights(rng, "float32", (64, 300))).to(torch.bfloat16),
+    model = {"w": torch.from_numpy(_weights(rng, "float32", (128, 300))).to(torch.bfloat16),  # (on the pool)
              "h": torch.from_numpy(_with_specials(_weights(rng, "float16", (2000,)), "float16", rng)),
              "tiny": np.array([np.nan, -0.0], dtype=np.float32)}
     data = dc.encode_model(model, keep_exact=True, threads=2)
     modes = {e.name: e.mode for e in read_header(data).tensors}
     assert modes == {"w": Mode.FLOAT, "h": Mode.FLOAT, "tiny": Mode.RAW}  # (two floats: raw is smaller)
-    assert len(data) < 0.8 * (64 * 300 * 2 + 2000 * 2)
+    assert len(data) < 0.8 * (128 * 300 * 2 + 2000 * 2)
     back = dc.decode_model(data, threads=1)
     assert back["w"].view(torch.int16).equal(model["w"].view(torch.int16))
     assert back["h"].view(torch.int16).equal(model["h"].view(torch.int16))

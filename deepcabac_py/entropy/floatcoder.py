@@ -113,8 +113,11 @@ def _coded(parts: list[bytes], t: _Tables, seg_len: int, symbols: np.ndarray, ra
     the raw bits."""
     rans = np.empty(symbols.shape[0] + 2 * _k.LANES + 2, dtype=np.uint16)
     begin = _k.rans_encode(symbols, seg_len, t.classes, t.freq, t.start, rans)
-    return b"".join(parts + t.header() + [struct.pack("<I", rans.shape[0] - begin),
-                                         rans[begin:].astype("<u2").tobytes(), raw[:nraw].astype("<u4").tobytes()])
+    # (the words go into the join as views: each byte is copied once)
+    pieces: list[bytes | memoryview] = [*parts, *t.header(), struct.pack("<I", rans.shape[0] - begin),
+                                        rans[begin:].astype("<u2", copy=False).data,
+                                        raw[:nraw].astype("<u4", copy=False).data]
+    return b"".join(pieces)
 
 
 def encode_chunk(values: np.ndarray, dtype_name: str, seg_len: int) -> bytes:

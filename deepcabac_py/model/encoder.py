@@ -15,7 +15,7 @@ import io
 import tempfile
 import zlib
 from collections.abc import Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, BinaryIO
 
 import numpy as np
@@ -35,7 +35,7 @@ from .container import (
 )
 from .levels import QuantizedTensor, assembled
 from .model_plan import ModelPlan, plan_model
-from .parallel import ELEMENTS_IN_FLIGHT, Progress, resolve_threads
+from .parallel import ELEMENTS_IN_FLIGHT, POOL_MIN_ELEMENTS, Progress, resolve_threads
 from .settings import (
     DEFAULT_IMPORTANCE,
     DEFAULT_MOMENTS_QP,
@@ -249,7 +249,10 @@ class _TensorCoder:
                 continue
             keep = p.name in self.plan.shift_layers
             jobs = [(p, k, keep) for k in range(p.chunk_count)]
-            work = [self.pool.submit(self._run, job) for job in jobs] if self.pool is not None else jobs
+            if self.pool is not None and p.entry.numel >= POOL_MIN_ELEMENTS:
+                work: list = [self.pool.submit(self._run, job) for job in jobs]
+            else:
+                work = jobs
             in_flight.append((p, work))
             elements += p.entry.numel
             while in_flight and (elements > self.budget or self.pool is None):
@@ -265,7 +268,7 @@ class _TensorCoder:
         return data, levels if keep else None
 
     def _finish(self, p: TensorPlan, work: list) -> int:
-        done = [w.result() for w in work] if self.pool is not None else [self._run(job) for job in work]
+        done = [w.result() if isinstance(w, Future) else self._run(w) for w in work]
         chunks = [data for data, _ in done]
         raw_size = p.entry.numel * p.entry.dtype.itemsize
         if p.entry.mode.is_class_coded and sum(map(len, chunks)) >= raw_size:

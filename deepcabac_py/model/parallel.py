@@ -13,6 +13,11 @@ Progress = Callable[[int], None]  # called with the number of elements just code
 # coding while the next is read) fit, and memory stays a few hundred MB whatever the model's size.
 ELEMENTS_IN_FLIGHT = 1 << 26
 
+# A tensor smaller than this is coded on the calling thread even when a pool runs: its chunk is
+# mostly Python, which holds the GIL, so handing it to a worker only adds the hand-off (a model of
+# small tensors, such as EfficientNet-Lite0's, coded slower on two threads than on one).
+POOL_MIN_ELEMENTS = 1 << 15
+
 
 
 def resolve_threads(threads: int | None) -> int:
