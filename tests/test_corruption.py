@@ -463,3 +463,18 @@ def test_column_model_switched_off():
     struct.pack_into("<H", old, 8, 2)
     with pytest.raises(CorruptStreamError, match="needs format version 3"):
         dc.decode_model(reseal_header(old))
+
+
+def test_the_streams_checksum_is_zlibs_crc32():
+    """The checksum module may take a faster implementation, never a different checksum: the
+    formats are specified with zlib's CRC-32."""
+    import zlib
+
+    from deepcabac_py.io.checksum import crc32
+
+    rng = np.random.default_rng(11)
+    for n in (0, 1, 7, 4096, 1 << 20):
+        data = rng.integers(0, 256, n, dtype=np.uint8)
+        start = int(rng.integers(0, 2**32))
+        assert crc32(data) == zlib.crc32(data)
+        assert crc32(memoryview(data)[n // 3:], start) == zlib.crc32(memoryview(data)[n // 3:], start)

@@ -14,4 +14,5 @@ May import: ``errors`` only (it is the bottom layer; torch is imported by ``chec
 * :mod:`.dtypes`: dtype names, their frozen codes in the bitstreams, their numpy carriers.
 * :mod:`.atomic`: ``write_atomic`` and the wording of operating-system errors.
 * :mod:`.inputs`: one error and one wording for a file that cannot be read.
+* :mod:`.checksum`: the formats' CRC-32 (zlib's, at ISA-L's speed when installed).
 """

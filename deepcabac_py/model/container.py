@@ -35,6 +35,7 @@ from ..entropy.chunk_layout import (
 from ..entropy.levelcoder import max_elements_for_payload
 from ..entropy.linear_prediction import MAX_COLUMNS, MIN_COLUMNS
 from ..errors import CheckpointError, CorruptStreamError, FormatError, LimitExceededError, TruncatedStreamError
+from ..io.checksum import crc32
 from ..io.dtypes import DType
 from ..io.inputs import read_exactly, unreadable
 from ..io.kinds import HEAD_BYTES, STREAM_MAGIC, what_it_is
@@ -250,7 +251,7 @@ def pack_header(qp: int, qp_1d: int, qp_density: int, meta: Any, tensors: list[T
     packed = struct.pack("<I", len(raw)) + zlib.compress(raw, 9)
     version = max([1] + [t.min_version for t in tensors])
     head = PREAMBLE.pack(MAGIC, version, 0, len(packed) + 4) + packed
-    return head + struct.pack("<I", zlib.crc32(head))
+    return head + struct.pack("<I", crc32(head))
 
 
 def check_preamble(data, *, magic: bytes, versions: tuple[int, ...], known_flags: int, kind: str, noun: str,
@@ -308,7 +309,7 @@ def read_header(data, *, total_size: int | None = None, payload_known: bool = Tr
     if len(data) < end:
         raise TruncatedStreamError(f"stream ends inside its header ({len(data)} of {end} bytes)")
     stored_crc = struct.unpack("<I", bytes(data[end - 4:end]))[0]
-    if zlib.crc32(bytes(data[: end - 4])) != stored_crc:
+    if crc32(bytes(data[: end - 4])) != stored_crc:
         raise CorruptStreamError("header checksum mismatch: the header is damaged")
     total = len(data) if total_size is None else total_size
     payload_size = total - end

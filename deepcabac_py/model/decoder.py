@@ -10,7 +10,6 @@ import collections
 import dataclasses
 import fnmatch
 import os
-import zlib
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -20,6 +19,7 @@ import numpy as np
 from ..entropy import chunk_layout, floatcoder, levelcoder, linear_prediction
 from ..errors import CorruptStreamError, TruncatedStreamError
 from ..io.checkpoint import Checkpoint, RawTensor, numpy_to_tensor, plain_skeleton, unflatten
+from ..io.checksum import crc32
 from ..io.dtypes import DType
 from ..io.inputs import unreadable
 from ..quant.log_domain import log_values
@@ -270,7 +270,7 @@ def _payload_views(stream, e: TensorEntry) -> list[memoryview]:
     view = stream.read(stream.header.header_size + e.offset, e.size)
     if len(view) != e.size:
         raise TruncatedStreamError(f"tensor {e.name!r}: payload truncated")
-    if zlib.crc32(view) != e.crc32:
+    if crc32(view) != e.crc32:
         raise CorruptStreamError(f"tensor {e.name!r}: payload checksum mismatch (the stream is damaged)")
     views, pos = [], 0
     for size in e.chunk_sizes:

@@ -13,7 +13,6 @@ import collections
 import contextlib
 import io
 import tempfile
-import zlib
 from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, BinaryIO
@@ -22,6 +21,7 @@ import numpy as np
 
 from ..entropy import linear_prediction
 from ..io.checkpoint import Checkpoint
+from ..io.checksum import crc32
 from ..io.tensor_source import TensorSource
 from .container import (
     LOG_OFFSET_BYTES,
@@ -184,7 +184,7 @@ class _Payloads:
         self.spool.seek(self.end)
         for c in chunks:
             self.spool.write(c)
-            crc = zlib.crc32(c, crc)
+            crc = crc32(c, crc)
         entry.chunk_sizes = [len(c) for c in chunks]
         entry.size = sum(entry.chunk_sizes)
         entry.crc32 = crc
@@ -214,7 +214,7 @@ class _MemoryPayloads(_Payloads):
     def add(self, entry: TensorEntry, chunks: list[bytes]) -> None:
         crc = 0
         for c in chunks:
-            crc = zlib.crc32(c, crc)
+            crc = crc32(c, crc)
         entry.chunk_sizes = [len(c) for c in chunks]
         entry.size = sum(entry.chunk_sizes)
         entry.crc32 = crc

@@ -14,12 +14,12 @@ import fcntl
 import json
 import os
 import struct
-import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 from ..errors import CorruptStreamError, FormatError, InputError, OutputError
+from ..io.checksum import crc32
 from ..io.inputs import unreadable
 
 __all__ = ["SERIES_MAGIC", "SERIES_VERSION", "Record", "SeriesFile"]
@@ -119,7 +119,7 @@ class SeriesFile:
         """The record's payload, its checksum verified."""
         self._f.seek(record.payload_offset)
         data = self._f.read(record.payload_size)
-        if len(data) != record.payload_size or zlib.crc32(data, zlib.crc32(record.meta_bytes)) != record.crc32:
+        if len(data) != record.payload_size or crc32(data, crc32(record.meta_bytes)) != record.crc32:
             raise CorruptStreamError(f"{self.path}: entry {record.index} is damaged (checksum mismatch)")
         if record.meta.get("damaged"):
             raise CorruptStreamError(f"{self.path}: entry {record.index} has a damaged description")
@@ -131,7 +131,7 @@ class SeriesFile:
             raise RuntimeError("internal error: appending to a series opened for reading")
         meta_bytes = json.dumps(meta, separators=(",", ":"), sort_keys=True).encode("utf-8")
         index = len(self.records)
-        crc = zlib.crc32(payload, zlib.crc32(meta_bytes))
+        crc = crc32(payload, crc32(meta_bytes))
         f = self._f
         try:
             if self.version != SERIES_VERSION:

@@ -19,7 +19,6 @@ exactly, float tensors through ``method`` at ``density``.
 from __future__ import annotations
 
 import math
-import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import UpdateMismatchError
+from ..io.checksum import crc32
 from .messages import (
     UpdateSession,
     _flat_model,
@@ -217,5 +217,5 @@ def crc_of_model(model) -> int:
     """A cheap fingerprint of a model (for tests and logs)."""
     crc = 0
     for n, t in _flat_model(model).items():
-        crc = zlib.crc32(n.encode() + t.array.tobytes(), crc)
+        crc = crc32(n.encode() + t.array.tobytes(), crc)
     return crc

@@ -43,6 +43,7 @@ from ..errors import (
     TruncatedStreamError,
     UpdateMismatchError,
 )
+from ..io.checksum import crc32
 from ..io.dtypes import DType
 from ..io.inputs import read_exactly
 from ..io.kinds import UPDATE_MAGIC
@@ -436,8 +437,8 @@ def _write_message(*, round_index: int, parent_round: int, parent_hash: bytes, s
         # A message that uses no format-2 feature is written as format 1 (readable by older decoders).
         version = 2 if any(e.features & ~_update_kernels.F_ALL_V1 for e in entries) else 1
     head = PREAMBLE.pack(MAGIC, version, flags, len(packed) + 4) + packed
-    head += struct.pack("<I", zlib.crc32(head))
-    return head + payload + struct.pack("<I", zlib.crc32(payload))
+    head += struct.pack("<I", crc32(head))
+    return head + payload + struct.pack("<I", crc32(payload))
 
 
 def _has_maxabs(method: Method) -> bool:
@@ -492,7 +493,7 @@ def read_update_header(data, *, total_size: int | None = None) -> UpdateHeader:
     if len(data) < end:
         raise TruncatedStreamError(f"update ends inside its header ({len(data)} of {end} bytes)")
     head = bytes(data[:end])
-    if zlib.crc32(head[:-4]) != struct.unpack("<I", head[-4:])[0]:
+    if crc32(head[:-4]) != struct.unpack("<I", head[-4:])[0]:
         raise CorruptStreamError("update header checksum mismatch: the header is damaged")
     r = _Cursor(head, PREAMBLE.size, end - 4)
     round_index = r.uvarint("round")
@@ -942,7 +943,7 @@ def checked_payload(data, header: UpdateHeader) -> memoryview:
     view = memoryview(data)  # read_update_header has checked that it holds the whole message
     end = header.header_size + header.payload_size
     (crc,) = struct.unpack("<I", bytes(view[end:header.total_size]))
-    if zlib.crc32(view[header.header_size:end]) != crc:
+    if crc32(view[header.header_size:end]) != crc:
         raise CorruptStreamError("update payload checksum mismatch (the update is damaged)")
     return view[header.header_size:end]
 
