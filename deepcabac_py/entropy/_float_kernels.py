@@ -20,6 +20,7 @@ PROB_BITS = 14  # frequencies of a table sum to 2**PROB_BITS
 PROB_SCALE = 1 << PROB_BITS
 RANS_L = 1 << 16  # states stay in [RANS_L, 2**32); renormalisation moves 16 bits
 LANES = 4  # interleaved states: element i uses state i % LANES
+PARTIAL_HISTOGRAMS_FROM = 1 << 16  # elements: below, clearing and adding up the partial histograms costs more
 TOP_BITS = 2  # mantissa bits coded with the exponent (they depend on it: the density falls inside an octave)
 MAX_CLASSES_LOG2 = 4
 _U = np.uint64  # (indices: see rans_decode)
@@ -74,6 +75,13 @@ def histogram(symbols, seg_len, classes, hist):
     """hist[class, symbol] += 1 for every symbol (``classes``: the class of each segment)."""
     n = symbols.shape[0]
     alphabet = hist.shape[1]
+    flat = hist.ravel()
+    if n < PARTIAL_HISTOGRAMS_FROM:
+        for j in range(classes.shape[0]):
+            base = _U(np.int64(classes[j]) * alphabet)
+            for i in range(j * seg_len, min(n, (j + 1) * seg_len)):
+                flat[base + _U(symbols[_U(i)])] += 1
+        return
     # four partial histograms, one per element mod 4: runs of one symbol (the common exponent)
     # would otherwise wait on their own counter's store
     part = np.zeros(4 * hist.shape[0] * alphabet, dtype=np.int64)
