@@ -327,3 +327,20 @@ def test_wide_integers_go_to_the_magnitude_coder_and_narrow_ones_do_not():
     assert modes == {"wide": Mode.MAGNITUDE, "ids": Mode.INTEGER, "huge": Mode.MAGNITUDE, "small": Mode.INTEGER}
     back = dc.decode_model(data)
     assert all(back[k].dtype == v.dtype and np.array_equal(back[k], v) for k, v in model.items())
+
+
+@pytest.mark.parametrize("n", [1000, 70_000])  # (one histogram, then four partial ones)
+def test_histogram_counts_each_symbol_in_its_segments_class(n):
+    from deepcabac_py.entropy import _float_kernels
+
+    assert 1000 < _float_kernels.PARTIAL_HISTOGRAMS_FROM <= 70_000
+    rng = np.random.default_rng(n)
+    seg = 300
+    symbols = rng.integers(0, 40, n).astype(np.uint16)
+    symbols[: n // 2] = 17  # (a long run of one symbol)
+    classes = rng.integers(0, 16, -(-n // seg)).astype(np.uint8)
+    hist = np.zeros((16, 64), dtype=np.int64)
+    _float_kernels.histogram(symbols, seg, classes, hist)
+    expected = np.zeros_like(hist)
+    np.add.at(expected, (np.repeat(classes, seg)[:n], symbols), 1)
+    np.testing.assert_array_equal(hist, expected)
