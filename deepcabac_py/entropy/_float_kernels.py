@@ -155,6 +155,18 @@ def encode_kernel(words, seg_len, W, M, zeros, symbols, raw_out):
 
 
 @inline
+def _lane_state(lane, x0, x1, x2, x3):
+    """The state of ``lane`` (element i uses lane i % LANES), for the elements outside whole groups."""
+    return x0 if lane == 0 else (x1 if lane == 1 else (x2 if lane == 2 else x3))
+
+
+@inline
+def _with_lane(lane, x, x0, x1, x2, x3):
+    """The four states with ``lane``'s replaced by ``x``."""
+    return (x if lane == 0 else x0, x if lane == 1 else x1, x if lane == 2 else x2, x if lane == 3 else x3)
+
+
+@inline
 def _rans_put(x, sym, tables, inverse, base, rans_out, pos):
     """Push ``sym`` onto the state ``x``: (new state, new position). ``tables`` holds per class
     and symbol (freq, start), ``inverse`` 1 / freq."""
@@ -212,16 +224,9 @@ def rans_encode(symbols, seg_len, classes, freq, start, rans_out):
                 i -= 4
                 continue
             lane = i & 3
-            x = x0 if lane == 0 else (x1 if lane == 1 else (x2 if lane == 2 else x3))
-            x, pos = _rans_put(x, np.int64(symbols[_U(i)]), tables, inverse, base, rans_out, pos)
-            if lane == 0:
-                x0 = x
-            elif lane == 1:
-                x1 = x
-            elif lane == 2:
-                x2 = x
-            else:
-                x3 = x
+            x, pos = _rans_put(_lane_state(lane, x0, x1, x2, x3), np.int64(symbols[_U(i)]), tables, inverse, base,
+                               rans_out, pos)
+            x0, x1, x2, x3 = _with_lane(lane, x, x0, x1, x2, x3)
             i -= 1
     for x in (x3, x2, x1, x0):
         pos -= 1
@@ -291,16 +296,9 @@ def rans_decode(rans, seg_len, classes, up, lut_step, lut_sym, symbols):
             if p > end:
                 return ERR_OVERRUN
             lane = i & 3
-            s = x0 if lane == 0 else (x1 if lane == 1 else (x2 if lane == 2 else x3))
-            s, symbols[_U(i)], p = _rans_step(s, step, sym, base, up, up_mask, rans, p)
-            if lane == 0:
-                x0 = s
-            elif lane == 1:
-                x1 = s
-            elif lane == 2:
-                x2 = s
-            else:
-                x3 = s
+            s, symbols[_U(i)], p = _rans_step(_lane_state(lane, x0, x1, x2, x3), step, sym, base, up, up_mask,
+                                              rans, p)
+            x0, x1, x2, x3 = _with_lane(lane, s, x0, x1, x2, x3)
             i += 1
     if p > end:
         return ERR_OVERRUN
