@@ -253,53 +253,14 @@ def _rans_step(s, lut_step, lut_sym, base, up, up_mask, rans, p):
     return s, lut_sym[at], p + _U(need)
 
 
-@kernel
-def rans_decode(rans, seg_len, classes, up, lut_step, lut_sym, symbols):
-    """The symbols of a substream (each segment with its class's table); OK or an error code.
-    ``lut_step``/``lut_sym`` come from :func:`build_lut` at 2**(PROB_BITS - up) slots per class;
-    ``rans`` ends with one word of padding. Reads only inside it; ends with the states where the
-    encoder began and every word consumed."""
-    n = symbols.shape[0]
-    nr = rans.shape[0] - 1  # (the last word is the caller's padding)
-    if nr < 2 * LANES:
-        return ERR_OVERRUN
-    # indices are unsigned from here on: Numba then drops its negative-index wraparound, which
-    # costs as much as the arithmetic (the values stay far below 2**63)
-    step = lut_step.ravel()
-    sym = lut_sym.ravel()
-    slots = _U(lut_step.shape[1])
-    up_mask = (1 << up) - 1
-    x0 = np.int64(rans[0]) | (np.int64(rans[1]) << 16)
-    x1 = np.int64(rans[2]) | (np.int64(rans[3]) << 16)
-    x2 = np.int64(rans[4]) | (np.int64(rans[5]) << 16)
-    x3 = np.int64(rans[6]) | (np.int64(rans[7]) << 16)
-    p = _U(2 * LANES)
-    end = _U(nr)
-    for j in range(classes.shape[0]):
-        base = _U(classes[j]) * slots
-        i = j * seg_len
-        stop = min(n, i + seg_len)
-        while i < stop:
-            # four lanes at once where a whole group lies in the segment: the states' chains
-            # then overlap (p moves at most one word per symbol)
-            if (i & 3) == 0 and i + 4 <= stop and p + _U(3) <= end:
-                x0, s0, p = _rans_step(x0, step, sym, base, up, up_mask, rans, p)
-                x1, s1, p = _rans_step(x1, step, sym, base, up, up_mask, rans, p)
-                x2, s2, p = _rans_step(x2, step, sym, base, up, up_mask, rans, p)
-                x3, s3, p = _rans_step(x3, step, sym, base, up, up_mask, rans, p)
-                symbols[_U(i)] = s0
-                symbols[_U(i + 1)] = s1
-                symbols[_U(i + 2)] = s2
-                symbols[_U(i + 3)] = s3
-                i += 4
-                continue
-            if p > end:
-                return ERR_OVERRUN
-            lane = i & 3
-            s, symbols[_U(i)], p = _rans_step(_lane_state(lane, x0, x1, x2, x3), step, sym, base, up, up_mask,
-                                              rans, p)
-            x0, x1, x2, x3 = _with_lane(lane, s, x0, x1, x2, x3)
-            i += 1
+@inline
+def _initial_states(rans):
+    return (np.int64(rans[0]) | (np.int64(rans[1]) << 16), np.int64(rans[2]) | (np.int64(rans[3]) << 16),
+            np.int64(rans[4]) | (np.int64(rans[5]) << 16), np.int64(rans[6]) | (np.int64(rans[7]) << 16))
+
+
+@inline
+def _final_status(x0, x1, x2, x3, p, end):
     if p > end:
         return ERR_OVERRUN
     if x0 != RANS_L or x1 != RANS_L or x2 != RANS_L or x3 != RANS_L:
@@ -318,14 +279,102 @@ def _raw_at(raw, p, k):
     return np.int64(pair >> _U(p & 31)) & ((np.int64(1) << k) - 1)
 
 
-@kernel
-def decode_kernel(raw, seg_len, W, M, zeros, symbols, out):
-    """Rebuild ``out`` (the float bits) from the decoded ``symbols`` and the raw bits; OK or an
-    error code. ``raw`` ends with one word of padding; every other word is used, none beyond.
+# What _decode_segment writes for each element: the symbol, or the float rebuilt from the symbol
+# and its raw bits (FAST where the symbol holds TOP_BITS mantissa bits and the raw bits fit 32)
+SYMBOLS, FAST, GENERAL = 0, 1, 2
 
-    Every element of a segment has the same raw bit count, so each one's bits are found from its
-    index: no element waits for the previous one's bit reader."""
+
+@inline
+def _emit(form, out, i, sym, raw, at, W, M, z, low_bits, k):
+    if form == SYMBOLS:
+        out[_U(i)] = sym
+        return
+    low_mask = (np.int64(1) << low_bits) - 1
+    if form == FAST:
+        v = _raw_at(raw, at, k)
+        out[_U(i)] = ((v >> low_bits) << (W - 1)) | (np.int64(sym) << (M - TOP_BITS)) | ((v & low_mask) << z)
+        return
+    if k > 32:  # (float64)
+        v = _raw_at(raw, at, 32) | (_raw_at(raw, at + 32, k - 32) << 32)
+    else:
+        v = _raw_at(raw, at, k)
+    t = M - z - low_bits  # (the mantissa bits in the symbol, fewer than TOP_BITS here)
+    value = (((v >> low_bits) << (W - 1)) | ((np.int64(sym) >> TOP_BITS) << M)
+             | (((np.int64(sym) & ((1 << TOP_BITS) - 1)) >> (TOP_BITS - t)) << (M - t)) | ((v & low_mask) << z))
+    out[_U(i)] = value
+
+
+@inline
+def _decode_segment(form, x0, x1, x2, x3, p, end, lo, stop, base, step, sym, up, up_mask, rans, out, raw, bit0,
+                    W, M, z, low_bits, k):
+    """The elements [lo, stop) of one segment: (states, read position, OK or an error code). The
+    element at i has its raw bits at bit0 + (i - lo) * k: every element of a segment has as many."""
+    i = lo
+    while i < stop:
+        # four lanes at once where a whole group lies in the segment: the states' chains then
+        # overlap, and the floats are put together while the states wait (p moves at most one word
+        # per symbol)
+        if (i & 3) == 0 and i + 4 <= stop and p + _U(3) <= end:
+            x0, s0, p = _rans_step(x0, step, sym, base, up, up_mask, rans, p)
+            x1, s1, p = _rans_step(x1, step, sym, base, up, up_mask, rans, p)
+            x2, s2, p = _rans_step(x2, step, sym, base, up, up_mask, rans, p)
+            x3, s3, p = _rans_step(x3, step, sym, base, up, up_mask, rans, p)
+            at = bit0 + (i - lo) * k
+            _emit(form, out, i, s0, raw, at, W, M, z, low_bits, k)
+            _emit(form, out, i + 1, s1, raw, at + k, W, M, z, low_bits, k)
+            _emit(form, out, i + 2, s2, raw, at + 2 * k, W, M, z, low_bits, k)
+            _emit(form, out, i + 3, s3, raw, at + 3 * k, W, M, z, low_bits, k)
+            i += 4
+            continue
+        if p > end:
+            return x0, x1, x2, x3, p, ERR_OVERRUN
+        lane = i & 3
+        x, s, p = _rans_step(_lane_state(lane, x0, x1, x2, x3), step, sym, base, up, up_mask, rans, p)
+        x0, x1, x2, x3 = _with_lane(lane, x, x0, x1, x2, x3)
+        _emit(form, out, i, s, raw, bit0 + (i - lo) * k, W, M, z, low_bits, k)
+        i += 1
+    return x0, x1, x2, x3, p, OK
+
+
+@kernel
+def rans_decode(rans, seg_len, classes, up, lut_step, lut_sym, symbols):
+    """The symbols of a substream (each segment with its class's table); OK or an error code.
+    ``lut_step``/``lut_sym`` come from :func:`build_lut` at 2**(PROB_BITS - up) slots per class;
+    ``rans`` ends with one word of padding. Reads only inside it; ends with the states where the
+    encoder began and every word consumed."""
+    n = symbols.shape[0]
+    nr = rans.shape[0] - 1  # (the last word is the caller's padding)
+    if nr < 2 * LANES:
+        return ERR_OVERRUN
+    # indices are unsigned from here on: Numba then drops its negative-index wraparound, which
+    # costs as much as the arithmetic (the values stay far below 2**63)
+    step = lut_step.ravel()
+    sym = lut_sym.ravel()
+    slots = _U(lut_step.shape[1])
+    up_mask = (1 << up) - 1
+    no_raw = np.zeros(0, dtype=np.uint32)
+    x0, x1, x2, x3 = _initial_states(rans)
+    p = _U(2 * LANES)
+    end = _U(nr)
+    for j in range(classes.shape[0]):
+        lo = j * seg_len
+        x0, x1, x2, x3, p, err = _decode_segment(SYMBOLS, x0, x1, x2, x3, p, end, lo, min(n, lo + seg_len),
+                                                 _U(classes[j]) * slots, step, sym, up, up_mask, rans, symbols,
+                                                 no_raw, 0, 16, 7, 0, 0, 0)
+        if err != OK:
+            return err
+    return _final_status(x0, x1, x2, x3, p, end)
+
+
+@kernel
+def decode_floats(rans, raw, seg_len, W, M, zeros, classes, up, lut_step, lut_sym, out):
+    """Rebuild ``out`` (the float bits) from a substream's rANS words (as :func:`rans_decode`
+    takes them) and raw bits (``raw``, with one word of padding: every other word is used, none
+    beyond); OK or an error code."""
     n = out.shape[0]
+    nr = rans.shape[0] - 1
+    if nr < 2 * LANES:
+        return ERR_OVERRUN
     nw = raw.shape[0] - 1
     total = 0
     for j in range(zeros.shape[0]):
@@ -336,37 +385,33 @@ def decode_kernel(raw, seg_len, W, M, zeros, symbols, out):
         return ERR_OVERRUN
     if (total + 31) >> 5 != nw or (total & 31 and raw[nw - 1] >> np.uint32(total & 31)):
         return ERR_TRAILING
-    pos = 0
-    for j in range(zeros.shape[0]):
+    step = lut_step.ravel()
+    sym = lut_sym.ravel()
+    slots = _U(lut_step.shape[1])
+    up_mask = (1 << up) - 1
+    x0, x1, x2, x3 = _initial_states(rans)
+    p = _U(2 * LANES)
+    end = _U(nr)
+    bit0 = 0
+    for j in range(classes.shape[0]):
         z = np.int64(zeros[j])
         mr = M - z
         t = min(TOP_BITS, mr)
         low_bits = mr - t
         k = low_bits + 1
-        low_mask = (np.int64(1) << low_bits) - 1
         lo = j * seg_len
-        count = min(n, lo + seg_len) - lo
+        stop = min(n, lo + seg_len)
+        base = _U(classes[j]) * slots
         if t == TOP_BITS and k <= 32:  # (all but float64 and segments keeping < 2 mantissa bits)
-            sym_shift = M - TOP_BITS
-            for i in range(count):
-                v = _raw_at(raw, pos + i * k, k)
-                sym = np.int64(symbols[_U(lo + i)])
-                out[_U(lo + i)] = ((v >> low_bits) << (W - 1)) | (sym << sym_shift) | ((v & low_mask) << z)
+            x0, x1, x2, x3, p, err = _decode_segment(FAST, x0, x1, x2, x3, p, end, lo, stop, base, step, sym, up,
+                                                     up_mask, rans, out, raw, bit0, W, M, z, low_bits, k)
         else:
-            top_shift = M - t
-            top_drop = TOP_BITS - t
-            for i in range(count):
-                at = pos + i * k
-                if k > 32:
-                    v = _raw_at(raw, at, 32) | (_raw_at(raw, at + 32, k - 32) << 32)
-                else:
-                    v = _raw_at(raw, at, k)
-                sym = np.int64(symbols[_U(lo + i)])
-                value = (((v >> low_bits) << (W - 1)) | ((sym >> TOP_BITS) << M)
-                         | (((sym & ((1 << TOP_BITS) - 1)) >> top_drop) << top_shift) | ((v & low_mask) << z))
-                out[_U(lo + i)] = value
-        pos += count * k
-    return OK
+            x0, x1, x2, x3, p, err = _decode_segment(GENERAL, x0, x1, x2, x3, p, end, lo, stop, base, step, sym, up,
+                                                     up_mask, rans, out, raw, bit0, W, M, z, low_bits, k)
+        if err != OK:
+            return err
+        bit0 += (stop - lo) * k
+    return _final_status(x0, x1, x2, x3, p, end)
 
 
 @kernel

@@ -191,17 +191,25 @@ class _Reader:
         _k.build_lut(freq, start, PROB_BITS - precision, lut_step, lut_sym)
         return classes, PROB_BITS - precision, lut_step, lut_sym
 
-    def symbols(self, n: int, seg_len: int, alphabet: int) -> np.ndarray:
-        """The ``n`` symbols of a substream: its classes, tables and rANS words read and decoded."""
+    def coder(self, n: int, seg_len: int, alphabet: int) -> tuple[np.ndarray, int, np.ndarray, np.ndarray, np.ndarray]:
+        """The classes, tables and rANS words of a substream of ``n`` elements (see :meth:`tables`),
+        the words with one of padding."""
         classes, up, lut_step, lut_sym = self.tables(-(-n // seg_len), alphabet)
         nrans = self.u32("coder size")
         rans = np.zeros(nrans + 1, dtype=np.uint16)  # (aligned for the kernel, one word of padding)
         rans[:nrans] = self.take(2 * nrans, "coder words").view("<u2")
+        return classes, up, lut_step, lut_sym, rans
+
+    def symbols(self, n: int, seg_len: int, alphabet: int) -> np.ndarray:
+        """The ``n`` symbols of a substream: its classes, tables and rANS words read and decoded."""
+        classes, up, lut_step, lut_sym, rans = self.coder(n, seg_len, alphabet)
         symbols = np.empty(n, dtype=np.uint16)
-        err = _k.rans_decode(rans, seg_len, classes, up, lut_step, lut_sym, symbols)
-        if err != _k.OK:
-            raise CorruptStreamError(f"{self.where}: {_ERRORS[err]}")
+        self.check(_k.rans_decode(rans, seg_len, classes, up, lut_step, lut_sym, symbols))
         return symbols
+
+    def check(self, status: int) -> None:
+        if status != _k.OK:
+            raise CorruptStreamError(f"{self.where}: {_ERRORS[status]}")
 
     def raw(self, words: int | None) -> np.ndarray:
         """The raw bits to the end: ``words`` of them exactly (None: any whole number)."""
@@ -234,11 +242,9 @@ def decode_chunk(data, dtype_name: str, seg_len: int, out: np.ndarray, where: st
         raise CorruptStreamError(f"{where}: unknown low-bit mode {mode}")
     if nseg and int(zeros.max()) > M:
         raise CorruptStreamError(f"{where}: drops more low bits than a {dtype_name} mantissa has")
-    symbols = r.symbols(n, seg_len, _alphabet(dtype_name))
+    classes, up, lut_step, lut_sym, rans = r.coder(n, seg_len, _alphabet(dtype_name))
     raw = r.raw(-(-_k.raw_bit_count(n, seg_len, M, zeros) // 32))
-    err = _k.decode_kernel(raw, seg_len, W, M, zeros, symbols, words)
-    if err != _k.OK:
-        raise CorruptStreamError(f"{where}: {_ERRORS[err]}")
+    r.check(_k.decode_floats(rans, raw, seg_len, W, M, zeros, classes, up, lut_step, lut_sym, words))
 
 
 # --- integers by magnitude class ----------------------------------------------------------------
@@ -282,6 +288,4 @@ def decode_magnitudes(data, seg_len: int, out: np.ndarray, where: str = "substre
     symbols = r.symbols(n, seg_len, (width + 1) << _k.TOP_BITS)
     raw = r.raw(None)
     info = np.iinfo(out.dtype)
-    err = _k.int_decode_kernel(raw, symbols, int(info.min), int(info.max), out)
-    if err != _k.OK:
-        raise CorruptStreamError(f"{where}: {_ERRORS[err]}")
+    r.check(_k.int_decode_kernel(raw, symbols, int(info.min), int(info.max), out))
