@@ -33,11 +33,17 @@ ERR_TRAILING = -4  # bytes left after the last element
 
 
 @inline
+def _segment_bits(M, z):
+    """(mantissa bits in the symbol, mantissa bits left raw, raw bits with the sign) of an element
+    of a segment that drops ``z`` low mantissa bits of ``M``."""
+    t = min(TOP_BITS, M - z)
+    return t, M - z - t, M - z - t + 1
+
+
+@inline
 def _parts(w, W, M, z):
     """(symbol, raw bits, raw bit count) of the float bits ``w`` (uint64) in a segment dropping ``z``."""
-    mr = M - z
-    t = min(TOP_BITS, mr)
-    low_bits = mr - t
+    t, low_bits, k = _segment_bits(M, z)
     s = np.int64((w >> np.uint64(W - 1)) & np.uint64(1))
     e = np.int64((w >> np.uint64(M)) & np.uint64((1 << (W - 1 - M)) - 1))
     m = w & np.uint64((1 << M) - 1)
@@ -46,7 +52,7 @@ def _parts(w, W, M, z):
     low = m & np.uint64((1 << low_bits) - 1)
     sym = (e << TOP_BITS) | (top << (TOP_BITS - t))
     raw = (np.uint64(s) << np.uint64(low_bits)) | low
-    return sym, raw, low_bits + 1
+    return sym, raw, k
 
 
 @kernel
@@ -101,9 +107,7 @@ def histogram(symbols, seg_len, classes, hist):
 def raw_bit_count(n, seg_len, M, zeros):
     total = 0
     for j in range(zeros.shape[0]):
-        count = min(n, (j + 1) * seg_len) - j * seg_len
-        mr = M - np.int64(zeros[j])
-        total += count * (mr - min(TOP_BITS, mr) + 1)
+        total += (min(n, (j + 1) * seg_len) - j * seg_len) * _segment_bits(M, np.int64(zeros[j]))[2]
     return total
 
 
@@ -119,7 +123,7 @@ def encode_kernel(words, seg_len, W, M, zeros, symbols, raw_out):
         z = np.int64(zeros[j])
         lo = j * seg_len
         stop = min(n, lo + seg_len)
-        if M - z - min(TOP_BITS, M - z) + 1 <= 32:
+        if _segment_bits(M, z)[2] <= 32:
             for i in range(lo, stop):
                 sym, raw, k = _parts(np.uint64(words[_U(i)]), W, M, z)
                 symbols[_U(i)] = sym
@@ -298,7 +302,7 @@ def _emit(form, out, i, sym, raw, at, W, M, z, low_bits, k):
         v = _raw_at(raw, at, 32) | (_raw_at(raw, at + 32, k - 32) << 32)
     else:
         v = _raw_at(raw, at, k)
-    t = M - z - low_bits  # (the mantissa bits in the symbol, fewer than TOP_BITS here)
+    t = _segment_bits(M, z)[0]  # (fewer than TOP_BITS here, or k > 32)
     value = (((v >> low_bits) << (W - 1)) | ((np.int64(sym) >> TOP_BITS) << M)
              | (((np.int64(sym) & ((1 << TOP_BITS) - 1)) >> (TOP_BITS - t)) << (M - t)) | ((v & low_mask) << z))
     out[_U(i)] = value
@@ -360,7 +364,7 @@ def rans_decode(rans, seg_len, classes, up, lut_step, lut_sym, symbols):
         lo = j * seg_len
         x0, x1, x2, x3, p, err = _decode_segment(SYMBOLS, x0, x1, x2, x3, p, end, lo, min(n, lo + seg_len),
                                                  _U(classes[j]) * slots, step, sym, up, up_mask, rans, symbols,
-                                                 no_raw, 0, 16, 7, 0, 0, 0)
+                                                 no_raw, 0, 16, 7, 0, 0, 0)  # (no floats: W, M, z, ... unused)
         if err != OK:
             return err
     return _final_status(x0, x1, x2, x3, p, end)
@@ -376,11 +380,7 @@ def decode_floats(rans, raw, seg_len, W, M, zeros, classes, up, lut_step, lut_sy
     if nr < 2 * LANES:
         return ERR_OVERRUN
     nw = raw.shape[0] - 1
-    total = 0
-    for j in range(zeros.shape[0]):
-        count = min(n, (j + 1) * seg_len) - j * seg_len
-        mr = M - np.int64(zeros[j])
-        total += count * (mr - min(TOP_BITS, mr) + 1)
+    total = raw_bit_count(n, seg_len, M, zeros)
     if total > 32 * nw:
         return ERR_OVERRUN
     if (total + 31) >> 5 != nw or (total & 31 and raw[nw - 1] >> np.uint32(total & 31)):
@@ -395,10 +395,7 @@ def decode_floats(rans, raw, seg_len, W, M, zeros, classes, up, lut_step, lut_sy
     bit0 = 0
     for j in range(classes.shape[0]):
         z = np.int64(zeros[j])
-        mr = M - z
-        t = min(TOP_BITS, mr)
-        low_bits = mr - t
-        k = low_bits + 1
+        t, low_bits, k = _segment_bits(M, z)
         lo = j * seg_len
         stop = min(n, lo + seg_len)
         base = _U(classes[j]) * slots

@@ -108,9 +108,13 @@ class _Tables:
         return parts + [struct.pack("<I", tbytes), tables[:tbytes].tobytes()]
 
 
-def _coded(parts: list[bytes], t: _Tables, seg_len: int, symbols: np.ndarray, raw: np.ndarray, nraw: int) -> bytes:
-    """The substream: ``parts`` (what precedes the coder words), the rANS words of ``symbols`` and
-    the raw bits."""
+def _coded(parts: list[bytes], classes16: np.ndarray, alphabet: int, seg_len: int, symbols: np.ndarray,
+           raw: np.ndarray, nraw: int) -> bytes:
+    """The substream: ``parts`` (what precedes the coder words), the tables the encoder chooses for
+    ``symbols`` (``classes16``: each segment's of 16 classes), their rANS words and the raw bits."""
+    hist16 = np.zeros((MAX_CLASSES, alphabet), dtype=np.int64)
+    _k.histogram(symbols, seg_len, classes16, hist16)
+    t = _Tables(hist16, classes16)
     rans = np.empty(symbols.shape[0] + 2 * _k.LANES + 2, dtype=np.uint16)
     begin = _k.rans_encode(symbols, seg_len, t.classes, t.freq, t.start, rans)
     # (the words go into the join as views: each byte is copied once)
@@ -136,14 +140,11 @@ def encode_chunk(values: np.ndarray, dtype_name: str, seg_len: int) -> bytes:
     symbols = np.empty(n, dtype=np.uint16)
     raw = np.empty(-(-_k.raw_bit_count(n, seg_len, M, zeros) // 32) + 1, dtype=np.uint32)
     nraw = _k.encode_kernel(words, seg_len, W, M, zeros, symbols, raw)
-    hist16 = np.zeros((MAX_CLASSES, _alphabet(dtype_name)), dtype=np.int64)
-    _k.histogram(symbols, seg_len, classes16, hist16)
-    t = _Tables(hist16, classes16)
     if nseg and (zeros == zeros[0]).all():
         parts = [bytes([0, int(zeros[0])])]
     else:
         parts = [b"\x01", zeros.tobytes()]
-    return _coded(parts, t, seg_len, symbols, raw, nraw)
+    return _coded(parts, classes16, _alphabet(dtype_name), seg_len, symbols, raw, nraw)
 
 
 class _Reader:
@@ -274,10 +275,7 @@ def encode_magnitudes(values: np.ndarray, seg_len: int) -> bytes:
     symbols = np.empty(n, dtype=np.uint16)
     raw = np.empty(2 * n + 2, dtype=np.uint32)
     nraw = _k.int_encode_kernel(values, symbols, raw)
-    hist16 = np.zeros((MAX_CLASSES, (width + 1) << _k.TOP_BITS), dtype=np.int64)
-    _k.histogram(symbols, seg_len, classes16, hist16)
-    t = _Tables(hist16, classes16)
-    return _coded([], t, seg_len, symbols, raw, nraw)
+    return _coded([], classes16, (width + 1) << _k.TOP_BITS, seg_len, symbols, raw, nraw)
 
 
 def decode_magnitudes(data, seg_len: int, out: np.ndarray, where: str = "substream") -> None:

@@ -35,7 +35,7 @@ from .container import (
     read_header_file,
 )
 from .levels import QuantizedTensor, quantized
-from .parallel import ELEMENTS_IN_FLIGHT, POOL_MIN_ELEMENTS, Progress, resolve_threads
+from .parallel import ELEMENTS_IN_FLIGHT, Progress, pool_for, resolve_threads
 
 
 class StreamFile:
@@ -392,8 +392,8 @@ def _decode_in_order(stream, chosen: list[TensorEntry], coded: list[TensorEntry]
             while ahead < len(chosen) or pending:
                 while ahead < len(chosen) and (not pending or elements < budget):
                     t = _Tensor(stream, coded[ahead], want_levels)
-                    work = ([pool.submit(t.run, k) for k in range(len(t.views))]
-                            if pool is not None and t.entry.numel >= POOL_MIN_ELEMENTS else None)
+                    runner = pool_for(pool, t.entry.numel)
+                    work = [runner.submit(t.run, k) for k in range(len(t.views))] if runner is not None else None
                     pending.append((chosen[ahead], t, work))
                     elements += t.entry.numel
                     ahead += 1

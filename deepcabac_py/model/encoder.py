@@ -35,7 +35,7 @@ from .container import (
 )
 from .levels import QuantizedTensor, assembled
 from .model_plan import ModelPlan, plan_model
-from .parallel import ELEMENTS_IN_FLIGHT, POOL_MIN_ELEMENTS, Progress, resolve_threads
+from .parallel import ELEMENTS_IN_FLIGHT, Progress, pool_for, resolve_threads
 from .settings import (
     DEFAULT_IMPORTANCE,
     DEFAULT_MOMENTS_QP,
@@ -106,7 +106,7 @@ batchnorm_eps, bias_correction, moments_qp
                               importance=importance, batchnorm_eps=batchnorm_eps, bias_correction=bias_correction,
                               moments_qp=moments_qp)
     out = _Pieces()
-    _write(out, model, settings, resolve_threads(threads), progress, _MemoryPayloads(), ELEMENTS_IN_FLIGHT)
+    _write(out, model, settings, resolve_threads(threads), progress, _Payloads(), ELEMENTS_IN_FLIGHT)
     return b"".join(out.pieces)
 
 
@@ -140,7 +140,7 @@ def write_stream(out: BinaryIO, model: Mapping[str, Any] | Checkpoint | TensorSo
     with contextlib.ExitStack() as stack:
         if spool is None:
             spool = stack.enter_context(tempfile.TemporaryFile(prefix="deepcabac-"))
-        return _write(out, model, settings, threads, progress, _Payloads(spool), max_elements_in_flight)
+        return _write(out, model, settings, threads, progress, _SpooledPayloads(spool), max_elements_in_flight)
 
 
 def _write(out: BinaryIO | _Pieces, model: Mapping[str, Any] | Checkpoint | TensorSource, settings: EncodeSettings,
@@ -171,25 +171,46 @@ def _write(out: BinaryIO | _Pieces, model: Mapping[str, Any] | Checkpoint | Tens
 
 
 class _Payloads:
-    """The tensors' substreams as they are coded, kept in a spool file until the header is written."""
+    """The tensors' substreams as they are coded, kept until the header that says where they are has
+    been written: in memory, for a caller that returns the whole stream as bytes."""
 
-    def __init__(self, spool: BinaryIO):
-        self.spool = spool
-        self.end = spool.seek(0, io.SEEK_END)
-        self.where: dict[str, tuple[int, int]] = {}
+    def __init__(self):
+        self.chunks: dict[str, list[bytes]] = {}
 
     def add(self, entry: TensorEntry, chunks: list[bytes]) -> None:
         """Store a tensor's chunks; its entry gets their sizes and checksum."""
         crc = 0
-        self.spool.seek(self.end)
         for c in chunks:
-            self.spool.write(c)
             crc = crc32(c, crc)
         entry.chunk_sizes = [len(c) for c in chunks]
         entry.size = sum(entry.chunk_sizes)
         entry.crc32 = crc
-        self.where[entry.name] = (self.end, entry.size)
-        self.end += entry.size
+        self._keep(entry.name, chunks)
+
+    def _keep(self, name: str, chunks: list[bytes]) -> None:
+        self.chunks[name] = chunks
+
+    def copy_to(self, out: BinaryIO | _Pieces, name: str) -> None:
+        for c in self.chunks.pop(name):
+            out.write(c)
+
+
+class _SpooledPayloads(_Payloads):
+    """The substreams kept in a spool file (a model streamed from disk need not fit in memory)."""
+
+    def __init__(self, spool: BinaryIO):
+        super().__init__()
+        self.spool = spool
+        self.end = spool.seek(0, io.SEEK_END)
+        self.where: dict[str, tuple[int, int]] = {}
+
+    def _keep(self, name: str, chunks: list[bytes]) -> None:
+        self.spool.seek(self.end)
+        start = self.end
+        for c in chunks:
+            self.spool.write(c)
+            self.end += len(c)
+        self.where[name] = (start, self.end - start)
 
     def copy_to(self, out: BinaryIO | _Pieces, name: str) -> None:
         start, size = self.where[name]
@@ -203,26 +224,6 @@ class _Payloads:
 
 
 COPY_PIECE = 1 << 24
-
-
-class _MemoryPayloads(_Payloads):
-    """The substreams kept as they came, for a caller that returns the whole stream as bytes."""
-
-    def __init__(self):
-        self.chunks: dict[str, list[bytes]] = {}
-
-    def add(self, entry: TensorEntry, chunks: list[bytes]) -> None:
-        crc = 0
-        for c in chunks:
-            crc = crc32(c, crc)
-        entry.chunk_sizes = [len(c) for c in chunks]
-        entry.size = sum(entry.chunk_sizes)
-        entry.crc32 = crc
-        self.chunks[entry.name] = chunks
-
-    def copy_to(self, out: BinaryIO | _Pieces, name: str) -> None:
-        for c in self.chunks.pop(name):
-            out.write(c)
 
 
 class _TensorCoder:
@@ -249,10 +250,8 @@ class _TensorCoder:
                 continue
             keep = p.name in self.plan.shift_layers
             jobs = [(p, k, keep) for k in range(p.chunk_count)]
-            if self.pool is not None and p.entry.numel >= POOL_MIN_ELEMENTS:
-                work: list = [self.pool.submit(self._run, job) for job in jobs]
-            else:
-                work = jobs
+            runner = pool_for(self.pool, p.entry.numel)
+            work: list = [runner.submit(self._run, job) for job in jobs] if runner is not None else jobs
             in_flight.append((p, work))
             elements += p.entry.numel
             while in_flight and (elements > self.budget or self.pool is None):

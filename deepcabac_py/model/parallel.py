@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from concurrent.futures import Executor
 
 Progress = Callable[[int], None]  # called with the number of elements just coded
 
@@ -18,6 +19,10 @@ ELEMENTS_IN_FLIGHT = 1 << 26
 # small tensors, such as EfficientNet-Lite0's, coded slower on two threads than on one).
 POOL_MIN_ELEMENTS = 1 << 15
 
+
+def pool_for(pool: Executor | None, numel: int) -> Executor | None:
+    """``pool`` for a tensor of ``numel`` elements, or None: coded on the calling thread."""
+    return pool if numel >= POOL_MIN_ELEMENTS else None
 
 
 def resolve_threads(threads: int | None) -> int:

@@ -215,8 +215,7 @@ def _reconstruct(path: str, index: int, payload: bytes, meta: dict, parent: Chec
     decoded = decode_checkpoint(payload)
     where = f"{path}: entry {index}"
     if meta.get("kind") == KEY:
-        return Checkpoint(_from_update_domain(where, decoded.tensors, meta.get("update_domain", {})),
-                          decoded.skeleton, decoded.kind, decoded.metadata, dict(decoded.aliases))
+        return _with_tensors(decoded, _from_update_domain(where, decoded.tensors, meta.get("update_domain", {})))
     if parent is None:
         raise CorruptStreamError(f"{path}: entry {index} is a residual without its parent")
     residuals, ratios = _names(meta.get("residuals")), _names(meta.get("ratios", []))
@@ -258,7 +257,7 @@ def _reconstruct(path: str, index: int, payload: bytes, meta: dict, parent: Chec
             moment, coefs = predicted[name]
             extra = _prediction(tensors, parent.tensors, moment, coefs)
         tensors[name] = _applied(where, name, tensors[name], parent.tensors.get(name), RESIDUAL, extra)
-    return Checkpoint(tensors, decoded.skeleton, decoded.kind, decoded.metadata, dict(decoded.aliases))
+    return _with_tensors(decoded, tensors)
 
 
 def _adam_direction(tensors: dict[str, Any], moment: str) -> np.ndarray:
@@ -385,8 +384,7 @@ def _in_update_domain(coded: Checkpoint, settings: dict[str, Any], overrides: di
         return coded, {}, overrides, {}
     names = sorted(set(partners.values()))
     sources = sorted(n + LOG_RATIO_SUFFIX if n in log_ratios else n for n in names)
-    alone = Checkpoint({n: coded.tensors[n] for n in sources}, plain_skeleton(sources))
-    decoded = decode_checkpoint(encode_model(alone, **_settings_of_part(sources, settings, overrides))).tensors
+    decoded = _decoded_alone(coded, sources, settings, overrides)
     if log_ratios:
         if parent is None:
             raise RuntimeError("internal error: log2 ratios without a parent")
@@ -408,8 +406,7 @@ def _in_update_domain(coded: Checkpoint, settings: dict[str, Any], overrides: di
                 overrides[name + UPDATE_SUFFIX] = UPDATE_QP
                 continue
         tensors[name] = t
-    return (Checkpoint(tensors, coded.skeleton, coded.kind, coded.metadata, dict(coded.aliases)), scales, overrides,
-            seconds)
+    return _with_tensors(coded, tensors), scales, overrides, seconds
 
 
 # A weight's residual is predicted from its Adam direction m / (sqrt(v) + eps) only where that takes
@@ -433,8 +430,7 @@ def _predicted_residuals(coded: Checkpoint, residuals: list[str], settings: dict
         return coded, {}
     # the first moments as the entry decodes them (quantized on their own: the same levels)
     sources = sorted(m + UPDATE_SUFFIX for m in firsts)
-    alone = Checkpoint({n: coded.tensors[n] for n in sources}, plain_skeleton(sources))
-    decoded = decode_checkpoint(encode_model(alone, **_settings_of_part(sources, settings, overrides))).tensors
+    decoded = _decoded_alone(coded, sources, settings, overrides)
     decoded = _from_update_domain("a first moment", {**seconds, **decoded}, scales)
     tensors = dict(coded.tensors)
     predicted: dict[str, list] = {}
@@ -452,7 +448,7 @@ def _predicted_residuals(coded: Checkpoint, residuals: list[str], settings: dict
             continue
         tensors[name] = numpy_to_tensor(rest.astype(dtype), dtype, is_torch)
         predicted[name] = [moment, *coefs]
-    return Checkpoint(tensors, coded.skeleton, coded.kind, coded.metadata, dict(coded.aliases)), predicted
+    return _with_tensors(coded, tensors), predicted
 
 
 def _paired(weights: list[str], tensors: dict[str, Any], firsts: list[str], moments: dict[str, Any]) -> dict[str, str]:
@@ -464,6 +460,19 @@ def _paired(weights: list[str], tensors: dict[str, Any], firsts: list[str], mome
         if tensor_to_numpy(tensors[name])[0].shape == tensor_to_numpy(moments[firsts[k]])[0].shape:
             pairs[name], k = firsts[k], k + 1
     return pairs
+
+
+def _with_tensors(ckpt: Checkpoint, tensors: dict[str, Any]) -> Checkpoint:
+    """``ckpt`` with other tensors (the same structure, kind, metadata and aliases)."""
+    return Checkpoint(tensors, ckpt.skeleton, ckpt.kind, ckpt.metadata, dict(ckpt.aliases))
+
+
+def _decoded_alone(coded: Checkpoint, names: list[str], settings: dict[str, Any],
+                   overrides: dict[str, int]) -> dict[str, Any]:
+    """The tensors ``names`` of an entry as it will decode them: coded alone, with the settings that
+    reach them (:func:`_settings_of_part`), and decoded."""
+    alone = Checkpoint({n: coded.tensors[n] for n in names}, plain_skeleton(names))
+    return decode_checkpoint(encode_model(alone, **_settings_of_part(names, settings, overrides))).tensors
 
 
 def _settings_of_part(names: list[str], settings: dict[str, Any], overrides: dict[str, int]) -> dict[str, Any]:
@@ -569,7 +578,7 @@ def _residual_checkpoint(ckpt: Checkpoint, parent: Checkpoint) -> tuple[Checkpoi
                 residuals.append(name)
                 continue
         tensors[name] = t
-    return Checkpoint(tensors, ckpt.skeleton, ckpt.kind, ckpt.metadata, dict(ckpt.aliases)), residuals, log_ratios
+    return _with_tensors(ckpt, tensors), residuals, log_ratios
 
 
 _WORDS = {"bfloat16": np.uint16, "float16": np.uint16, "float32": np.uint32, "float64": np.uint64}
@@ -635,8 +644,7 @@ def _bit_residual_checkpoint(ckpt: Checkpoint,
             predicted[name] = list(names)
         elif names is not None:
             names.append(name)
-    return (Checkpoint(tensors, ckpt.skeleton, ckpt.kind, ckpt.metadata, dict(ckpt.aliases)), keyed, xored,
-            predicted)
+    return _with_tensors(ckpt, tensors), keyed, xored, predicted
 
 
 def _predicted_bits(base: np.ndarray, dtype: str, change: np.ndarray) -> np.ndarray:
