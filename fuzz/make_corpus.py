@@ -204,6 +204,13 @@ def float_chunks() -> dict[str, bytes]:
         flat = a.reshape(-1)
         seg = floatcoder.segment_length(a.shape)
         out[f"{name}.bin"] = struct.pack("<BHH", code, flat.size, seg) + floatcoder.encode_chunk(flat, name, seg)
+        # low-bit mode 2 (trailing zeros by exponent), of the values rounded to one grid
+        grid = np.ldexp(np.round(np.ldexp(torch.as_tensor(t).double().numpy(), 30)), -30)
+        g = torch.from_numpy(grid).to(t.dtype if name == "bfloat16" else torch.float64)
+        flat = g.view(torch.int16).numpy().view(np.uint16) if name == "bfloat16" else grid.astype(a.dtype)
+        flat = flat.reshape(-1)
+        out[f"{name}_trailing.bin"] = (struct.pack("<BHH", code, flat.size, seg)
+                                       + floatcoder.encode_trailing(flat, name, seg))
     rng = np.random.default_rng(8)
     for code, name in enumerate(sorted(floatcoder.INTEGER_WIDTHS), start=4):
         info = np.iinfo(name)
@@ -261,6 +268,11 @@ def main() -> None:
         write("float_chunk", name, data)
     lossless = dc.encode_model(float_model(), keep_exact=True, threads=1)
     write("model_sealed", "lossless.bin", unpack_model_stream(lossless))
+    grid = {k: np.ldexp(np.round(np.ldexp(v.astype(np.float64), 30)), -30).astype(v.dtype)
+            for k, v in float_model().items() if k in ("f32", "f64")}
+    trailing = dc.encode_model(grid, keep_exact=True, threads=1)
+    assert dc.read_stream_header(trailing).version == 7  # (low-bit mode 2)
+    write("model_sealed", "lossless_trailing.bin", unpack_model_stream(trailing))
     total = sum(p.stat().st_size for p in CORPUS.rglob("*") if p.is_file())
     print(f"corpus: {sum(1 for p in CORPUS.rglob('*') if p.is_file())} files, {total} bytes")
 

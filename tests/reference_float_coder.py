@@ -55,7 +55,7 @@ def _gamma_length(v: int) -> int:
     return 2 * (v.bit_length() - 1) + 1
 
 
-def choose_classes(hist: np.ndarray, nseg: int) -> tuple[int, int, list[list[int]]]:
+def choose_classes(hist: np.ndarray, nseg: int, max_bits: int = 14) -> tuple[int, int, list[list[int]]]:
     """The class count, table precision and tables (at that precision) of the encoder policy
     (docs/format.md §4.4), costs in integer units of 2**-16 bits."""
     costs = [int(c) for c in _COSTS]
@@ -66,7 +66,7 @@ def choose_classes(hist: np.ndarray, nseg: int) -> tuple[int, int, list[list[int
         if any(sum(r) == 0 for r in rows):
             break
         for bits in (14, 12, 10, 8):
-            if max(sum(1 for v in r if v) for r in rows) > 1 << bits:
+            if max(sum(1 for v in r if v) for r in rows) > 1 << bits or bits > max_bits:
                 continue
             cost = (4 * nseg if klog else 0) << 16
             tables = []
@@ -89,26 +89,28 @@ def _gamma(bits: list[int], v: int) -> None:
     bits += [0] * k + [int(b) for b in bin(v)[2:]]
 
 
-def _tail(symbols: list[int], seg: int, klog: int, precision: int, sent: list[list[int]], classes: list[int],
-          raw: list[int]) -> bytes:
-    """The substream from its class count on: classes, tables, rANS words of ``symbols``, raw words."""
-    n, nseg = len(symbols), len(classes)
-    freq = [[f << (PROB_BITS - precision) for f in row] for row in sent]
-    starts = [[sum(row[:s]) for s in range(len(row))] for row in freq]
+def _rans(steps: list[tuple[int, int, int]]) -> list[int]:
+    """The rANS words of ``steps`` (lane, freq, start), given in the decoder's order."""
     x = [RANS_L] * LANES
     pushed: list[int] = []
-    seg_of = [j for j, idx in _segments(n, seg) for _ in idx]
-    for i in range(n - 1, -1, -1):  # last element first
-        c = classes[seg_of[i]]
-        f, b = freq[c][symbols[i]], starts[c][symbols[i]]
-        s = x[i % LANES]
+    for lane, f, b in reversed(steps):  # last first
+        s = x[lane]
         if s >= ((RANS_L >> PROB_BITS) << 16) * f:
             pushed.append(s & 0xFFFF)
             s >>= 16
-        x[i % LANES] = (s // f) * (1 << PROB_BITS) + s % f + b
+        x[lane] = (s // f) * (1 << PROB_BITS) + s % f + b
     for lane in range(LANES - 1, -1, -1):
         pushed += [x[lane] >> 16, x[lane] & 0xFFFF]
-    rans = pushed[::-1]
+    return pushed[::-1]
+
+
+def _scaled(sent: list[list[int]], precision: int) -> tuple[list[list[int]], list[list[int]]]:
+    freq = [[f << (PROB_BITS - precision) for f in row] for row in sent]
+    return freq, [[sum(row[:s]) for s in range(len(row))] for row in freq]
+
+
+def _tables(klog: int, precision: int, sent: list[list[int]], classes: list[int]) -> bytes:
+    """Class count, precision, class nibbles, table size and tables."""
     bits: list[int] = []
     for row in sent:
         used = [s for s in range(len(row)) if row[s]]
@@ -121,14 +123,46 @@ def _tail(symbols: list[int], seg: int, klog: int, precision: int, sent: list[li
     bits += [0] * (-len(bits) % 8)
     tables = bytes(int("".join(map(str, bits[k:k + 8])), 2) for k in range(0, len(bits), 8))
     out = bytes([klog, precision])
-    if klog:
-        padded = classes + [0] * (nseg % 2)
+    if klog and classes:
+        padded = classes + [0] * (len(classes) % 2)
         out += bytes(padded[k] | (padded[k + 1] << 4) for k in range(0, len(padded), 2))
-    out += struct.pack("<I", len(tables)) + tables + struct.pack("<I", len(rans))
-    return out + struct.pack(f"<{len(rans)}H", *rans) + struct.pack(f"<{len(raw)}I", *raw)
+    return out + struct.pack("<I", len(tables)) + tables
+
+
+def _words(rans: list[int], raw: list[int]) -> bytes:
+    return struct.pack("<I", len(rans)) + struct.pack(f"<{len(rans)}H", *rans) + struct.pack(f"<{len(raw)}I", *raw)
+
+
+def _tail(symbols: list[int], seg: int, klog: int, precision: int, sent: list[list[int]], classes: list[int],
+          raw: list[int]) -> bytes:
+    """The substream from its class count on: classes, tables, rANS words of ``symbols``, raw words."""
+    freq, starts = _scaled(sent, precision)
+    seg_of = [j for j, idx in _segments(len(symbols), seg) for _ in idx]
+    steps = [(i % LANES, freq[classes[seg_of[i]]][sym], starts[classes[seg_of[i]]][sym])
+             for i, sym in enumerate(symbols)]
+    return _tables(klog, precision, sent, classes) + _words(_rans(steps), raw)
+
+
+def _classes16(means: list[float]) -> list[int]:
+    nseg = len(means)
+    order = sorted(range(nseg), key=lambda j: (means[j], j))
+    rank = [0] * nseg
+    for r, j in enumerate(order):
+        rank[j] = r
+    return [r * 16 // nseg for r in rank]
+
+
+def _packed(pieces: list[tuple[int, int]]) -> list[int]:
+    """(value, bit count) pieces LSB first into u32 words."""
+    acc, nacc = 0, 0
+    for v, k in pieces:
+        acc |= v << nacc
+        nacc += k
+    return [(acc >> (32 * k)) & 0xFFFFFFFF for k in range(-(-nacc // 32))]
 
 
 def encode(words: list[int], dtype_name: str, seg: int) -> bytes:
+    """Low-bit modes 0 and 1 (the segments' common zero bits dropped)."""
     W, M = floatcoder.FORMATS[dtype_name]
     n = len(words)
     zeros, means = [], []
@@ -142,11 +176,7 @@ def encode(words: list[int], dtype_name: str, seg: int) -> bytes:
         zeros.append(z)
         means.append(sum((words[i] >> M) & ((1 << (W - 1 - M)) - 1) for i in idx) / len(idx))
     nseg = len(zeros)
-    order = sorted(range(nseg), key=lambda j: (means[j], j))
-    rank = [0] * nseg
-    for r, j in enumerate(order):
-        rank[j] = r
-    classes16 = [r * 16 // nseg for r in rank]
+    classes16 = _classes16(means)
     alphabet = 1 << (W - 1 - M + TOP)
     hist = np.zeros((16, alphabet), dtype=np.int64)
     for j, idx in _segments(n, seg):
@@ -154,97 +184,180 @@ def encode(words: list[int], dtype_name: str, seg: int) -> bytes:
             hist[classes16[j], _split(words[i], W, M, zeros[j])[0]] += 1
     klog, precision, sent = choose_classes(hist, nseg)
     classes = [c >> (4 - klog) for c in classes16]
-    # raw bits, LSB first
-    acc, nacc, raw = 0, 0, []
-    for j, idx in _segments(n, seg):
-        for i in idx:
-            _, r, k = _split(words[i], W, M, zeros[j])
-            acc |= r << nacc
-            nacc += k
-            while nacc >= 32:
-                raw.append(acc & 0xFFFFFFFF)
-                acc >>= 32
-                nacc -= 32
-    if nacc:
-        raw.append(acc)
+    raw = _packed([_split(words[i], W, M, zeros[j])[1:] for j, idx in _segments(n, seg) for i in idx])
     symbols = [_split(words[i], W, M, zeros[j])[0] for j, idx in _segments(n, seg) for i in idx]
     head = bytes([0, zeros[0]]) if nseg and len(set(zeros)) == 1 else b"\x01" + bytes(zeros)
     return head + _tail(symbols, seg, klog, precision, sent, classes, raw)
+
+
+def _trailing_split(w: int, W: int, M: int) -> tuple[int, int, int, int]:
+    """(symbol, trailing zeros t, raw bits, raw bit count) in low-bit mode 2."""
+    L = M - TOP
+    s, e, m = w >> (W - 1), (w >> M) & ((1 << (W - 1 - M)) - 1), w & ((1 << M) - 1)
+    low = m & ((1 << L) - 1)
+    t = (low & -low).bit_length() - 1 if low else L
+    raw = s | ((low >> (t + 1)) << 1) if low else s
+    return (e << TOP) | (m >> L), t, raw, L - t if low else 1
+
+
+def _context(sym: int, e_top: int) -> int:
+    return min(15, max(0, e_top - (sym >> TOP)))
+
+
+def encode_trailing(words: list[int], dtype_name: str, seg: int) -> bytes:
+    """Low-bit mode 2: each element's trailing zeros coded by its exponent's context."""
+    W, M = floatcoder.FORMATS[dtype_name]
+    L = M - TOP
+    n = len(words)
+    parts = [_trailing_split(w, W, M) for w in words]
+    means = [sum((words[i] >> M) & ((1 << (W - 1 - M)) - 1) for i in idx) / len(idx) for _, idx in _segments(n, seg)]
+    classes16 = _classes16(means)
+    hist = np.zeros((16, 1 << (W - 1 - M + TOP)), dtype=np.int64)
+    for j, idx in _segments(n, seg):
+        for i in idx:
+            hist[classes16[j], parts[i][0]] += 1
+    klog, precision, sent = choose_classes(hist, len(means))
+    classes = [c >> (4 - klog) for c in classes16]
+    e_top = max(sym >> TOP for sym, _, _, _ in parts)
+    tz_hist = np.zeros((16, L + 1), dtype=np.int64)
+    for sym, t, _, _ in parts:
+        tz_hist[_context(sym, e_top), t] += 1
+    for c in range(1, 16):
+        if not tz_hist[c].any():
+            tz_hist[c] = tz_hist[c - 1]
+    tklog, tprecision, tsent = choose_classes(tz_hist, 0, 10)
+    freq, starts = _scaled(sent, precision)
+    tfreq, tstarts = _scaled(tsent, tprecision)
+    steps = []
+    for lo in range(0, n, 4):  # per group of four: the symbols, then the trailing zeros
+        group = range(lo, min(n, lo + 4))
+        for i in group:
+            sym, c = parts[i][0], classes[i // seg]
+            steps.append((i % LANES, freq[c][sym], starts[c][sym]))
+        for i in group:
+            (sym, t, _, _), tc = parts[i], _context(parts[i][0], e_top) >> (4 - tklog)
+            steps.append((i % LANES, tfreq[tc][t], tstarts[tc][t]))
+    raw = _packed([(r, k) for _, _, r, k in parts])
+    return (bytes([2]) + struct.pack("<H", e_top) + _tables(klog, precision, sent, classes)
+            + _tables(tklog, tprecision, tsent, []) + _words(_rans(steps), raw))
+
+
+class _Parse:
+    """Reads a valid substream field by field (no validation)."""
+
+    def __init__(self, data: bytes):
+        self.data, self.pos = data, 0
+
+    def bytes(self, k: int) -> bytes:
+        self.pos += k
+        return self.data[self.pos - k:self.pos]
+
+    def tables(self, nseg: int) -> tuple[list[int], list[dict[int, tuple[int, int]]]]:
+        """(segment classes, per class {symbol: (freq, start)} at PROB_BITS)."""
+        klog, precision = self.bytes(2)
+        classes = [0] * nseg
+        if klog and nseg:
+            packed = self.bytes(-(-nseg // 2))
+            classes = [(packed[j >> 1] >> (4 * (j & 1))) & 15 for j in range(nseg)]
+        (tbytes,) = struct.unpack("<I", self.bytes(4))
+        bits = "".join(f"{b:08b}" for b in self.bytes(tbytes))
+        bp = 0
+
+        def gamma() -> int:
+            nonlocal bp
+            k = bits.index("1", bp) - bp
+            v = int(bits[bp + k:bp + 2 * k + 1], 2)
+            bp += 2 * k + 1
+            return v
+
+        tables = []
+        for _ in range(1 << klog):
+            sym, total, table = -1, 0, {}
+            for _ in range(gamma()):
+                sym += gamma()
+                f = gamma() << (PROB_BITS - precision)
+                table[sym] = (f, total)
+                total += f
+            tables.append(table)
+        return classes, tables
+
+    def coder(self) -> _Coder:
+        (nr,) = struct.unpack("<I", self.bytes(4))
+        rans = struct.unpack(f"<{nr}H", self.bytes(2 * nr))
+        rest = self.data[self.pos:]
+        return _Coder(rans, sum(r << (32 * k) for k, r in enumerate(struct.unpack(f"<{len(rest) // 4}I", rest))))
+
+
+class _Coder:
+    def __init__(self, rans, rawbits: int):
+        self.rans, self.rawbits, self.rp = rans, rawbits, 0
+        self.x = [rans[2 * k] | (rans[2 * k + 1] << 16) for k in range(LANES)]
+        self.p = 2 * LANES
+
+    def symbol(self, lane: int, table: dict[int, tuple[int, int]]) -> int:
+        s = self.x[lane]
+        slot = s & ((1 << PROB_BITS) - 1)
+        sym = next(k for k, (f, b) in table.items() if b <= slot < b + f)
+        f, b = table[sym]
+        s = f * (s >> PROB_BITS) + slot - b
+        if s < RANS_L:
+            s = (s << 16) | self.rans[self.p]
+            self.p += 1
+        self.x[lane] = s
+        return sym
+
+    def raw(self, k: int) -> int:
+        self.rp += k
+        return (self.rawbits >> (self.rp - k)) & ((1 << k) - 1)
+
+    def done(self) -> bool:
+        return self.x == [RANS_L] * LANES and self.p == len(self.rans)
 
 
 def decode(data: bytes, dtype_name: str, seg: int, n: int) -> list[int]:
     """The float bits of a valid substream (no validation: the reference of the kernel's arithmetic)."""
     W, M = floatcoder.FORMATS[dtype_name]
     nseg = -(-n // seg)
-    pos = 0
-    if data[0] == 0:
-        zeros, pos = [data[1]] * nseg, 2
-    else:
-        zeros, pos = list(data[1:1 + nseg]), 1 + nseg
-    klog, precision = data[pos], data[pos + 1]
-    pos += 2
-    classes = [0] * nseg
-    if klog:
-        packed = data[pos:pos + -(-nseg // 2)]
-        pos += len(packed)
-        classes = [(packed[j >> 1] >> (4 * (j & 1))) & 15 for j in range(nseg)]
-    (tbytes,) = struct.unpack_from("<I", data, pos)
-    bits = "".join(f"{b:08b}" for b in data[pos + 4:pos + 4 + tbytes])
-    pos += 4 + tbytes
-    bp = 0
-
-    def gamma() -> int:
-        nonlocal bp
-        k = 0
-        while bits[bp] == "0":
-            k += 1
-            bp += 1
-        v = int(bits[bp:bp + k + 1], 2)
-        bp += k + 1
-        return v
-
-    alphabet = 1 << (W - 1 - M + TOP)
-    tables = []
-    for _ in range(1 << klog):
-        sym, total, table = -1, 0, {}
-        for _ in range(gamma()):
-            sym += gamma()
-            f = gamma() << (PROB_BITS - precision)
-            table[sym] = (f, total)
-            total += f
-        tables.append(table)
-    assert all(s < alphabet for t in tables for s in t)
-    (nr,) = struct.unpack_from("<I", data, pos)
-    rans = struct.unpack_from(f"<{nr}H", data, pos + 4)
-    pos += 4 + 2 * nr
-    raw = struct.unpack_from(f"<{(len(data) - pos) // 4}I", data, pos)
-    x = [rans[2 * k] | (rans[2 * k + 1] << 16) for k in range(LANES)]
-    p = 2 * LANES
-    rawbits = sum(r << (32 * k) for k, r in enumerate(raw))
-    rp = 0
+    r = _Parse(data)
+    (mode,) = r.bytes(1)
+    if mode == 2:
+        return _decode_trailing(r, W, M, seg, n)
+    zeros = list(r.bytes(1)) * nseg if mode == 0 else list(r.bytes(nseg))
+    classes, tables = r.tables(nseg)
+    c = r.coder()
     out = []
     for j, idx in _segments(n, seg):
         z = zeros[j]
         mr = M - z
         t = min(TOP, mr)
         low_bits = mr - t
-        table = tables[classes[j]]
         for i in idx:
-            s = x[i % LANES]
-            slot = s & ((1 << PROB_BITS) - 1)
-            sym = next(k for k, (f, b) in table.items() if b <= slot < b + f)
-            f, b = table[sym]
-            s = f * (s >> PROB_BITS) + slot - b
-            if s < RANS_L:
-                s = (s << 16) | rans[p]
-                p += 1
-            x[i % LANES] = s
-            value = (rawbits >> rp) & ((1 << (low_bits + 1)) - 1)
-            rp += low_bits + 1
+            sym = c.symbol(i % LANES, tables[classes[j]])
+            value = c.raw(low_bits + 1)
             top = (sym & ((1 << TOP) - 1)) >> (TOP - t)
             out.append(((value >> low_bits) << (W - 1)) | ((sym >> TOP) << M) | (top << (M - t))
                        | ((value & ((1 << low_bits) - 1)) << z))
-    assert x == [RANS_L] * LANES and p == len(rans)
+    assert c.done()
+    return out
+
+
+def _decode_trailing(r: _Parse, W: int, M: int, seg: int, n: int) -> list[int]:
+    L = M - TOP
+    (e_top,) = struct.unpack("<H", r.bytes(2))
+    classes, tables = r.tables(-(-n // seg))
+    _, tz_tables = r.tables(0)
+    shift = 4 - (len(tz_tables).bit_length() - 1)
+    c = r.coder()
+    out = []
+    for lo in range(0, n, 4):
+        group = range(lo, min(n, lo + 4))
+        syms = [c.symbol(i % LANES, tables[classes[i // seg]]) for i in group]
+        for i, sym in zip(group, syms):
+            t = c.symbol(i % LANES, tz_tables[_context(sym, e_top) >> shift])
+            raw = c.raw(L - t if t < L else 1)
+            low = (((raw >> 1) << 1) | 1) << t if t < L else 0
+            out.append(((raw & 1) << (W - 1)) | ((sym >> TOP) << M) | ((sym & ((1 << TOP) - 1)) << L) | low)
+    assert c.done()
     return out
 
 

@@ -195,12 +195,9 @@ def _rans_put(x, sym, tables, inverse, base, rans_out, pos):
     return q * PROB_SCALE + r + tables[_U(2) * at + _U(1)], pos
 
 
-@kernel
-def rans_encode(symbols, seg_len, classes, freq, start, rans_out):
-    """The rANS words of ``symbols`` (each segment with its class's table) into the end of
-    ``rans_out``, which holds at least n + 2 * LANES + 2 words; returns where they begin.
-    Backward: the decoder reads forward what is pushed here last."""
-    n = symbols.shape[0]
+@inline
+def _encoder_tables(freq, start):
+    """(freq, start) per class and symbol, flat, and 1 / freq: what :func:`_rans_put` looks up."""
     alphabet = freq.shape[1]
     tables = np.zeros(2 * freq.shape[0] * alphabet, dtype=np.int64)
     inverse = np.zeros(freq.shape[0] * alphabet, dtype=np.float64)
@@ -211,6 +208,17 @@ def rans_encode(symbols, seg_len, classes, freq, start, rans_out):
             tables[2 * at] = f
             tables[2 * at + 1] = start[c, s]
             inverse[at] = 1.0 / max(f, 1)
+    return tables, inverse
+
+
+@kernel
+def rans_encode(symbols, seg_len, classes, freq, start, rans_out):
+    """The rANS words of ``symbols`` (each segment with its class's table) into the end of
+    ``rans_out``, which holds at least n + 2 * LANES + 2 words; returns where they begin.
+    Backward: the decoder reads forward what is pushed here last."""
+    n = symbols.shape[0]
+    alphabet = freq.shape[1]
+    tables, inverse = _encoder_tables(freq, start)
     x0 = x1 = x2 = x3 = np.int64(RANS_L)
     pos = rans_out.shape[0]
     nseg = classes.shape[0]
@@ -579,7 +587,7 @@ TABLE_PRECISIONS = (14, 12, 10, 8)  # what the encoder tries: coarser tables cos
 
 
 @kernel
-def choose_classes(hist16, nseg, costs, freq):
+def choose_classes(hist16, nseg, costs, max_bits, freq):
     """The class count 2**klog (every class occupied) and the table precision (frequencies summing
     to 2**precision, used as multiples of 2**(PROB_BITS - precision)) that make the chunk smallest,
     frequency tables, class nibbles and gamma-coded tables included. The tables, at that precision,
@@ -615,7 +623,7 @@ def choose_classes(hist16, nseg, costs, freq):
         for c in range(K):
             most = max(most, np.count_nonzero(rows[c]))
         for bits in TABLE_PRECISIONS:
-            if most > (1 << bits):
+            if most > (1 << bits) or bits > max_bits:
                 continue
             cost = np.int64(4 * nseg if klog else 0) << COST_FRACTION_BITS
             for c in range(K):
@@ -645,6 +653,267 @@ def choose_classes(hist16, nseg, costs, freq):
         for u in range(nu):
             freq[c, used_syms[u]] = tmp[u]
     return best, best_bits
+
+
+# --- low-bit mode 2: trailing zeros by exponent ---------------------------------------------------
+# Some float32 weights sit on a grid finer than any one octave (products and sums of values rounded
+# elsewhere): below the top bits, the mantissa's trailing zeros then grow as the exponent falls, one
+# per octave, element by element, where no whole segment has a zero bit to drop. Each element's
+# count of trailing zeros in its L = M - TOP_BITS low bits (L for none set) is a second symbol, coded
+# on the element's state right after its first with the table of its exponent's context: the
+# distance below the chunk's top exponent, 0 to 15. Its raw bits are the sign, then the bits above
+# the lowest set one (that one is implied).
+
+TRAILING_CONTEXTS = 16
+
+# ctz by the de Bruijn sequence: the lowest set bit times it puts a distinct pattern in the top 6 bits
+_DE_BRUIJN = np.uint64(0x03F79D71B4CB0A89)
+_CTZ = np.zeros(64, dtype=np.int64)
+for _bit in range(64):
+    _CTZ[((1 << _bit) * 0x03F79D71B4CB0A89 % (1 << 64)) >> 58] = _bit
+
+
+@inline
+def _ctz(x):
+    """Trailing zero bits of the nonzero uint64 ``x``."""
+    lowest = x & (~x + np.uint64(1))
+    return _CTZ[(lowest * _DE_BRUIJN) >> np.uint64(58)]
+
+
+@inline
+def _trailing_parts(w, W, M):
+    """(symbol, trailing zeros t, raw bits, raw bit count) of the float bits ``w`` (uint64)."""
+    L = M - TOP_BITS
+    s = (w >> np.uint64(W - 1)) & np.uint64(1)
+    e = np.int64((w >> np.uint64(M)) & np.uint64((1 << (W - 1 - M)) - 1))
+    m = w & np.uint64((1 << M) - 1)
+    low = m & np.uint64((1 << L) - 1)
+    sym = (e << TOP_BITS) | np.int64(m >> np.uint64(L))
+    t = _ctz(low | np.uint64(1 << L))  # (L where no bit is set: no branch, as common as not in some tensors)
+    return sym, t, s | ((low >> np.uint64(t + 1)) << np.uint64(1)), max(L - t, 1)
+
+
+@inline
+def _trailing_context(sym, e_top, shift):
+    """The tz table of an element: its exponent's distance below ``e_top``, 0 to 15, >> shift."""
+    return min(TRAILING_CONTEXTS - 1, max(0, e_top - (np.int64(sym) >> TOP_BITS))) >> shift
+
+
+@kernel
+def trailing_estimate(words, W, M, seg_len, zeros, hist, dropped):
+    """On a sample of ``words`` (blocks of 256, one in 16): hist[context, tz] with the contexts
+    counted from the sample's top exponent, and dropped[0] = the low bits the segments' ``zeros``
+    drop from the sampled elements; returns the sample's top exponent. What the writer judges the
+    mode's worth by before it codes a chunk both ways."""
+    n = words.shape[0]
+    L = M - TOP_BITS
+    e_top = 0
+    for b in range(0, n, 4096):
+        for i in range(b, min(n, b + 256)):
+            e_top = max(e_top, np.int64((np.uint64(words[_U(i)]) >> np.uint64(M)) & np.uint64((1 << (W - 1 - M)) - 1)))
+    dropped[0] = 0
+    for b in range(0, n, 4096):
+        for i in range(b, min(n, b + 256)):
+            sym, t, _, _ = _trailing_parts(np.uint64(words[_U(i)]), W, M)
+            hist[_trailing_context(sym, e_top, 0), t] += 1
+            dropped[0] += min(L, np.int64(zeros[i // seg_len]))
+    return e_top
+
+
+@kernel
+def trailing_split(words, W, M, symbols, tz, raw_out):
+    """Each element's symbol, trailing zeros and raw bits (packed LSB first into ``raw_out``, two
+    words per element and one more); returns (raw words, top exponent)."""
+    n = words.shape[0]
+    acc = np.uint64(0)
+    nacc = 0
+    nraw = 0
+    e_top = 0
+    for i in range(n):
+        sym, t, raw, k = _trailing_parts(np.uint64(words[_U(i)]), W, M)
+        symbols[_U(i)] = sym
+        tz[_U(i)] = t
+        e_top = max(e_top, sym >> TOP_BITS)
+        if k > 32:  # (float64: up to 50 raw bits, in two pieces)
+            acc |= (raw & np.uint64(0xFFFFFFFF)) << np.uint64(nacc)
+            raw_out[_U(nraw)] = np.uint32(acc & np.uint64(0xFFFFFFFF))
+            nraw += 1
+            acc >>= np.uint64(32)
+            raw >>= np.uint64(32)
+            k -= 32
+        acc |= raw << np.uint64(nacc)
+        nacc += k
+        if nacc >= 32:
+            raw_out[_U(nraw)] = np.uint32(acc & np.uint64(0xFFFFFFFF))
+            nraw += 1
+            acc >>= np.uint64(32)
+            nacc -= 32
+    if nacc > 0:
+        raw_out[_U(nraw)] = np.uint32(acc & np.uint64(0xFFFFFFFF))
+        nraw += 1
+    return nraw, e_top
+
+
+@kernel
+def trailing_histogram(symbols, tz, e_top, hist):
+    """hist[context, tz] += 1 for every element."""
+    for i in range(symbols.shape[0]):
+        hist[_trailing_context(symbols[_U(i)], e_top, 0), tz[_U(i)]] += 1
+
+
+@kernel
+def rans_encode_trailing(symbols, tz, seg_len, classes, freq, start, e_top, shift, tz_freq, tz_start, rans_out):
+    """As :func:`rans_encode`, in groups of four elements (chunk positions 4g to 4g + 3): the
+    group's symbols, then its trailing zeros (each with the table of its context, ``>> shift``),
+    each on the element's state; ``rans_out`` holds 2 n + 2 * LANES + 2 words."""
+    n = symbols.shape[0]
+    alphabet = freq.shape[1]
+    tz_alphabet = tz_freq.shape[1]
+    tables, inverse = _encoder_tables(freq, start)
+    tz_tables, tz_inverse = _encoder_tables(tz_freq, tz_start)
+    x0 = x1 = x2 = x3 = np.int64(RANS_L)
+    pos = rans_out.shape[0]
+    j = classes.shape[0] - 1  # the segment of the group's last element (followed: see decode_trailing)
+    for gg in range((n + 3) // 4):
+        lo = 4 * ((n + 3) // 4 - 1 - gg)
+        stop = min(n, lo + 4)
+        while stop - 1 < j * seg_len:
+            j -= 1
+        if stop == lo + 4 and lo >= j * seg_len:  # (a whole group in one segment: the states in registers)
+            s0, s1, s2, s3 = (np.int64(symbols[_U(lo)]), np.int64(symbols[_U(lo + 1)]), np.int64(symbols[_U(lo + 2)]),
+                              np.int64(symbols[_U(lo + 3)]))
+            x3, pos = _rans_put(x3, np.int64(tz[_U(lo + 3)]), tz_tables, tz_inverse,
+                                _U(_trailing_context(s3, e_top, shift) * tz_alphabet), rans_out, pos)
+            x2, pos = _rans_put(x2, np.int64(tz[_U(lo + 2)]), tz_tables, tz_inverse,
+                                _U(_trailing_context(s2, e_top, shift) * tz_alphabet), rans_out, pos)
+            x1, pos = _rans_put(x1, np.int64(tz[_U(lo + 1)]), tz_tables, tz_inverse,
+                                _U(_trailing_context(s1, e_top, shift) * tz_alphabet), rans_out, pos)
+            x0, pos = _rans_put(x0, np.int64(tz[_U(lo)]), tz_tables, tz_inverse,
+                                _U(_trailing_context(s0, e_top, shift) * tz_alphabet), rans_out, pos)
+            base = _U(np.int64(classes[j]) * alphabet)
+            x3, pos = _rans_put(x3, s3, tables, inverse, base, rans_out, pos)
+            x2, pos = _rans_put(x2, s2, tables, inverse, base, rans_out, pos)
+            x1, pos = _rans_put(x1, s1, tables, inverse, base, rans_out, pos)
+            x0, pos = _rans_put(x0, s0, tables, inverse, base, rans_out, pos)
+            continue
+        for i in range(stop - 1, lo - 1, -1):  # (backward: the trailing zeros were read last)
+            lane = i & 3
+            sym = np.int64(symbols[_U(i)])
+            x, pos = _rans_put(_lane_state(lane, x0, x1, x2, x3), np.int64(tz[_U(i)]), tz_tables, tz_inverse,
+                               _U(_trailing_context(sym, e_top, shift) * tz_alphabet), rans_out, pos)
+            x0, x1, x2, x3 = _with_lane(lane, x, x0, x1, x2, x3)
+        jj = j
+        for i in range(stop - 1, lo - 1, -1):
+            lane = i & 3
+            while i < jj * seg_len:
+                jj -= 1
+            x, pos = _rans_put(_lane_state(lane, x0, x1, x2, x3), np.int64(symbols[_U(i)]), tables, inverse,
+                               _U(np.int64(classes[jj]) * alphabet), rans_out, pos)
+            x0, x1, x2, x3 = _with_lane(lane, x, x0, x1, x2, x3)
+    for x in (x3, x2, x1, x0):
+        pos -= 1
+        rans_out[pos] = np.uint16(x >> 16)
+        pos -= 1
+        rans_out[pos] = np.uint16(x & 0xFFFF)
+    return pos
+
+
+@inline
+def _trailing_bits(sym, t, at, raw, W, M):
+    """(the float bits, the next raw bit position) of an element of low-bit mode 2 whose symbol and
+    trailing zeros are decoded and whose raw bits begin at ``at``."""
+    L = M - TOP_BITS
+    t = np.int64(t)
+    # (no branch on t = L, no bit set in the low part: as common as not in some tensors)
+    some = np.int64(t < L)
+    k = 1 + some * (L - t - 1)
+    if k > 32:
+        v = np.uint64(_raw_at(raw, at, 32)) | (np.uint64(_raw_at(raw, at + 32, k - 32)) << np.uint64(32))
+    else:
+        v = np.uint64(_raw_at(raw, at, k))
+    low = (((v >> np.uint64(1)) << np.uint64(1)) | np.uint64(1)) << np.uint64(t)
+    bits = (((v & np.uint64(1)) << np.uint64(W - 1)) | (np.uint64(np.int64(sym)) << np.uint64(L))
+            | (low & np.uint64(-some)))
+    return bits, at + k
+
+
+@kernel
+def decode_trailing(rans, raw, seg_len, W, M, classes, up, lut_step, lut_sym, e_top, shift, tz_up, tz_step, tz_sym,
+                    out):
+    """Rebuild ``out`` (the float bits) from a low-bit mode 2 substream's rANS words and raw bits
+    (``rans`` with two words of padding, ``raw`` with three); OK or an error code. The raw bit count
+    follows from the decoded trailing zeros, so the reads are checked against the words there are."""
+    n = out.shape[0]
+    nr = rans.shape[0] - 2
+    if nr < 2 * LANES:
+        return ERR_OVERRUN
+    nw = raw.shape[0] - 3
+    step = lut_step.ravel()
+    sym_of = lut_sym.ravel()
+    slots = _U(lut_step.shape[1])
+    up_mask = (1 << up) - 1
+    t_step = tz_step.ravel()
+    t_sym = tz_sym.ravel()
+    t_slots = _U(tz_step.shape[1])
+    t_mask = (1 << tz_up) - 1
+    x0, x1, x2, x3 = _initial_states(rans)
+    p = _U(2 * LANES)
+    end = _U(nr)
+    at = 0
+    syms = np.zeros(LANES, dtype=np.uint16)
+    j = 0  # the segment of the group's first element (followed, not divided out: a division per
+    seg_end = seg_len  # group would cost as much as the group's arithmetic)
+    for g in range((n + 3) // 4):
+        lo = 4 * g
+        stop = min(n, lo + 4)
+        while lo >= seg_end:
+            j += 1
+            seg_end += seg_len
+        # each step reads one word at most, a group eight; the raw words' three of padding keep an
+        # element begun at their end in bounds
+        if stop == lo + 4 and stop <= seg_end and p + _U(7) <= end and at + 3 * 64 <= 32 * nw:
+            base = _U(classes[j]) * slots
+            x0, s0, p = _rans_step(x0, step, sym_of, base, up, up_mask, rans, p)
+            x1, s1, p = _rans_step(x1, step, sym_of, base, up, up_mask, rans, p)
+            x2, s2, p = _rans_step(x2, step, sym_of, base, up, up_mask, rans, p)
+            x3, s3, p = _rans_step(x3, step, sym_of, base, up, up_mask, rans, p)
+            x0, t0, p = _rans_step(x0, t_step, t_sym, _U(_trailing_context(s0, e_top, shift)) * t_slots, tz_up,
+                                   t_mask, rans, p)
+            x1, t1, p = _rans_step(x1, t_step, t_sym, _U(_trailing_context(s1, e_top, shift)) * t_slots, tz_up,
+                                   t_mask, rans, p)
+            x2, t2, p = _rans_step(x2, t_step, t_sym, _U(_trailing_context(s2, e_top, shift)) * t_slots, tz_up,
+                                   t_mask, rans, p)
+            x3, t3, p = _rans_step(x3, t_step, t_sym, _U(_trailing_context(s3, e_top, shift)) * t_slots, tz_up,
+                                   t_mask, rans, p)
+            out[_U(lo)], at = _trailing_bits(s0, t0, at, raw, W, M)
+            out[_U(lo + 1)], at = _trailing_bits(s1, t1, at, raw, W, M)
+            out[_U(lo + 2)], at = _trailing_bits(s2, t2, at, raw, W, M)
+            out[_U(lo + 3)], at = _trailing_bits(s3, t3, at, raw, W, M)
+            continue
+        # a group across segments, the last one, or near the end of the words: element by element
+        for i in range(lo, stop):
+            if p > end:
+                return ERR_OVERRUN
+            lane = i & 3
+            c = classes[j] if i < seg_end else classes[i // seg_len]  # (the next segment, or short ones)
+            x, s, p = _rans_step(_lane_state(lane, x0, x1, x2, x3), step, sym_of, _U(c) * slots, up, up_mask, rans, p)
+            x0, x1, x2, x3 = _with_lane(lane, x, x0, x1, x2, x3)
+            syms[lane] = s
+        for i in range(lo, stop):
+            if p > end:
+                return ERR_OVERRUN
+            lane = i & 3
+            x, t, p = _rans_step(_lane_state(lane, x0, x1, x2, x3), t_step, t_sym,
+                                 _U(_trailing_context(syms[lane], e_top, shift)) * t_slots, tz_up, t_mask, rans, p)
+            x0, x1, x2, x3 = _with_lane(lane, x, x0, x1, x2, x3)
+            if at > 32 * nw:
+                return ERR_OVERRUN
+            out[_U(i)], at = _trailing_bits(syms[lane], t, at, raw, W, M)
+    if at > 32 * nw:
+        return ERR_OVERRUN
+    if (at + 31) >> 5 != nw or (at & 31 and raw[nw - 1] >> np.uint32(at & 31)):
+        return ERR_TRAILING
+    return _final_status(x0, x1, x2, x3, p, end)
 
 
 # --- integers by magnitude class (Mode.MAGNITUDE) ------------------------------------------------

@@ -47,10 +47,12 @@ MAGIC = STREAM_MAGIC
 # Version 2 added Mode.DEPENDENT, version 3 the linear prediction across columns (LINEAR_BIT) and
 # the choice to switch the column model off (NO_COLUMNS_BIT), version 4 Mode.LOG. A writer stamps
 # the lowest version that describes its stream, so streams without them stay readable by older
-# readers; version 5 Mode.FLOAT (lossless float coding), version 6 Mode.MAGNITUDE. This reader reads
-# all six.
-FORMAT_VERSION = 6
-READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)
+# readers; version 5 Mode.FLOAT (lossless float coding), version 6 Mode.MAGNITUDE, version 7 FLOAT
+# substreams of revision 1 (trailing zeros by exponent; the entry's coder parameter). This reader
+# reads all seven.
+FORMAT_VERSION = 7
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7)
+REVISION_VERSION = 7  # FLOAT entries with a coder parameter (floatcoder.REVISIONS)
 SWITCHES_VERSION = 3  # LINEAR_BIT and NO_COLUMNS_BIT
 PREAMBLE = struct.Struct("<8sHHI")
 MAX_HEADER_SIZE = 1 << 27  # (more than the limits below let a header need)
@@ -155,6 +157,8 @@ class TensorEntry:
 
     @property
     def min_version(self) -> int:
+        if self.mode.is_class_coded:
+            return max(self.mode.min_version, REVISION_VERSION if self.coder_param else 1)
         new = self.coder_param & (LINEAR_BIT | NO_COLUMNS_BIT) and not self.is_alias
         return max(self.mode.min_version, SWITCHES_VERSION if new else 1)
 
@@ -608,8 +612,10 @@ def _validate_class_coded_entry(e: TensorEntry, where: str) -> None:
         raise CorruptStreamError(f"{where}: coding mode {e.mode.name} of a {e.dtype.name} tensor")
     if e.coder != Coder.FLOAT_CLASSES:
         raise FormatError(f"{where}: coding mode {e.mode.name} needs the classes-and-rANS coder")
-    if e.qp or e.qp_density or e.coder_param:
-        raise CorruptStreamError(f"{where}: a losslessly coded tensor has no qp and no coder parameter")
+    if e.qp or e.qp_density:
+        raise CorruptStreamError(f"{where}: a losslessly coded tensor has no qp")
+    if e.coder_param not in (floatcoder.REVISIONS if e.mode == Mode.FLOAT else (0,)):
+        raise CorruptStreamError(f"{where}: coder parameter {e.coder_param} of a {e.mode.name} entry")
     ce = floatcoder.chunk_elements(e.shape)
     if e.chunk_elements != ce:
         raise CorruptStreamError(f"{where}: chunks of {e.chunk_elements} elements, the shape needs {ce}")

@@ -343,7 +343,7 @@ class _Tensor:
             if e.mode == Mode.MAGNITUDE:
                 floatcoder.decode_magnitudes(self.views[k], seg, out[start:stop], where=where)
             else:
-                floatcoder.decode_chunk(self.views[k], e.dtype.dtype_name, seg, out[start:stop], where=where)
+                floatcoder.decode_chunk(self.views[k], e.dtype.dtype_name, seg, out[start:stop], where, e.coder_param)
             return stop - start
         start, stop = self.layout.bounds(k)
         dependent = e.mode == Mode.DEPENDENT

@@ -19,7 +19,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from ..entropy import linear_prediction
+from ..entropy import floatcoder, linear_prediction
 from ..io.checkpoint import Checkpoint
 from ..io.checksum import crc32
 from ..io.tensor_source import TensorSource
@@ -275,6 +275,8 @@ class _TensorCoder:
             p.entry.mode, p.entry.coder = Mode.RAW, Coder.NONE
             self._store_raw(p, counted=True)
             return p.entry.numel
+        if p.entry.mode == Mode.FLOAT:
+            p.entry.coder_param = floatcoder.revision_of(chunks)
         if p.linear is not None:
             chunks.insert(0, p.linear.to_bytes())
         if p.log_offset is not None:
