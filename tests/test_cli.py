@@ -587,6 +587,23 @@ def test_info_reads_only_the_header(model_dir, monkeypatch):
     assert "payload" in line
 
 
+def test_info_names_the_trailing_zero_mode_and_keeps_its_columns(tmp_path):
+    rng = np.random.default_rng(6)
+    grid = np.ldexp(np.round(rng.standard_normal((64, 512)) * 2.0**14), -40).astype(np.float32)
+    src, stream = tmp_path / "grid.npz", tmp_path / "grid.dcb"
+    np.savez(src, grid=grid, plain=rng.standard_normal(512).astype(np.float32))
+    ok(["encode", src, "-o", stream, "--lossless", "-q"])
+    header = read_stream_header(stream.read_bytes())
+    assert header.version == 7
+    rows = {line.split()[0]: line.split() for line in ok(["info", stream]).stdout.splitlines()[3:5]}
+    for name, e in ((e.name, e) for e in header.tensors):
+        assert rows[name][3] == ("float-lossless+tz" if name == "grid" else "float-lossless")
+        assert float(rows[name][-1]) == pytest.approx(4 * e.numel / e.size, abs=0.005)  # (x fp32, whole)
+    assert "+tz = " in ok(["info", stream]).stdout
+    assert {t["name"]: t["mode"] for t in json.loads(ok(["info", "--json", stream]).stdout)["tensors"]} == {
+        "grid": "FLOAT+TZ", "plain": "FLOAT"}
+
+
 # --------------------------------------------------------------------------------------------------
 # report, info --json
 # --------------------------------------------------------------------------------------------------

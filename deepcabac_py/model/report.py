@@ -10,7 +10,7 @@ import numpy as np
 
 from ..io.dtypes import FLOAT_NAMES as _FLOATS
 from ..io.dtypes import bfloat16_to_float32
-from .container import StreamHeader
+from .container import Mode, StreamHeader
 
 if TYPE_CHECKING:  # checkpoint imports torch; header-only reports must not
     from ..io.checkpoint import Checkpoint
@@ -21,7 +21,8 @@ class TensorReport:
     name: str
     shape: list[int]
     dtype: str
-    mode: str  # the coding mode's name; "+LP" when the levels go through the linear prediction
+    mode: str  # the coding mode's name; "+LP" when the levels go through the linear prediction,
+    # "+TZ" when float chunks code their trailing zeros by exponent (FLOAT of revision 1)
     qp: int | None
     step: float | None
     params: int
@@ -118,7 +119,8 @@ def build_report(header: StreamHeader, original: Checkpoint | None = None,
         params = e.numel
         rep = TensorReport(
             name=e.name, shape=list(e.shape), dtype=dtype,
-            mode="ALIAS" if e.is_alias else e.mode.name + ("+LP" if e.is_linear else ""),
+            mode="ALIAS" if e.is_alias else e.mode.name + ("+LP" if e.is_linear else "")
+            + ("+TZ" if e.mode == Mode.FLOAT and e.coder_param else ""),
             qp=e.qp if e.mode.has_step and not e.is_alias else None,
             step=e.step if not e.is_alias else None, params=params, bytes=e.size,
             bits_per_param=(8.0 * e.size / params) if params and not e.is_alias else None,
@@ -173,13 +175,15 @@ _MODE_LEGEND = {
     "tied": "tied = the storage of another tensor",
     "log": "log = optimizer moments, log2 of each magnitude in steps of qp's step (in octaves)",
     "+pred": "+pred = coded as residuals of a prediction across columns",
+    "+tz": "+tz = float32/float64 chunks coding each element's trailing zeros by its exponent",
 }
+_SUFFIX_WORDS = {"LP": "+pred", "TZ": "+tz"}
 
 
 def mode_words(mode: str) -> str:
     """A table entry's mode in words: ``DEPENDENT+LP`` -> ``trellis+pred``."""
     base, _, rest = mode.partition("+")
-    return _MODE_WORDS.get(base, base.lower()) + ("+pred" if rest else "")
+    return _MODE_WORDS.get(base, base.lower()) + _SUFFIX_WORDS.get(rest, "")
 
 
 def format_report(rep: ModelReport, *, per_tensor: bool = True, internals: bool = False) -> str:
@@ -197,14 +201,15 @@ def format_report(rep: ModelReport, *, per_tensor: bool = True, internals: bool 
     lines = []
     if per_tensor:
         width = min(60, max([len(t.name) for t in rep.tensors] + [6]))
-        lines.append(f"{'tensor':<{width}} {'shape':>16} {'dtype':>8} {'mode':>10} {'qp':>4} "
+        modes = [t.mode if internals else mode_words(t.mode) for t in rep.tensors]
+        mw = max([len(m) for m in modes] + [10])  # (the columns stay aligned: `info` cuts rows at one)
+        lines.append(f"{'tensor':<{width}} {'shape':>16} {'dtype':>8} {'mode':>{mw}} {'qp':>4} "
                      f"{'params':>11} {'bytes':>11} {'bits/p':>7} {'x fp32':>8} {'SNR dB':>7} {'max err':>9}")
-        for t in rep.tensors:
+        for t, mode in zip(rep.tensors, modes):
             name = t.name if len(t.name) <= width else "..." + t.name[-(width - 3):]
             shape = "x".join(map(str, t.shape)) or "scalar"
-            mode = t.mode if internals else mode_words(t.mode)
             lines.append(
-                f"{name:<{width}} {shape:>16} {t.dtype:>8} {mode:>10} {num(t.qp, 'd'):>4} "
+                f"{name:<{width}} {shape:>16} {t.dtype:>8} {mode:>{mw}} {num(t.qp, 'd'):>4} "
                 f"{t.params:>11,} {t.bytes:>11,} {num(t.bits_per_param, '.3f'):>7} {num(t.ratio_vs_fp32, '.2f'):>8} "
                 f"{num(t.snr_db, '.1f'):>7} {num(t.max_abs_error, '.2e'):>9}"
             )
@@ -212,7 +217,7 @@ def format_report(rep: ModelReport, *, per_tensor: bool = True, internals: bool 
         if not internals:
             used = {mode_words(t.mode) for t in rep.tensors}
             words = [text for key, text in _MODE_LEGEND.items()
-                     if key in used or (key == "+pred" and any(u.endswith("+pred") for u in used))
+                     if key in used or (key.startswith("+") and any(u.endswith(key) for u in used))
                      or any(u.startswith(key + "+") for u in used)]
             if words:
                 lines.append("modes: " + "; ".join(words) + ".")
