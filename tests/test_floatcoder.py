@@ -59,16 +59,23 @@ def test_roundtrip_is_bit_exact(dtype_name, shape):
     _roundtrip(_with_specials(_weights(rng, dtype_name, shape), dtype_name, rng), dtype_name)
 
 
+def _random_floats(rng, dtype_name: str, n: int, low_zero) -> np.ndarray:
+    """Any bits of ``n`` floats (as the dtype's carrier), the ``low_zero`` (per element, or one
+    count) lowest mantissa bits cleared."""
+    W, M = floatcoder.FORMATS[dtype_name]
+    bits = rng.integers(0, 2**63, size=n, dtype=np.uint64) ^ (rng.integers(0, 2, size=n, dtype=np.uint64) << 63)
+    bits >>= np.uint64(64 - W)
+    bits &= ~np.uint64(0) << np.minimum(np.asarray(low_zero, dtype=np.uint64), np.uint64(M))
+    words = bits.astype(WORDS[dtype_name])
+    return words.view(DTYPES[dtype_name]) if dtype_name != "bfloat16" else words
+
+
 @settings(max_examples=60, deadline=None)
 @given(dtype_name=st.sampled_from(sorted(DTYPES)), n=st.integers(1, 3000), seg=st.integers(1, 700),
        seed=st.integers(0, 2**32 - 1), low_zero=st.integers(0, 60))
 def test_any_bits_roundtrip(dtype_name, n, seg, seed, low_zero):
-    rng = np.random.default_rng(seed)
-    W, M = floatcoder.FORMATS[dtype_name]
-    bits = rng.integers(0, 2**63, size=n, dtype=np.uint64) ^ (rng.integers(0, 2, size=n, dtype=np.uint64) << 63)
-    bits &= ~np.uint64(0) << np.uint64(min(low_zero, M))  # (low bits zero: what the segments drop)
-    words = (bits >> np.uint64(64 - W)).astype(WORDS[dtype_name]) if W < 64 else bits
-    flat = words.view(DTYPES[dtype_name]) if dtype_name != "bfloat16" else words
+    # (low bits zero in every element: what the segments drop)
+    flat = _random_floats(np.random.default_rng(seed), dtype_name, n, low_zero)
     data = floatcoder.encode_chunk(flat, dtype_name, seg)
     out = np.empty_like(flat)
     floatcoder.decode_chunk(data, dtype_name, seg, out)
@@ -123,11 +130,8 @@ def test_trailing_mode_matches_the_python_reference(dtype_name, seed):
        seed=st.integers(0, 2**32 - 1), low_zero=st.integers(0, 60))
 def test_any_bits_roundtrip_in_the_trailing_mode(dtype_name, n, seg, seed, low_zero):
     rng = np.random.default_rng(seed)
-    W, M = floatcoder.FORMATS[dtype_name]
-    bits = rng.integers(0, 2**63, size=n, dtype=np.uint64) ^ (rng.integers(0, 2, size=n, dtype=np.uint64) << 63)
-    bits &= ~np.uint64(0) << np.uint64(rng.integers(0, min(low_zero, M) + 1, size=n, dtype=np.uint64))
-    words = (bits >> np.uint64(64 - W)).astype(WORDS[dtype_name]) if W < 64 else bits
-    flat = words.view(DTYPES[dtype_name]) if dtype_name != "bfloat16" else words
+    # (low bits zero in some elements, as many as each likes up to low_zero)
+    flat = _random_floats(rng, dtype_name, n, rng.integers(0, low_zero + 1, size=n))
     data = floatcoder.encode_trailing(flat, dtype_name, seg)
     out = np.empty_like(flat)
     floatcoder.decode_chunk(data, dtype_name, seg, out)
