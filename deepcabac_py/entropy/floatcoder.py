@@ -32,6 +32,7 @@ MAX_CLASSES = 1 << _k.MAX_CLASSES_LOG2
 # one of them takes low-bit mode 2 (trailing zeros by exponent, format version 7), else 0.
 TRAILING_REVISION = 1
 REVISIONS = (0, TRAILING_REVISION)
+TRAILING_MODE = 2  # the substream's low-bit mode byte for the trailing zeros by exponent
 TRAILING_GAIN = 0.01  # mode 2 must save this share of the chunk (and a sample promise it first)
 TRAILING_SURE = 4  # a promise this many times the gain takes mode 2 untried against the segments' drop
 # Mode 2 decodes two symbols per element: the trailing zeros' tables are kept at 2**10 slots, whose
@@ -70,8 +71,8 @@ def max_elements_for_payload(nbytes: int) -> int:
     return 8 * nbytes
 
 
-def _alphabet(dtype_name: str) -> int:
-    W, M = FORMATS[dtype_name]
+def _alphabet(W: int, M: int) -> int:
+    """Symbols of a float of W bits, M of them mantissa: the exponent and the top mantissa bits."""
     return 1 << (W - 1 - M + _k.TOP_BITS)
 
 
@@ -121,13 +122,24 @@ def _coded(parts: list[bytes], classes16: np.ndarray, alphabet: int, seg_len: in
            raw: np.ndarray, nraw: int) -> bytes:
     """The substream: ``parts`` (what precedes the coder words), the tables the encoder chooses for
     ``symbols`` (``classes16``: each segment's of 16 classes), their rANS words and the raw bits."""
-    hist16 = np.zeros((MAX_CLASSES, alphabet), dtype=np.int64)
-    _k.histogram(symbols, seg_len, classes16, hist16)
-    t = _Tables(hist16, classes16)
+    t = _class_tables(symbols, seg_len, classes16, alphabet)
     rans = np.empty(symbols.shape[0] + 2 * _k.LANES + 2, dtype=np.uint16)
     begin = _k.rans_encode(symbols, seg_len, t.classes, t.freq, t.start, rans)
+    return _joined([*parts, *t.header()], rans, begin, raw, nraw)
+
+
+def _class_tables(symbols: np.ndarray, seg_len: int, classes16: np.ndarray, alphabet: int) -> _Tables:
+    """The tables the encoder chooses for ``symbols`` (``classes16``: each segment's of 16 classes)."""
+    hist16 = np.zeros((MAX_CLASSES, alphabet), dtype=np.int64)
+    _k.histogram(symbols, seg_len, classes16, hist16)
+    return _Tables(hist16, classes16)
+
+
+def _joined(head: list[bytes], rans: np.ndarray, begin: int, raw: np.ndarray, nraw: int) -> bytes:
+    """The substream: ``head`` (everything before the coder words), the rANS words from ``begin`` and
+    the ``nraw`` raw words."""
     # (the words go into the join as views: each byte is copied once)
-    pieces: list[bytes | memoryview] = [*parts, *t.header(), struct.pack("<I", rans.shape[0] - begin),
+    pieces: list[bytes | memoryview] = [*head, struct.pack("<I", rans.shape[0] - begin),
                                         rans[begin:].astype("<u2", copy=False).data,
                                         raw[:nraw].astype("<u4", copy=False).data]
     return b"".join(pieces)
@@ -153,7 +165,7 @@ def encode_chunk(values: np.ndarray, dtype_name: str, seg_len: int) -> bytes:
         parts = [bytes([0, int(zeros[0])])]
     else:
         parts = [b"\x01", zeros.tobytes()]
-    data = _coded(parts, classes16, _alphabet(dtype_name), seg_len, symbols, raw, nraw)
+    data = _coded(parts, classes16, _alphabet(W, M), seg_len, symbols, raw, nraw)
     if promise >= TRAILING_GAIN:
         # (mode 2 decodes at about half the speed: a small saving does not pay for that)
         trailing = _encode_trailing(words, W, M, seg_len, classes16)
@@ -207,9 +219,7 @@ def _encode_trailing(words: np.ndarray, W: int, M: int, seg_len: int, classes16:
     tz = np.empty(n, dtype=np.uint8)
     raw = np.empty(2 * n + 2, dtype=np.uint32)
     nraw, e_top = _k.trailing_split(words, W, M, symbols, tz, raw)
-    hist16 = np.zeros((MAX_CLASSES, 1 << (W - 1 - M + _k.TOP_BITS)), dtype=np.int64)
-    _k.histogram(symbols, seg_len, classes16, hist16)
-    t = _Tables(hist16, classes16)
+    t = _class_tables(symbols, seg_len, classes16, _alphabet(W, M))
     tz_hist = np.zeros((_k.TRAILING_CONTEXTS, L + 1), dtype=np.int64)
     _k.trailing_histogram(symbols, tz, e_top, tz_hist)
     # (the contexts' tables, merged in pairs like the segments' classes; no nibbles: a context's
@@ -221,16 +231,13 @@ def _encode_trailing(words: np.ndarray, W: int, M: int, seg_len: int, classes16:
     rans = np.empty(2 * n + 2 * _k.LANES + 2, dtype=np.uint16)
     begin = _k.rans_encode_trailing(symbols, tz, seg_len, t.classes, t.freq, t.start, e_top,
                                     _k.MAX_CLASSES_LOG2 - tzt.klog, tzt.freq, tzt.start, rans)
-    pieces: list[bytes | memoryview] = [bytes([2]), struct.pack("<H", e_top), *t.header(), *tzt.header(),
-                                        struct.pack("<I", rans.shape[0] - begin),
-                                        rans[begin:].astype("<u2", copy=False).data,
-                                        raw[:nraw].astype("<u4", copy=False).data]
-    return b"".join(pieces)
+    return _joined([bytes([TRAILING_MODE]), struct.pack("<H", e_top), *t.header(), *tzt.header()], rans, begin, raw,
+                   nraw)
 
 
 def revision_of(substreams: list[bytes]) -> int:
     """The revision a FLOAT entry with these substreams declares (its coder parameter)."""
-    return TRAILING_REVISION if any(data[:1] == b"\x02" for data in substreams) else 0
+    return TRAILING_REVISION if any(data[:1] == bytes([TRAILING_MODE]) for data in substreams) else 0
 
 
 class _Reader:
@@ -328,8 +335,8 @@ def decode_chunk(data, dtype_name: str, seg_len: int, out: np.ndarray, where: st
     nseg = -(-n // seg_len)
     r = _Reader(np.frombuffer(data, dtype=np.uint8), where)
     (mode,) = r.take(1, "low-bit mode")
-    if mode == 2 and revision >= TRAILING_REVISION:
-        _decode_trailing(r, W, M, n, seg_len, _alphabet(dtype_name), words)
+    if mode == TRAILING_MODE and revision >= TRAILING_REVISION:
+        _decode_trailing(r, W, M, n, seg_len, words)
         return
     if mode == 0:
         zeros = np.full(nseg, r.take(1, "low-bit count")[0], dtype=np.uint8)
@@ -339,17 +346,17 @@ def decode_chunk(data, dtype_name: str, seg_len: int, out: np.ndarray, where: st
         raise CorruptStreamError(f"{where}: unknown low-bit mode {mode} (in a substream of revision {revision})")
     if nseg and int(zeros.max()) > M:
         raise CorruptStreamError(f"{where}: drops more low bits than a {dtype_name} mantissa has")
-    classes, up, lut_step, lut_sym, rans = r.coder(n, seg_len, _alphabet(dtype_name))
+    classes, up, lut_step, lut_sym, rans = r.coder(n, seg_len, _alphabet(W, M))
     raw = r.raw(-(-_k.raw_bit_count(n, seg_len, M, zeros) // 32))
     r.check(_k.decode_floats(rans, raw, seg_len, W, M, zeros, classes, up, lut_step, lut_sym, words))
 
 
-def _decode_trailing(r: _Reader, W: int, M: int, n: int, seg_len: int, alphabet: int, words: np.ndarray) -> None:
+def _decode_trailing(r: _Reader, W: int, M: int, n: int, seg_len: int, words: np.ndarray) -> None:
     """The rest of a low-bit mode 2 substream (after its mode byte) into ``words``."""
     e_top = int.from_bytes(r.take(2, "top exponent").tobytes(), "little")
     if e_top >= 1 << (W - 1 - M):
         raise CorruptStreamError(f"{r.where}: top exponent {e_top} beyond the dtype's")
-    classes, up, lut_step, lut_sym = r.tables(-(-n // seg_len), alphabet)
+    classes, up, lut_step, lut_sym = r.tables(-(-n // seg_len), _alphabet(W, M))
     _, tz_up, tz_step, tz_sym = r.tables(0, M - _k.TOP_BITS + 1)
     shift = _k.MAX_CLASSES_LOG2 - (tz_step.shape[0].bit_length() - 1)
     rans = r.rans_words(padding=2)

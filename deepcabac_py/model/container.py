@@ -156,6 +156,11 @@ class TensorEntry:
         return bool(self.coder_param & LINEAR_BIT) and not self.is_alias
 
     @property
+    def codes_trailing_zeros(self) -> bool:
+        """A FLOAT entry whose substreams may code their trailing zeros by exponent (revision 1)."""
+        return self.mode == Mode.FLOAT and self.coder_param == floatcoder.TRAILING_REVISION
+
+    @property
     def min_version(self) -> int:
         if self.mode.is_class_coded:
             return max(self.mode.min_version, REVISION_VERSION if self.coder_param else 1)

@@ -10,7 +10,7 @@ import numpy as np
 
 from ..io.dtypes import FLOAT_NAMES as _FLOATS
 from ..io.dtypes import bfloat16_to_float32
-from .container import Mode, StreamHeader
+from .container import StreamHeader
 
 if TYPE_CHECKING:  # checkpoint imports torch; header-only reports must not
     from ..io.checkpoint import Checkpoint
@@ -120,7 +120,7 @@ def build_report(header: StreamHeader, original: Checkpoint | None = None,
         rep = TensorReport(
             name=e.name, shape=list(e.shape), dtype=dtype,
             mode="ALIAS" if e.is_alias else e.mode.name + ("+LP" if e.is_linear else "")
-            + ("+TZ" if e.mode == Mode.FLOAT and e.coder_param else ""),
+            + ("+TZ" if e.codes_trailing_zeros else ""),
             qp=e.qp if e.mode.has_step and not e.is_alias else None,
             step=e.step if not e.is_alias else None, params=params, bytes=e.size,
             bits_per_param=(8.0 * e.size / params) if params and not e.is_alias else None,
