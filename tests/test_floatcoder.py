@@ -59,6 +59,24 @@ def test_roundtrip_is_bit_exact(dtype_name, shape):
     _roundtrip(_with_specials(_weights(rng, dtype_name, shape), dtype_name, rng), dtype_name)
 
 
+@pytest.mark.parametrize("trailing", [False, True])
+@pytest.mark.parametrize("dtype_name", sorted(DTYPES))
+def test_a_substream_is_decoded_where_it_lies(dtype_name, trailing):
+    # (the decoder reads the words in place: at any byte offset, in read-only and writable buffers,
+    # followed by other bytes or by nothing)
+    rng = np.random.default_rng(5)
+    flat = _grid_weights(rng, dtype_name, (30, 50)).reshape(-1)
+    seg = floatcoder.segment_length((30, 50))
+    data = (floatcoder.encode_trailing if trailing else floatcoder.encode_chunk)(flat, dtype_name, seg)
+    for offset in range(4):
+        for after in (b"", b"\xff" * 7):
+            buffer = b"\xee" * offset + data + after
+            for source in (buffer, bytearray(buffer)):
+                out = np.empty_like(flat)
+                floatcoder.decode_chunk(memoryview(source)[offset:offset + len(data)], dtype_name, seg, out)
+                assert out.view(np.uint8).tobytes() == flat.view(np.uint8).tobytes()
+
+
 def _random_floats(rng, dtype_name: str, n: int, low_zero) -> np.ndarray:
     """Any bits of ``n`` floats (as the dtype's carrier), the ``low_zero`` (per element, or one
     count) lowest mantissa bits cleared."""

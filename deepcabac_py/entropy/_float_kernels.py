@@ -298,9 +298,12 @@ def _final_status(x0, x1, x2, x3, p, end):
 @inline
 def _raw_at(raw, p, k):
     """The ``k`` (<= 32) raw bits at bit position ``p`` (the stream is LSB first in 32-bit words;
-    the word after the one holding bit p must exist)."""
+    the word holding bit p must exist)."""
     w = _U(p) >> _U(5)
-    pair = np.uint64(raw[w]) | (np.uint64(raw[w + _U(1)]) << np.uint64(32))
+    # the next word is read whether or not the bits reach into it (no branch); past the last word
+    # it is the last again, whose bits the mask then drops: the words need no padding (a copy)
+    after = min(w + _U(1), _U(max(raw.shape[0] - 1, 0)))
+    pair = np.uint64(raw[w]) | (np.uint64(raw[after]) << np.uint64(32))
     return np.int64(pair >> _U(p & 31)) & ((np.int64(1) << k) - 1)
 
 
@@ -391,13 +394,12 @@ def rans_decode(rans, seg_len, classes, up, lut_step, lut_sym, symbols):
 @kernel
 def decode_floats(rans, raw, seg_len, W, M, zeros, classes, up, lut_step, lut_sym, out):
     """Rebuild ``out`` (the float bits) from a substream's rANS words (as :func:`rans_decode`
-    takes them) and raw bits (``raw``, with one word of padding: every other word is used, none
-    beyond); OK or an error code."""
+    takes them) and raw bits (``raw``, no padding: every word is used); OK or an error code."""
     n = out.shape[0]
     nr = rans.shape[0] - 1
     if nr < 2 * LANES:
         return ERR_OVERRUN
-    nw = raw.shape[0] - 1
+    nw = raw.shape[0]
     total = raw_bit_count(n, seg_len, M, zeros)
     if total > 32 * nw:
         return ERR_OVERRUN

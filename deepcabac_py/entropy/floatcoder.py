@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import struct
+import sys
 
 import numpy as np
 
@@ -240,6 +241,17 @@ def revision_of(substreams: list[bytes]) -> int:
     return TRAILING_REVISION if any(data[:1] == bytes([TRAILING_MODE]) for data in substreams) else 0
 
 
+_LITTLE_ENDIAN = sys.byteorder == "little"  # (elsewhere the words are copied into the native order)
+
+
+def _read_only(words: np.ndarray) -> np.ndarray:
+    """``words`` marked read-only, as the substream's bytes may be: the kernels then see one array
+    type whatever the source (each type is a compilation of its own). A view of the substream may
+    be unaligned; Numba's loads are the plain ones, which x86-64 and AArch64 allow there."""
+    words.flags.writeable = False
+    return words
+
+
 class _Reader:
     def __init__(self, data: np.ndarray, where: str):
         self.data, self.pos, self.where = data, 0, where
@@ -292,11 +304,17 @@ class _Reader:
         return classes, up, lut_step, lut_sym, self.rans_words()
 
     def rans_words(self, padding: int = 1) -> np.ndarray:
-        """The rANS words, with ``padding`` words after them."""
+        """The rANS words, with ``padding`` words after them. Where the substream goes on that far
+        (the raw bits follow the words) the padding is its next bytes, and the words are read
+        where they are: the kernels read a padding word only to drop it."""
         nrans = self.u32("coder size")
-        rans = np.zeros(nrans + padding, dtype=np.uint16)  # (aligned for the kernel)
+        if _LITTLE_ENDIAN and self.pos + 2 * (nrans + padding) <= self.data.shape[0]:
+            words = self.data[self.pos:self.pos + 2 * (nrans + padding)].view("<u2")
+            self.pos += 2 * nrans
+            return _read_only(words)
+        rans = np.zeros(nrans + padding, dtype=np.uint16)
         rans[:nrans] = self.take(2 * nrans, "coder words").view("<u2")
-        return rans
+        return _read_only(rans)
 
     def symbols(self, n: int, seg_len: int, alphabet: int) -> np.ndarray:
         """The ``n`` symbols of a substream: its classes, tables and rANS words read and decoded."""
@@ -311,17 +329,20 @@ class _Reader:
 
     def raw(self, words: int | None, padding: int = 1) -> np.ndarray:
         """The raw bits to the end: ``words`` of them exactly (None: any whole number), with
-        ``padding`` words after them."""
+        ``padding`` words after them (none: the words where they are)."""
         rest = self.data.shape[0] - self.pos
         if words is None:
             if rest % 4:
                 raise CorruptStreamError(f"{self.where}: raw bits of {rest} bytes, not whole words")
             words = rest // 4
-        raw = np.zeros(words + padding, dtype=np.uint32)
-        raw[:words] = self.take(4 * words, "raw bits").view("<u4")
+        taken = self.take(4 * words, "raw bits").view("<u4")
         if self.pos != self.data.shape[0]:
             raise CorruptStreamError(f"{self.where}: {self.data.shape[0] - self.pos} bytes after the raw bits")
-        return raw
+        if not padding and _LITTLE_ENDIAN:
+            return _read_only(taken)
+        raw = np.zeros(words + padding, dtype=np.uint32)
+        raw[:words] = taken
+        return _read_only(raw)
 
 
 def decode_chunk(data, dtype_name: str, seg_len: int, out: np.ndarray, where: str = "substream",
@@ -347,7 +368,7 @@ def decode_chunk(data, dtype_name: str, seg_len: int, out: np.ndarray, where: st
     if nseg and int(zeros.max()) > M:
         raise CorruptStreamError(f"{where}: drops more low bits than a {dtype_name} mantissa has")
     classes, up, lut_step, lut_sym, rans = r.coder(n, seg_len, _alphabet(W, M))
-    raw = r.raw(-(-_k.raw_bit_count(n, seg_len, M, zeros) // 32))
+    raw = r.raw(-(-_k.raw_bit_count(n, seg_len, M, zeros) // 32), padding=0)
     r.check(_k.decode_floats(rans, raw, seg_len, W, M, zeros, classes, up, lut_step, lut_sym, words))
 
 
