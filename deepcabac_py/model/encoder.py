@@ -140,11 +140,15 @@ def write_stream(out: BinaryIO, model: Mapping[str, Any] | Checkpoint | TensorSo
     with contextlib.ExitStack() as stack:
         if spool is None:
             spool = stack.enter_context(tempfile.TemporaryFile(prefix="deepcabac-"))
-        return _write(out, model, settings, threads, progress, _SpooledPayloads(spool), max_elements_in_flight)
+        header, payload_size = _write(out, model, settings, threads, progress, _SpooledPayloads(spool),
+                                      max_elements_in_flight)
+    return read_header(header, total_size=len(header) + payload_size)
 
 
 def _write(out: BinaryIO | _Pieces, model: Mapping[str, Any] | Checkpoint | TensorSource, settings: EncodeSettings,
-           threads: int, progress: Progress | None, payloads: _Payloads, max_elements_in_flight: int) -> StreamHeader:
+           threads: int, progress: Progress | None, payloads: _Payloads, max_elements_in_flight: int
+           ) -> tuple[bytes, int]:
+    """Plan, code and write ``model``: (the header written, the payload's size)."""
     plan = plan_model(model, settings)
     with contextlib.ExitStack() as stack:
         pool = ThreadPoolExecutor(max_workers=threads) if threads > 1 else None
@@ -167,7 +171,7 @@ def _write(out: BinaryIO | _Pieces, model: Mapping[str, Any] | Checkpoint | Tens
         out.write(header)
         for name in plan.names:
             payloads.copy_to(out, name)
-    return read_header(header, total_size=len(header) + offset)
+    return header, offset
 
 
 class _Payloads:
