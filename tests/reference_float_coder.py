@@ -65,7 +65,7 @@ def choose_classes(hist: np.ndarray, nseg: int, max_bits: int = 14) -> tuple[int
         rows = [[int(v) for v in hist[c * per:(c + 1) * per].sum(axis=0)] for c in range(1 << klog)]
         if any(sum(r) == 0 for r in rows):
             break
-        for bits in (14, 12, 10, 8):
+        for bits in (14, 13, 12, 10, 8):
             if max(sum(1 for v in r if v) for r in rows) > 1 << bits or bits > max_bits:
                 continue
             cost = (4 * nseg if klog else 0) << 16
@@ -161,8 +161,63 @@ def _packed(pieces: list[tuple[int, int]]) -> list[int]:
     return [(acc >> (32 * k)) & 0xFFFFFFFF for k in range(-(-nacc // 32))]
 
 
-def encode(words: list[int], dtype_name: str, seg: int) -> bytes:
-    """Low-bit modes 0 and 1 (the segments' common zero bits dropped)."""
+TANS_FLAG = 0x80
+TANS_MAX_BITS = 13
+
+
+def _tans_tables(rows: list[list[int]], precision: int) -> tuple[list[list[tuple[int, int, int]]],
+                                                                 list[dict[tuple[int, int], int]]]:
+    """Per class: the decoder's (symbol, bit count, next base) of each state, and the encoder's
+    state of each (symbol, y), y from freq to 2 freq - 1."""
+    R = 1 << precision
+    step = (R >> 1) + (R >> 3) + 3
+    dec, enc = [], []
+    for freq in rows:
+        spread, pos = [0] * R, 0
+        for s, f in enumerate(freq):
+            for _ in range(f):
+                spread[pos] = s
+                pos = (pos + step) & (R - 1)
+        nxt, d, e = list(freq), [], {}
+        for x in range(R):
+            s = spread[x]
+            y = nxt[s]
+            nxt[s] += 1
+            nb = precision - (y.bit_length() - 1)
+            d.append((s, nb, (y << nb) - R))
+            e[(s, y)] = x + R
+        dec.append(d)
+        enc.append(e)
+    return dec, enc
+
+
+def _tans(symbols: list[int], seg: int, precision: int, sent: list[list[int]], classes: list[int]) -> bytes:
+    """The first bit, the decoder's initial states and the words of ``symbols`` by tANS."""
+    R = 1 << precision
+    _, enc = _tans_tables(sent, precision)
+    x = [R] * LANES
+    pieces = []
+    for i in reversed(range(len(symbols))):
+        c, s = classes[i // seg], symbols[i]
+        f, state = sent[c][s], x[i % LANES]
+        nb = 0
+        while state >> nb >= 2 * f:
+            nb += 1
+        pieces.append((state & ((1 << nb) - 1), nb))
+        x[i % LANES] = enc[c][(s, state >> nb)]
+    total = sum(nb for _, nb in pieces)
+    first_bit = -total % 32
+    acc, pos = 0, first_bit
+    for v, nb in reversed(pieces):  # (the decoder's order)
+        acc |= v << pos
+        pos += nb
+    words = [(acc >> (32 * k)) & 0xFFFFFFFF for k in range(pos // 32)]
+    return struct.pack("<B4H", first_bit, *(v - R for v in x)) + struct.pack(f"<I{len(words)}I", len(words), *words)
+
+
+def encode(words: list[int], dtype_name: str, seg: int, tans: bool = True) -> bytes:
+    """Low-bit modes 0 and 1 (the segments' common zero bits dropped), the symbols by tANS (by rANS
+    without ``tans``: what the version-7 writer wrote, which the decoder still reads)."""
     W, M = floatcoder.FORMATS[dtype_name]
     n = len(words)
     zeros, means = [], []
@@ -182,12 +237,16 @@ def encode(words: list[int], dtype_name: str, seg: int) -> bytes:
     for j, idx in _segments(n, seg):
         for i in idx:
             hist[classes16[j], _split(words[i], W, M, zeros[j])[0]] += 1
-    klog, precision, sent = choose_classes(hist, nseg)
+    klog, precision, sent = choose_classes(hist, nseg, TANS_MAX_BITS if tans else PROB_BITS)
     classes = [c >> (4 - klog) for c in classes16]
     raw = _packed([_split(words[i], W, M, zeros[j])[1:] for j, idx in _segments(n, seg) for i in idx])
     symbols = [_split(words[i], W, M, zeros[j])[0] for j, idx in _segments(n, seg) for i in idx]
-    head = bytes([0, zeros[0]]) if nseg and len(set(zeros)) == 1 else b"\x01" + bytes(zeros)
-    return head + _tail(symbols, seg, klog, precision, sent, classes, raw)
+    flag = TANS_FLAG if tans else 0
+    head = bytes([flag, zeros[0]]) if nseg and len(set(zeros)) == 1 else bytes([flag | 1, *zeros])
+    if not tans:
+        return head + _tail(symbols, seg, klog, precision, sent, classes, raw)
+    return (head + _tables(klog, precision, sent, classes) + _tans(symbols, seg, precision, sent, classes)
+            + struct.pack(f"<{len(raw)}I", *raw))
 
 
 def _trailing_split(w: int, W: int, M: int) -> tuple[int, int, int, int]:
@@ -255,6 +314,7 @@ class _Parse:
     def tables(self, nseg: int) -> tuple[list[int], list[dict[int, tuple[int, int]]]]:
         """(segment classes, per class {symbol: (freq, start)} at PROB_BITS)."""
         klog, precision = self.bytes(2)
+        self.precision = precision
         classes = [0] * nseg
         if klog and nseg:
             packed = self.bytes(-(-nseg // 2))
@@ -280,6 +340,15 @@ class _Parse:
                 total += f
             tables.append(table)
         return classes, tables
+
+    def tans(self, precision: int, sent: list[list[int]]) -> _TansCoder:
+        first_bit, *x = struct.unpack("<B4H", self.bytes(9))
+        (nw,) = struct.unpack("<I", self.bytes(4))
+        words = struct.unpack(f"<{nw}I", self.bytes(4 * nw))
+        rest = self.data[self.pos:]
+        bits = sum(w << (32 * k) for k, w in enumerate(words))
+        rawbits = sum(r << (32 * k) for k, r in enumerate(struct.unpack(f"<{len(rest) // 4}I", rest)))
+        return _TansCoder(_tans_tables(sent, precision)[0], first_bit, x, bits, 32 * nw, rawbits)
 
     def coder(self) -> _Coder:
         (nr,) = struct.unpack("<I", self.bytes(4))
@@ -314,6 +383,23 @@ class _Coder:
         return self.x == [RANS_L] * LANES and self.p == len(self.rans)
 
 
+class _TansCoder:
+    def __init__(self, dec, first_bit: int, x: list[int], bits: int, total: int, rawbits: int):
+        self.dec, self.pos, self.x, self.bits, self.total = dec, first_bit, list(x), bits, total
+        self.rawbits, self.rp = rawbits, 0
+
+    def symbol(self, lane: int, cls: int) -> int:
+        s, nb, base = self.dec[cls][self.x[lane]]
+        self.x[lane] = base + ((self.bits >> self.pos) & ((1 << nb) - 1))
+        self.pos += nb
+        return s
+
+    raw = _Coder.raw
+
+    def done(self) -> bool:
+        return self.x == [0] * LANES and self.pos == self.total
+
+
 def decode(data: bytes, dtype_name: str, seg: int, n: int) -> list[int]:
     """The float bits of a valid substream (no validation: the reference of the kernel's arithmetic)."""
     W, M = floatcoder.FORMATS[dtype_name]
@@ -322,9 +408,19 @@ def decode(data: bytes, dtype_name: str, seg: int, n: int) -> list[int]:
     (mode,) = r.bytes(1)
     if mode == 2:
         return _decode_trailing(r, W, M, seg, n)
+    tans = bool(mode & TANS_FLAG)
+    mode &= ~TANS_FLAG
     zeros = list(r.bytes(1)) * nseg if mode == 0 else list(r.bytes(nseg))
     classes, tables = r.tables(nseg)
-    c = r.coder()
+    if tans:  # (the tables as sent)
+        precision = r.precision
+        sent = [[0] * (1 << (W - 1 - M + TOP)) for _ in tables]
+        for row, table in zip(sent, tables):
+            for sym, (f, _) in table.items():
+                row[sym] = f >> (PROB_BITS - precision)
+        c = r.tans(precision, sent)
+    else:
+        c = r.coder()
     out = []
     for j, idx in _segments(n, seg):
         z = zeros[j]
@@ -332,7 +428,7 @@ def decode(data: bytes, dtype_name: str, seg: int, n: int) -> list[int]:
         t = min(TOP, mr)
         low_bits = mr - t
         for i in idx:
-            sym = c.symbol(i % LANES, tables[classes[j]])
+            sym = c.symbol(i % LANES, classes[j] if tans else tables[classes[j]])
             value = c.raw(low_bits + 1)
             top = (sym & ((1 << TOP) - 1)) >> (TOP - t)
             out.append(((value >> low_bits) << (W - 1)) | ((sym >> TOP) << M) | (top << (M - t))

@@ -118,6 +118,51 @@ def test_kernels_match_the_python_reference(dtype_name, seed):
     assert ref_decode(data, dtype_name, seg, len(words)) == words
 
 
+@settings(max_examples=20, deadline=None)
+@given(dtype_name=st.sampled_from(sorted(DTYPES)), n=st.integers(1, 400), seg=st.integers(1, 300),
+       seed=st.integers(0, 2**32 - 1), low_zero=st.integers(0, 12))
+def test_rans_substreams_of_the_version_7_writer_still_decode(dtype_name, n, seg, seed, low_zero):
+    # (the writer now codes the symbols by tANS; streams from before keep theirs by rANS)
+    flat = _random_floats(np.random.default_rng(seed), dtype_name, n, low_zero)
+    words = [int(v) for v in flat.view(WORDS[dtype_name])]
+    data = ref_encode(words, dtype_name, seg, tans=False)
+    assert data[0] in (0, 1)
+    out = np.empty_like(flat)
+    floatcoder.decode_chunk(data, dtype_name, seg, out, revision=0)
+    assert out.view(np.uint8).tobytes() == flat.view(np.uint8).tobytes()
+
+
+def _tans_fields(data: bytes, nseg: int) -> tuple[int, int]:
+    """(where a tANS substream's first bit and states are, its tables' precision)."""
+    pos = 2 if data[0] == floatcoder.TANS_FLAG else 1 + nseg
+    klog, precision = data[pos], data[pos + 1]
+    pos += 2 + (-(-nseg // 2) if klog else 0)
+    return pos + 4 + int.from_bytes(data[pos:pos + 4], "little"), precision
+
+
+@pytest.mark.parametrize("dtype_name", sorted(DTYPES))
+def test_a_tans_substream_with_impossible_fields_is_refused(dtype_name):
+    rng = np.random.default_rng(9)
+    a = _weights(rng, dtype_name, (20, 300)).reshape(-1)
+    seg = floatcoder.segment_length((20, 300))
+    data = floatcoder.encode_chunk(a, dtype_name, seg)
+    at, precision = _tans_fields(data, -(-a.size // seg))
+    out = np.empty_like(a)
+
+    def refused(bad: bytes, what: str) -> None:
+        with pytest.raises(CorruptStreamError, match=what):
+            floatcoder.decode_chunk(bad, dtype_name, seg, out)
+
+    # an initial state beyond the table, a first bit beyond its word, bits set before the first bit
+    refused(data[:at + 1] + (1 << precision).to_bytes(2, "little") + data[at + 3:], "initial state")
+    refused(bytes([*data[:at], 32]) + data[at + 1:], "first bit")
+    words_at = at + 9 + 4
+    refused(bytes([*data[:at], max(data[at], 1)]) + data[at + 1:words_at] + bytes([data[words_at] | 1])
+            + data[words_at + 1:], "before the coder's first bit")
+    floatcoder.decode_chunk(data, dtype_name, seg, out)  # (the original decodes)
+    assert out.view(np.uint8).tobytes() == a.view(np.uint8).tobytes()
+
+
 def _grid_weights(rng, dtype_name: str, shape) -> np.ndarray:
     """Bell-shaped values on one fine grid (integers times 2**-40): below the top bits, the trailing
     zeros grow as the exponent falls, as in weights made of products of rounded values."""
@@ -163,14 +208,18 @@ def test_the_trailing_mode_is_taken_where_it_pays(dtype_name):
     seg = floatcoder.segment_length(grid.shape)
     chosen = floatcoder.encode_chunk(grid.reshape(-1), dtype_name, seg)
     segments = floatcoder.encode_chunk(plain.reshape(-1), dtype_name, seg)
-    assert chosen[0] == 2 and segments[0] in (0, 1)
-    assert floatcoder.revision_of([segments, chosen]) == 1 and floatcoder.revision_of([segments]) == 0
+    assert chosen[0] == 2 and segments[0] in (floatcoder.TANS_FLAG, floatcoder.TANS_FLAG | 1)
+    assert floatcoder.revision_of([segments, chosen]) == 3 and floatcoder.revision_of([segments]) == 2
+    assert floatcoder.revision_of([chosen]) == 1
     # (the same grid by the segments' drop alone: the per-element counts save more than a tenth)
     words = [int(v) for v in grid.reshape(-1).view(WORDS[dtype_name])]
     assert len(chosen) < 0.9 * len(ref_encode(words, dtype_name, seg))
     out = np.empty_like(grid.reshape(-1))
-    with pytest.raises(CorruptStreamError, match="low-bit mode 2"):  # (a revision-0 entry has no mode 2)
-        floatcoder.decode_chunk(chosen, dtype_name, seg, out, revision=0)
+    for revision in (0, floatcoder.TANS_REVISION):  # (an entry without the bit has no mode 2)
+        with pytest.raises(CorruptStreamError, match="low-bit mode 2"):
+            floatcoder.decode_chunk(chosen, dtype_name, seg, out, revision=revision)
+    with pytest.raises(CorruptStreamError, match="symbols by tANS"):  # (nor tANS without its own)
+        floatcoder.decode_chunk(segments, dtype_name, seg, out, revision=floatcoder.TRAILING_REVISION)
 
 
 def test_float32_holding_bfloat16_drops_the_zero_half():
@@ -215,16 +264,16 @@ def _flipped(data: bytes, rng) -> list[bytes]:
     return out
 
 
-@pytest.mark.parametrize("coder_param", [0, 2])
+@pytest.mark.parametrize("coder_param", [0, 2, 4])
 def test_a_float_entry_that_misstates_its_revision_is_refused(coder_param):
     from deepcabac_py.model.container import pack_header
     rng = np.random.default_rng(4)
     data = dc.encode_model({"w": _grid_weights(rng, "float32", (64, 512))}, keep_exact=True, threads=1)
     h = read_header(data)
     assert h.version == 7 and h.tensors[0].coder_param == 1
-    h.tensors[0].coder_param = coder_param  # (0: mode 2 in a revision-0 entry; 2: no such revision)
+    h.tensors[0].coder_param = coder_param  # (0 and 2: mode 2 without its bit; 4: no such bit)
     bad = pack_header(h.qp, h.qp_1d, h.qp_density, h.metadata, h.tensors) + data[h.header_size:]
-    with pytest.raises(CorruptStreamError, match="low-bit mode 2" if coder_param == 0 else "coder parameter 2"):
+    with pytest.raises(CorruptStreamError, match="coder parameter 4" if coder_param == 4 else "low-bit mode 2"):
         dc.decode_model(bad)
 
 

@@ -1,8 +1,9 @@
 """Numba kernels of the lossless float coder (private: :mod:`.floatcoder` is the validated front).
 
 A float's bits are cut into a *symbol*, its exponent and the top ``TOP_BITS`` of its mantissa, coded
-with four interleaved rANS states over static per-chunk frequency tables chosen by the segment's
-class, and *raw bits*, its sign and the rest of its mantissa, packed LSB first into 32-bit words.
+with four interleaved tANS states (rANS in streams before format version 8, and in low-bit mode 2)
+over static per-chunk frequency tables chosen by the segment's class, and *raw bits*, its sign and
+the rest of its mantissa, packed LSB first into 32-bit words.
 Each segment drops the low mantissa bits that are zero in all of its elements. The layout is in
 docs/format.md §4.4.
 
@@ -313,14 +314,21 @@ SYMBOLS, FAST, GENERAL = 0, 1, 2
 
 
 @inline
+def _fast_value(v, sym, W, M, z, low_bits):
+    """The float bits of a FAST element: its raw bits ``v`` (sign above the low mantissa bits) and
+    its symbol."""
+    return ((v >> low_bits) << (W - 1)) | (np.int64(sym) << (M - TOP_BITS)) | ((v & ((np.int64(1) << low_bits) - 1))
+                                                                             << z)
+
+
+@inline
 def _emit(form, out, i, sym, raw, at, W, M, z, low_bits, k):
     if form == SYMBOLS:
         out[_U(i)] = sym
         return
     low_mask = (np.int64(1) << low_bits) - 1
     if form == FAST:
-        v = _raw_at(raw, at, k)
-        out[_U(i)] = ((v >> low_bits) << (W - 1)) | (np.int64(sym) << (M - TOP_BITS)) | ((v & low_mask) << z)
+        out[_U(i)] = _fast_value(_raw_at(raw, at, k), sym, W, M, z, low_bits)
         return
     if k > 32:  # (float64)
         v = _raw_at(raw, at, 32) | (_raw_at(raw, at + 32, k - 32) << 32)
@@ -592,7 +600,7 @@ def normalize_row(counts, scale_bits, out):
             excess -= take
 
 
-TABLE_PRECISIONS = (14, 12, 10, 8)  # what the encoder tries: coarser tables cost fewer bits to send
+TABLE_PRECISIONS = (14, 13, 12, 10, 8)  # what the encoder tries: coarser tables cost fewer bits to send
 
 
 @kernel
@@ -662,6 +670,288 @@ def choose_classes(hist16, nseg, costs, max_bits, freq):
         for u in range(nu):
             freq[c, used_syms[u]] = tmp[u]
     return best, best_bits
+
+
+# --- the symbols by tANS (low-bit modes 0 and 1, format version 8) ----------------------------------
+# A table-driven ANS: the decoder's state x (0 to R - 1, R = 2**precision) looks up its symbol, a
+# bit count and the base of its next state, which that many bits complete. No multiplication sits
+# on a state's chain, as it does in rANS, whose four chains bound its decoding: the symbols decode
+# about twice as fast, at the same frequency tables (as sent, at most TANS_MAX_BITS of precision).
+# Element i is on state i % 4 like the rANS lanes; one bit stream serves the four, element after
+# element, each element's bits LSB first. The states are spread over the table by a fixed odd step
+# (docs/format.md §4.4), symbol by symbol in increasing order.
+
+TANS_MAX_BITS = 13  # (8 classes of 2**13 states: 256 KB of decoding table, in the L2 cache)
+TANS_MIN_BITS = 8
+_TANS_SYMBOL_BITS = 13  # an entry: symbol | bit count << 13 | next base << 17 (the largest alphabet: 2**13)
+
+
+@inline
+def _tans_spread(freq_row, R, spread):
+    """Each state's symbol: the symbols in increasing order, each on freq states, a fixed odd
+    step apart (odd, so every state is visited once)."""
+    step = (R >> 1) + (R >> 3) + 3
+    pos = 0
+    for s in range(freq_row.shape[0]):
+        for _ in range(freq_row[s]):
+            spread[pos] = s
+            pos = (pos + step) & (R - 1)
+
+
+@inline
+def _floor_log2(v):
+    k = 0
+    while (v >> (k + 1)) > 0:
+        k += 1
+    return k
+
+
+@kernel
+def tans_decode_table(freq, precision, table):
+    """table[c, x], the decoder's entry of state x in class c: symbol | bit count << 13 | the next
+    state's base << 17 (``freq``: the tables as sent, each class's summing to 2**precision)."""
+    R = 1 << precision
+    spread = np.empty(R, dtype=np.int64)
+    nxt = np.empty(freq.shape[1], dtype=np.int64)
+    high = np.empty(freq.shape[1], dtype=np.int64)
+    for c in range(freq.shape[0]):
+        _tans_spread(freq[c], R, spread)
+        for s in range(freq.shape[1]):
+            nxt[s] = freq[c, s]
+            high[s] = _floor_log2(max(np.int64(freq[c, s]), 1))
+        for x in range(R):
+            s = spread[x]
+            y = nxt[s]  # (from freq to 2 freq - 1, in the order of the states)
+            nxt[s] = y + 1
+            nb = precision - high[s] - np.int64(y >> (high[s] + 1) > 0)
+            table[c, x] = np.uint32(s | (nb << _TANS_SYMBOL_BITS) | (((y << nb) - R) << (_TANS_SYMBOL_BITS + 4)))
+
+
+@kernel
+def tans_encode_tables(freq, precision, delta_bits, delta_find, states):
+    """The encoder's tables: per class and symbol, what finds the bit count of a state x (R to
+    2R - 1): (x + delta_bits) >> 16, and where its next state is: states[c, (x >> bits) + delta_find]
+    (``freq`` as :func:`tans_decode_table` takes it; ``states``: R to 2R - 1)."""
+    R = 1 << precision
+    spread = np.empty(R, dtype=np.int64)
+    nxt = np.empty(freq.shape[1], dtype=np.int64)
+    start = np.empty(freq.shape[1], dtype=np.int64)
+    for c in range(freq.shape[0]):
+        _tans_spread(freq[c], R, spread)
+        total = 0
+        for s in range(freq.shape[1]):
+            f = np.int64(freq[c, s])
+            start[s] = total
+            nxt[s] = f
+            total += f
+            if f:
+                most = precision - _floor_log2(f)  # (bits of a state from f << most on: most, else one fewer)
+                delta_bits[c, s] = (most << 16) - (f << most)
+                delta_find[c, s] = start[s] - f
+        for x in range(R):
+            s = spread[x]
+            states[c, start[s] + nxt[s] - freq[c, s]] = x + R
+            nxt[s] += 1
+
+
+@inline
+def _tans_put(x, s, delta_bits, delta_find, states, xb):
+    """Push the symbol whose tables sit at ``s`` (its class's states at ``xb``) onto the state
+    ``x``: (new state, the bits given off, their count)."""
+    nb = (x + delta_bits[s]) >> 16
+    return states[_U(xb + (x >> nb) + delta_find[s])], np.uint64(x & ((np.int64(1) << nb) - 1)), nb
+
+
+@inline
+def _prepend(bits, nb, acc, nacc, wi, out):
+    """Put ``nb`` bits before the pending ones (the top ``nacc`` of ``acc``); a full word goes to
+    out[wi - 1], stored every time and kept when full (no branch to mispredict)."""
+    acc |= (bits << np.uint64(63 - nacc - nb)) << np.uint64(1)  # (two shifts: never one of 64)
+    nacc += nb
+    out[_U(wi - 1)] = np.uint32(acc >> np.uint64(32))
+    full = np.int64(nacc >= 32)
+    wi -= full
+    acc <<= np.uint64(32 * full)
+    nacc -= 32 * full
+    return acc, nacc, wi
+
+
+@kernel
+def tans_encode(symbols, seg_len, classes, precision, delta_bits, delta_find, states, out):
+    """The bit stream of ``symbols`` (each segment with its class's tables, from
+    :func:`tans_encode_tables`) into the end of ``out``, which holds n * precision / 32 + 3 words
+    at least. Backward: each element's bits go before the next one's, so the decoder reads forward.
+    Returns (the first word, the first bit in it, the four final states)."""
+    R = np.int64(1) << precision
+    n = symbols.shape[0]
+    alphabet = delta_bits.shape[1]
+    dbits, dfind, st = delta_bits.ravel(), delta_find.ravel(), states.ravel()
+    x0 = x1 = x2 = x3 = R
+    acc = np.uint64(0)
+    nacc = 0
+    wi = out.shape[0]
+    nseg = classes.shape[0]
+    for jj in range(nseg):
+        j = nseg - 1 - jj
+        sb = np.int64(classes[j]) * alphabet
+        xb = np.int64(classes[j]) * R
+        lo = j * seg_len
+        i = min(n, lo + seg_len) - 1
+        while i >= lo:
+            if (i & 3) == 3 and i - 3 >= lo:  # (a whole group: see rans_decode)
+                x3, v3, n3 = _tans_put(x3, sb + np.int64(symbols[_U(i)]), dbits, dfind, st, xb)
+                x2, v2, n2 = _tans_put(x2, sb + np.int64(symbols[_U(i - 1)]), dbits, dfind, st, xb)
+                x1, v1, n1 = _tans_put(x1, sb + np.int64(symbols[_U(i - 2)]), dbits, dfind, st, xb)
+                x0, v0, n0 = _tans_put(x0, sb + np.int64(symbols[_U(i - 3)]), dbits, dfind, st, xb)
+                # two elements' bits put together first: the accumulator's chain, the limit, is
+                # walked twice a group instead of four times
+                acc, nacc, wi = _prepend(v2 | (v3 << np.uint64(n2)), n2 + n3, acc, nacc, wi, out)
+                acc, nacc, wi = _prepend(v0 | (v1 << np.uint64(n0)), n0 + n1, acc, nacc, wi, out)
+                i -= 4
+                continue
+            lane = i & 3
+            x, v, nb = _tans_put(_lane_state(lane, x0, x1, x2, x3), sb + np.int64(symbols[_U(i)]), dbits, dfind,
+                                 st, xb)
+            x0, x1, x2, x3 = _with_lane(lane, x, x0, x1, x2, x3)
+            acc, nacc, wi = _prepend(v, nb, acc, nacc, wi, out)
+            i -= 1
+    first_bit = 0
+    if nacc:
+        wi -= 1
+        out[wi] = np.uint32(acc >> np.uint64(32))
+        first_bit = 32 - nacc
+    return wi, first_bit, x0, x1, x2, x3
+
+
+@inline
+def _tans_entry(flat, base, x):
+    """(the entry of state ``x``, its bit count)."""
+    e = flat[base + _U(x)]
+    return e, np.int64((e >> np.uint32(_TANS_SYMBOL_BITS)) & np.uint32(15))
+
+
+@inline
+def _tans_next(entry, bits):
+    """The next state: the entry's base completed by its bits."""
+    return np.int64(entry >> np.uint32(_TANS_SYMBOL_BITS + 4)) + bits
+
+
+@inline
+def _tans_one(form, i, x0, x1, x2, x3, pos, total, base, flat, words, out, raw, at, W, M, z, low_bits, k):
+    """Element i alone: (states, bit position, OK or an error code)."""
+    lane = i & 3
+    e, nb = _tans_entry(flat, base, _lane_state(lane, x0, x1, x2, x3))
+    if pos + nb > total:
+        return x0, x1, x2, x3, pos, ERR_OVERRUN
+    x = _tans_next(e, _raw_at(words, pos, nb))
+    x0, x1, x2, x3 = _with_lane(lane, x, x0, x1, x2, x3)
+    _emit(form, out, i, e & np.uint32((1 << _TANS_SYMBOL_BITS) - 1), raw, at, W, M, z, low_bits, k)
+    return x0, x1, x2, x3, pos + nb, OK
+
+
+@inline
+def _tans_segment(form, x0, x1, x2, x3, pos, total, lo, stop, base, flat, words, out, raw, bit0, W, M, z, low_bits,
+                  k):
+    """The elements [lo, stop) of one segment: (states, bit position, OK or an error code)."""
+    sym_mask = np.uint32((1 << _TANS_SYMBOL_BITS) - 1)
+    i = lo
+    while i < stop and i & 3:  # (up to the first whole group)
+        x0, x1, x2, x3, pos, err = _tans_one(form, i, x0, x1, x2, x3, pos, total, base, flat, words, out, raw,
+                                             bit0 + (i - lo) * k, W, M, z, low_bits, k)
+        if err != OK:
+            return x0, x1, x2, x3, pos, err
+        i += 1
+    groups_end = i + ((stop - i) & ~3)
+    # whole groups while three words are left to read (at most 52 bits a group, then the padding)
+    while i < groups_end and pos + 64 <= total:
+        e0, n0 = _tans_entry(flat, base, x0)
+        e1, n1 = _tans_entry(flat, base, x1)
+        e2, n2 = _tans_entry(flat, base, x2)
+        e3, n3 = _tans_entry(flat, base, x3)
+        w = _U(pos) >> _U(5)
+        off = _U(pos & 31)
+        v = (((np.uint64(words[w]) | (np.uint64(words[w + _U(1)]) << _U(32))) >> off)
+             | ((np.uint64(words[w + _U(2)]) << (_U(63) - off)) << _U(1)))
+        x0 = _tans_next(e0, np.int64(v & _U((1 << n0) - 1)))
+        v >>= _U(n0)
+        x1 = _tans_next(e1, np.int64(v & _U((1 << n1) - 1)))
+        v >>= _U(n1)
+        x2 = _tans_next(e2, np.int64(v & _U((1 << n2) - 1)))
+        v >>= _U(n2)
+        x3 = _tans_next(e3, np.int64(v & _U((1 << n3) - 1)))
+        pos += n0 + n1 + n2 + n3
+        at = bit0 + (i - lo) * k
+        if form == FAST and k <= 16:
+            # the raw bits of two elements (four, at most 8 bits each) in one read: the reads,
+            # not the states, are the limit here
+            if k <= 8:
+                r = _raw_at(raw, at, 4 * k)
+                r01, r23 = r & ((np.int64(1) << (2 * k)) - 1), r >> (2 * k)
+            else:
+                r01, r23 = _raw_at(raw, at, 2 * k), _raw_at(raw, at + 2 * k, 2 * k)
+            mask = (np.int64(1) << k) - 1
+            out[_U(i)] = _fast_value(r01 & mask, e0 & sym_mask, W, M, z, low_bits)
+            out[_U(i + 1)] = _fast_value(r01 >> k, e1 & sym_mask, W, M, z, low_bits)
+            out[_U(i + 2)] = _fast_value(r23 & mask, e2 & sym_mask, W, M, z, low_bits)
+            out[_U(i + 3)] = _fast_value(r23 >> k, e3 & sym_mask, W, M, z, low_bits)
+        else:
+            _emit(form, out, i, e0 & sym_mask, raw, at, W, M, z, low_bits, k)
+            _emit(form, out, i + 1, e1 & sym_mask, raw, at + k, W, M, z, low_bits, k)
+            _emit(form, out, i + 2, e2 & sym_mask, raw, at + 2 * k, W, M, z, low_bits, k)
+            _emit(form, out, i + 3, e3 & sym_mask, raw, at + 3 * k, W, M, z, low_bits, k)
+        i += 4
+    while i < stop:  # (the segment's last elements, or the stream's last bits)
+        x0, x1, x2, x3, pos, err = _tans_one(form, i, x0, x1, x2, x3, pos, total, base, flat, words, out, raw,
+                                             bit0 + (i - lo) * k, W, M, z, low_bits, k)
+        if err != OK:
+            return x0, x1, x2, x3, pos, err
+        i += 1
+    return x0, x1, x2, x3, pos, OK
+
+
+@kernel
+def decode_floats_tans(words, first_bit, x0, x1, x2, x3, raw, seg_len, W, M, zeros, classes, precision, table,
+                       out):
+    """Rebuild ``out`` (the float bits) from a substream's tANS bits (``words`` with one word of
+    padding, the first ``first_bit`` bits of the first word unused; x0..x3 the decoder's initial
+    states) and raw bits (as :func:`decode_floats` takes them); OK or an error code. Reads only
+    inside the words: a read waits until its bits are known to be there."""
+    n = out.shape[0]
+    R = np.int64(1) << precision
+    total = 32 * (words.shape[0] - 1)
+    if words.shape[0] < 1 or first_bit > total or (first_bit and words[0] & np.uint32((1 << first_bit) - 1)):
+        return ERR_TRAILING
+    nw = raw.shape[0]
+    raw_total = raw_bit_count(n, seg_len, M, zeros)
+    if raw_total > 32 * nw:
+        return ERR_OVERRUN
+    if (raw_total + 31) >> 5 != nw or (raw_total & 31 and raw[nw - 1] >> np.uint32(raw_total & 31)):
+        return ERR_TRAILING
+    if not (0 <= x0 < R and 0 <= x1 < R and 0 <= x2 < R and 0 <= x3 < R):
+        return ERR_BAD_END
+    flat = table.ravel()
+    pos = np.int64(first_bit)
+    bit0 = 0
+    for j in range(classes.shape[0]):
+        z = np.int64(zeros[j])
+        t, low_bits, k = _segment_bits(M, z)
+        lo = j * seg_len
+        stop = min(n, lo + seg_len)
+        base = _U(classes[j]) * _U(R)
+        if t == TOP_BITS and k <= 32:  # (as in decode_floats)
+            x0, x1, x2, x3, pos, err = _tans_segment(FAST, x0, x1, x2, x3, pos, total, lo, stop, base, flat, words,
+                                                     out, raw, bit0, W, M, z, low_bits, k)
+        else:
+            x0, x1, x2, x3, pos, err = _tans_segment(GENERAL, x0, x1, x2, x3, pos, total, lo, stop, base, flat,
+                                                     words, out, raw, bit0, W, M, z, low_bits, k)
+        if err != OK:
+            return err
+        bit0 += (stop - lo) * k
+    if x0 or x1 or x2 or x3:
+        return ERR_BAD_END
+    if pos != total:
+        return ERR_TRAILING
+    return OK
 
 
 # --- low-bit mode 2: trailing zeros by exponent ---------------------------------------------------

@@ -29,11 +29,15 @@ MIN_SEGMENT = 256  # a segment's class costs 4 bits: no segment is shorter than 
 MAX_SEGMENT = 1 << 16  # longer rows are split: the classes then follow the scale along the row
 CHUNK_TARGET = 1 << 20
 MAX_CLASSES = 1 << _k.MAX_CLASSES_LOG2
-# A FLOAT entry's coder parameter is the revision of its substreams (docs/format.md §4.4): 1 where
-# one of them takes low-bit mode 2 (trailing zeros by exponent, format version 7), else 0.
+# A FLOAT entry's coder parameter says what its substreams use beyond format version 6
+# (docs/format.md §4.4), bit by bit: TRAILING_REVISION where one of them takes low-bit mode 2
+# (trailing zeros by exponent, version 7), TANS_REVISION where one codes its symbols by tANS
+# (version 8).
 TRAILING_REVISION = 1
-REVISIONS = (0, TRAILING_REVISION)
+TANS_REVISION = 2
+REVISIONS = (0, TRAILING_REVISION, TANS_REVISION, TRAILING_REVISION | TANS_REVISION)
 TRAILING_MODE = 2  # the substream's low-bit mode byte for the trailing zeros by exponent
+TANS_FLAG = 0x80  # in the mode byte of low-bit modes 0 and 1: the symbols by tANS, not rANS
 TRAILING_GAIN = 0.01  # mode 2 must save this share of the chunk (and a sample promise it first)
 TRAILING_SURE = 4  # a promise this many times the gain takes mode 2 untried against the segments' drop
 # Mode 2 decodes two symbols per element: the trailing zeros' tables are kept at 2**10 slots, whose
@@ -129,11 +133,33 @@ def _coded(parts: list[bytes], classes16: np.ndarray, alphabet: int, seg_len: in
     return _joined([*parts, *t.header()], rans, begin, raw, nraw)
 
 
-def _class_tables(symbols: np.ndarray, seg_len: int, classes16: np.ndarray, alphabet: int) -> _Tables:
+def _class_tables(symbols: np.ndarray, seg_len: int, classes16: np.ndarray, alphabet: int,
+                  max_bits: int = PROB_BITS) -> _Tables:
     """The tables the encoder chooses for ``symbols`` (``classes16``: each segment's of 16 classes)."""
     hist16 = np.zeros((MAX_CLASSES, alphabet), dtype=np.int64)
     _k.histogram(symbols, seg_len, classes16, hist16)
-    return _Tables(hist16, classes16)
+    return _Tables(hist16, classes16, max_bits)
+
+
+def _coded_tans(parts: list[bytes], classes16: np.ndarray, alphabet: int, seg_len: int, symbols: np.ndarray,
+                raw: np.ndarray, nraw: int) -> bytes:
+    """As :func:`_coded`, the symbols by tANS: after the tables, the first bit's place in the first
+    word, the decoder's four initial states, and the bit stream's words."""
+    t = _class_tables(symbols, seg_len, classes16, alphabet, _k.TANS_MAX_BITS)
+    R = 1 << t.precision
+    K = t.sent.shape[0]
+    delta_bits = np.zeros((K, alphabet), dtype=np.int64)
+    delta_find = np.zeros((K, alphabet), dtype=np.int64)
+    states = np.zeros((K, R), dtype=np.int64)
+    _k.tans_encode_tables(t.sent, t.precision, delta_bits, delta_find, states)
+    words = np.empty(symbols.shape[0] * t.precision // 32 + 3, dtype=np.uint32)
+    begin, first_bit, *x = _k.tans_encode(symbols, seg_len, t.classes, t.precision, delta_bits, delta_find, states,
+                                          words)
+    head = [*parts, *t.header(), struct.pack("<B4H", first_bit, *(v - R for v in x)),
+            struct.pack("<I", words.shape[0] - begin)]
+    pieces: list[bytes | memoryview] = [*head, words[begin:].astype("<u4", copy=False).data,
+                                        raw[:nraw].astype("<u4", copy=False).data]
+    return b"".join(pieces)
 
 
 def _joined(head: list[bytes], rans: np.ndarray, begin: int, raw: np.ndarray, nraw: int) -> bytes:
@@ -163,10 +189,10 @@ def encode_chunk(values: np.ndarray, dtype_name: str, seg_len: int) -> bytes:
     raw = np.empty(-(-_k.raw_bit_count(n, seg_len, M, zeros) // 32) + 1, dtype=np.uint32)
     nraw = _k.encode_kernel(words, seg_len, W, M, zeros, symbols, raw)
     if nseg and (zeros == zeros[0]).all():
-        parts = [bytes([0, int(zeros[0])])]
+        parts = [bytes([TANS_FLAG | 0, int(zeros[0])])]
     else:
-        parts = [b"\x01", zeros.tobytes()]
-    data = _coded(parts, classes16, _alphabet(W, M), seg_len, symbols, raw, nraw)
+        parts = [bytes([TANS_FLAG | 1]), zeros.tobytes()]
+    data = _coded_tans(parts, classes16, _alphabet(W, M), seg_len, symbols, raw, nraw)
     if promise >= TRAILING_GAIN:
         # (mode 2 decodes at about half the speed: a small saving does not pay for that)
         trailing = _encode_trailing(words, W, M, seg_len, classes16)
@@ -237,8 +263,10 @@ def _encode_trailing(words: np.ndarray, W: int, M: int, seg_len: int, classes16:
 
 
 def revision_of(substreams: list[bytes]) -> int:
-    """The revision a FLOAT entry with these substreams declares (its coder parameter)."""
-    return TRAILING_REVISION if any(data[:1] == bytes([TRAILING_MODE]) for data in substreams) else 0
+    """The coder parameter of a FLOAT entry with these substreams: what they use, bit by bit."""
+    modes = {data[0] for data in substreams if data}
+    return ((TRAILING_REVISION if TRAILING_MODE in modes else 0)
+            | (TANS_REVISION if any(m & TANS_FLAG for m in modes) else 0))
 
 
 _LITTLE_ENDIAN = sys.byteorder == "little"  # (elsewhere the words are copied into the native order)
@@ -267,9 +295,23 @@ class _Reader:
         return int.from_bytes(self.take(4, what).tobytes(), "little")
 
     def tables(self, nseg: int, alphabet: int) -> tuple[np.ndarray, int, np.ndarray, np.ndarray]:
-        """(classes, PROB_BITS - precision, the decoder's two lookup tables) of a substream: class
-        count, precision, class nibbles and tables, validated. The lookup tables have a slot per
-        unit of the precision the tables were sent at: a coarser table is smaller, and faster."""
+        """(classes, PROB_BITS - precision, the rANS decoder's two lookup tables) of a substream:
+        see :meth:`_frequencies`. The lookup tables have a slot per unit of the precision the
+        tables were sent at: a coarser table is smaller, and faster."""
+        classes, precision, freq, start = self._frequencies(nseg, alphabet)
+        lut_step = np.empty((freq.shape[0], 1 << precision), dtype=np.uint32)
+        lut_sym = np.empty((freq.shape[0], 1 << precision), dtype=np.uint16)
+        _k.build_lut(freq, start, PROB_BITS - precision, lut_step, lut_sym)
+        return classes, PROB_BITS - precision, lut_step, lut_sym
+
+    def sent_tables(self, nseg: int, alphabet: int) -> tuple[np.ndarray, int, np.ndarray]:
+        """(classes, precision, the frequencies as sent, summing to 2**precision per class)."""
+        classes, precision, freq, _ = self._frequencies(nseg, alphabet)
+        return classes, precision, freq >> (PROB_BITS - precision)
+
+    def _frequencies(self, nseg: int, alphabet: int) -> tuple[np.ndarray, int, np.ndarray, np.ndarray]:
+        """(classes, precision, frequencies and starts at PROB_BITS) of a substream: class count,
+        precision, class nibbles and tables, validated."""
         where = self.where
         klog, precision = (int(v) for v in self.take(2, "class count and table precision"))
         if klog > _k.MAX_CLASSES_LOG2:
@@ -292,16 +334,25 @@ class _Reader:
         got = _k.read_tables(tables, precision, freq, start)
         if got < 0 or got != tables.shape[0]:
             raise CorruptStreamError(f"{where}: {_ERRORS.get(got, 'the frequency tables do not fill their bytes')}")
-        lut_step = np.empty((freq.shape[0], 1 << precision), dtype=np.uint32)
-        lut_sym = np.empty((freq.shape[0], 1 << precision), dtype=np.uint16)
-        _k.build_lut(freq, start, PROB_BITS - precision, lut_step, lut_sym)
-        return classes, PROB_BITS - precision, lut_step, lut_sym
+        return classes, precision, freq, start
 
     def coder(self, n: int, seg_len: int, alphabet: int) -> tuple[np.ndarray, int, np.ndarray, np.ndarray, np.ndarray]:
         """The classes, tables and rANS words of a substream of ``n`` elements (see :meth:`tables`),
         the words with one of padding."""
         classes, up, lut_step, lut_sym = self.tables(-(-n // seg_len), alphabet)
         return classes, up, lut_step, lut_sym, self.rans_words()
+
+    def words32(self, padding: int) -> np.ndarray:
+        """A count, then that many 32-bit words, with ``padding`` words after them (as
+        :meth:`rans_words`: the next bytes of the substream where it goes on that far)."""
+        count = self.u32("coder size")
+        if _LITTLE_ENDIAN and self.pos + 4 * (count + padding) <= self.data.shape[0]:
+            words = self.data[self.pos:self.pos + 4 * (count + padding)].view("<u4")
+            self.pos += 4 * count
+            return _read_only(words)
+        out = np.zeros(count + padding, dtype=np.uint32)
+        out[:count] = self.take(4 * count, "coder words").view("<u4")
+        return _read_only(out)
 
     def rans_words(self, padding: int = 1) -> np.ndarray:
         """The rANS words, with ``padding`` words after them. Where the substream goes on that far
@@ -346,7 +397,7 @@ class _Reader:
 
 
 def decode_chunk(data, dtype_name: str, seg_len: int, out: np.ndarray, where: str = "substream",
-                 revision: int = TRAILING_REVISION) -> None:
+                 revision: int = TRAILING_REVISION | TANS_REVISION) -> None:
     """Decode a substream of :func:`encode_chunk` into ``out`` (the flat carrier of ``len(out)``
     elements: float16/32/64, or uint16 for bfloat16) of an entry of ``revision``. CorruptStreamError
     says what is wrong."""
@@ -355,21 +406,48 @@ def decode_chunk(data, dtype_name: str, seg_len: int, out: np.ndarray, where: st
     n = words.shape[0]
     nseg = -(-n // seg_len)
     r = _Reader(np.frombuffer(data, dtype=np.uint8), where)
-    (mode,) = r.take(1, "low-bit mode")
-    if mode == TRAILING_MODE and revision >= TRAILING_REVISION:
+    byte = int(r.take(1, "low-bit mode")[0])
+    if byte == TRAILING_MODE and revision & TRAILING_REVISION:
         _decode_trailing(r, W, M, n, seg_len, words)
         return
+    tans = bool(byte & TANS_FLAG) and bool(revision & TANS_REVISION)
+    mode = byte & ~TANS_FLAG if tans else byte
     if mode == 0:
         zeros = np.full(nseg, r.take(1, "low-bit count")[0], dtype=np.uint8)
     elif mode == 1:
         zeros = r.take(nseg, "low-bit counts")
     else:
-        raise CorruptStreamError(f"{where}: unknown low-bit mode {mode} (in a substream of revision {revision})")
+        raise CorruptStreamError(f"{where}: a mode byte of {byte:#04x}, unknown to an entry of coder parameter "
+                                 f"{revision} (low-bit mode {byte & ~TANS_FLAG}"
+                                 f"{', symbols by tANS' if byte & TANS_FLAG else ''})")
     if nseg and int(zeros.max()) > M:
         raise CorruptStreamError(f"{where}: drops more low bits than a {dtype_name} mantissa has")
+    if tans:
+        _decode_tans(r, W, M, n, seg_len, zeros, words)
+        return
     classes, up, lut_step, lut_sym, rans = r.coder(n, seg_len, _alphabet(W, M))
     raw = r.raw(-(-_k.raw_bit_count(n, seg_len, M, zeros) // 32), padding=0)
     r.check(_k.decode_floats(rans, raw, seg_len, W, M, zeros, classes, up, lut_step, lut_sym, words))
+
+
+def _decode_tans(r: _Reader, W: int, M: int, n: int, seg_len: int, zeros: np.ndarray, words: np.ndarray) -> None:
+    """The rest of a substream whose symbols are coded by tANS (after its low bits) into ``words``."""
+    classes, precision, freq = r.sent_tables(-(-n // seg_len), _alphabet(W, M))
+    if not _k.TANS_MIN_BITS <= precision <= _k.TANS_MAX_BITS:
+        raise CorruptStreamError(f"{r.where}: tANS tables of {precision}-bit precision "
+                                 f"({_k.TANS_MIN_BITS} to {_k.TANS_MAX_BITS})")
+    first_bit, *x = struct.unpack("<B4H", r.take(9, "coder states").tobytes())
+    if max(x) >= 1 << precision:
+        raise CorruptStreamError(f"{r.where}: an initial state of {max(x)} in a table of {1 << precision}")
+    if first_bit >= 32:
+        raise CorruptStreamError(f"{r.where}: the first bit at {first_bit} of a 32-bit word")
+    bits = r.words32(padding=1)
+    if first_bit and (bits.shape[0] < 2 or int(bits[0]) & ((1 << first_bit) - 1)):
+        raise CorruptStreamError(f"{r.where}: bits set before the coder's first bit, or no word to hold it")
+    table = np.empty((freq.shape[0], 1 << precision), dtype=np.uint32)
+    _k.tans_decode_table(freq, precision, table)
+    raw = r.raw(-(-_k.raw_bit_count(n, seg_len, M, zeros) // 32), padding=0)
+    r.check(_k.decode_floats_tans(bits, first_bit, *x, raw, seg_len, W, M, zeros, classes, precision, table, words))
 
 
 def _decode_trailing(r: _Reader, W: int, M: int, n: int, seg_len: int, words: np.ndarray) -> None:

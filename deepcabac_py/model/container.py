@@ -48,11 +48,11 @@ MAGIC = STREAM_MAGIC
 # the choice to switch the column model off (NO_COLUMNS_BIT), version 4 Mode.LOG. A writer stamps
 # the lowest version that describes its stream, so streams without them stay readable by older
 # readers; version 5 Mode.FLOAT (lossless float coding), version 6 Mode.MAGNITUDE, version 7 FLOAT
-# substreams of revision 1 (trailing zeros by exponent; the entry's coder parameter). This reader
-# reads all seven.
-FORMAT_VERSION = 7
-READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7)
-REVISION_VERSION = 7  # FLOAT entries with a coder parameter (floatcoder.REVISIONS)
+# substreams with the trailing zeros by exponent, version 8 FLOAT substreams with their symbols by
+# tANS (each said by a bit of the entry's coder parameter). This reader reads all eight.
+FORMAT_VERSION = 8
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8)
+REVISION_VERSIONS = ((floatcoder.TANS_REVISION, 8), (floatcoder.TRAILING_REVISION, 7))  # FLOAT coder parameter bits
 SWITCHES_VERSION = 3  # LINEAR_BIT and NO_COLUMNS_BIT
 PREAMBLE = struct.Struct("<8sHHI")
 MAX_HEADER_SIZE = 1 << 27  # (more than the limits below let a header need)
@@ -157,13 +157,13 @@ class TensorEntry:
 
     @property
     def codes_trailing_zeros(self) -> bool:
-        """A FLOAT entry whose substreams may code their trailing zeros by exponent (revision 1)."""
-        return self.mode == Mode.FLOAT and self.coder_param == floatcoder.TRAILING_REVISION
+        """A FLOAT entry whose substreams may code their trailing zeros by exponent."""
+        return self.mode == Mode.FLOAT and bool(self.coder_param & floatcoder.TRAILING_REVISION)
 
     @property
     def min_version(self) -> int:
         if self.mode.is_class_coded:
-            return max(self.mode.min_version, REVISION_VERSION if self.coder_param else 1)
+            return max([self.mode.min_version] + [v for bit, v in REVISION_VERSIONS if self.coder_param & bit])
         new = self.coder_param & (LINEAR_BIT | NO_COLUMNS_BIT) and not self.is_alias
         return max(self.mode.min_version, SWITCHES_VERSION if new else 1)
 

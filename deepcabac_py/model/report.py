@@ -22,7 +22,7 @@ class TensorReport:
     shape: list[int]
     dtype: str
     mode: str  # the coding mode's name; "+LP" when the levels go through the linear prediction,
-    # "+TZ" when float chunks code their trailing zeros by exponent (FLOAT of revision 1)
+    # "+TZ" when float chunks code their trailing zeros by exponent (bit 0 of a FLOAT entry's coder parameter)
     qp: int | None
     step: float | None
     params: int
