@@ -399,6 +399,19 @@ def rans_decode(rans, seg_len, classes, up, lut_step, lut_sym, symbols):
     return _final_status(x0, x1, x2, x3, p, end)
 
 
+@inline
+def _raw_words_status(raw, n, seg_len, M, zeros):
+    """OK where the raw words of modes 0 and 1 are exactly what the elements' raw bits fill, the
+    unused high bits of the last one 0; else an error code."""
+    nw = raw.shape[0]
+    total = raw_bit_count(n, seg_len, M, zeros)
+    if total > 32 * nw:
+        return ERR_OVERRUN
+    if (total + 31) >> 5 != nw or (total & 31 and raw[nw - 1] >> np.uint32(total & 31)):
+        return ERR_TRAILING
+    return OK
+
+
 @kernel
 def decode_floats(rans, raw, seg_len, W, M, zeros, classes, up, lut_step, lut_sym, out):
     """Rebuild ``out`` (the float bits) from a substream's rANS words (as :func:`rans_decode`
@@ -407,12 +420,9 @@ def decode_floats(rans, raw, seg_len, W, M, zeros, classes, up, lut_step, lut_sy
     nr = rans.shape[0] - 1
     if nr < 2 * LANES:
         return ERR_OVERRUN
-    nw = raw.shape[0]
-    total = raw_bit_count(n, seg_len, M, zeros)
-    if total > 32 * nw:
-        return ERR_OVERRUN
-    if (total + 31) >> 5 != nw or (total & 31 and raw[nw - 1] >> np.uint32(total & 31)):
-        return ERR_TRAILING
+    err = _raw_words_status(raw, n, seg_len, M, zeros)
+    if err != OK:
+        return err
     step, sym, slots, up_mask = _flat_tables(lut_step, lut_sym, up)
     x0, x1, x2, x3 = _initial_states(rans)
     p = _U(2 * LANES)
@@ -921,12 +931,9 @@ def decode_floats_tans(words, first_bit, x0, x1, x2, x3, raw, seg_len, W, M, zer
     total = 32 * (words.shape[0] - 1)
     if words.shape[0] < 1 or first_bit > total or (first_bit and words[0] & np.uint32((1 << first_bit) - 1)):
         return ERR_TRAILING
-    nw = raw.shape[0]
-    raw_total = raw_bit_count(n, seg_len, M, zeros)
-    if raw_total > 32 * nw:
-        return ERR_OVERRUN
-    if (raw_total + 31) >> 5 != nw or (raw_total & 31 and raw[nw - 1] >> np.uint32(raw_total & 31)):
-        return ERR_TRAILING
+    err = _raw_words_status(raw, n, seg_len, M, zeros)
+    if err != OK:
+        return err
     if not (0 <= x0 < R and 0 <= x1 < R and 0 <= x2 < R and 0 <= x3 < R):
         return ERR_BAD_END
     flat = table.ravel()

@@ -343,29 +343,28 @@ class _Reader:
         return classes, up, lut_step, lut_sym, self.rans_words()
 
     def words32(self, padding: int) -> np.ndarray:
-        """A count, then that many 32-bit words, with ``padding`` words after them (as
-        :meth:`rans_words`: the next bytes of the substream where it goes on that far)."""
-        count = self.u32("coder size")
-        if _LITTLE_ENDIAN and self.pos + 4 * (count + padding) <= self.data.shape[0]:
-            words = self.data[self.pos:self.pos + 4 * (count + padding)].view("<u4")
-            self.pos += 4 * count
-            return _read_only(words)
-        out = np.zeros(count + padding, dtype=np.uint32)
-        out[:count] = self.take(4 * count, "coder words").view("<u4")
-        return _read_only(out)
+        """A count, then that many u32 words (the tANS bit stream), with ``padding`` words after
+        them: see :meth:`_counted_words`."""
+        return self._counted_words(np.dtype("<u4"), padding)
 
     def rans_words(self, padding: int = 1) -> np.ndarray:
-        """The rANS words, with ``padding`` words after them. Where the substream goes on that far
-        (the raw bits follow the words) the padding is its next bytes, and the words are read
-        where they are: the kernels read a padding word only to drop it."""
-        nrans = self.u32("coder size")
-        if _LITTLE_ENDIAN and self.pos + 2 * (nrans + padding) <= self.data.shape[0]:
-            words = self.data[self.pos:self.pos + 2 * (nrans + padding)].view("<u2")
-            self.pos += 2 * nrans
+        """A count, then that many u16 rANS words, with ``padding`` words after them: see
+        :meth:`_counted_words`."""
+        return self._counted_words(np.dtype("<u2"), padding)
+
+    def _counted_words(self, word: np.dtype, padding: int) -> np.ndarray:
+        """Where the substream goes on ``padding`` words beyond the counted ones (the raw bits
+        follow them) the padding is its next bytes, and the words are read where they are: the
+        kernels read a padding word only to drop it. Else a padded copy."""
+        count = self.u32("coder size")
+        size = word.itemsize
+        if _LITTLE_ENDIAN and self.pos + size * (count + padding) <= self.data.shape[0]:
+            words = self.data[self.pos:self.pos + size * (count + padding)].view(word)
+            self.pos += size * count
             return _read_only(words)
-        rans = np.zeros(nrans + padding, dtype=np.uint16)
-        rans[:nrans] = self.take(2 * nrans, "coder words").view("<u2")
-        return _read_only(rans)
+        out = np.zeros(count + padding, dtype=word.newbyteorder("="))
+        out[:count] = self.take(size * count, "coder words").view(word)
+        return _read_only(out)
 
     def symbols(self, n: int, seg_len: int, alphabet: int) -> np.ndarray:
         """The ``n`` symbols of a substream: its classes, tables and rANS words read and decoded."""
