@@ -716,24 +716,35 @@ def _floor_log2(v):
     return k
 
 
+@inline
+def _tans_states(freq_row, R, spread, ys):
+    """Each state's symbol (``spread``) and its number ``ys`` among that symbol's states: freq to
+    2 freq - 1, in the order of the states. What both coders' tables are made of."""
+    _tans_spread(freq_row, R, spread)
+    nxt = np.empty(freq_row.shape[0], dtype=np.int64)
+    for s in range(freq_row.shape[0]):
+        nxt[s] = freq_row[s]
+    for x in range(R):
+        s = spread[x]
+        ys[x] = nxt[s]
+        nxt[s] += 1
+
+
 @kernel
 def tans_decode_table(freq, precision, table):
     """table[c, x], the decoder's entry of state x in class c: symbol | bit count << 13 | the next
     state's base << 17 (``freq``: the tables as sent, each class's summing to 2**precision)."""
     R = 1 << precision
     spread = np.empty(R, dtype=np.int64)
-    nxt = np.empty(freq.shape[1], dtype=np.int64)
+    ys = np.empty(R, dtype=np.int64)
     high = np.empty(freq.shape[1], dtype=np.int64)
     for c in range(freq.shape[0]):
-        _tans_spread(freq[c], R, spread)
+        _tans_states(freq[c], R, spread, ys)
         for s in range(freq.shape[1]):
-            nxt[s] = freq[c, s]
             high[s] = _floor_log2(max(np.int64(freq[c, s]), 1))
         for x in range(R):
-            s = spread[x]
-            y = nxt[s]  # (from freq to 2 freq - 1, in the order of the states)
-            nxt[s] = y + 1
-            nb = precision - high[s] - np.int64(y >> (high[s] + 1) > 0)
+            s, y = spread[x], ys[x]
+            nb = precision - high[s] - np.int64(y >> (high[s] + 1) > 0)  # (precision - floor(log2 y))
             table[c, x] = np.uint32(s | (nb << _TANS_SYMBOL_BITS) | (((y << nb) - R) << (_TANS_SYMBOL_BITS + 4)))
 
 
@@ -744,15 +755,14 @@ def tans_encode_tables(freq, precision, delta_bits, delta_find, states):
     (``freq`` as :func:`tans_decode_table` takes it; ``states``: R to 2R - 1)."""
     R = 1 << precision
     spread = np.empty(R, dtype=np.int64)
-    nxt = np.empty(freq.shape[1], dtype=np.int64)
+    ys = np.empty(R, dtype=np.int64)
     start = np.empty(freq.shape[1], dtype=np.int64)
     for c in range(freq.shape[0]):
-        _tans_spread(freq[c], R, spread)
+        _tans_states(freq[c], R, spread, ys)
         total = 0
         for s in range(freq.shape[1]):
             f = np.int64(freq[c, s])
             start[s] = total
-            nxt[s] = f
             total += f
             if f:
                 most = precision - _floor_log2(f)  # (bits of a state from f << most on: most, else one fewer)
@@ -760,8 +770,7 @@ def tans_encode_tables(freq, precision, delta_bits, delta_find, states):
                 delta_find[c, s] = start[s] - f
         for x in range(R):
             s = spread[x]
-            states[c, start[s] + nxt[s] - freq[c, s]] = x + R
-            nxt[s] += 1
+            states[c, start[s] + ys[x] - freq[c, s]] = x + R
 
 
 @inline
@@ -923,19 +932,16 @@ def _tans_segment(form, x0, x1, x2, x3, pos, total, lo, stop, base, flat, words,
 def decode_floats_tans(words, first_bit, x0, x1, x2, x3, raw, seg_len, W, M, zeros, classes, precision, table,
                        out):
     """Rebuild ``out`` (the float bits) from a substream's tANS bits (``words`` with one word of
-    padding, the first ``first_bit`` bits of the first word unused; x0..x3 the decoder's initial
-    states) and raw bits (as :func:`decode_floats` takes them); OK or an error code. Reads only
-    inside the words: a read waits until its bits are known to be there."""
+    padding, the first ``first_bit`` < 32 bits of the first word unused; x0..x3 the decoder's
+    initial states, each below 2**precision: the front checks both) and raw bits (as
+    :func:`decode_floats` takes them); OK or an error code. Reads only inside the words: a read
+    waits until its bits are known to be there."""
     n = out.shape[0]
     R = np.int64(1) << precision
     total = 32 * (words.shape[0] - 1)
-    if words.shape[0] < 1 or first_bit > total or (first_bit and words[0] & np.uint32((1 << first_bit) - 1)):
-        return ERR_TRAILING
     err = _raw_words_status(raw, n, seg_len, M, zeros)
     if err != OK:
         return err
-    if not (0 <= x0 < R and 0 <= x1 < R and 0 <= x2 < R and 0 <= x3 < R):
-        return ERR_BAD_END
     flat = table.ravel()
     pos = np.int64(first_bit)
     bit0 = 0

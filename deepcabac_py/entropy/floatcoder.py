@@ -155,19 +155,16 @@ def _coded_tans(parts: list[bytes], classes16: np.ndarray, alphabet: int, seg_le
     words = np.empty(symbols.shape[0] * t.precision // 32 + 3, dtype=np.uint32)
     begin, first_bit, *x = _k.tans_encode(symbols, seg_len, t.classes, t.precision, delta_bits, delta_find, states,
                                           words)
-    head = [*parts, *t.header(), struct.pack("<B4H", first_bit, *(v - R for v in x)),
-            struct.pack("<I", words.shape[0] - begin)]
-    pieces: list[bytes | memoryview] = [*head, words[begin:].astype("<u4", copy=False).data,
-                                        raw[:nraw].astype("<u4", copy=False).data]
-    return b"".join(pieces)
+    return _joined([*parts, *t.header(), struct.pack("<B4H", first_bit, *(v - R for v in x))], words, begin, raw,
+                   nraw)
 
 
-def _joined(head: list[bytes], rans: np.ndarray, begin: int, raw: np.ndarray, nraw: int) -> bytes:
-    """The substream: ``head`` (everything before the coder words), the rANS words from ``begin`` and
-    the ``nraw`` raw words."""
+def _joined(head: list[bytes], coder: np.ndarray, begin: int, raw: np.ndarray, nraw: int) -> bytes:
+    """The substream: ``head`` (everything before the coder words), the count and the coder's words
+    from ``begin`` (u16 rANS or u32 tANS words, little-endian), the ``nraw`` raw words."""
     # (the words go into the join as views: each byte is copied once)
-    pieces: list[bytes | memoryview] = [*head, struct.pack("<I", rans.shape[0] - begin),
-                                        rans[begin:].astype("<u2", copy=False).data,
+    pieces: list[bytes | memoryview] = [*head, struct.pack("<I", coder.shape[0] - begin),
+                                        coder[begin:].astype(coder.dtype.newbyteorder("<"), copy=False).data,
                                         raw[:nraw].astype("<u4", copy=False).data]
     return b"".join(pieces)
 
@@ -441,6 +438,7 @@ def _decode_tans(r: _Reader, W: int, M: int, n: int, seg_len: int, zeros: np.nda
     if first_bit >= 32:
         raise CorruptStreamError(f"{r.where}: the first bit at {first_bit} of a 32-bit word")
     bits = r.words32(padding=1)
+    # (the kernel takes the states, the first bit and its word as checked here)
     if first_bit and (bits.shape[0] < 2 or int(bits[0]) & ((1 << first_bit) - 1)):
         raise CorruptStreamError(f"{r.where}: bits set before the coder's first bit, or no word to hold it")
     table = np.empty((freq.shape[0], 1 << precision), dtype=np.uint32)
