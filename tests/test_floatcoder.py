@@ -163,6 +163,105 @@ def test_a_tans_substream_with_impossible_fields_is_refused(dtype_name):
     assert out.view(np.uint8).tobytes() == a.view(np.uint8).tobytes()
 
 
+def _tans_layout(data: bytes, nseg: int) -> dict[str, int]:
+    """Where each field of a tANS substream begins (the fields as the decoder names them)."""
+    at = {"low-bit count" if data[0] == floatcoder.TANS_FLAG else "low-bit counts": 1}
+    pos = 2 if data[0] == floatcoder.TANS_FLAG else 1 + nseg
+    at["class count and table precision"] = pos
+    klog = data[pos]
+    pos += 2
+    if klog:
+        at["classes"] = pos
+        pos += -(-nseg // 2)
+    at["table size"] = pos
+    at["tables"] = pos + 4
+    pos += 4 + int.from_bytes(data[pos:pos + 4], "little")
+    at["coder states"] = pos
+    at["coder size"] = pos + 9
+    at["coder words"] = pos + 13
+    at["raw bits"] = pos + 13 + 4 * int.from_bytes(data[pos + 9:pos + 13], "little")
+    return at
+
+
+@pytest.mark.parametrize("mode", [0, 1])
+@pytest.mark.parametrize("dtype_name", sorted(DTYPES))
+def test_a_tans_substream_cut_short_names_the_field_it_ends_in(dtype_name, mode):
+    rng = np.random.default_rng(11)
+    a = _weights(rng, dtype_name, (40, 300)).reshape(-1)
+    if mode:  # (segments dropping different low bits)
+        w = a.view(WORDS[dtype_name])
+        w[:300] &= np.array(~7 & ((1 << 64) - 1), dtype=np.uint64).astype(w.dtype)
+    seg = floatcoder.segment_length((40, 300))
+    data = floatcoder.encode_chunk(a, dtype_name, seg)
+    assert data[0] == floatcoder.TANS_FLAG | mode
+    at = _tans_layout(data, -(-a.size // seg))
+    assert "classes" in at  # (the rows' scales differ: several classes)
+    fields = sorted(at.items(), key=lambda kv: kv[1])
+    for cut in range(1, len(data)):
+        field = [name for name, start in fields if start <= cut][-1]
+        with pytest.raises(CorruptStreamError, match=f"ends inside its {field}|tables do not fill"):
+            floatcoder.decode_chunk(data[:cut], dtype_name, seg, np.empty_like(a))
+    with pytest.raises(CorruptStreamError, match="4 bytes after the raw bits"):
+        floatcoder.decode_chunk(data + bytes(4), dtype_name, seg, np.empty_like(a))
+
+
+@pytest.mark.parametrize("dtype_name", sorted(DTYPES))
+def test_a_tans_substream_with_impossible_tables_is_refused(dtype_name):
+    rng = np.random.default_rng(12)
+    a = _weights(rng, dtype_name, (40, 300)).reshape(-1)
+    seg = floatcoder.segment_length((40, 300))
+    data = floatcoder.encode_chunk(a, dtype_name, seg)
+    at = _tans_layout(data, -(-a.size // seg))
+    cc, classes = at["class count and table precision"], at["classes"]
+    klog = data[cc]
+
+    def refused(bad: bytes, what: str) -> None:
+        with pytest.raises(CorruptStreamError, match=what):
+            floatcoder.decode_chunk(bad, dtype_name, seg, np.empty_like(a))
+
+    W, M = floatcoder.FORMATS[dtype_name]
+    refused(bytes([data[0], M + 1]) + data[2:], f"drops more low bits than a {dtype_name} mantissa has")
+    refused(data[:cc] + bytes([5]) + data[cc + 1:], "32 classes")
+    for precision in (7, 14):
+        refused(data[:cc + 1] + bytes([precision]) + data[cc + 2:], f"tANS tables of {precision}-bit precision")
+    if klog < 4:  # (a segment's class beyond the class count)
+        refused(data[:classes] + bytes([data[classes] | 15]) + data[classes + 1:], f"of {1 << klog}")
+    # (a table whose frequencies do not sum to the precision)
+    other = data[cc + 1] + (1 if data[cc + 1] < 13 else -1)
+    refused(data[:cc + 1] + bytes([other]) + data[cc + 2:], "frequency table is invalid")
+
+
+def test_the_classes_and_frequencies_match_the_python_reference():
+    from reference_float_coder import _classes16, _normalized
+
+    from deepcabac_py.entropy import _float_kernels
+    rng = np.random.default_rng(13)
+    for _ in range(300):
+        nu, bits = int(rng.integers(1, 200)), int(rng.choice([8, 10, 12, 13, 14]))
+        counts = (rng.pareto(0.7, nu) * rng.choice([1, 10, 1000])).astype(np.int64) * rng.integers(0, 2, nu)
+        counts[int(rng.integers(nu))] += 1
+        if nu > 1 << bits:
+            continue
+        out = np.zeros(nu, dtype=np.int64)
+        _float_kernels.normalize_row(counts, bits, out)
+        assert out.tolist() == _normalized(counts.tolist(), bits)
+        means = rng.integers(0, 6, size=int(rng.integers(1, 100))).astype(np.float64)  # (ties)
+        classes16 = np.empty(means.size, dtype=np.uint8)
+        _float_kernels.rank_classes(means, classes16)
+        assert classes16.tolist() == _classes16(means.tolist())
+
+
+@pytest.mark.parametrize("dtype_name", ["bfloat16", "float32"])
+def test_a_chunk_past_the_small_histograms_matches_the_python_reference(dtype_name):
+    # (from 2**16 elements the encoder counts its symbols over the whole alphabet, per class)
+    rng = np.random.default_rng(14)
+    a = _with_specials(_weights(rng, dtype_name, (80, 1000)), dtype_name, rng).reshape(-1)
+    seg = floatcoder.segment_length((80, 1000))
+    words = [int(v) for v in a.view(WORDS[dtype_name])]
+    data = floatcoder.encode_chunk(a, dtype_name, seg)
+    assert data[0] & floatcoder.TANS_FLAG and ref_encode(words, dtype_name, seg) == data
+
+
 def _grid_weights(rng, dtype_name: str, shape) -> np.ndarray:
     """Bell-shaped values on one fine grid (integers times 2**-40): below the top bits, the trailing
     zeros grow as the exponent falls, as in weights made of products of rounded values."""

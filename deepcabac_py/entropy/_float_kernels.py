@@ -78,6 +78,25 @@ def segment_stats(words, seg_len, W, M, zeros, mean_exponent):
 
 
 @kernel
+def rank_classes(mean, classes16):
+    """16 classes of (nearly) equal size by a segment statistic ``mean`` (ties: the earlier segment
+    lower); fewer classes are their unions."""
+    nseg = mean.shape[0]
+    order = np.argsort(mean, kind="mergesort")
+    for r in range(nseg):
+        classes16[order[r]] = r * (1 << MAX_CLASSES_LOG2) // nseg
+
+
+@kernel
+def segment_classes(words, seg_len, W, M, zeros, classes16):
+    """Per segment: the low mantissa bits zero in every element, and its class of 16 by its mean
+    exponent."""
+    mean_exponent = np.empty(zeros.shape[0], dtype=np.float64)
+    segment_stats(words, seg_len, W, M, zeros, mean_exponent)
+    rank_classes(mean_exponent, classes16)
+
+
+@kernel
 def histogram(symbols, seg_len, classes, hist):
     """hist[class, symbol] += 1 for every symbol (``classes``: the class of each segment)."""
     n = symbols.shape[0]
@@ -112,6 +131,48 @@ def raw_bit_count(n, seg_len, M, zeros):
     return total
 
 
+@inline
+def _append_raw(bits, k, acc, nacc, nraw, raw_out):
+    """Put ``k`` <= 32 raw bits after the pending ``nacc`` < 32 of ``acc``: the low word is stored
+    every time and kept when full (no branch to mispredict). Returns (acc, nacc, nraw)."""
+    acc |= bits << np.uint64(nacc)
+    nacc += k
+    raw_out[_U(nraw)] = np.uint32(acc & np.uint64(0xFFFFFFFF))
+    full = np.int64(nacc >= 32)
+    return acc >> np.uint64(32 * full), nacc - 32 * full, nraw + full
+
+
+@kernel
+def _encode_grouped(words, lo, stop, W, M, z, k, symbols, raw_out, acc, nacc, nraw):
+    """encode_kernel's segment [lo, stop) of k <= 16 raw bits an element: those of two or four
+    elements are put together before they join the words, so the accumulator's chain, the limit
+    here, is walked half or a quarter as often. (A kernel of its own: inlined, it slowed the
+    other segments' loop by a tenth.) Returns (acc, nacc, nraw)."""
+    i = lo
+    if k <= 8:
+        while i + 4 <= stop:
+            s0, r0, _ = _parts(np.uint64(words[_U(i)]), W, M, z)
+            s1, r1, _ = _parts(np.uint64(words[_U(i + 1)]), W, M, z)
+            s2, r2, _ = _parts(np.uint64(words[_U(i + 2)]), W, M, z)
+            s3, r3, _ = _parts(np.uint64(words[_U(i + 3)]), W, M, z)
+            symbols[_U(i)], symbols[_U(i + 1)], symbols[_U(i + 2)], symbols[_U(i + 3)] = s0, s1, s2, s3
+            piece = r0 | (r1 << np.uint64(k)) | (r2 << np.uint64(2 * k)) | (r3 << np.uint64(3 * k))
+            acc, nacc, nraw = _append_raw(piece, 4 * k, acc, nacc, nraw, raw_out)
+            i += 4
+    else:
+        while i + 2 <= stop:
+            s0, r0, _ = _parts(np.uint64(words[_U(i)]), W, M, z)
+            s1, r1, _ = _parts(np.uint64(words[_U(i + 1)]), W, M, z)
+            symbols[_U(i)], symbols[_U(i + 1)] = s0, s1
+            acc, nacc, nraw = _append_raw(r0 | (r1 << np.uint64(k)), 2 * k, acc, nacc, nraw, raw_out)
+            i += 2
+    for t in range(i, stop):
+        sym, raw, _ = _parts(np.uint64(words[_U(t)]), W, M, z)
+        symbols[_U(t)] = sym
+        acc, nacc, nraw = _append_raw(raw, k, acc, nacc, nraw, raw_out)
+    return acc, nacc, nraw
+
+
 @kernel
 def encode_kernel(words, seg_len, W, M, zeros, symbols, raw_out):
     """The symbols of the floats ``words`` into ``symbols`` and their raw bits into ``raw_out``
@@ -124,18 +185,14 @@ def encode_kernel(words, seg_len, W, M, zeros, symbols, raw_out):
         z = np.int64(zeros[j])
         lo = j * seg_len
         stop = min(n, lo + seg_len)
-        if _segment_bits(M, z)[2] <= 32:
+        k = _segment_bits(M, z)[2]
+        if k <= 16:
+            acc, nacc, nraw = _encode_grouped(words, lo, stop, W, M, z, k, symbols, raw_out, acc, nacc, nraw)
+        elif k <= 32:
             for i in range(lo, stop):
-                sym, raw, k = _parts(np.uint64(words[_U(i)]), W, M, z)
+                sym, raw, _ = _parts(np.uint64(words[_U(i)]), W, M, z)
                 symbols[_U(i)] = sym
-                acc |= raw << np.uint64(nacc)
-                nacc += k
-                # the low word is stored every time and kept when full: no branch to mispredict
-                raw_out[_U(nraw)] = np.uint32(acc & np.uint64(0xFFFFFFFF))
-                full = np.int64(nacc >= 32)
-                nraw += full
-                acc >>= np.uint64(32 * full)
-                nacc -= 32 * full
+                acc, nacc, nraw = _append_raw(raw, k, acc, nacc, nraw, raw_out)
         else:  # (float64: up to 51 raw bits, in two pieces)
             for i in range(lo, stop):
                 sym, raw, k = _parts(np.uint64(words[_U(i)]), W, M, z)
@@ -591,8 +648,13 @@ def normalize_row(counts, scale_bits, out):
         if counts[i] > counts[best]:
             best = i
     s = 0
+    inv = 1.0 / total
     for i in range(counts.shape[0]):
-        f = counts[i] * scale // total
+        # floor(count * scale / total) by a multiplication, set right by at most one: a division
+        # per symbol was most of the class choice's time
+        a = counts[i] * scale
+        f = np.int64(a * inv)
+        f += np.int64((f + 1) * total <= a) - np.int64(f * total > a)
         if counts[i] > 0 and f == 0:
             f = 1
         out[i] = f
@@ -600,14 +662,20 @@ def normalize_row(counts, scale_bits, out):
     excess = s - scale
     if excess < 0:
         out[best] -= excess
-    elif excess > 0:
-        order = np.argsort(-out, kind="mergesort")
-        for idx in order:
-            if excess == 0:
-                break
-            take = min(excess, np.int64(out[idx]) - 1)
-            out[idx] -= take
-            excess -= take
+    # The excess comes off the largest first (ties: the lower symbol), down to 1 each. Only a
+    # frequency brought down to 1 makes way for the next, so the next is the largest above 1:
+    # picked by a scan, not a sort, as the first one nearly always covers the excess and the class
+    # choice normalises a hundred rows per chunk.
+    while excess > 0:
+        idx = -1
+        for i in range(out.shape[0]):
+            if out[i] > 1 and (idx < 0 or out[i] > out[idx]):
+                idx = i
+        if idx < 0:
+            break
+        take = min(excess, np.int64(out[idx]) - 1)
+        out[idx] -= take
+        excess -= take
 
 
 TABLE_PRECISIONS = (14, 13, 12, 10, 8)  # what the encoder tries: coarser tables cost fewer bits to send
@@ -619,15 +687,31 @@ def choose_classes(hist16, nseg, costs, max_bits, freq):
     to 2**precision, used as multiples of 2**(PROB_BITS - precision)) that make the chunk smallest,
     frequency tables, class nibbles and gamma-coded tables included. The tables, at that precision,
     go into ``freq`` (zeroed, 16 x alphabet). Returns (klog, precision)."""
-    groups = hist16.shape[0]
-    # only the symbols the chunk uses take part (a few dozen of an alphabet of up to 8192): an
-    # unused symbol gets no frequency and no table entry, and dropping it moves no tie
+    hist, used_syms = _used_of(hist16)
+    klog, precision, chosen = _choose_used(hist, used_syms, nseg, costs, max_bits, freq.shape[1])
+    freq[:chosen.shape[0]] = chosen
+    return klog, precision
+
+
+@kernel
+def _used_of(hist16):
+    """(the histograms of the used symbols alone, those symbols in increasing order). Only they take
+    part in the class choice (a few dozen of an alphabet of up to 8192): an unused symbol gets no
+    frequency and no table entry, and dropping it moves no tie."""
     used_syms = np.nonzero(hist16.sum(axis=0))[0]
-    nu = used_syms.shape[0]
-    hist = np.empty((groups, nu), dtype=np.int64)
-    for g in range(groups):
-        for u in range(nu):
+    hist = np.empty((hist16.shape[0], used_syms.shape[0]), dtype=np.int64)
+    for g in range(hist16.shape[0]):
+        for u in range(used_syms.shape[0]):
             hist[g, u] = hist16[g, used_syms[u]]
+    return hist, used_syms
+
+
+@kernel
+def _choose_used(hist, used_syms, nseg, costs, max_bits, alphabet):
+    """:func:`choose_classes` on the histograms of the used symbols ``used_syms`` alone: (klog,
+    precision, the 2**klog tables of ``alphabet`` symbols)."""
+    groups = hist.shape[0]
+    nu = used_syms.shape[0]
     rows = np.zeros((groups, nu), dtype=np.int64)
     tmp = np.zeros(nu, dtype=np.int64)
     best_cost = np.int64(-1)
@@ -671,6 +755,7 @@ def choose_classes(hist16, nseg, costs, max_bits, freq):
                 best_bits = bits
     K = 1 << best
     per = groups // K
+    freq = np.zeros((K, alphabet), dtype=np.int32)
     for c in range(K):
         rows[c] = 0
         for g in range(c * per, (c + 1) * per):
@@ -679,7 +764,7 @@ def choose_classes(hist16, nseg, costs, max_bits, freq):
         normalize_row(rows[c], best_bits, tmp)
         for u in range(nu):
             freq[c, used_syms[u]] = tmp[u]
-    return best, best_bits
+    return best, best_bits, freq
 
 
 # --- the symbols by tANS (low-bit modes 0 and 1, format version 8) ----------------------------------
@@ -965,6 +1050,239 @@ def decode_floats_tans(words, first_bit, x0, x1, x2, x3, raw, seg_len, W, M, zer
     if pos != total:
         return ERR_TRAILING
     return OK
+
+
+# The whole tANS substream in one call: the front of small tensors' chunks, parsed field by field
+# in Python, cost as much as decoding them. Its errors come back as a code and two details.
+ERR_SHORT = -7  # the substream ends inside a field: detail[0] is its index in TANS_FIELDS
+ERR_DROPS = -8  # a segment drops more low bits than the mantissa has
+ERR_CLASS_COUNT = -9  # detail[0]: the class count's log2, beyond MAX_CLASSES_LOG2
+ERR_PRECISION = -10  # detail[0]: the tables' precision, outside TANS_MIN_BITS to TANS_MAX_BITS
+ERR_CLASS = -11  # detail: a segment's class, the class count
+ERR_TABLE_BYTES = -12  # the tables end before their declared size
+ERR_STATE = -13  # detail: an initial state, the table's size
+ERR_FIRST_BIT = -14  # detail[0]: the first bit's place, beyond a word
+ERR_BEFORE_FIRST = -15  # bits set before the first bit, or no word to hold it
+ERR_AFTER_RAW = -16  # detail[0]: bytes after the raw bits
+TANS_FIELDS = ("low-bit count", "low-bit counts", "class count and table precision", "classes", "table size",
+               "tables", "coder states", "coder size", "coder words", "raw bits")
+
+
+@inline
+def _u32_at(data, pos):
+    return (np.int64(data[pos]) | (np.int64(data[pos + 1]) << 8) | (np.int64(data[pos + 2]) << 16)
+            | (np.int64(data[pos + 3]) << 24))
+
+
+@kernel
+def decode_tans_substream(data, n, seg_len, W, M, out, detail):
+    """Decode a whole substream of low-bit mode 0 or 1 with its symbols by tANS (``data``: its
+    bytes, the mode byte first) into ``out`` (n float bits); OK or an error code, with its details
+    in ``detail``. Every field is checked against the bytes before it is read or allocated."""
+    size = data.shape[0]
+    nseg = (n + seg_len - 1) // seg_len
+    mode = data[0] & 0x7F
+    pos = 1
+    zeros = np.empty(nseg, dtype=np.uint8)
+    if mode == 0:
+        if pos + 1 > size:
+            detail[0] = 0
+            return ERR_SHORT
+        zeros[:] = data[pos]
+        pos += 1
+    else:
+        if pos + nseg > size:
+            detail[0] = 1
+            return ERR_SHORT
+        zeros[:] = data[pos:pos + nseg]
+        pos += nseg
+    for j in range(nseg):
+        if zeros[j] > M:
+            return ERR_DROPS
+    if pos + 2 > size:
+        detail[0] = 2
+        return ERR_SHORT
+    klog, precision = np.int64(data[pos]), np.int64(data[pos + 1])
+    pos += 2
+    if klog > MAX_CLASSES_LOG2:
+        detail[0] = klog
+        return ERR_CLASS_COUNT
+    if precision < TANS_MIN_BITS or precision > TANS_MAX_BITS:
+        detail[0] = precision
+        return ERR_PRECISION
+    classes = np.zeros(nseg, dtype=np.uint8)
+    if klog:
+        packed = (nseg + 1) >> 1
+        if pos + packed > size:
+            detail[0] = 3
+            return ERR_SHORT
+        for j in range(nseg):
+            c = (data[pos + (j >> 1)] >> (4 * (j & 1))) & 15
+            if c >= 1 << klog:
+                detail[0], detail[1] = c, 1 << klog
+                return ERR_CLASS
+            classes[j] = c
+        pos += packed
+    if pos + 4 > size:
+        detail[0] = 4
+        return ERR_SHORT
+    table_bytes = _u32_at(data, pos)
+    pos += 4
+    if pos + table_bytes > size:
+        detail[0] = 5
+        return ERR_SHORT
+    alphabet = np.int64(1) << (W - 1 - M + TOP_BITS)
+    freq = np.zeros((np.int64(1) << klog, alphabet), dtype=np.int32)
+    start = np.zeros_like(freq)
+    got = read_tables(data[pos:pos + table_bytes], precision, freq, start)
+    if got < 0:
+        return got
+    if got != table_bytes:
+        return ERR_TABLE_BYTES
+    pos += table_bytes
+    if pos + 9 > size:
+        detail[0] = 6
+        return ERR_SHORT
+    R = np.int64(1) << precision
+    first_bit = np.int64(data[pos])
+    x = np.empty(4, dtype=np.int64)
+    for lane in range(4):
+        x[lane] = np.int64(data[pos + 1 + 2 * lane]) | (np.int64(data[pos + 2 + 2 * lane]) << 8)
+        if x[lane] >= R:
+            detail[0], detail[1] = x[lane], R
+            return ERR_STATE
+    pos += 9
+    if first_bit >= 32:
+        detail[0] = first_bit
+        return ERR_FIRST_BIT
+    if pos + 4 > size:
+        detail[0] = 7
+        return ERR_SHORT
+    count = _u32_at(data, pos)
+    pos += 4
+    if pos + 4 * count > size:
+        detail[0] = 8
+        return ERR_SHORT
+    nraw = (raw_bit_count(n, seg_len, M, zeros) + 31) >> 5
+    raw_at = pos + 4 * count
+    if raw_at + 4 * nraw > size:
+        detail[0] = 9
+        return ERR_SHORT
+    if raw_at + 4 * nraw != size:
+        detail[0] = size - raw_at - 4 * nraw
+        return ERR_AFTER_RAW
+    if n == 0:  # (no element: no bits, and the states where the encoder starts)
+        return ERR_TRAILING if count else (ERR_BAD_END if x.any() or first_bit else OK)
+    # the decoder reads one word past its bits, to drop it: the raw words' first (there is one, as
+    # every element has its sign), so the words are read where they are
+    words = data[pos:raw_at + 4].view(np.uint32)
+    if first_bit and (count < 1 or words[0] & np.uint32((1 << first_bit) - 1)):
+        return ERR_BEFORE_FIRST
+    raw = data[raw_at:size].view(np.uint32)
+    table = np.empty((np.int64(1) << klog, R), dtype=np.uint32)
+    tans_decode_table(freq >> (PROB_BITS - precision), precision, table)
+    return decode_floats_tans(words, first_bit, x[0], x[1], x[2], x[3], raw, seg_len, W, M, zeros, classes, precision,
+                              table, out)
+
+
+@inline
+def _put_u32(out, pos, v):
+    for b in range(4):
+        out[pos + b] = np.uint8((v >> (8 * b)) & 0xFF)
+    return pos + 4
+
+
+@kernel
+def _used_histogram(symbols, seg_len, classes16, alphabet):
+    """(each class's counts of the used symbols, the used symbols in increasing order): for a chunk
+    too small to pay for clearing and adding up the 16 whole-alphabet histograms."""
+    n = symbols.shape[0]
+    slot = np.full(alphabet, -1, dtype=np.int64)
+    for i in range(n):
+        slot[symbols[_U(i)]] = 0
+    used_syms = np.nonzero(slot + 1)[0]
+    for u in range(used_syms.shape[0]):
+        slot[used_syms[u]] = u
+    hist = np.zeros((np.int64(1) << MAX_CLASSES_LOG2, used_syms.shape[0]), dtype=np.int64)
+    for j in range(classes16.shape[0]):
+        c = np.int64(classes16[j])
+        for i in range(j * seg_len, min(n, (j + 1) * seg_len)):
+            hist[c, slot[symbols[_U(i)]]] += 1
+    return hist, used_syms
+
+
+@kernel
+def encode_tans_substream(words, seg_len, W, M, zeros, classes16, costs):
+    """The whole substream of low-bit mode 0 or 1 (mode 0 where every segment drops as many low
+    bits) with its symbols by tANS, as bytes (``zeros``: each segment's low bits zero,
+    ``classes16``: its class of 16): what :func:`decode_tans_substream` reads."""
+    n = words.shape[0]
+    nseg = zeros.shape[0]
+    alphabet = np.int64(1) << (W - 1 - M + TOP_BITS)
+    symbols = np.empty(n, dtype=np.uint16)
+    raw = np.empty(((raw_bit_count(n, seg_len, M, zeros) + 31) >> 5) + 1, dtype=np.uint32)
+    nraw = encode_kernel(words, seg_len, W, M, zeros, symbols, raw)
+    if n < PARTIAL_HISTOGRAMS_FROM:
+        hist, used_syms = _used_histogram(symbols, seg_len, classes16, alphabet)
+    else:
+        hist16 = np.zeros((np.int64(1) << MAX_CLASSES_LOG2, alphabet), dtype=np.int64)
+        histogram(symbols, seg_len, classes16, hist16)
+        hist, used_syms = _used_of(hist16)
+    klog, precision, sent = _choose_used(hist, used_syms, nseg, costs, TANS_MAX_BITS, alphabet)
+    K = sent.shape[0]
+    classes = np.empty(nseg, dtype=np.uint8)
+    for j in range(nseg):
+        classes[j] = classes16[j] >> (MAX_CLASSES_LOG2 - klog)
+    used = 0
+    for c in range(K):
+        for sym in range(alphabet):
+            used += sent[c, sym] > 0
+    tables = np.zeros(8 + 4 * K + 7 * used, dtype=np.uint8)  # (gamma codes: a count, then a gap and a frequency)
+    table_bytes = write_tables(sent, tables)
+    R = np.int64(1) << precision
+    delta_bits = np.zeros((K, alphabet), dtype=np.int64)
+    delta_find = np.zeros((K, alphabet), dtype=np.int64)
+    states = np.zeros((K, R), dtype=np.int64)
+    tans_encode_tables(sent, precision, delta_bits, delta_find, states)
+    coded = np.empty(n * precision // 32 + 3, dtype=np.uint32)
+    begin, first_bit, x0, x1, x2, x3 = tans_encode(symbols, seg_len, classes, precision, delta_bits, delta_find,
+                                                   states, coded)
+    same = True
+    for j in range(1, nseg):
+        same = same and zeros[j] == zeros[0]
+    head = 2 if nseg and same else 1 + nseg
+    count = coded.shape[0] - begin
+    out = np.empty(head + 2 + (((nseg + 1) >> 1) if klog else 0) + 4 + table_bytes + 9 + 4 + 4 * count + 4 * nraw,
+                   dtype=np.uint8)
+    out[0] = 0x80 | (0 if head == 2 else 1)
+    if head == 2:
+        out[1] = zeros[0]
+    else:
+        out[1:head] = zeros
+    pos = head
+    out[pos] = klog
+    out[pos + 1] = precision
+    pos += 2
+    if klog:
+        for j in range(0, nseg, 2):
+            hi = classes[j + 1] if j + 1 < nseg else 0
+            out[pos + (j >> 1)] = classes[j] | (hi << 4)
+        pos += (nseg + 1) >> 1
+    pos = _put_u32(out, pos, table_bytes)
+    out[pos:pos + table_bytes] = tables[:table_bytes]
+    pos += table_bytes
+    out[pos] = first_bit
+    pos += 1
+    for x in (x0, x1, x2, x3):
+        out[pos] = (x - R) & 0xFF
+        out[pos + 1] = (x - R) >> 8
+        pos += 2
+    pos = _put_u32(out, pos, count)
+    # (the words little-endian as they are in memory: Numba runs on little-endian machines only)
+    out[pos:pos + 4 * count].view(np.uint32)[:] = coded[begin:]
+    pos += 4 * count
+    out[pos:pos + 4 * nraw].view(np.uint32)[:] = raw[:nraw]
+    return out
 
 
 # --- low-bit mode 2: trailing zeros by exponent ---------------------------------------------------

@@ -90,14 +90,6 @@ def _words(values: np.ndarray, dtype_name: str) -> np.ndarray:
     return flat.view(_WORDS[W])
 
 
-def _classes_of(mean: np.ndarray) -> np.ndarray:
-    """16 classes of (nearly) equal size by a segment statistic; fewer classes are their unions."""
-    nseg = mean.shape[0]
-    rank = np.empty(nseg, dtype=np.int64)
-    rank[np.argsort(mean, kind="stable")] = np.arange(nseg)
-    return (rank * MAX_CLASSES // max(nseg, 1)).astype(np.uint8)
-
-
 class _Tables:
     """The class count, precision, tables and per-segment classes the encoder chose for a chunk."""
 
@@ -141,24 +133,6 @@ def _class_tables(symbols: np.ndarray, seg_len: int, classes16: np.ndarray, alph
     return _Tables(hist16, classes16, max_bits)
 
 
-def _coded_tans(parts: list[bytes], classes16: np.ndarray, alphabet: int, seg_len: int, symbols: np.ndarray,
-                raw: np.ndarray, nraw: int) -> bytes:
-    """As :func:`_coded`, the symbols by tANS: after the tables, the first bit's place in the first
-    word, the decoder's four initial states, and the bit stream's words."""
-    t = _class_tables(symbols, seg_len, classes16, alphabet, _k.TANS_MAX_BITS)
-    R = 1 << t.precision
-    K = t.sent.shape[0]
-    delta_bits = np.zeros((K, alphabet), dtype=np.int64)
-    delta_find = np.zeros((K, alphabet), dtype=np.int64)
-    states = np.zeros((K, R), dtype=np.int64)
-    _k.tans_encode_tables(t.sent, t.precision, delta_bits, delta_find, states)
-    words = np.empty(symbols.shape[0] * t.precision // 32 + 3, dtype=np.uint32)
-    begin, first_bit, *x = _k.tans_encode(symbols, seg_len, t.classes, t.precision, delta_bits, delta_find, states,
-                                          words)
-    return _joined([*parts, *t.header(), struct.pack("<B4H", first_bit, *(v - R for v in x))], words, begin, raw,
-                   nraw)
-
-
 def _joined(head: list[bytes], coder: np.ndarray, begin: int, raw: np.ndarray, nraw: int) -> bytes:
     """The substream: ``head`` (everything before the coder words), the count and the coder's words
     from ``begin`` (u16 rANS or u32 tANS words, little-endian), the ``nraw`` raw words."""
@@ -176,20 +150,11 @@ def encode_chunk(values: np.ndarray, dtype_name: str, seg_len: int) -> bytes:
         raise ValueError(f"the lossless float coder takes {', '.join(FORMATS)}, not {dtype_name}")
     W, M = FORMATS[dtype_name]
     words = _words(values, dtype_name)
-    n = words.shape[0]
-    nseg = -(-n // seg_len)
     zeros, classes16 = _segment_classes(words, W, M, seg_len)
     promise = _trailing_promise(words, W, M, seg_len, zeros) if W >= 32 else 0.0
     if promise >= TRAILING_SURE * TRAILING_GAIN:
         return _encode_trailing(words, W, M, seg_len, classes16)
-    symbols = np.empty(n, dtype=np.uint16)
-    raw = np.empty(-(-_k.raw_bit_count(n, seg_len, M, zeros) // 32) + 1, dtype=np.uint32)
-    nraw = _k.encode_kernel(words, seg_len, W, M, zeros, symbols, raw)
-    if nseg and (zeros == zeros[0]).all():
-        parts = [bytes([TANS_FLAG | 0, int(zeros[0])])]
-    else:
-        parts = [bytes([TANS_FLAG | 1]), zeros.tobytes()]
-    data = _coded_tans(parts, classes16, _alphabet(W, M), seg_len, symbols, raw, nraw)
+    data = _k.encode_tans_substream(words, seg_len, W, M, zeros, classes16, _COSTS).tobytes()
     if promise >= TRAILING_GAIN:
         # (mode 2 decodes at about half the speed: a small saving does not pay for that)
         trailing = _encode_trailing(words, W, M, seg_len, classes16)
@@ -231,9 +196,9 @@ def _segment_classes(words: np.ndarray, W: int, M: int, seg_len: int) -> tuple[n
     """(the low bits zero in each segment, each segment's of 16 classes)."""
     nseg = -(-words.shape[0] // seg_len)
     zeros = np.empty(nseg, dtype=np.uint8)
-    mean_e = np.empty(nseg, dtype=np.float64)
-    _k.segment_stats(words, seg_len, W, M, zeros, mean_e)
-    return zeros, _classes_of(mean_e)
+    classes16 = np.empty(nseg, dtype=np.uint8)
+    _k.segment_classes(words, seg_len, W, M, zeros, classes16)
+    return zeros, classes16
 
 
 def _encode_trailing(words: np.ndarray, W: int, M: int, seg_len: int, classes16: np.ndarray) -> bytes:
@@ -301,11 +266,6 @@ class _Reader:
         _k.build_lut(freq, start, PROB_BITS - precision, lut_step, lut_sym)
         return classes, PROB_BITS - precision, lut_step, lut_sym
 
-    def sent_tables(self, nseg: int, alphabet: int) -> tuple[np.ndarray, int, np.ndarray]:
-        """(classes, precision, the frequencies as sent, summing to 2**precision per class)."""
-        classes, precision, freq, _ = self._frequencies(nseg, alphabet)
-        return classes, precision, freq >> (PROB_BITS - precision)
-
     def _frequencies(self, nseg: int, alphabet: int) -> tuple[np.ndarray, int, np.ndarray, np.ndarray]:
         """(classes, precision, frequencies and starts at PROB_BITS) of a substream: class count,
         precision, class nibbles and tables, validated."""
@@ -338,11 +298,6 @@ class _Reader:
         the words with one of padding."""
         classes, up, lut_step, lut_sym = self.tables(-(-n // seg_len), alphabet)
         return classes, up, lut_step, lut_sym, self.rans_words()
-
-    def words32(self, padding: int) -> np.ndarray:
-        """A count, then that many u32 words (the tANS bit stream), with ``padding`` words after
-        them: see :meth:`_counted_words`."""
-        return self._counted_words(np.dtype("<u4"), padding)
 
     def rans_words(self, padding: int = 1) -> np.ndarray:
         """A count, then that many u16 rANS words, with ``padding`` words after them: see
@@ -408,43 +363,48 @@ def decode_chunk(data, dtype_name: str, seg_len: int, out: np.ndarray, where: st
         return
     tans = bool(byte & TANS_FLAG) and bool(revision & TANS_REVISION)
     mode = byte & ~TANS_FLAG if tans else byte
-    if mode == 0:
-        zeros = np.full(nseg, r.take(1, "low-bit count")[0], dtype=np.uint8)
-    elif mode == 1:
-        zeros = r.take(nseg, "low-bit counts")
-    else:
+    if mode not in (0, 1):
         raise CorruptStreamError(f"{where}: a mode byte of {byte:#04x}, unknown to an entry of coder parameter "
                                  f"{revision} (low-bit mode {byte & ~TANS_FLAG}"
                                  f"{', symbols by tANS' if byte & TANS_FLAG else ''})")
-    if nseg and int(zeros.max()) > M:
-        raise CorruptStreamError(f"{where}: drops more low bits than a {dtype_name} mantissa has")
     if tans:
-        _decode_tans(r, W, M, n, seg_len, zeros, words)
+        detail = np.zeros(2, dtype=np.int64)
+        status = _k.decode_tans_substream(r.data, n, seg_len, W, M, words, detail)
+        if status != _k.OK:
+            raise CorruptStreamError(f"{where}: {_tans_error(status, detail, dtype_name)}")
         return
+    if mode == 0:
+        zeros = np.full(nseg, r.take(1, "low-bit count")[0], dtype=np.uint8)
+    else:
+        zeros = r.take(nseg, "low-bit counts")
+    if nseg and int(zeros.max()) > M:
+        raise CorruptStreamError(f"{where}: {_drops(dtype_name)}")
     classes, up, lut_step, lut_sym, rans = r.coder(n, seg_len, _alphabet(W, M))
     raw = r.raw(-(-_k.raw_bit_count(n, seg_len, M, zeros) // 32), padding=0)
     r.check(_k.decode_floats(rans, raw, seg_len, W, M, zeros, classes, up, lut_step, lut_sym, words))
 
 
-def _decode_tans(r: _Reader, W: int, M: int, n: int, seg_len: int, zeros: np.ndarray, words: np.ndarray) -> None:
-    """The rest of a substream whose symbols are coded by tANS (after its low bits) into ``words``."""
-    classes, precision, freq = r.sent_tables(-(-n // seg_len), _alphabet(W, M))
-    if not _k.TANS_MIN_BITS <= precision <= _k.TANS_MAX_BITS:
-        raise CorruptStreamError(f"{r.where}: tANS tables of {precision}-bit precision "
-                                 f"({_k.TANS_MIN_BITS} to {_k.TANS_MAX_BITS})")
-    first_bit, *x = struct.unpack("<B4H", r.take(9, "coder states").tobytes())
-    if max(x) >= 1 << precision:
-        raise CorruptStreamError(f"{r.where}: an initial state of {max(x)} in a table of {1 << precision}")
-    if first_bit >= 32:
-        raise CorruptStreamError(f"{r.where}: the first bit at {first_bit} of a 32-bit word")
-    bits = r.words32(padding=1)
-    # (the kernel takes the states, the first bit and its word as checked here)
-    if first_bit and (bits.shape[0] < 2 or int(bits[0]) & ((1 << first_bit) - 1)):
-        raise CorruptStreamError(f"{r.where}: bits set before the coder's first bit, or no word to hold it")
-    table = np.empty((freq.shape[0], 1 << precision), dtype=np.uint32)
-    _k.tans_decode_table(freq, precision, table)
-    raw = r.raw(-(-_k.raw_bit_count(n, seg_len, M, zeros) // 32), padding=0)
-    r.check(_k.decode_floats_tans(bits, first_bit, *x, raw, seg_len, W, M, zeros, classes, precision, table, words))
+def _drops(dtype_name: str) -> str:
+    return f"drops more low bits than a {dtype_name} mantissa has"
+
+
+def _tans_error(status: int, detail: np.ndarray, dtype_name: str) -> str:
+    """What the tANS front's ``status`` (with its ``detail``) says is wrong."""
+    a, b = (int(v) for v in detail)
+    if status == _k.ERR_SHORT:
+        return f"the substream ends inside its {_k.TANS_FIELDS[a]}"
+    messages = {
+        _k.ERR_DROPS: _drops(dtype_name),
+        _k.ERR_CLASS_COUNT: f"{1 << a} classes (at most {MAX_CLASSES})",
+        _k.ERR_PRECISION: f"tANS tables of {a}-bit precision ({_k.TANS_MIN_BITS} to {_k.TANS_MAX_BITS})",
+        _k.ERR_CLASS: f"a segment of class {a} of {b}",
+        _k.ERR_TABLE_BYTES: "the frequency tables do not fill their bytes",
+        _k.ERR_STATE: f"an initial state of {a} in a table of {b}",
+        _k.ERR_FIRST_BIT: f"the first bit at {a} of a 32-bit word",
+        _k.ERR_BEFORE_FIRST: "bits set before the coder's first bit, or no word to hold it",
+        _k.ERR_AFTER_RAW: f"{a} bytes after the raw bits",
+    }
+    return messages.get(status) or _ERRORS[status]
 
 
 def _decode_trailing(r: _Reader, W: int, M: int, n: int, seg_len: int, words: np.ndarray) -> None:
@@ -484,7 +444,8 @@ def encode_magnitudes(values: np.ndarray, seg_len: int) -> bytes:
     nseg = -(-n // seg_len)
     mean = np.empty(nseg, dtype=np.float64)
     _k.int_stats(values, seg_len, mean)
-    classes16 = _classes_of(mean)
+    classes16 = np.empty(nseg, dtype=np.uint8)
+    _k.rank_classes(mean, classes16)
     symbols = np.empty(n, dtype=np.uint16)
     raw = np.empty(2 * n + 2, dtype=np.uint32)
     nraw = _k.int_encode_kernel(values, symbols, raw)

@@ -197,6 +197,11 @@ _SETTINGS = struct.Struct("<IhhBB")  # tensor_count, qp, qp_1d, qp_density, rese
 _ENTRY_FIXED = struct.Struct("<BBBBB")  # dtype, mode, coder, flags, ndim
 _ENTRY_QUANT = struct.Struct("<hBBIQI")  # qp, qp_density, coder_param, alias_of, chunk_elements, chunk_count
 _ENTRY_TAIL = struct.Struct("<QQI")  # offset, size, crc32
+_NAME_LENGTH = struct.Struct("<H")
+# (by value: a dict lookup, where calling the enum costs a microsecond per field and entry)
+_DTYPES: dict[int, DType] = {m.value: m for m in DType}
+_MODES: dict[int, Mode] = {m.value: m for m in Mode}
+_CODERS: dict[int, Coder] = {m.value: m for m in Coder}
 
 
 def metadata_bytes(metadata: dict, tensors: list[tuple[str, tuple[int, ...]]]) -> bytes:
@@ -349,7 +354,7 @@ def read_header(data, *, total_size: int | None = None, payload_known: bool = Tr
     names: set[str] = set()
     next_offset = name_bytes = chunks = 0
     for i in range(count):
-        (name_len,) = r.unpack(struct.Struct("<H"), "name length")
+        (name_len,) = r.unpack(_NAME_LENGTH, "name length")
         name_bytes += name_len
         if name_bytes > MAX_NAME_BYTES:
             raise CorruptStreamError(f"tensor names of more than {MAX_NAME_BYTES:,} bytes in all")
@@ -363,9 +368,11 @@ def read_header(data, *, total_size: int | None = None, payload_known: bool = Tr
             raise CorruptStreamError(f"{where}: a second tensor of the same name")
         names.add(name)
         try:
-            dtype, mode, coder = DType(dtype), Mode(mode), Coder(coder)
-        except ValueError as exc:
-            raise FormatError(f"{where}: {exc}") from None
+            dtype, mode, coder = _DTYPES[dtype], _MODES[mode], _CODERS[coder]
+        except KeyError:
+            kinds = ((dtype, DType), (mode, Mode), (coder, Coder))
+            value, kind = next((v, k) for v, k in kinds if v not in {m.value for m in k})
+            raise FormatError(f"{where}: {value} is not a valid {kind.__name__}") from None
         if flags & ~_KNOWN_FLAGS:
             raise FormatError(f"{where}: unknown flags 0x{flags:02x}")
         if ndim > MAX_NDIM:
@@ -419,14 +426,15 @@ class _BodyReader:
         return self.raw_size - self.consumed
 
     def take(self, n: int, what: str) -> bytes:
-        if n < 0 or n > self.remaining:
+        if n < 0 or n > self.raw_size - self.consumed:
             raise CorruptStreamError(f"header field '{what}' runs past the end of the header")
-        while len(self._buf) - self._pos < n:
-            self._inflate(n - (len(self._buf) - self._pos))
-        out = self._buf[self._pos:self._pos + n]
-        self._pos += n
+        pos = self._pos
+        while len(self._buf) - pos < n:
+            self._inflate(n - (len(self._buf) - pos))
+            pos = self._pos
+        self._pos = pos + n
         self.consumed += n
-        return out
+        return self._buf[pos:pos + n]
 
     def unpack(self, st: struct.Struct, what: str):
         return st.unpack(self.take(st.size, what))
