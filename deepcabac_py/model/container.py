@@ -55,6 +55,7 @@ READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8)
 REVISION_VERSIONS = ((floatcoder.TANS_REVISION, 8), (floatcoder.TRAILING_REVISION, 7))  # FLOAT coder parameter bits
 SWITCHES_VERSION = 3  # LINEAR_BIT and NO_COLUMNS_BIT
 PREAMBLE = struct.Struct("<8sHHI")
+HEADER_DEFLATE_LEVEL = 6  # (any level inflates; the writer's is fixed, for the same bytes from the same input)
 MAX_HEADER_SIZE = 1 << 27  # (more than the limits below let a header need)
 # What a header may hold (docs/format.md §6.5): the writer refuses more, the reader stops at the
 # first part that exceeds its share, before inflating or parsing what the header merely declares.
@@ -261,8 +262,9 @@ def pack_header(qp: int, qp_1d: int, qp_density: int, meta: Any, tensors: list[T
         body.append(_ENTRY_TAIL.pack(t.offset, t.size, t.crc32))
     raw = b"".join(body)
     # The body is deflated: names and the skeleton repeat themselves, and for small models the
-    # header would otherwise be a large share of the stream.
-    packed = struct.pack("<I", len(raw)) + zlib.compress(raw, 9)
+    # header would otherwise be a large share of the stream. Level 6, not 9: a tenth of the time
+    # (0.4 against 3.2 ms for EfficientNet-Lite0's 22 KB) for 0.5% more header bytes.
+    packed = struct.pack("<I", len(raw)) + zlib.compress(raw, HEADER_DEFLATE_LEVEL)
     version = max([1] + [t.min_version for t in tensors])
     head = PREAMBLE.pack(MAGIC, version, 0, len(packed) + 4) + packed
     return head + struct.pack("<I", crc32(head))
