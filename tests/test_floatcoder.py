@@ -132,37 +132,6 @@ def test_rans_substreams_of_the_version_7_writer_still_decode(dtype_name, n, seg
     assert out.view(np.uint8).tobytes() == flat.view(np.uint8).tobytes()
 
 
-def _tans_fields(data: bytes, nseg: int) -> tuple[int, int]:
-    """(where a tANS substream's first bit and states are, its tables' precision)."""
-    pos = 2 if data[0] == floatcoder.TANS_FLAG else 1 + nseg
-    klog, precision = data[pos], data[pos + 1]
-    pos += 2 + (-(-nseg // 2) if klog else 0)
-    return pos + 4 + int.from_bytes(data[pos:pos + 4], "little"), precision
-
-
-@pytest.mark.parametrize("dtype_name", sorted(DTYPES))
-def test_a_tans_substream_with_impossible_fields_is_refused(dtype_name):
-    rng = np.random.default_rng(9)
-    a = _weights(rng, dtype_name, (20, 300)).reshape(-1)
-    seg = floatcoder.segment_length((20, 300))
-    data = floatcoder.encode_chunk(a, dtype_name, seg)
-    at, precision = _tans_fields(data, -(-a.size // seg))
-    out = np.empty_like(a)
-
-    def refused(bad: bytes, what: str) -> None:
-        with pytest.raises(CorruptStreamError, match=what):
-            floatcoder.decode_chunk(bad, dtype_name, seg, out)
-
-    # an initial state beyond the table, a first bit beyond its word, bits set before the first bit
-    refused(data[:at + 1] + (1 << precision).to_bytes(2, "little") + data[at + 3:], "initial state")
-    refused(bytes([*data[:at], 32]) + data[at + 1:], "first bit")
-    words_at = at + 9 + 4
-    refused(bytes([*data[:at], max(data[at], 1)]) + data[at + 1:words_at] + bytes([data[words_at] | 1])
-            + data[words_at + 1:], "before the coder's first bit")
-    floatcoder.decode_chunk(data, dtype_name, seg, out)  # (the original decodes)
-    assert out.view(np.uint8).tobytes() == a.view(np.uint8).tobytes()
-
-
 def _tans_layout(data: bytes, nseg: int) -> dict[str, int]:
     """Where each field of a tANS substream begins (the fields as the decoder names them)."""
     at = {"low-bit count" if data[0] == floatcoder.TANS_FLAG else "low-bit counts": 1}
@@ -183,41 +152,65 @@ def _tans_layout(data: bytes, nseg: int) -> dict[str, int]:
     return at
 
 
+def _tans_chunk(seed: int, dtype_name: str, shape) -> tuple[np.ndarray, int, bytes, dict[str, int]]:
+    """Weights of ``shape`` (rows of different scales), their segment length, their substream
+    and where its fields begin."""
+    a = _weights(np.random.default_rng(seed), dtype_name, shape).reshape(-1)
+    seg = floatcoder.segment_length(shape)
+    data = floatcoder.encode_chunk(a, dtype_name, seg)
+    return a, seg, data, _tans_layout(data, -(-a.size // seg))
+
+
+@pytest.mark.parametrize("dtype_name", sorted(DTYPES))
+def test_a_tans_substream_with_impossible_fields_is_refused(dtype_name):
+    a, seg, data, fields = _tans_chunk(9, dtype_name, (20, 300))
+    precision = data[fields["class count and table precision"] + 1]
+    at, words_at = fields["coder states"], fields["coder words"]
+
+    def refused(bad: bytes, what: str) -> None:
+        _refused(bad, dtype_name, seg, a, what)
+
+    # an initial state beyond the table, a first bit beyond its word, bits set before the first bit
+    refused(data[:at + 1] + (1 << precision).to_bytes(2, "little") + data[at + 3:], "initial state")
+    refused(bytes([*data[:at], 32]) + data[at + 1:], "first bit")
+    refused(bytes([*data[:at], max(data[at], 1)]) + data[at + 1:words_at] + bytes([data[words_at] | 1])
+            + data[words_at + 1:], "before the coder's first bit")
+    out = np.empty_like(a)
+    floatcoder.decode_chunk(data, dtype_name, seg, out)  # (the original decodes)
+    assert out.view(np.uint8).tobytes() == a.view(np.uint8).tobytes()
+
+
+def _refused(bad: bytes, dtype_name: str, seg: int, like: np.ndarray, what: str) -> None:
+    with pytest.raises(CorruptStreamError, match=what):
+        floatcoder.decode_chunk(bad, dtype_name, seg, np.empty_like(like))
+
+
 @pytest.mark.parametrize("mode", [0, 1])
 @pytest.mark.parametrize("dtype_name", sorted(DTYPES))
 def test_a_tans_substream_cut_short_names_the_field_it_ends_in(dtype_name, mode):
-    rng = np.random.default_rng(11)
-    a = _weights(rng, dtype_name, (40, 300)).reshape(-1)
+    a, seg, data, at = _tans_chunk(11, dtype_name, (40, 300))
     if mode:  # (segments dropping different low bits)
         w = a.view(WORDS[dtype_name])
         w[:300] &= np.array(~7 & ((1 << 64) - 1), dtype=np.uint64).astype(w.dtype)
-    seg = floatcoder.segment_length((40, 300))
-    data = floatcoder.encode_chunk(a, dtype_name, seg)
+        data = floatcoder.encode_chunk(a, dtype_name, seg)
+        at = _tans_layout(data, -(-a.size // seg))
     assert data[0] == floatcoder.TANS_FLAG | mode
-    at = _tans_layout(data, -(-a.size // seg))
     assert "classes" in at  # (the rows' scales differ: several classes)
     fields = sorted(at.items(), key=lambda kv: kv[1])
     for cut in range(1, len(data)):
         field = [name for name, start in fields if start <= cut][-1]
-        with pytest.raises(CorruptStreamError, match=f"ends inside its {field}|tables do not fill"):
-            floatcoder.decode_chunk(data[:cut], dtype_name, seg, np.empty_like(a))
-    with pytest.raises(CorruptStreamError, match="4 bytes after the raw bits"):
-        floatcoder.decode_chunk(data + bytes(4), dtype_name, seg, np.empty_like(a))
+        _refused(data[:cut], dtype_name, seg, a, f"ends inside its {field}|tables do not fill")
+    _refused(data + bytes(4), dtype_name, seg, a, "4 bytes after the raw bits")
 
 
 @pytest.mark.parametrize("dtype_name", sorted(DTYPES))
 def test_a_tans_substream_with_impossible_tables_is_refused(dtype_name):
-    rng = np.random.default_rng(12)
-    a = _weights(rng, dtype_name, (40, 300)).reshape(-1)
-    seg = floatcoder.segment_length((40, 300))
-    data = floatcoder.encode_chunk(a, dtype_name, seg)
-    at = _tans_layout(data, -(-a.size // seg))
+    a, seg, data, at = _tans_chunk(12, dtype_name, (40, 300))
     cc, classes = at["class count and table precision"], at["classes"]
     klog = data[cc]
 
     def refused(bad: bytes, what: str) -> None:
-        with pytest.raises(CorruptStreamError, match=what):
-            floatcoder.decode_chunk(bad, dtype_name, seg, np.empty_like(a))
+        _refused(bad, dtype_name, seg, a, what)
 
     W, M = floatcoder.FORMATS[dtype_name]
     refused(bytes([data[0], M + 1]) + data[2:], f"drops more low bits than a {dtype_name} mantissa has")
