@@ -390,21 +390,28 @@ def _drops(dtype_name: str) -> str:
 
 def _tans_error(status: int, detail: np.ndarray, dtype_name: str) -> str:
     """What the tANS front's ``status`` (with its ``detail``) says is wrong."""
-    a, b = (int(v) for v in detail)
+    a, b = (int(v) for v in detail)  # (meaningful for the status that set them only)
     if status == _k.ERR_SHORT:
         return f"the substream ends inside its {_k.TANS_FIELDS[a]}"
-    messages = {
-        _k.ERR_DROPS: _drops(dtype_name),
-        _k.ERR_CLASS_COUNT: f"{1 << a} classes (at most {MAX_CLASSES})",
-        _k.ERR_PRECISION: f"tANS tables of {a}-bit precision ({_k.TANS_MIN_BITS} to {_k.TANS_MAX_BITS})",
-        _k.ERR_CLASS: f"a segment of class {a} of {b}",
-        _k.ERR_TABLE_BYTES: "the frequency tables do not fill their bytes",
-        _k.ERR_STATE: f"an initial state of {a} in a table of {b}",
-        _k.ERR_FIRST_BIT: f"the first bit at {a} of a 32-bit word",
-        _k.ERR_BEFORE_FIRST: "bits set before the coder's first bit, or no word to hold it",
-        _k.ERR_AFTER_RAW: f"{a} bytes after the raw bits",
-    }
-    return messages.get(status) or _ERRORS[status]
+    if status == _k.ERR_DROPS:
+        return _drops(dtype_name)
+    if status == _k.ERR_CLASS_COUNT:
+        return f"{1 << a} classes (at most {MAX_CLASSES})"
+    if status == _k.ERR_PRECISION:
+        return f"tANS tables of {a}-bit precision ({_k.TANS_MIN_BITS} to {_k.TANS_MAX_BITS})"
+    if status == _k.ERR_CLASS:
+        return f"a segment of class {a} of {b}"
+    if status == _k.ERR_TABLE_BYTES:
+        return "the frequency tables do not fill their bytes"
+    if status == _k.ERR_STATE:
+        return f"an initial state of {a} in a table of {b}"
+    if status == _k.ERR_FIRST_BIT:
+        return f"the first bit at {a} of a 32-bit word"
+    if status == _k.ERR_BEFORE_FIRST:
+        return "bits set before the coder's first bit, or no word to hold it"
+    if status == _k.ERR_AFTER_RAW:
+        return f"{a} bytes after the raw bits"
+    return _ERRORS[status]
 
 
 def _decode_trailing(r: _Reader, W: int, M: int, n: int, seg_len: int, words: np.ndarray) -> None:
