@@ -862,8 +862,9 @@ def tans_encode_tables(freq, precision, delta_bits, delta_find, states):
 def _tans_put(x, s, delta_bits, delta_find, states, xb):
     """Push the symbol whose tables sit at ``s`` (its class's states at ``xb``) onto the state
     ``x``: (new state, the bits given off, their count)."""
-    nb = (x + delta_bits[s]) >> 16
-    return states[_U(xb + (x >> nb) + delta_find[s])], np.uint64(x & ((np.int64(1) << nb) - 1)), nb
+    nb = (x + np.int64(delta_bits[s])) >> 16
+    return (np.int64(states[_U(xb + (x >> nb) + np.int64(delta_find[s]))]), np.uint64(x & ((np.int64(1) << nb) - 1)),
+            nb)
 
 
 @inline
@@ -1240,9 +1241,10 @@ def encode_tans_substream(words, seg_len, W, M, zeros, classes16, costs):
     tables = np.zeros(8 + 4 * K + 7 * used, dtype=np.uint8)  # (gamma codes: a count, then a gap and a frequency)
     table_bytes = write_tables(sent, tables)
     R = np.int64(1) << precision
-    delta_bits = np.zeros((K, alphabet), dtype=np.int64)
-    delta_find = np.zeros((K, alphabet), dtype=np.int64)
-    states = np.zeros((K, R), dtype=np.int64)
+    # (narrow tables: a class's states, at 2**13, then take 16 KB and stay in the L1 cache)
+    delta_bits = np.zeros((K, alphabet), dtype=np.int32)
+    delta_find = np.zeros((K, alphabet), dtype=np.int32)
+    states = np.zeros((K, R), dtype=np.uint16)
     tans_encode_tables(sent, precision, delta_bits, delta_find, states)
     coded = np.empty(n * precision // 32 + 3, dtype=np.uint32)
     begin, first_bit, x0, x1, x2, x3 = tans_encode(symbols, seg_len, classes, precision, delta_bits, delta_find,
