@@ -356,7 +356,7 @@ def decode_chunk(data, dtype_name: str, seg_len: int, out: np.ndarray, where: st
     words = _words(out, dtype_name)
     n = words.shape[0]
     nseg = -(-n // seg_len)
-    r = _Reader(np.frombuffer(data, dtype=np.uint8), where)
+    r = _Reader(_read_only(np.frombuffer(data, dtype=np.uint8)), where)
     byte = int(r.take(1, "low-bit mode")[0])
     if byte == TRAILING_MODE and revision & TRAILING_REVISION:
         _decode_trailing(r, W, M, n, seg_len, words)
