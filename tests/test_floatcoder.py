@@ -349,20 +349,6 @@ def test_encode_model_keeps_exact_floats_losslessly_and_small():
     assert dc.encode_model(model, keep_exact=True, threads=1) == data
 
 
-def test_a_large_tensor_decoded_on_workers_is_exact():
-    # (its output's pages are touched on the calling thread before the workers write it; not a
-    # stored tensor's, which holds its values already)
-    from deepcabac_py.model.decoder import TOUCH_FROM_BYTES
-    rng = np.random.default_rng(6)
-    model = {"w": _with_specials(_weights(rng, "float32", (1100, 1000)), "float32", rng),
-             "stored": (rng.standard_normal(600_000) + 1j).astype(np.complex64)}
-    assert min(a.nbytes for a in model.values()) > TOUCH_FROM_BYTES
-    data = dc.encode_model(model, keep_exact=True, threads=2)
-    assert {e.name: e.mode for e in read_header(data).tensors} == {"w": Mode.FLOAT, "stored": Mode.RAW}
-    back = dc.decode_model(data, threads=2)
-    assert all(back[k].tobytes() == a.tobytes() for k, a in model.items())
-
-
 def _flipped(data: bytes, rng) -> list[bytes]:
     out = []
     for _ in range(40):

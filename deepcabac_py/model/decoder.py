@@ -9,7 +9,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import fnmatch
-import mmap
 import os
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -299,26 +298,11 @@ def _integers_from_levels(e: TensorEntry, levels: np.ndarray) -> np.ndarray:
     return levels
 
 
-# An output this large is fresh memory from the system, whose first touch costs a page fault and
-# the zeroing of the page: on workers writing the same new mapping at once these serialize (MiniLM
-# float32 at two threads: 1,450 MB/s, 2,000 with the pages touched first). The calling thread
-# touches them instead, while the workers decode the tensors it handed out before.
-TOUCH_FROM_BYTES = 1 << 22
-
-
-def _new_output(numel: int, dtype: np.dtype, touch: bool) -> np.ndarray:
-    """A tensor's flat output, its pages touched where ``touch`` (its chunks go to workers)."""
-    out = np.empty(numel, dtype=dtype)
-    if touch and out.nbytes >= TOUCH_FROM_BYTES:
-        out.view(np.uint8)[::mmap.PAGESIZE] = 0
-    return out
-
-
 class _Tensor:
     """One tensor being decoded: its payload read and checked, its output allocated, its chunks
     ready to run on any thread."""
 
-    def __init__(self, stream, e: TensorEntry, want_levels: bool = False, touch: bool = False):
+    def __init__(self, stream, e: TensorEntry, want_levels: bool = False):
         self.entry, self.want_levels = e, want_levels
         self.step = e.step if e.step is not None else 0.0  # (used by quantized tensors only)
         views = _payload_views(stream, e)
@@ -330,7 +314,7 @@ class _Tensor:
             return
         if e.mode.is_class_coded:
             self.views = views
-            self.out = _new_output(e.numel, e.dtype.carrier, touch)
+            self.out = np.empty(e.numel, dtype=e.dtype.carrier)
             return
         self.layout = chunk_layout.layout_from_stream(e.shape, e.chunk_elements, e.coder_param)
         if e.is_linear:
@@ -340,7 +324,7 @@ class _Tensor:
             self.log_offset = int.from_bytes(views[0][:LOG_OFFSET_BYTES], "little", signed=True)
             views = views[1:]
         self.views = views
-        self.out = _new_output(e.numel, np.dtype(np.int32) if want_levels else e.dtype.carrier, touch)
+        self.out = np.empty(e.numel, dtype=np.int32 if want_levels else e.dtype.carrier)
 
     def _levels_into(self, k: int, window: np.ndarray) -> None:
         if self.predictor is None:
@@ -407,8 +391,8 @@ def _decode_in_order(stream, chosen: list[TensorEntry], coded: list[TensorEntry]
         with linear_prediction.blas_threads(pool is not None):
             while ahead < len(chosen) or pending:
                 while ahead < len(chosen) and (not pending or elements < budget):
-                    runner = pool_for(pool, coded[ahead].numel)
-                    t = _Tensor(stream, coded[ahead], want_levels, touch=runner is not None)
+                    t = _Tensor(stream, coded[ahead], want_levels)
+                    runner = pool_for(pool, t.entry.numel)
                     work = [runner.submit(t.run, k) for k in range(len(t.views))] if runner is not None else None
                     pending.append((chosen[ahead], t, work))
                     elements += t.entry.numel
