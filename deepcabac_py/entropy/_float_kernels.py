@@ -650,8 +650,9 @@ def normalize_row(counts, scale_bits, out):
     s = 0
     inv = 1.0 / total
     for i in range(counts.shape[0]):
-        # floor(count * scale / total) by a multiplication, set right by at most one: a division
-        # per symbol was most of the class choice's time
+        # floor(count * scale / total) by a multiplication, set right by at most one (count *
+        # scale < 2**53: the product is exact, its error below one): a division per symbol was
+        # most of the class choice's time
         a = counts[i] * scale
         f = np.int64(a * inv)
         f += np.int64((f + 1) * total <= a) - np.int64(f * total > a)
