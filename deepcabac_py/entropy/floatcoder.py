@@ -378,40 +378,33 @@ def decode_chunk(data, dtype_name: str, seg_len: int, out: np.ndarray, where: st
     else:
         zeros = r.take(nseg, "low-bit counts")
     if nseg and int(zeros.max()) > M:
-        raise CorruptStreamError(f"{where}: {_drops(dtype_name)}")
+        raise CorruptStreamError(f"{where}: {_TANS_ERRORS[_k.ERR_DROPS](0, 0, dtype_name)}")
     classes, up, lut_step, lut_sym, rans = r.coder(n, seg_len, _alphabet(W, M))
     raw = r.raw(-(-_k.raw_bit_count(n, seg_len, M, zeros) // 32), padding=0)
     r.check(_k.decode_floats(rans, raw, seg_len, W, M, zeros, classes, up, lut_step, lut_sym, words))
 
 
-def _drops(dtype_name: str) -> str:
-    return f"drops more low bits than a {dtype_name} mantissa has"
+# What the tANS kernel's errors say, worded from their two details: a function each, so that only
+# the error found is worded (another's detail may be a count of bytes, not a shift)
+_TANS_ERRORS = {
+    _k.ERR_SHORT: lambda a, b, dtype: f"the substream ends inside its {_k.TANS_FIELDS[a]}",
+    _k.ERR_DROPS: lambda a, b, dtype: f"drops more low bits than a {dtype} mantissa has",
+    _k.ERR_CLASS_COUNT: lambda a, b, dtype: f"{1 << a} classes (at most {MAX_CLASSES})",
+    _k.ERR_PRECISION: lambda a, b, dtype: (f"tANS tables of {a}-bit precision "
+                                           f"({_k.TANS_MIN_BITS} to {_k.TANS_MAX_BITS})"),
+    _k.ERR_CLASS: lambda a, b, dtype: f"a segment of class {a} of {b}",
+    _k.ERR_TABLE_BYTES: lambda a, b, dtype: "the frequency tables do not fill their bytes",
+    _k.ERR_STATE: lambda a, b, dtype: f"an initial state of {a} in a table of {b}",
+    _k.ERR_FIRST_BIT: lambda a, b, dtype: f"the first bit at {a} of a 32-bit word",
+    _k.ERR_BEFORE_FIRST: lambda a, b, dtype: "bits set before the coder's first bit, or no word to hold it",
+    _k.ERR_AFTER_RAW: lambda a, b, dtype: f"{a} bytes after the raw bits",
+}
 
 
 def _tans_error(status: int, detail: np.ndarray, dtype_name: str) -> str:
-    """What the tANS front's ``status`` (with its ``detail``) says is wrong."""
-    a, b = (int(v) for v in detail)  # (meaningful for the status that set them only)
-    if status == _k.ERR_SHORT:
-        return f"the substream ends inside its {_k.TANS_FIELDS[a]}"
-    if status == _k.ERR_DROPS:
-        return _drops(dtype_name)
-    if status == _k.ERR_CLASS_COUNT:
-        return f"{1 << a} classes (at most {MAX_CLASSES})"
-    if status == _k.ERR_PRECISION:
-        return f"tANS tables of {a}-bit precision ({_k.TANS_MIN_BITS} to {_k.TANS_MAX_BITS})"
-    if status == _k.ERR_CLASS:
-        return f"a segment of class {a} of {b}"
-    if status == _k.ERR_TABLE_BYTES:
-        return "the frequency tables do not fill their bytes"
-    if status == _k.ERR_STATE:
-        return f"an initial state of {a} in a table of {b}"
-    if status == _k.ERR_FIRST_BIT:
-        return f"the first bit at {a} of a 32-bit word"
-    if status == _k.ERR_BEFORE_FIRST:
-        return "bits set before the coder's first bit, or no word to hold it"
-    if status == _k.ERR_AFTER_RAW:
-        return f"{a} bytes after the raw bits"
-    return _ERRORS[status]
+    """What the tANS kernel's ``status`` (with its ``detail``) says is wrong."""
+    word = _TANS_ERRORS.get(status)
+    return word(int(detail[0]), int(detail[1]), dtype_name) if word else _ERRORS[status]
 
 
 def _decode_trailing(r: _Reader, W: int, M: int, n: int, seg_len: int, words: np.ndarray) -> None:
