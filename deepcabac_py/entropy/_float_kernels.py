@@ -147,7 +147,9 @@ def _encode_grouped(words, lo, stop, W, M, z, k, symbols, raw_out, acc, nacc, nr
     """encode_kernel's segment [lo, stop) of k <= 16 raw bits an element: those of two or four
     elements are put together before they join the words, so the accumulator's chain, the limit
     here, is walked half or a quarter as often. (A kernel of its own: inlined, it slowed the
-    other segments' loop by a tenth.) Returns (acc, nacc, nraw)."""
+    other segments' loop by a tenth. It takes the segment's last elements too: handed back to
+    encode_kernel's loop, they cost 3-6%, bf16 1.22 -> 1.27 ns per element.) Returns (acc, nacc,
+    nraw)."""
     i = lo
     if k <= 8:
         while i + 4 <= stop:

@@ -258,17 +258,8 @@ class _Reader:
 
     def tables(self, nseg: int, alphabet: int) -> tuple[np.ndarray, int, np.ndarray, np.ndarray]:
         """(classes, PROB_BITS - precision, the rANS decoder's two lookup tables) of a substream:
-        see :meth:`_frequencies`. The lookup tables have a slot per unit of the precision the
-        tables were sent at: a coarser table is smaller, and faster."""
-        classes, precision, freq, start = self._frequencies(nseg, alphabet)
-        lut_step = np.empty((freq.shape[0], 1 << precision), dtype=np.uint32)
-        lut_sym = np.empty((freq.shape[0], 1 << precision), dtype=np.uint16)
-        _k.build_lut(freq, start, PROB_BITS - precision, lut_step, lut_sym)
-        return classes, PROB_BITS - precision, lut_step, lut_sym
-
-    def _frequencies(self, nseg: int, alphabet: int) -> tuple[np.ndarray, int, np.ndarray, np.ndarray]:
-        """(classes, precision, frequencies and starts at PROB_BITS) of a substream: class count,
-        precision, class nibbles and tables, validated."""
+        class count, precision, class nibbles and tables, validated. The lookup tables have a slot
+        per unit of the precision the tables were sent at: a coarser table is smaller, and faster."""
         where = self.where
         klog, precision = (int(v) for v in self.take(2, "class count and table precision"))
         if klog > _k.MAX_CLASSES_LOG2:
@@ -291,7 +282,10 @@ class _Reader:
         got = _k.read_tables(tables, precision, freq, start)
         if got < 0 or got != tables.shape[0]:
             raise CorruptStreamError(f"{where}: {_ERRORS.get(got, 'the frequency tables do not fill their bytes')}")
-        return classes, precision, freq, start
+        lut_step = np.empty((freq.shape[0], 1 << precision), dtype=np.uint32)
+        lut_sym = np.empty((freq.shape[0], 1 << precision), dtype=np.uint16)
+        _k.build_lut(freq, start, PROB_BITS - precision, lut_step, lut_sym)
+        return classes, PROB_BITS - precision, lut_step, lut_sym
 
     def coder(self, n: int, seg_len: int, alphabet: int) -> tuple[np.ndarray, int, np.ndarray, np.ndarray, np.ndarray]:
         """The classes, tables and rANS words of a substream of ``n`` elements (see :meth:`tables`),
@@ -300,22 +294,17 @@ class _Reader:
         return classes, up, lut_step, lut_sym, self.rans_words()
 
     def rans_words(self, padding: int = 1) -> np.ndarray:
-        """A count, then that many u16 rANS words, with ``padding`` words after them: see
-        :meth:`_counted_words`."""
-        return self._counted_words(np.dtype("<u2"), padding)
-
-    def _counted_words(self, word: np.dtype, padding: int) -> np.ndarray:
-        """Where the substream goes on ``padding`` words beyond the counted ones (the raw bits
-        follow them) the padding is its next bytes, and the words are read where they are: the
-        kernels read a padding word only to drop it. Else a padded copy."""
+        """A count, then that many u16 rANS words, with ``padding`` words after them. Where the
+        substream goes on that far (the raw bits follow) the padding is its next bytes, and the
+        words are read where they are: the kernels read a padding word only to drop it. Else a
+        padded copy."""
         count = self.u32("coder size")
-        size = word.itemsize
-        if _LITTLE_ENDIAN and self.pos + size * (count + padding) <= self.data.shape[0]:
-            words = self.data[self.pos:self.pos + size * (count + padding)].view(word)
-            self.pos += size * count
+        if _LITTLE_ENDIAN and self.pos + 2 * (count + padding) <= self.data.shape[0]:
+            words = self.data[self.pos:self.pos + 2 * (count + padding)].view("<u2")
+            self.pos += 2 * count
             return _read_only(words)
-        out = np.zeros(count + padding, dtype=word.newbyteorder("="))
-        out[:count] = self.take(size * count, "coder words").view(word)
+        out = np.zeros(count + padding, dtype=np.uint16)
+        out[:count] = self.take(2 * count, "coder words").view("<u2")
         return _read_only(out)
 
     def symbols(self, n: int, seg_len: int, alphabet: int) -> np.ndarray:

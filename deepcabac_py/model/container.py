@@ -372,8 +372,8 @@ def read_header(data, *, total_size: int | None = None, payload_known: bool = Tr
         try:
             dtype, mode, coder = _DTYPES[dtype], _MODES[mode], _CODERS[coder]
         except KeyError:
-            kinds = ((dtype, DType), (mode, Mode), (coder, Coder))
-            value, kind = next((v, k) for v, k in kinds if v not in {m.value for m in k})
+            kinds = ((dtype, DType, _DTYPES), (mode, Mode, _MODES), (coder, Coder, _CODERS))
+            value, kind = next((v, k) for v, k, by_value in kinds if v not in by_value)
             raise FormatError(f"{where}: {value} is not a valid {kind.__name__}") from None
         if flags & ~_KNOWN_FLAGS:
             raise FormatError(f"{where}: unknown flags 0x{flags:02x}")
