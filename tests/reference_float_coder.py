@@ -69,6 +69,7 @@ def choose_classes(hist: np.ndarray, nseg: int, max_bits: int = 14) -> tuple[int
             if max(sum(1 for v in r if v) for r in rows) > 1 << bits or bits > max_bits:
                 continue
             cost = (4 * nseg if klog else 0) << 16
+            cost += (int(hist.sum()) * (klog + bits)) << 8
             tables = []
             for r in rows:
                 f = _normalized(r, bits)
