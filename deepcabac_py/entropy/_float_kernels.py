@@ -892,12 +892,12 @@ def tans_encode_tables(freq, precision, delta_bits, delta_find, states):
 
 
 @inline
-def _tans_put(x, s, delta_bits, delta_find, states, xb):
-    """Push the symbol whose tables sit at ``s`` (its class's states at ``xb``) onto the state
-    ``x``: (new state, the bits given off, their count)."""
+def _tans_put(x, s, delta_bits, delta_find, states):
+    """Push the symbol ``s`` onto the state ``x`` (one class's tables): (new state, the bits given
+    off, their count)."""
     nb = (x + np.int64(delta_bits[_U(s)])) >> 16
-    return (np.int64(states[_U(xb + (x >> nb) + np.int64(delta_find[_U(s)]))]),
-            np.uint64(x & ((np.int64(1) << nb) - 1)), nb)
+    return (np.int64(states[_U((x >> nb) + np.int64(delta_find[_U(s)]))]), np.uint64(x & ((np.int64(1) << nb) - 1)),
+            nb)
 
 
 @inline
@@ -922,8 +922,6 @@ def tans_encode(symbols, seg_len, classes, precision, delta_bits, delta_find, st
     Returns (the first word, the first bit in it, the four final states)."""
     R = np.int64(1) << precision
     n = symbols.shape[0]
-    alphabet = delta_bits.shape[1]
-    dbits, dfind, st = delta_bits.ravel(), delta_find.ravel(), states.ravel()
     x0 = x1 = x2 = x3 = R
     acc = np.uint64(0)
     nacc = 0
@@ -931,16 +929,16 @@ def tans_encode(symbols, seg_len, classes, precision, delta_bits, delta_find, st
     nseg = classes.shape[0]
     for jj in range(nseg):
         j = nseg - 1 - jj
-        sb = np.int64(classes[j]) * alphabet
-        xb = np.int64(classes[j]) * R
+        # (the class's rows, not offsets into the whole tables: two registers fewer in the loop)
+        db, df, st = delta_bits[classes[j]], delta_find[classes[j]], states[classes[j]]
         lo = j * seg_len
         i = min(n, lo + seg_len) - 1
         while i >= lo:
             if (i & 3) == 3 and i - 3 >= lo:  # (a whole group: see rans_decode)
-                x3, v3, n3 = _tans_put(x3, sb + np.int64(symbols[_U(i)]), dbits, dfind, st, xb)
-                x2, v2, n2 = _tans_put(x2, sb + np.int64(symbols[_U(i - 1)]), dbits, dfind, st, xb)
-                x1, v1, n1 = _tans_put(x1, sb + np.int64(symbols[_U(i - 2)]), dbits, dfind, st, xb)
-                x0, v0, n0 = _tans_put(x0, sb + np.int64(symbols[_U(i - 3)]), dbits, dfind, st, xb)
+                x3, v3, n3 = _tans_put(x3, symbols[_U(i)], db, df, st)
+                x2, v2, n2 = _tans_put(x2, symbols[_U(i - 1)], db, df, st)
+                x1, v1, n1 = _tans_put(x1, symbols[_U(i - 2)], db, df, st)
+                x0, v0, n0 = _tans_put(x0, symbols[_U(i - 3)], db, df, st)
                 # two elements' bits put together first: the accumulator's chain, the limit, is
                 # walked twice a group instead of four times
                 acc, nacc, wi = _prepend(v2 | (v3 << np.uint64(n2)), n2 + n3, acc, nacc, wi, out)
@@ -948,8 +946,7 @@ def tans_encode(symbols, seg_len, classes, precision, delta_bits, delta_find, st
                 i -= 4
                 continue
             lane = i & 3
-            x, v, nb = _tans_put(_lane_state(lane, x0, x1, x2, x3), sb + np.int64(symbols[_U(i)]), dbits, dfind,
-                                 st, xb)
+            x, v, nb = _tans_put(_lane_state(lane, x0, x1, x2, x3), symbols[_U(i)], db, df, st)
             x0, x1, x2, x3 = _with_lane(lane, x, x0, x1, x2, x3)
             acc, nacc, wi = _prepend(v, nb, acc, nacc, wi, out)
             i -= 1
