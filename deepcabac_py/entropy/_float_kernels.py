@@ -56,25 +56,29 @@ def _parts(w, W, M, z):
     return sym, raw, k
 
 
+@inline
+def _segment_stat(words, start, stop, W, M):
+    """(the low mantissa bits zero in every element of words[start:stop], capped at M; their mean
+    exponent)."""
+    mmask = np.uint64((1 << M) - 1)
+    acc = np.uint64(0)
+    total = 0
+    for i in range(start, stop):
+        w = np.uint64(words[_U(i)])
+        acc |= w & mmask
+        total += np.int64(w >> np.uint64(M)) & ((1 << (W - 1 - M)) - 1)
+    z = 0
+    while z < M and not (acc >> np.uint64(z)) & np.uint64(1):
+        z += 1
+    return z, total / max(stop - start, 1)
+
+
 @kernel
 def segment_stats(words, seg_len, W, M, zeros, mean_exponent):
     """Per segment: the low mantissa bits zero in every element (capped at M) and the mean exponent."""
     n = words.shape[0]
-    mmask = np.uint64((1 << M) - 1)
     for j in range(zeros.shape[0]):
-        start = j * seg_len
-        stop = min(n, start + seg_len)
-        acc = np.uint64(0)
-        total = 0
-        for i in range(start, stop):
-            w = np.uint64(words[_U(i)])
-            acc |= w & mmask
-            total += np.int64(w >> np.uint64(M)) & ((1 << (W - 1 - M)) - 1)
-        z = 0
-        while z < M and not (acc >> np.uint64(z)) & np.uint64(1):
-            z += 1
-        zeros[j] = z
-        mean_exponent[j] = total / max(stop - start, 1)
+        zeros[j], mean_exponent[j] = _segment_stat(words, j * seg_len, min(n, (j + 1) * seg_len), W, M)
 
 
 @kernel
@@ -185,17 +189,22 @@ def _encode_each(words, lo, stop, W, M, z, k, symbols, raw_out, acc, nacc, nraw)
 
 
 @kernel
-def encode_kernel(words, seg_len, W, M, zeros, symbols, raw_out):
+def encode_kernel(words, seg_len, W, M, zeros, symbols, raw_out, mean_exponent):
     """The symbols of the floats ``words`` into ``symbols`` and their raw bits into ``raw_out``
-    (one word more than they fill); returns how many raw words."""
+    (one word more than they fill); returns how many raw words. ``zeros`` holds each segment's low
+    bits zero; with ``mean_exponent`` not empty, they are found here with the segments' mean
+    exponents, each segment's just before its split reads its elements again from the cache."""
     n = words.shape[0]
     acc = np.uint64(0)
     nacc = 0
     nraw = 0
+    find = mean_exponent.shape[0] > 0
     for j in range(zeros.shape[0]):
-        z = np.int64(zeros[j])
         lo = j * seg_len
         stop = min(n, lo + seg_len)
+        if find:
+            zeros[j], mean_exponent[j] = _segment_stat(words, lo, stop, W, M)
+        z = np.int64(zeros[j])
         k = _segment_bits(M, z)[2]
         # the common formats with no low bit dropped get loops of their own, with the widths as
         # constants: the registers they free keep the loop's values out of memory (bf16 1.24 ->
@@ -1258,13 +1267,23 @@ def _used_histogram(symbols, seg_len, classes16, alphabet):
 def encode_tans_substream(words, seg_len, W, M, zeros, classes16, costs):
     """The whole substream of low-bit mode 0 or 1 (mode 0 where every segment drops as many low
     bits) with its symbols by tANS, as bytes (``zeros``: each segment's low bits zero,
-    ``classes16``: its class of 16): what :func:`decode_tans_substream` reads."""
+    ``classes16``: its class of 16, both as :func:`segment_classes` finds them, or both empty:
+    found here, during the split): what :func:`decode_tans_substream` reads."""
     n = words.shape[0]
-    nseg = zeros.shape[0]
     alphabet = np.int64(1) << (W - 1 - M + TOP_BITS)
     symbols = np.empty(n, dtype=np.uint16)
+    if zeros.shape[0] == 0:
+        nseg = (n + seg_len - 1) // seg_len
+        zeros = np.zeros(nseg, dtype=np.uint8)  # (no segment drops more: raw's size)
+        mean_exponent = np.empty(nseg, dtype=np.float64)
+        classes16 = np.empty(nseg, dtype=np.uint8)
+    else:
+        nseg = zeros.shape[0]
+        mean_exponent = np.empty(0, dtype=np.float64)
     raw = np.empty(((raw_bit_count(n, seg_len, M, zeros) + 31) >> 5) + 1, dtype=np.uint32)
-    nraw = encode_kernel(words, seg_len, W, M, zeros, symbols, raw)
+    nraw = encode_kernel(words, seg_len, W, M, zeros, symbols, raw, mean_exponent)
+    if mean_exponent.shape[0]:
+        rank_classes(mean_exponent, classes16)
     if n < PARTIAL_HISTOGRAMS_FROM:
         hist, used_syms = _used_histogram(symbols, seg_len, classes16, alphabet)
     else:

@@ -150,8 +150,11 @@ def encode_chunk(values: np.ndarray, dtype_name: str, seg_len: int) -> bytes:
         raise ValueError(f"the lossless float coder takes {', '.join(FORMATS)}, not {dtype_name}")
     W, M = FORMATS[dtype_name]
     words = _words(values, dtype_name)
+    if W < 32:  # (no low-bit mode 2 to judge: the kernel finds each segment's statistics as it splits it)
+        none = np.empty(0, dtype=np.uint8)
+        return _k.encode_tans_substream(words, seg_len, W, M, none, none, _COSTS).tobytes()
     zeros, classes16 = _segment_classes(words, W, M, seg_len)
-    promise = _trailing_promise(words, W, M, seg_len, zeros) if W >= 32 else 0.0
+    promise = _trailing_promise(words, W, M, seg_len, zeros)
     if promise >= TRAILING_SURE * TRAILING_GAIN:
         return _encode_trailing(words, W, M, seg_len, classes16)
     data = _k.encode_tans_substream(words, seg_len, W, M, zeros, classes16, _COSTS).tobytes()
