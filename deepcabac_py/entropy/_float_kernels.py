@@ -714,8 +714,8 @@ def normalize_row(counts, scale_bits, out):
 
 
 TABLE_PRECISIONS = (14, 13, 12, 10, 8)  # what the encoder tries: coarser tables cost fewer bits to send
-# Each doubling of the decoder's tables (classes x states) is charged 2**-8 bit per element: past the
-# L1 cache their lookups slow the decoding. MiniLM's largest bf16 chunks go from 16 x 2**13 to
+# Each doubling of the decoder's tables (classes x states) is charged 2**-8 bit per element: the
+# larger they are, the farther from the core their lookups go. MiniLM's largest bf16 chunks go from 16 x 2**13 to
 # 8 x 2**12 states, and the model decodes 13% faster for 0.025% more bytes (at 2**-6 bit: 0.18%).
 TABLE_SIZE_CHARGE_SHIFT = 8
 
@@ -725,8 +725,8 @@ def choose_classes(hist16, nseg, costs, max_bits, freq):
     """The class count 2**klog (every class occupied) and the table precision (frequencies summing
     to 2**precision, used as multiples of 2**(PROB_BITS - precision)) that make the chunk smallest,
     frequency tables, class nibbles and gamma-coded tables included, with the tables' size charged
-    as ``TABLE_SIZE_CHARGE_SHIFT`` says. The tables, at that precision,
-    go into ``freq`` (zeroed, 16 x alphabet). Returns (klog, precision)."""
+    as ``TABLE_SIZE_CHARGE_SHIFT`` says. The tables, at that precision, go into ``freq`` (zeroed,
+    16 x alphabet). Returns (klog, precision)."""
     hist, used_syms = _used_of(hist16)
     klog, precision, chosen = _choose_used(hist, used_syms, nseg, costs, max_bits, freq.shape[1])
     freq[:chosen.shape[0]] = chosen
@@ -1274,7 +1274,7 @@ def encode_tans_substream(words, seg_len, W, M, zeros, classes16, costs):
     symbols = np.empty(n, dtype=np.uint16)
     if zeros.shape[0] == 0:
         nseg = (n + seg_len - 1) // seg_len
-        zeros = np.zeros(nseg, dtype=np.uint8)  # (no segment drops more: raw's size)
+        zeros = np.zeros(nseg, dtype=np.uint8)  # (until the split finds them: raw sized for no bit dropped)
         mean_exponent = np.empty(nseg, dtype=np.float64)
         classes16 = np.empty(nseg, dtype=np.uint8)
     else:
