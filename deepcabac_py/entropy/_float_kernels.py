@@ -210,13 +210,16 @@ def encode_kernel(words, seg_len, W, M, zeros, symbols, raw_out, mean_exponent):
         # constants: the registers they free keep the loop's values out of memory (bf16 1.24 ->
         # 0.73 ns per element, fp16 1.37 -> 0.82, fp32 1.50 -> 1.36)
         if z == 0 and W == 16 and M == 7:
-            acc, nacc, nraw = _encode_grouped(words, lo, stop, 16, 7, 0, 6, symbols, raw_out, acc, nacc, nraw)
+            acc, nacc, nraw = _encode_grouped(words, lo, stop, 16, 7, 0, 7 - TOP_BITS + 1, symbols, raw_out,
+                                              acc, nacc, nraw)
         elif z == 0 and W == 16 and M == 10:
-            acc, nacc, nraw = _encode_grouped(words, lo, stop, 16, 10, 0, 9, symbols, raw_out, acc, nacc, nraw)
+            acc, nacc, nraw = _encode_grouped(words, lo, stop, 16, 10, 0, 10 - TOP_BITS + 1, symbols, raw_out,
+                                              acc, nacc, nraw)
         elif k <= 16:
             acc, nacc, nraw = _encode_grouped(words, lo, stop, W, M, z, k, symbols, raw_out, acc, nacc, nraw)
         elif z == 0 and W == 32 and M == 23:
-            acc, nacc, nraw = _encode_each(words, lo, stop, 32, 23, 0, 22, symbols, raw_out, acc, nacc, nraw)
+            acc, nacc, nraw = _encode_each(words, lo, stop, 32, 23, 0, 23 - TOP_BITS + 1, symbols, raw_out,
+                                           acc, nacc, nraw)
         elif k <= 32:
             acc, nacc, nraw = _encode_each(words, lo, stop, W, M, z, k, symbols, raw_out, acc, nacc, nraw)
         else:  # (float64: up to 51 raw bits, in two pieces)
@@ -380,23 +383,26 @@ def _final_status(x0, x1, x2, x3, p, end):
 
 
 @inline
-def _raw_near(raw, p, k):
-    """:func:`_raw_at` where the word after the one holding bit ``p`` is known to exist."""
-    w = _U(p) >> _U(5)
-    pair = np.uint64(raw[w]) | (np.uint64(raw[w + _U(1)]) << np.uint64(32))
+def _raw_bits(raw, p, k, after):
+    """The ``k`` (<= 32) raw bits at bit position ``p`` (the stream is LSB first in 32-bit words),
+    read from the word holding bit p and the word ``after``, which follows it or, past the last
+    word, is that word again."""
+    pair = np.uint64(raw[_U(p) >> _U(5)]) | (np.uint64(raw[after]) << np.uint64(32))
     return np.int64(pair >> _U(p & 31)) & ((np.int64(1) << k) - 1)
 
 
 @inline
+def _raw_near(raw, p, k):
+    """:func:`_raw_at` where the word after the one holding bit ``p`` is known to exist."""
+    return _raw_bits(raw, p, k, (_U(p) >> _U(5)) + _U(1))
+
+
+@inline
 def _raw_at(raw, p, k):
-    """The ``k`` (<= 32) raw bits at bit position ``p`` (the stream is LSB first in 32-bit words;
-    the word holding bit p must exist)."""
-    w = _U(p) >> _U(5)
+    """The ``k`` (<= 32) raw bits at bit position ``p`` (the word holding bit p must exist)."""
     # the next word is read whether or not the bits reach into it (no branch); past the last word
     # it is the last again, whose bits the mask then drops: the words need no padding (a copy)
-    after = min(w + _U(1), _U(max(raw.shape[0] - 1, 0)))
-    pair = np.uint64(raw[w]) | (np.uint64(raw[after]) << np.uint64(32))
-    return np.int64(pair >> _U(p & 31)) & ((np.int64(1) << k) - 1)
+    return _raw_bits(raw, p, k, min((_U(p) >> _U(5)) + _U(1), _U(max(raw.shape[0] - 1, 0))))
 
 
 # What _decode_segment writes for each element: the symbol, or the float rebuilt from the symbol
@@ -1007,9 +1013,9 @@ def _tans_segment(form, x0, x1, x2, x3, pos, total, lo, stop, base, flat, words,
         i += 1
     groups_end = i + ((stop - i) & ~3)
     # whole groups while three words are left to read (at most 52 bits a group, then the padding)
-    # and the group's raw bits and the word after them are there (i * k below raw_safe)
-    raw_safe = 32 * (raw.shape[0] - 1) - 4 * k - bit0 + lo * k
-    while i < groups_end and pos + 64 <= total and i * k < raw_safe:
+    # and the group's raw bits and the word after them are there (they start below raw_limit)
+    raw_limit = 32 * (raw.shape[0] - 1) - 4 * k
+    while i < groups_end and pos + 64 <= total and bit0 + (i - lo) * k < raw_limit:
         e0, n0 = _tans_entry(flat, base, x0)
         e1, n1 = _tans_entry(flat, base, x1)
         e2, n2 = _tans_entry(flat, base, x2)
@@ -1081,13 +1087,13 @@ def decode_floats_tans(words, first_bit, x0, x1, x2, x3, raw, seg_len, W, M, zer
         # (constant widths where they are common, as in encode_kernel: 10-15% faster)
         if z == 0 and W == 16 and M == 7:
             x0, x1, x2, x3, pos, err = _tans_segment(FAST, x0, x1, x2, x3, pos, total, lo, stop, base, flat, words,
-                                                     out, raw, bit0, 16, 7, 0, 5, 6)
+                                                     out, raw, bit0, 16, 7, 0, 7 - TOP_BITS, 7 - TOP_BITS + 1)
         elif z == 0 and W == 16 and M == 10:
             x0, x1, x2, x3, pos, err = _tans_segment(FAST, x0, x1, x2, x3, pos, total, lo, stop, base, flat, words,
-                                                     out, raw, bit0, 16, 10, 0, 8, 9)
+                                                     out, raw, bit0, 16, 10, 0, 10 - TOP_BITS, 10 - TOP_BITS + 1)
         elif z == 0 and W == 32 and M == 23:
             x0, x1, x2, x3, pos, err = _tans_segment(FAST, x0, x1, x2, x3, pos, total, lo, stop, base, flat, words,
-                                                     out, raw, bit0, 32, 23, 0, 21, 22)
+                                                     out, raw, bit0, 32, 23, 0, 23 - TOP_BITS, 23 - TOP_BITS + 1)
         elif t == TOP_BITS and k <= 32:  # (as in decode_floats)
             x0, x1, x2, x3, pos, err = _tans_segment(FAST, x0, x1, x2, x3, pos, total, lo, stop, base, flat, words,
                                                      out, raw, bit0, W, M, z, low_bits, k)
