@@ -103,6 +103,15 @@ def segment_classes(words, seg_len, W, M, zeros, classes16):
 @kernel
 def histogram(symbols, seg_len, classes, hist):
     """hist[class, symbol] += 1 for every symbol (``classes``: the class of each segment)."""
+    part = np.zeros(4 * hist.shape[0] * hist.shape[1] if symbols.shape[0] >= PARTIAL_HISTOGRAMS_FROM else 0,
+                    dtype=np.int64)
+    _histogram_into(symbols, seg_len, classes, hist, part)
+
+
+@inline
+def _histogram_into(symbols, seg_len, classes, hist, part):
+    """:func:`histogram` with its partial histograms in ``part`` (4 * hist.size zeros, or empty
+    below PARTIAL_HISTOGRAMS_FROM elements)."""
     n = symbols.shape[0]
     alphabet = hist.shape[1]
     flat = hist.ravel()
@@ -114,7 +123,6 @@ def histogram(symbols, seg_len, classes, hist):
         return
     # four partial histograms, one per element mod 4: runs of one symbol (the common exponent)
     # would otherwise wait on their own counter's store
-    part = np.zeros(4 * hist.shape[0] * alphabet, dtype=np.int64)
     for j in range(classes.shape[0]):
         base = _U(4 * np.int64(classes[j]) * alphabet)
         lo = j * seg_len
@@ -1326,15 +1334,40 @@ def _used_histogram(symbols, seg_len, classes16, alphabet):
     return hist, used_syms
 
 
+def tans_work_bytes(n, seg_len, W, M):
+    """The bytes of work memory :func:`encode_tans_substream` takes for ``n`` elements (plain
+    Python: the caller sizes the buffer it keeps)."""
+    nseg = -(-n // seg_len)
+    alphabet = 1 << (W - 1 - M + TOP_BITS)
+    classes = 1 << MAX_CLASSES_LOG2
+    raw_words = ((n * (M - TOP_BITS + 1) + 31) >> 5) + 1  # (no low bit dropped: the most)
+    coded_words = n * TANS_MAX_BITS // 32 + 3
+    tables = 8 + 4 * classes + 7 * classes * alphabet  # (as encode_tans_substream bounds them)
+    out = 1 + nseg + 2 + ((nseg + 1) >> 1) + 4 + tables + 9 + 4 + 4 * coded_words + 4 * raw_words
+    parts = (2 * n, 4 * raw_words, 8 * classes * alphabet, 32 * classes * alphabet, 4 * coded_words, out)
+    return sum((p + 7) & ~7 for p in parts)
+
+
+@inline
+def _carve(work, at, nbytes):
+    """(work[at:at + nbytes], the next place: 8-byte aligned)."""
+    return work[at:at + nbytes], at + ((nbytes + 7) & ~7)
+
+
 @kernel
-def encode_tans_substream(words, seg_len, W, M, zeros, classes16, costs):
+def encode_tans_substream(words, seg_len, W, M, zeros, classes16, costs, work):
     """The whole substream of low-bit mode 0 or 1 (mode 0 where every segment drops as many low
     bits) with its symbols by tANS, as bytes (``zeros``: each segment's low bits zero,
     ``classes16``: its class of 16, both as :func:`segment_classes` finds them, or both empty:
-    found here, during the split): what :func:`decode_tans_substream` reads."""
+    found here, during the split): what :func:`decode_tans_substream` reads. Its large arrays are
+    carved from ``work`` (uint8, :func:`tans_work_bytes` of them), which the caller keeps from chunk
+    to chunk: buffers of megabytes allocated for every chunk cost their first touch, page by page,
+    every time. Returns the substream, a view into ``work``."""
     n = words.shape[0]
     alphabet = np.int64(1) << (W - 1 - M + TOP_BITS)
-    symbols = np.empty(n, dtype=np.uint16)
+    nclasses = np.int64(1) << MAX_CLASSES_LOG2
+    b, at = _carve(work, 0, 2 * n)
+    symbols = b.view(np.uint16)
     if zeros.shape[0] == 0:
         nseg = (n + seg_len - 1) // seg_len
         zeros = np.zeros(nseg, dtype=np.uint8)  # (until the split finds them: raw sized for no bit dropped)
@@ -1343,15 +1376,23 @@ def encode_tans_substream(words, seg_len, W, M, zeros, classes16, costs):
     else:
         nseg = zeros.shape[0]
         mean_exponent = np.empty(0, dtype=np.float64)
-    raw = np.empty(((raw_bit_count(n, seg_len, M, zeros) + 31) >> 5) + 1, dtype=np.uint32)
+    raw_words = ((raw_bit_count(n, seg_len, M, zeros) + 31) >> 5) + 1
+    most_raw = ((n * (M - TOP_BITS + 1) + 31) >> 5) + 1
+    b, at = _carve(work, at, 4 * most_raw)
+    raw = b.view(np.uint32)[:raw_words]
     nraw = encode_kernel(words, seg_len, W, M, zeros, symbols, raw, mean_exponent)
     if mean_exponent.shape[0]:
         rank_classes(mean_exponent, classes16)
+    b, at = _carve(work, at, 8 * nclasses * alphabet)
+    hist16 = b.view(np.int64).reshape((nclasses, alphabet))
+    b, at = _carve(work, at, 32 * nclasses * alphabet)
+    part = b.view(np.int64)
     if n < PARTIAL_HISTOGRAMS_FROM:
         hist, used_syms = _used_histogram(symbols, seg_len, classes16, alphabet)
     else:
-        hist16 = np.zeros((np.int64(1) << MAX_CLASSES_LOG2, alphabet), dtype=np.int64)
-        histogram(symbols, seg_len, classes16, hist16)
+        hist16[:] = 0
+        part[:] = 0
+        _histogram_into(symbols, seg_len, classes16, hist16, part)
         hist, used_syms = _used_of(hist16)
     klog, precision, sent = _choose_used(hist, used_syms, nseg, costs, TANS_MAX_BITS, alphabet)
     K = sent.shape[0]
@@ -1370,7 +1411,8 @@ def encode_tans_substream(words, seg_len, W, M, zeros, classes16, costs):
     delta_find = np.zeros((K, alphabet), dtype=np.int32)
     states = np.zeros((K, R), dtype=np.uint16)
     tans_encode_tables(sent, precision, delta_bits, delta_find, states)
-    coded = np.empty(n * precision // 32 + 3, dtype=np.uint32)
+    b, at = _carve(work, at, 4 * (n * TANS_MAX_BITS // 32 + 3))
+    coded = b.view(np.uint32)[:n * precision // 32 + 3]
     begin, first_bit, x0, x1, x2, x3 = tans_encode(symbols, seg_len, classes, precision, delta_bits, delta_find,
                                                    states, coded)
     same = True
@@ -1378,8 +1420,8 @@ def encode_tans_substream(words, seg_len, W, M, zeros, classes16, costs):
         same = same and zeros[j] == zeros[0]
     head = 2 if nseg and same else 1 + nseg
     count = coded.shape[0] - begin
-    out = np.empty(head + 2 + (((nseg + 1) >> 1) if klog else 0) + 4 + table_bytes + 9 + 4 + 4 * count + 4 * nraw,
-                   dtype=np.uint8)
+    size = head + 2 + (((nseg + 1) >> 1) if klog else 0) + 4 + table_bytes + 9 + 4 + 4 * count + 4 * nraw
+    out, at = _carve(work, at, size)
     out[0] = 0x80 | (0 if head == 2 else 1)
     if head == 2:
         out[1] = zeros[0]
