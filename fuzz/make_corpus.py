@@ -194,8 +194,9 @@ def float_model() -> dict:
 
 def float_chunks() -> dict[str, bytes]:
     """Seeds of float_chunk: dtype:u8 count:u16 segment:u16, then a valid substream. (The corpus
-    also keeps ``*_rans.bin``, the same chunks from the version-7 writer, whose symbols went by rANS;
-    they are not rewritten here, and model_sealed's ``lossless_v7.bin`` likewise.)"""
+    also keeps ``*_rans.bin``, the same chunks from the version-7 writer, whose symbols went by rANS,
+    and ``float32_trailing_rans.bin``, float32's low-bit mode 2 from the version-8 writer; they are
+    not rewritten here, and model_sealed's ``lossless_v7.bin`` likewise.)"""
     import struct
 
     from deepcabac_py.entropy import floatcoder
@@ -206,7 +207,7 @@ def float_chunks() -> dict[str, bytes]:
         flat = a.reshape(-1)
         seg = floatcoder.segment_length(a.shape)
         out[f"{name}.bin"] = struct.pack("<BHH", code, flat.size, seg) + floatcoder.encode_chunk(flat, name, seg)
-        # low-bit mode 2 (trailing zeros by exponent), of the values rounded to one grid
+        # low-bit mode 3 (float32) or 2 (trailing zeros), of the values rounded to one grid
         grid = np.ldexp(np.round(np.ldexp(torch.as_tensor(t).double().numpy(), 30)), -30)
         g = torch.from_numpy(grid).to(t.dtype if name == "bfloat16" else torch.float64)
         flat = g.view(torch.int16).numpy().view(np.uint16) if name == "bfloat16" else grid.astype(a.dtype)
@@ -273,8 +274,13 @@ def main() -> None:
     grid = {k: np.ldexp(np.round(np.ldexp(v.astype(np.float64), 30)), -30).astype(v.dtype)
             for k, v in float_model().items() if k in ("f32", "f64")}
     trailing = dc.encode_model(grid, keep_exact=True, threads=1)
-    assert any(e.codes_trailing_zeros for e in dc.read_stream_header(trailing).tensors)  # (low-bit mode 2)
+    assert any(e.codes_trailing_zeros for e in dc.read_stream_header(trailing).tensors)  # (low-bit modes 2 and 3)
     write("model_sealed", "lossless_trailing.bin", unpack_model_stream(trailing))
+    rng = np.random.default_rng(9)  # (float32 on a grid finer than an octave: low-bit mode 3)
+    tz = dc.encode_model({"g": np.ldexp(np.round(rng.standard_normal((8, 256)) * 2.0**14), -40).astype(np.float32)},
+                         keep_exact=True, threads=1)
+    assert dc.read_stream_header(tz).version == 9
+    write("model_sealed", "lossless_tz.bin", unpack_model_stream(tz))
     total = sum(p.stat().st_size for p in CORPUS.rglob("*") if p.is_file())
     print(f"corpus: {sum(1 for p in CORPUS.rglob('*') if p.is_file())} files, {total} bytes")
 

@@ -302,6 +302,39 @@ def encode_trailing(words: list[int], dtype_name: str, seg: int) -> bytes:
             + _tables(tklog, tprecision, tsent, []) + _words(_rans(steps), raw))
 
 
+TZ_BYTE = 0x83
+TZ_BITS = 4
+TZ_CAP = 15
+
+
+def _tz_split(w: int) -> tuple[int, int, int]:
+    """(symbol with its capped trailing zeros, raw bits, raw bit count) of float32 bits in low-bit
+    mode 3."""
+    L = 23 - TOP
+    s, sym, low = w >> 31, (w >> L) & ((1 << (8 + TOP)) - 1), w & ((1 << L) - 1)
+    t = (low & -low).bit_length() - 1 if low else L
+    if t >= TZ_CAP:
+        return (sym << TZ_BITS) | TZ_CAP, s | ((low >> TZ_CAP) << 1), 1 + L - TZ_CAP
+    return (sym << TZ_BITS) | t, s | ((low >> (t + 1)) << 1), L - t
+
+
+def encode_tz(words: list[int], seg: int) -> bytes:
+    """Low-bit mode 3 of float32 bits: the trailing zeros, capped, in the tANS symbol."""
+    n = len(words)
+    parts = [_tz_split(w) for w in words]
+    means = [sum((words[i] >> 23) & 255 for i in idx) / len(idx) for _, idx in _segments(n, seg)]
+    classes16 = _classes16(means)
+    hist = np.zeros((16, 1 << (8 + TOP + TZ_BITS)), dtype=np.int64)
+    for j, idx in _segments(n, seg):
+        for i in idx:
+            hist[classes16[j], parts[i][0]] += 1
+    klog, precision, sent = choose_classes(hist, len(means), TANS_MAX_BITS)
+    classes = [c >> (4 - klog) for c in classes16]
+    raw = _packed([(r, k) for _, r, k in parts])
+    return (bytes([TZ_BYTE]) + _tables(klog, precision, sent, classes)
+            + _tans([sym for sym, _, _ in parts], seg, precision, sent, classes) + struct.pack(f"<{len(raw)}I", *raw))
+
+
 class _Parse:
     """Reads a valid substream field by field (no validation)."""
 
@@ -409,6 +442,8 @@ def decode(data: bytes, dtype_name: str, seg: int, n: int) -> list[int]:
     (mode,) = r.bytes(1)
     if mode == 2:
         return _decode_trailing(r, W, M, seg, n)
+    if mode == TZ_BYTE:
+        return _decode_tz(r, seg, n)
     tans = bool(mode & TANS_FLAG)
     mode &= ~TANS_FLAG
     zeros = list(r.bytes(1)) * nseg if mode == 0 else list(r.bytes(nseg))
@@ -454,6 +489,25 @@ def _decode_trailing(r: _Parse, W: int, M: int, seg: int, n: int) -> list[int]:
             raw = c.raw(L - t if t < L else 1)
             low = (((raw >> 1) << 1) | 1) << t if t < L else 0
             out.append(((raw & 1) << (W - 1)) | ((sym >> TOP) << M) | ((sym & ((1 << TOP) - 1)) << L) | low)
+    assert c.done()
+    return out
+
+
+def _decode_tz(r: _Parse, seg: int, n: int) -> list[int]:
+    L = 23 - TOP
+    classes, tables = r.tables(-(-n // seg))
+    sent = [[0] * (1 << (8 + TOP + TZ_BITS)) for _ in tables]
+    for row, table in zip(sent, tables):
+        for sym, (f, _) in table.items():
+            row[sym] = f >> (PROB_BITS - r.precision)
+    c = r.tans(r.precision, sent)
+    out = []
+    for i in range(n):
+        sym = c.symbol(i % LANES, classes[i // seg])
+        t = sym & TZ_CAP
+        raw = c.raw(L - t if t < TZ_CAP else 1 + L - TZ_CAP)
+        low = (raw >> 1) << TZ_CAP if t == TZ_CAP else ((raw >> 1) << (t + 1)) | (1 << t)
+        out.append(((raw & 1) << 31) | ((sym >> TZ_BITS) << L) | low)
     assert c.done()
     return out
 

@@ -594,7 +594,7 @@ def test_info_names_the_trailing_zero_mode_and_keeps_its_columns(tmp_path):
     np.savez(src, grid=grid, plain=rng.standard_normal(512).astype(np.float32))
     ok(["encode", src, "-o", stream, "--lossless", "-q"])
     header = read_stream_header(stream.read_bytes())
-    assert header.version == 8  # (tANS symbols in "plain", version 8; trailing zeros in "grid", 7)
+    assert header.version == 9  # (tANS symbols in "plain", version 8; trailing zeros in "grid", 9)
     rows = {line.split()[0]: line.split() for line in ok(["info", stream]).stdout.splitlines()[3:5]}
     for name, e in ((e.name, e) for e in header.tensors):
         assert rows[name][3] == ("float-lossless+tz" if name == "grid" else "float-lossless")

@@ -212,7 +212,7 @@ def test_empty_and_short_inputs(small_stream):
         dc.decode_model(small_stream[:PREAMBLE.size + 5])
 
 
-@pytest.mark.parametrize("version", [0, 9, 0xFFFF])
+@pytest.mark.parametrize("version", [0, 10, 0xFFFF])
 def test_unsupported_version(small_stream, version):
     data = bytearray(small_stream)
     struct.pack_into("<H", data, 8, version)

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from reference_float_coder import decode as ref_decode
 from reference_float_coder import encode as ref_encode
 from reference_float_coder import encode_trailing as ref_encode_trailing
+from reference_float_coder import encode_tz as ref_encode_tz
 
 import deepcabac_py as dc
 from deepcabac_py.entropy import floatcoder
@@ -112,9 +113,13 @@ def test_kernels_match_the_python_reference(dtype_name, seed):
     seg = floatcoder.segment_length(a.shape)
     words = [int(v) for v in a.reshape(-1).view(WORDS[dtype_name])]
     data = floatcoder.encode_chunk(a.reshape(-1), dtype_name, seg)
-    # (seed 1 zeroes low bits in part of a segment: float32 and float64 code them by mode 2)
-    assert (data[0] == 2) == (seed == 1 and dtype_name in ("float32", "float64"))
-    assert (ref_encode_trailing if data[0] == 2 else ref_encode)(words, dtype_name, seg) == data
+    # (seed 1 zeroes low bits in part of a segment: float32 codes them by mode 3, float64 by mode 2)
+    trailing = {"float32": floatcoder.TZ_BYTE, "float64": 2}.get(dtype_name) if seed == 1 else None
+    assert data[0] == trailing or trailing is None and data[0] & floatcoder.TANS_FLAG and data[0] & 0x7F in (0, 1)
+    if data[0] == floatcoder.TZ_BYTE:
+        assert ref_encode_tz(words, seg) == data
+    else:
+        assert (ref_encode_trailing if data[0] == 2 else ref_encode)(words, dtype_name, seg) == data
     assert ref_decode(data, dtype_name, seg, len(words)) == words
 
 
@@ -266,16 +271,22 @@ def _grid_weights(rng, dtype_name: str, shape) -> np.ndarray:
     return x.astype(DTYPES[dtype_name])
 
 
-@pytest.mark.parametrize("dtype_name", sorted(DTYPES))
+@pytest.mark.parametrize("dtype_name", ["bfloat16", "float16", "float32", "float32 by rANS", "float64"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_trailing_mode_matches_the_python_reference(dtype_name, seed):
+    # (float32's mode 3; its mode 2, which the version-8 writer took, as it still decodes it)
+    rans = dtype_name == "float32 by rANS"
+    dtype_name = dtype_name.split()[0]
     rng = np.random.default_rng(seed)
     shape = [(40, 30), (700,), (9, 4, 3, 3)][seed]
     a = _with_specials(_grid_weights(rng, dtype_name, shape), dtype_name, rng).reshape(-1)
     seg = floatcoder.segment_length(shape)
     words = [int(v) for v in a.view(WORDS[dtype_name])]
-    data = floatcoder.encode_trailing(a, dtype_name, seg)
-    assert data[0] == 2 and ref_encode_trailing(words, dtype_name, seg) == data
+    data = floatcoder.encode_trailing(a, dtype_name, seg, rans=rans)
+    if dtype_name == "float32" and not rans:
+        assert data[0] == floatcoder.TZ_BYTE and ref_encode_tz(words, seg) == data
+    else:
+        assert data[0] == 2 and ref_encode_trailing(words, dtype_name, seg) == data
     assert ref_decode(data, dtype_name, seg, len(words)) == words
     out = np.empty_like(a)
     floatcoder.decode_chunk(data, dtype_name, seg, out)
@@ -284,12 +295,12 @@ def test_trailing_mode_matches_the_python_reference(dtype_name, seed):
 
 @settings(max_examples=40, deadline=None)
 @given(dtype_name=st.sampled_from(sorted(DTYPES)), n=st.integers(1, 3000), seg=st.integers(1, 700),
-       seed=st.integers(0, 2**32 - 1), low_zero=st.integers(0, 60))
-def test_any_bits_roundtrip_in_the_trailing_mode(dtype_name, n, seg, seed, low_zero):
+       seed=st.integers(0, 2**32 - 1), low_zero=st.integers(0, 60), rans=st.booleans())
+def test_any_bits_roundtrip_in_the_trailing_mode(dtype_name, n, seg, seed, low_zero, rans):
     rng = np.random.default_rng(seed)
     # (low bits zero in some elements, as many as each likes up to low_zero)
     flat = _random_floats(rng, dtype_name, n, rng.integers(0, low_zero + 1, size=n))
-    data = floatcoder.encode_trailing(flat, dtype_name, seg)
+    data = floatcoder.encode_trailing(flat, dtype_name, seg, rans=rans)
     out = np.empty_like(flat)
     floatcoder.decode_chunk(data, dtype_name, seg, out)
     assert out.view(np.uint8).tobytes() == flat.view(np.uint8).tobytes()
@@ -302,18 +313,30 @@ def test_the_trailing_mode_is_taken_where_it_pays(dtype_name):
     seg = floatcoder.segment_length(grid.shape)
     chosen = floatcoder.encode_chunk(grid.reshape(-1), dtype_name, seg)
     segments = floatcoder.encode_chunk(plain.reshape(-1), dtype_name, seg)
-    assert chosen[0] == 2 and segments[0] in (floatcoder.TANS_FLAG, floatcoder.TANS_FLAG | 1)
-    assert floatcoder.revision_of([segments, chosen]) == 3 and floatcoder.revision_of([segments]) == 2
-    assert floatcoder.revision_of([chosen]) == 1
+    bit, mode = (floatcoder.TZ_REVISION, 3) if dtype_name == "float32" else (floatcoder.TRAILING_REVISION, 2)
+    assert chosen[0] == (floatcoder.TZ_BYTE if mode == 3 else 2)
+    assert segments[0] in (floatcoder.TANS_FLAG, floatcoder.TANS_FLAG | 1)
+    assert floatcoder.revision_of([segments, chosen]) == floatcoder.TANS_REVISION | bit
+    assert floatcoder.revision_of([segments]) == floatcoder.TANS_REVISION and floatcoder.revision_of([chosen]) == bit
     # (the same grid by the segments' drop alone: the per-element counts save more than a tenth)
     words = [int(v) for v in grid.reshape(-1).view(WORDS[dtype_name])]
     assert len(chosen) < 0.9 * len(ref_encode(words, dtype_name, seg))
     out = np.empty_like(grid.reshape(-1))
-    for revision in (0, floatcoder.TANS_REVISION):  # (an entry without the bit has no mode 2)
-        with pytest.raises(CorruptStreamError, match="low-bit mode 2"):
+    others = floatcoder.TRAILING_REVISION | floatcoder.TANS_REVISION | floatcoder.TZ_REVISION
+    for revision in (0, others & ~bit):  # (an entry without the bit has no mode 2 or 3)
+        with pytest.raises(CorruptStreamError, match=f"low-bit mode {mode}"):
             floatcoder.decode_chunk(chosen, dtype_name, seg, out, revision=revision)
     with pytest.raises(CorruptStreamError, match="symbols by tANS"):  # (nor tANS without its own)
-        floatcoder.decode_chunk(segments, dtype_name, seg, out, revision=floatcoder.TRAILING_REVISION)
+        floatcoder.decode_chunk(segments, dtype_name, seg, out, revision=others & ~floatcoder.TANS_REVISION)
+
+
+def test_mode_3_is_for_float32_only():
+    grid = _grid_weights(np.random.default_rng(8), "float32", (16, 256)).reshape(-1)
+    seg = floatcoder.segment_length((16, 256))
+    data = floatcoder.encode_trailing(grid, "float32", seg)
+    assert data[0] == floatcoder.TZ_BYTE
+    with pytest.raises(CorruptStreamError, match="only float32"):
+        floatcoder.decode_chunk(data, "float64", seg, np.empty(grid.shape[0], dtype=np.float64))
 
 
 def test_float32_holding_bfloat16_drops_the_zero_half():
@@ -358,26 +381,29 @@ def _flipped(data: bytes, rng) -> list[bytes]:
     return out
 
 
-@pytest.mark.parametrize("coder_param", [0, 2, 4])
+@pytest.mark.parametrize("coder_param", [0, 3, 8])
 def test_a_float_entry_that_misstates_its_revision_is_refused(coder_param):
     from deepcabac_py.model.container import pack_header
     rng = np.random.default_rng(4)
     data = dc.encode_model({"w": _grid_weights(rng, "float32", (64, 512))}, keep_exact=True, threads=1)
     h = read_header(data)
-    assert h.version == 7 and h.tensors[0].coder_param == 1
-    h.tensors[0].coder_param = coder_param  # (0 and 2: mode 2 without its bit; 4: no such bit)
+    assert h.version == 9 and h.tensors[0].coder_param == floatcoder.TZ_REVISION
+    h.tensors[0].coder_param = coder_param  # (0 and 3: mode 3 without its bit; 8: no such bit)
     bad = pack_header(h.qp, h.qp_1d, h.qp_density, h.metadata, h.tensors) + data[h.header_size:]
-    with pytest.raises(CorruptStreamError, match="coder parameter 4" if coder_param == 4 else "low-bit mode 2"):
+    with pytest.raises(CorruptStreamError, match="coder parameter 8" if coder_param == 8 else "low-bit mode 3"):
         dc.decode_model(bad)
 
 
-@pytest.mark.parametrize("trailing", [False, True])
+@pytest.mark.parametrize("trailing", [False, True, "by rANS"])
 @pytest.mark.parametrize("dtype_name", sorted(DTYPES))
 def test_damaged_substreams_are_refused_or_decode_within_bounds(dtype_name, trailing):
     rng = np.random.default_rng(5)
     a = (_grid_weights if trailing else _weights)(rng, dtype_name, (20, 64)).reshape(-1)
     seg = floatcoder.segment_length((20, 64))
-    data = (floatcoder.encode_trailing if trailing else floatcoder.encode_chunk)(a, dtype_name, seg)
+    if trailing:
+        data = floatcoder.encode_trailing(a, dtype_name, seg, rans=trailing == "by rANS")
+    else:
+        data = floatcoder.encode_chunk(a, dtype_name, seg)
     for bad in [data[:k] for k in (0, 1, 3, len(data) // 2, len(data) - 1)] + [data + b"\x00"]:
         with pytest.raises(CorruptStreamError):
             floatcoder.decode_chunk(bad, dtype_name, seg, np.empty_like(a))

@@ -4,8 +4,9 @@ values they were written with, and today's writer reproduces today's file byte f
 ``golden/series/v1.dcs`` was written by the version-1 writer (first moments in the log domain,
 second moments as ratios) and is never regenerated; ``v2.dcs`` by today's (first moments in the
 update domain, second moments as log2 ratios, weights predicted from Adam's direction), and
-``v2_lossless.dcs`` the same checkpoints bit for bit (``v2_lossless_rans.dcs`` too, from the writer
-before the float symbols went by tANS: never regenerated). Each ``.npz`` holds every entry's extracted tensors
+``v2_lossless.dcs`` the same checkpoints bit for bit (``v2_lossless_rans.dcs`` and
+``v2_lossless_v8.dcs`` too, from the writers before the float symbols went by tANS and before
+float32's trailing zeros went into the symbol: never regenerated). Each ``.npz`` holds every entry's extracted tensors
 as ``"<entry>/<name>"``. Regenerate ``v2`` only for an intended format change:
 
     DEEPCABAC_REGEN_GOLDEN=1 .venv/bin/python -m pytest -n 0 tests/test_golden_series.py
@@ -71,8 +72,8 @@ def golden_files():
         write(GOLDEN / "v2.dcs")
         np.savez_compressed(GOLDEN / "v2.npz", **extracted(GOLDEN / "v2.dcs"))
         write(GOLDEN / "v2_lossless.dcs", keep_exact=True)
-    missing = [n for n in ("v1.dcs", "v1.npz", "v2.dcs", "v2.npz", "v2_lossless.dcs", "v2_lossless_rans.dcs")
-               if not (GOLDEN / n).exists()]
+    missing = [n for n in ("v1.dcs", "v1.npz", "v2.dcs", "v2.npz", "v2_lossless.dcs", "v2_lossless_rans.dcs",
+                           "v2_lossless_v8.dcs") if not (GOLDEN / n).exists()]
     if missing:
         pytest.fail(f"golden series files missing: {missing}")
 
@@ -109,7 +110,7 @@ def test_the_golden_series_stays_close_to_its_checkpoints():
             assert ((w - v).abs() / v).max() <= 0.2
 
 
-@pytest.mark.parametrize("name", ["v2_lossless_rans.dcs", "v2_lossless.dcs"])
+@pytest.mark.parametrize("name", ["v2_lossless_rans.dcs", "v2_lossless_v8.dcs", "v2_lossless.dcs"])
 def test_a_golden_lossless_series_is_its_checkpoints_bit_for_bit(name):
     series = dc.CheckpointSeries(GOLDEN / name)
     for i, original in enumerate(series_checkpoints()):

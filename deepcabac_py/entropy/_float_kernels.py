@@ -1033,6 +1033,34 @@ def _tans_placed(entry, W, M):
 
 
 @inline
+def _peek64(words, pos):
+    """The 64 bits of the stream from bit ``pos`` (three words from the one holding it must exist)."""
+    w = _U(pos) >> _U(5)
+    off = _U(pos & 31)
+    return (((np.uint64(words[w]) | (np.uint64(words[w + _U(1)]) << _U(32))) >> off)
+            | ((np.uint64(words[w + _U(2)]) << (_U(63) - off)) << _U(1)))
+
+
+@inline
+def _tans_group(flat, base, x0, x1, x2, x3, words, pos):
+    """The four states' next symbols (a whole group: three words from the one holding bit ``pos``
+    must exist): (their entries, the new states, the new bit position)."""
+    e0, n0 = _tans_entry(flat, base, x0)
+    e1, n1 = _tans_entry(flat, base, x1)
+    e2, n2 = _tans_entry(flat, base, x2)
+    e3, n3 = _tans_entry(flat, base, x3)
+    v = _peek64(words, pos)
+    x0 = _tans_next(e0, np.int64(v & _U((1 << n0) - 1)))
+    v >>= _U(n0)
+    x1 = _tans_next(e1, np.int64(v & _U((1 << n1) - 1)))
+    v >>= _U(n1)
+    x2 = _tans_next(e2, np.int64(v & _U((1 << n2) - 1)))
+    v >>= _U(n2)
+    x3 = _tans_next(e3, np.int64(v & _U((1 << n3) - 1)))
+    return e0, e1, e2, e3, x0, x1, x2, x3, pos + n0 + n1 + n2 + n3
+
+
+@inline
 def _tans_one(form, i, x0, x1, x2, x3, pos, total, base, flat, words, out, raw, at, W, M, z, low_bits, k):
     """Element i alone: (states, bit position, OK or an error code)."""
     lane = i & 3
@@ -1065,22 +1093,7 @@ def _tans_segment(form, x0, x1, x2, x3, pos, total, lo, stop, base, flat, words,
     raw_limit = 32 * (raw.shape[0] - 1) - 4 * k
     groups_end = min(groups_end, lo + max(0, (raw_limit - bit0 + k - 1) // k))
     while i < groups_end and pos + 64 <= total:
-        e0, n0 = _tans_entry(flat, base, x0)
-        e1, n1 = _tans_entry(flat, base, x1)
-        e2, n2 = _tans_entry(flat, base, x2)
-        e3, n3 = _tans_entry(flat, base, x3)
-        w = _U(pos) >> _U(5)
-        off = _U(pos & 31)
-        v = (((np.uint64(words[w]) | (np.uint64(words[w + _U(1)]) << _U(32))) >> off)
-             | ((np.uint64(words[w + _U(2)]) << (_U(63) - off)) << _U(1)))
-        x0 = _tans_next(e0, np.int64(v & _U((1 << n0) - 1)))
-        v >>= _U(n0)
-        x1 = _tans_next(e1, np.int64(v & _U((1 << n1) - 1)))
-        v >>= _U(n1)
-        x2 = _tans_next(e2, np.int64(v & _U((1 << n2) - 1)))
-        v >>= _U(n2)
-        x3 = _tans_next(e3, np.int64(v & _U((1 << n3) - 1)))
-        pos += n0 + n1 + n2 + n3
+        e0, e1, e2, e3, x0, x1, x2, x3, pos = _tans_group(flat, base, x0, x1, x2, x3, words, pos)
         at = bit0 + (i - lo) * k
         if (form == FAST or form == LOOKUP) and k <= 16:
             # the raw bits of two elements (four, at most 8 bits each) in one read: the reads,
@@ -1206,7 +1219,10 @@ def decode_tans_substream(data, n, seg_len, W, M, out, detail):
     mode = data[0] & 0x7F
     pos = 1
     zeros = np.empty(nseg, dtype=np.uint8)
-    if mode == 0:
+    tz = mode == TZ_MODE  # (float32 only: the front checks)
+    if tz:
+        zeros[:] = 0
+    elif mode == 0:
         if pos + 1 > size:
             detail[0] = 0
             return ERR_SHORT
@@ -1253,7 +1269,7 @@ def decode_tans_substream(data, n, seg_len, W, M, out, detail):
     if pos + table_bytes > size:
         detail[0] = 5
         return ERR_SHORT
-    alphabet = np.int64(1) << (W - 1 - M + TOP_BITS)
+    alphabet = np.int64(1) << (W - 1 - M + TOP_BITS + (TZ_BITS if tz else 0))
     freq = np.zeros((np.int64(1) << klog, alphabet), dtype=np.int32)
     start = np.zeros_like(freq)
     got = read_tables(data[pos:pos + table_bytes], precision, freq, start)
@@ -1285,14 +1301,23 @@ def decode_tans_substream(data, n, seg_len, W, M, out, detail):
     if pos + 4 * count > size:
         detail[0] = 8
         return ERR_SHORT
-    nraw = (raw_bit_count(n, seg_len, M, zeros) + 31) >> 5
     raw_at = pos + 4 * count
-    if raw_at + 4 * nraw > size:
-        detail[0] = 9
-        return ERR_SHORT
-    if raw_at + 4 * nraw != size:
-        detail[0] = size - raw_at - 4 * nraw
-        return ERR_AFTER_RAW
+    if tz:  # (the raw bits' count follows from the symbols: all the words left, checked as they are read)
+        nraw = (size - raw_at) >> 2
+        if 32 * nraw < (1 + _TZ_L - TZ_CAP) * n:  # (the fewest raw bits an element has)
+            detail[0] = 9
+            return ERR_SHORT
+        if raw_at + 4 * nraw != size:
+            detail[0] = size - raw_at - 4 * nraw
+            return ERR_AFTER_RAW
+    else:
+        nraw = (raw_bit_count(n, seg_len, M, zeros) + 31) >> 5
+        if raw_at + 4 * nraw > size:
+            detail[0] = 9
+            return ERR_SHORT
+        if raw_at + 4 * nraw != size:
+            detail[0] = size - raw_at - 4 * nraw
+            return ERR_AFTER_RAW
     if n == 0:  # (no element: no bits, and the states where the encoder starts)
         return ERR_TRAILING if count else (ERR_BAD_END if x.any() or first_bit else OK)
     # the decoder reads one word past its bits, to drop it: the raw words' first (there is one, as
@@ -1302,7 +1327,9 @@ def decode_tans_substream(data, n, seg_len, W, M, out, detail):
         return ERR_BEFORE_FIRST
     raw = data[raw_at:size].view(np.uint32)
     table = np.empty((np.int64(1) << klog, R), dtype=np.uint32)
-    tans_decode_table(freq >> (PROB_BITS - precision), precision, _tans_symbol_shift(W, M), table)
+    tans_decode_table(freq >> (PROB_BITS - precision), precision, 4 if tz else _tans_symbol_shift(W, M), table)
+    if tz:
+        return decode_tz(words, first_bit, x[0], x[1], x[2], x[3], raw, seg_len, classes, precision, table, out)
     return decode_floats_tans(words, first_bit, x[0], x[1], x[2], x[3], raw, seg_len, W, M, zeros, classes, precision,
                               table, out)
 
@@ -1364,6 +1391,71 @@ def _carve(work, at, nbytes):
     return work[at:at + nbytes], at + ((nbytes + 7) & ~7)
 
 
+@inline
+def _tans_code(symbols, seg_len, classes16, klog, precision, sent, work):
+    """The symbols by tANS with the chosen tables ``sent`` (2**klog classes at ``precision``):
+    (segment classes, table bytes, their count, the first coded word, the first bit, the four final
+    states, the coded words, carved from ``work``)."""
+    nseg = classes16.shape[0]
+    K, alphabet = sent.shape[0], sent.shape[1]
+    classes = np.empty(nseg, dtype=np.uint8)
+    for j in range(nseg):
+        classes[j] = classes16[j] >> (MAX_CLASSES_LOG2 - klog)
+    used = 0
+    for c in range(K):
+        for sym in range(alphabet):
+            used += sent[c, sym] > 0
+    tables = np.zeros(8 + 4 * K + 7 * used, dtype=np.uint8)  # (gamma codes: a count, then a gap and a frequency)
+    table_bytes = write_tables(sent, tables)
+    R = np.int64(1) << precision
+    # (narrow tables: a class's states, at 2**13, then take 16 KB and stay in the L1 cache)
+    delta_bits = np.zeros((K, alphabet), dtype=np.int32)
+    delta_find = np.zeros((K, alphabet), dtype=np.int32)
+    states = np.zeros((K, R), dtype=np.uint16)
+    tans_encode_tables(sent, precision, delta_bits, delta_find, states)
+    coded = work.view(np.uint32)[:symbols.shape[0] * precision // 32 + 3]
+    begin, first_bit, x0, x1, x2, x3 = tans_encode(symbols, seg_len, classes, precision, delta_bits, delta_find,
+                                                   states, coded)
+    return classes, tables, table_bytes, begin, first_bit, (x0 - R, x1 - R, x2 - R, x3 - R), coded
+
+
+@inline
+def _tans_fields_size(klog, nseg, table_bytes, count, nraw):
+    """The bytes of a tANS substream after its head (see :func:`_put_tans_fields`)."""
+    return 2 + (((nseg + 1) >> 1) if klog else 0) + 4 + table_bytes + 9 + 4 + 4 * count + 4 * nraw
+
+
+@inline
+def _put_tans_fields(out, pos, klog, precision, classes, tables, table_bytes, first_bit, xs, coded, begin, raw, nraw):
+    """Everything of a tANS substream after its head, from ``out[pos]`` to its end: class count,
+    precision, class nibbles, tables, first bit, the decoder's initial states ``xs``, the coded words
+    from ``begin`` and the ``nraw`` raw words."""
+    nseg = classes.shape[0]
+    out[pos] = klog
+    out[pos + 1] = precision
+    pos += 2
+    if klog:
+        for j in range(0, nseg, 2):
+            hi = classes[j + 1] if j + 1 < nseg else 0
+            out[pos + (j >> 1)] = classes[j] | (hi << 4)
+        pos += (nseg + 1) >> 1
+    pos = _put_u32(out, pos, table_bytes)
+    out[pos:pos + table_bytes] = tables[:table_bytes]
+    pos += table_bytes
+    out[pos] = first_bit
+    pos += 1
+    for x in xs:
+        out[pos] = x & 0xFF
+        out[pos + 1] = x >> 8
+        pos += 2
+    count = coded.shape[0] - begin
+    pos = _put_u32(out, pos, count)
+    # (the words little-endian as they are in memory: Numba runs on little-endian machines only)
+    out[pos:pos + 4 * count].view(np.uint32)[:] = coded[begin:]
+    pos += 4 * count
+    out[pos:pos + 4 * nraw].view(np.uint32)[:] = raw[:nraw]
+
+
 @kernel
 def encode_tans_substream(words, seg_len, W, M, zeros, classes16, costs, work):
     """The whole substream of low-bit mode 0 or 1 (mode 0 where every segment drops as many low
@@ -1404,61 +1496,20 @@ def encode_tans_substream(words, seg_len, W, M, zeros, classes16, costs, work):
         _histogram_into(symbols, seg_len, classes16, hist16, part)
         hist, used_syms = _used_of(hist16)
     klog, precision, sent = _choose_used(hist, used_syms, nseg, costs, TANS_MAX_BITS, alphabet)
-    K = sent.shape[0]
-    classes = np.empty(nseg, dtype=np.uint8)
-    for j in range(nseg):
-        classes[j] = classes16[j] >> (MAX_CLASSES_LOG2 - klog)
-    used = 0
-    for c in range(K):
-        for sym in range(alphabet):
-            used += sent[c, sym] > 0
-    tables = np.zeros(8 + 4 * K + 7 * used, dtype=np.uint8)  # (gamma codes: a count, then a gap and a frequency)
-    table_bytes = write_tables(sent, tables)
-    R = np.int64(1) << precision
-    # (narrow tables: a class's states, at 2**13, then take 16 KB and stay in the L1 cache)
-    delta_bits = np.zeros((K, alphabet), dtype=np.int32)
-    delta_find = np.zeros((K, alphabet), dtype=np.int32)
-    states = np.zeros((K, R), dtype=np.uint16)
-    tans_encode_tables(sent, precision, delta_bits, delta_find, states)
     b, at = _carve(work, at, parts[4])
-    coded = b.view(np.uint32)[:n * precision // 32 + 3]
-    begin, first_bit, x0, x1, x2, x3 = tans_encode(symbols, seg_len, classes, precision, delta_bits, delta_find,
-                                                   states, coded)
+    classes, tables, table_bytes, begin, first_bit, xs, coded = _tans_code(symbols, seg_len, classes16, klog, precision,
+                                                                           sent, b)
     same = True
     for j in range(1, nseg):
         same = same and zeros[j] == zeros[0]
     head = 2 if nseg and same else 1 + nseg
-    count = coded.shape[0] - begin
-    size = head + 2 + (((nseg + 1) >> 1) if klog else 0) + 4 + table_bytes + 9 + 4 + 4 * count + 4 * nraw
-    out, at = _carve(work, at, size)
+    out, at = _carve(work, at, head + _tans_fields_size(klog, nseg, table_bytes, coded.shape[0] - begin, nraw))
     out[0] = 0x80 | (0 if head == 2 else 1)
     if head == 2:
         out[1] = zeros[0]
     else:
         out[1:head] = zeros
-    pos = head
-    out[pos] = klog
-    out[pos + 1] = precision
-    pos += 2
-    if klog:
-        for j in range(0, nseg, 2):
-            hi = classes[j + 1] if j + 1 < nseg else 0
-            out[pos + (j >> 1)] = classes[j] | (hi << 4)
-        pos += (nseg + 1) >> 1
-    pos = _put_u32(out, pos, table_bytes)
-    out[pos:pos + table_bytes] = tables[:table_bytes]
-    pos += table_bytes
-    out[pos] = first_bit
-    pos += 1
-    for x in (x0, x1, x2, x3):
-        out[pos] = (x - R) & 0xFF
-        out[pos + 1] = (x - R) >> 8
-        pos += 2
-    pos = _put_u32(out, pos, count)
-    # (the words little-endian as they are in memory: Numba runs on little-endian machines only)
-    out[pos:pos + 4 * count].view(np.uint32)[:] = coded[begin:]
-    pos += 4 * count
-    out[pos:pos + 4 * nraw].view(np.uint32)[:] = raw[:nraw]
+    _put_tans_fields(out, head, klog, precision, classes, tables, table_bytes, first_bit, xs, coded, begin, raw, nraw)
     return out
 
 
@@ -1507,24 +1558,45 @@ def _trailing_context(sym, e_top, shift):
 
 
 @kernel
-def trailing_estimate(words, W, M, seg_len, zeros, hist, dropped):
-    """On a sample of ``words`` (blocks of 256, one in 16): hist[context, tz] with the contexts
-    counted from the sample's top exponent, and dropped[0] = the low bits the segments' ``zeros``
-    drop from the sampled elements; returns the sample's top exponent. What the writer judges the
-    mode's worth by before it codes a chunk both ways."""
+def trailing_promise(words, W, M, seg_len, zeros):
+    """The share of the chunk low-bit mode 2 or 3 promises to save, judged on a sample of ``words``
+    (blocks of 256, one in 16): by the trailing zeros' entropy per context (counted from the
+    sample's top exponent) and their tables, the chunk as the low bits the segments' ``zeros`` leave
+    and six bits for sign and symbol. What the writer judges the modes' worth by before it codes a
+    chunk both ways (one kernel: in numpy, its dozen small steps cost more than the sample, chunk
+    after chunk of a model's small tensors)."""
     n = words.shape[0]
     L = M - TOP_BITS
     e_top = 0
     for b in range(0, n, 4096):
         for i in range(b, min(n, b + 256)):
             e_top = max(e_top, np.int64((np.uint64(words[_U(i)]) >> np.uint64(M)) & np.uint64((1 << (W - 1 - M)) - 1)))
-    dropped[0] = 0
+    hist = np.zeros((TRAILING_CONTEXTS, L + 1), dtype=np.int64)
+    dropped = 0
     for b in range(0, n, 4096):
         for i in range(b, min(n, b + 256)):
             sym, t, _, _ = _trailing_parts(np.uint64(words[_U(i)]), W, M)
             hist[_trailing_context(sym, e_top, 0), t] += 1
-            dropped[0] += min(L, np.int64(zeros[i // seg_len]))
-    return e_top
+            dropped += min(L, np.int64(zeros[i // seg_len]))
+    count = 0
+    explicit = 0.0
+    entropy = 0.0
+    cells = 0  # (about 12 bits each for the tables: a per-chunk cost, scaled to the sample)
+    for c in range(TRAILING_CONTEXTS):
+        row = 0
+        for t in range(L + 1):
+            row += hist[c, t]
+        count += row
+        for t in range(L + 1):
+            h = hist[c, t]
+            if h:
+                cells += 1
+                explicit += h * max(L - t - 1, 0)
+                entropy -= h * np.log2(h / row)
+    if count == 0:
+        return 0.0
+    left = count * L - dropped
+    return (left - (explicit + entropy) - 12 * cells * count / n) / (left + 6 * count)
 
 
 @kernel
@@ -1712,6 +1784,189 @@ def decode_trailing(rans, raw, seg_len, W, M, classes, up, lut_step, lut_sym, e_
     if (at + 31) >> 5 != nw or (at & 31 and raw[nw - 1] >> np.uint32(at & 31)):
         return ERR_TRAILING
     return _final_status(x0, x1, x2, x3, p, end)
+
+
+# --- low-bit mode 3: trailing zeros in the symbol, by tANS (float32) ------------------------------
+# Mode 2's two symbols per element on four rANS states decode at about 8 ns per element: each
+# state's chain runs through two table loads and two multiplications an element. Mode 3 puts the
+# trailing zeros, capped at TZ_CAP, below the symbol (alphabet 2**14 for float32): one tANS symbol
+# per element, whose table also learns how the zeros depend on the exponent's top mantissa bits and
+# the segment's class. Its raw bits are the sign, then the low bits above the lowest set one (that
+# one implied), or, from TZ_CAP zeros on, the low bits from bit TZ_CAP up. Float64's symbol would not
+# fit a decoding entry with its trailing zeros: it keeps mode 2.
+
+TZ_MODE = 3
+TZ_BITS = 4
+TZ_CAP = (1 << TZ_BITS) - 1
+_TZ_L = 23 - TOP_BITS  # (float32's low bits)
+
+
+@inline
+def _tz_parts(w):
+    """(symbol with its capped trailing zeros, raw bits, raw bit count) of the float32 bits ``w``
+    (uint64) in low-bit mode 3."""
+    low = w & np.uint64((1 << _TZ_L) - 1)
+    c = min(_ctz(low | np.uint64(1 << _TZ_L)), TZ_CAP)
+    capped = np.int64(c == TZ_CAP)  # (then the low bits from TZ_CAP up, zeros among them as they come)
+    sym = np.int64(w >> np.uint64(_TZ_L)) & ((1 << (8 + TOP_BITS)) - 1)
+    return ((sym << TZ_BITS) | c, (w >> np.uint64(31)) | ((low >> np.uint64(c + 1 - capped)) << np.uint64(1)),
+            _TZ_L - c + capped)
+
+
+@inline
+def _tz_bits(entry, v):
+    """The float32 bits of a mode 3 element from its decoding entry (symbol from bit 4) and its raw
+    bits ``v``."""
+    c = (entry >> np.uint64(4)) & np.uint64(TZ_CAP)
+    some = np.uint64(c < np.uint64(TZ_CAP))
+    low = ((v >> np.uint64(1)) << (c + some)) | (some << c)
+    sym = (entry >> np.uint64(4 + TZ_BITS)) & np.uint64((1 << (8 + TOP_BITS)) - 1)
+    return ((v & np.uint64(1)) << np.uint64(31)) | (sym << np.uint64(_TZ_L)) | low
+
+
+@inline
+def _tz_raw_count(entry):
+    """The raw bits of a mode 3 element with this decoding entry: 1 + L - t - 1 below the cap, else
+    1 + L - TZ_CAP."""
+    c = np.int64((entry >> np.uint32(4)) & np.uint32(TZ_CAP))
+    return _TZ_L - c + np.int64(c == TZ_CAP)
+
+
+@kernel
+def tz_split(words, symbols, raw_out):
+    """Each float32 element's mode 3 symbol and raw bits (packed LSB first into ``raw_out``, one
+    word per element and one more); returns the raw words."""
+    acc = np.uint64(0)
+    nacc = 0
+    nraw = 0
+    for i in range(words.shape[0]):
+        sym, raw, k = _tz_parts(np.uint64(words[_U(i)]))
+        symbols[_U(i)] = sym
+        # (k <= 22: one word at most to store, stored every time and kept when full: the counts vary
+        # from element to element, so a branch on them would be mispredicted often)
+        acc |= raw << np.uint64(nacc)
+        nacc += k
+        raw_out[_U(nraw)] = np.uint32(acc & np.uint64(0xFFFFFFFF))
+        full = np.int64(nacc >= 32)
+        nraw += full
+        acc >>= np.uint64(32 * full)
+        nacc -= 32 * full
+    if nacc > 0:
+        raw_out[_U(nraw)] = np.uint32(acc & np.uint64(0xFFFFFFFF))
+        nraw += 1
+    return nraw
+
+
+@inline
+def _tz_work_parts(n, seg_len):
+    """The bytes of each array :func:`encode_tz_substream` carves from its work memory: symbols, raw
+    words, coded words (at the largest precision) and the substream (bounded by the largest tables)."""
+    nseg = (n + seg_len - 1) // seg_len
+    raw_words = ((n * (_TZ_L + 1) + 31) >> 5) + 1
+    coded_words = n * TANS_MAX_BITS // 32 + 3
+    used = min(n, np.int64(1) << (8 + TOP_BITS + TZ_BITS))
+    classes = np.int64(1) << MAX_CLASSES_LOG2
+    tables = 8 + 4 * classes + 7 * classes * used
+    return 2 * n, 4 * raw_words, 4 * coded_words, 1 + _tans_fields_size(1, nseg, tables, coded_words, raw_words)
+
+
+@kernel
+def tz_work_bytes(n, seg_len):
+    """The bytes of work memory :func:`encode_tz_substream` takes for ``n`` elements."""
+    total = 0
+    for nbytes in _tz_work_parts(n, seg_len):
+        total += (nbytes + 7) & ~7
+    return total
+
+
+@kernel
+def encode_tz_substream(words, seg_len, classes16, costs, work):
+    """The whole substream of low-bit mode 3 of the float32 bits ``words`` (``classes16``: each
+    segment's class of 16, as :func:`segment_classes` finds them), as bytes, a view into ``work``
+    (uint8, :func:`tz_work_bytes` of them): what :func:`decode_tans_substream` reads."""
+    n = words.shape[0]
+    nseg = classes16.shape[0]
+    parts = _tz_work_parts(n, seg_len)
+    b, at = _carve(work, 0, parts[0])
+    symbols = b.view(np.uint16)
+    b, at = _carve(work, at, parts[1])
+    raw = b.view(np.uint32)
+    nraw = tz_split(words, symbols, raw)
+    alphabet = np.int64(1) << (8 + TOP_BITS + TZ_BITS)
+    # (the used symbols' counts only: whole-alphabet histograms of 2**14 symbols cost more to clear
+    # and add up than a chunk's elements)
+    hist, used_syms = _used_histogram(symbols, seg_len, classes16, alphabet)
+    klog, precision, sent = _choose_used(hist, used_syms, nseg, costs, TANS_MAX_BITS, alphabet)
+    b, at = _carve(work, at, parts[2])
+    classes, tables, table_bytes, begin, first_bit, xs, coded = _tans_code(symbols, seg_len, classes16, klog, precision,
+                                                                           sent, b)
+    out, at = _carve(work, at, 1 + _tans_fields_size(klog, nseg, table_bytes, coded.shape[0] - begin, nraw))
+    out[0] = 0x80 | TZ_MODE
+    _put_tans_fields(out, 1, klog, precision, classes, tables, table_bytes, first_bit, xs, coded, begin, raw, nraw)
+    return out
+
+
+@inline
+def _tz_one(i, x0, x1, x2, x3, pos, total, base, flat, words, out, raw, at, nw):
+    """Element i of mode 3 alone: (states, bit position, raw bit position, OK or an error code)."""
+    lane = i & 3
+    e, nb = _tans_entry(flat, base, _lane_state(lane, x0, x1, x2, x3))
+    if pos + nb > total:
+        return x0, x1, x2, x3, pos, at, ERR_OVERRUN
+    x = _tans_next(e, _raw_at(words, pos, nb))
+    x0, x1, x2, x3 = _with_lane(lane, x, x0, x1, x2, x3)
+    k = _tz_raw_count(e)
+    if at + k > 32 * nw:
+        return x0, x1, x2, x3, pos, at, ERR_OVERRUN
+    out[_U(i)] = _tz_bits(np.uint64(e), np.uint64(_raw_at(raw, at, k)))
+    return x0, x1, x2, x3, pos + nb, at + k, OK
+
+
+@kernel
+def decode_tz(words, first_bit, x0, x1, x2, x3, raw, seg_len, classes, precision, table, out):
+    """Rebuild ``out`` (the float32 bits) from a mode 3 substream's tANS bits (as
+    :func:`decode_floats_tans` takes them) and raw words (all of them: their count follows from the
+    decoded symbols, so every read is checked against it); OK or an error code."""
+    n = out.shape[0]
+    R = np.int64(1) << precision
+    total = 32 * (words.shape[0] - 1)
+    nw = raw.shape[0]
+    flat = table.ravel()
+    pos = np.int64(first_bit)
+    at = 0
+    for j in range(classes.shape[0]):
+        lo = j * seg_len
+        stop = min(n, lo + seg_len)
+        base = _U(classes[j]) * _U(R)
+        i = lo
+        while i < stop and i & 3:  # (up to the first whole group)
+            x0, x1, x2, x3, pos, at, err = _tz_one(i, x0, x1, x2, x3, pos, total, base, flat, words, out, raw, at, nw)
+            if err != OK:
+                return err
+            i += 1
+        # whole groups while three words are left to read (at most 52 bits a group) and the group's
+        # raw bits (at most 88) and the word after them are there
+        while i + 4 <= stop and pos + 64 <= total and at + 160 <= 32 * nw:
+            e0, e1, e2, e3, x0, x1, x2, x3, pos = _tans_group(flat, base, x0, x1, x2, x3, words, pos)
+            k0, k1, k2, k3 = _tz_raw_count(e0), _tz_raw_count(e1), _tz_raw_count(e2), _tz_raw_count(e3)
+            out[_U(i)] = _tz_bits(np.uint64(e0), np.uint64(_raw_near(raw, at, k0)))
+            out[_U(i + 1)] = _tz_bits(np.uint64(e1), np.uint64(_raw_near(raw, at + k0, k1)))
+            out[_U(i + 2)] = _tz_bits(np.uint64(e2), np.uint64(_raw_near(raw, at + k0 + k1, k2)))
+            out[_U(i + 3)] = _tz_bits(np.uint64(e3), np.uint64(_raw_near(raw, at + k0 + k1 + k2, k3)))
+            at += k0 + k1 + k2 + k3
+            i += 4
+        while i < stop:  # (the segment's last elements, or the streams' last bits)
+            x0, x1, x2, x3, pos, at, err = _tz_one(i, x0, x1, x2, x3, pos, total, base, flat, words, out, raw, at, nw)
+            if err != OK:
+                return err
+            i += 1
+    if x0 or x1 or x2 or x3:
+        return ERR_BAD_END
+    if pos != total:
+        return ERR_TRAILING
+    if (at + 31) >> 5 != nw or (at & 31 and raw[nw - 1] >> np.uint32(at & 31)):
+        return ERR_TRAILING
+    return OK
 
 
 # --- integers by magnitude class (Mode.MAGNITUDE) ------------------------------------------------

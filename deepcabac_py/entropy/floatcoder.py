@@ -33,14 +33,16 @@ MAX_CLASSES = 1 << _k.MAX_CLASSES_LOG2
 # A FLOAT entry's coder parameter says what its substreams use beyond format version 6
 # (docs/format.md §4.4), bit by bit: TRAILING_REVISION where one of them takes low-bit mode 2
 # (trailing zeros by exponent, version 7), TANS_REVISION where one codes its symbols by tANS
-# (version 8).
+# (version 8), TZ_REVISION where one takes low-bit mode 3 (trailing zeros in the symbol, version 9).
 TRAILING_REVISION = 1
 TANS_REVISION = 2
-REVISIONS = (0, TRAILING_REVISION, TANS_REVISION, TRAILING_REVISION | TANS_REVISION)
-TRAILING_MODE = 2  # the substream's low-bit mode byte for the trailing zeros by exponent
+TZ_REVISION = 4
+REVISIONS = tuple(range(8))  # (any combination of the three)
+TRAILING_MODE = 2  # the substream's low-bit mode byte for the trailing zeros by exponent (rANS)
 TANS_FLAG = 0x80  # in the mode byte of low-bit modes 0 and 1: the symbols by tANS, not rANS
-TRAILING_GAIN = 0.01  # mode 2 must save this share of the chunk (and a sample promise it first)
-TRAILING_SURE = 4  # a promise this many times the gain takes mode 2 untried against the segments' drop
+TZ_BYTE = TANS_FLAG | _k.TZ_MODE  # low-bit mode 3's byte: the trailing zeros in the symbol, by tANS
+TRAILING_GAIN = 0.01  # mode 2 or 3 must save this share of the chunk (and a sample promise it first)
+TRAILING_SURE = 4  # a promise this many times the gain takes mode 2 or 3 untried against the segments' drop
 # Mode 2 decodes two symbols per element: the trailing zeros' tables are kept at 2**10 slots, whose
 # lookup table stays in the cache, for 0.01% more bytes than 2**14 (EfficientNet-Lite0 float32)
 TRAILING_TABLE_BITS = 10
@@ -179,45 +181,35 @@ def encode_chunk(values: np.ndarray, dtype_name: str, seg_len: int) -> bytes:
         none = np.empty(0, dtype=np.uint8)
         return _tans_substream(words, seg_len, W, M, none, none)
     zeros, classes16 = _segment_classes(words, W, M, seg_len)
-    promise = _trailing_promise(words, W, M, seg_len, zeros)
+    promise = _k.trailing_promise(words, W, M, seg_len, zeros)
+    trailing = _tz_substream if W == 32 else _encode_trailing
     if promise >= TRAILING_SURE * TRAILING_GAIN:
-        return _encode_trailing(words, W, M, seg_len, classes16)
+        return trailing(words, W, M, seg_len, classes16)
     data = _tans_substream(words, seg_len, W, M, zeros, classes16)
     if promise >= TRAILING_GAIN:
-        # (mode 2 decodes at about half the speed: a small saving does not pay for that)
-        trailing = _encode_trailing(words, W, M, seg_len, classes16)
-        if len(trailing) <= (1 - TRAILING_GAIN) * len(data):
-            return trailing
+        # (mode 2 decodes at about a quarter of the speed: a small saving does not pay for that)
+        other = trailing(words, W, M, seg_len, classes16)
+        if len(other) <= (1 - TRAILING_GAIN) * len(data):
+            return other
     return data
 
 
-def _trailing_promise(words: np.ndarray, W: int, M: int, seg_len: int, zeros: np.ndarray) -> float:
-    """The share of the chunk low-bit mode 2 promises to save, judged on a sample: by the trailing
-    zeros' entropy per context and their tables, the chunk as the low bits the segments' drop
-    leaves and six bits for sign and symbol."""
-    L = M - _k.TOP_BITS
-    hist = np.zeros((_k.TRAILING_CONTEXTS, L + 1), dtype=np.int64)
-    dropped = np.zeros(1, dtype=np.int64)
-    _k.trailing_estimate(words, W, M, seg_len, zeros, hist, dropped)
-    count = int(hist.sum())
-    if not count:
-        return 0.0
-    t = np.arange(L + 1)
-    explicit = float((hist * np.where(t < L, L - t - 1, 0)).sum())
-    rows = hist.sum(axis=1, keepdims=True)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        entropy = -np.nansum(hist * np.log2(hist / rows))
-    left = count * L - int(dropped[0])
-    table_bits = 12 * np.count_nonzero(hist)  # (the second tables, about: a per-chunk cost, scaled to the sample)
-    return float(left - (explicit + entropy) - table_bits * count / words.shape[0]) / (left + 6 * count)
+def _tz_substream(words: np.ndarray, W: int, M: int, seg_len: int, classes16: np.ndarray) -> bytes:
+    """Low-bit mode 3 (float32)."""
+    work = _WORK.take(_k.tz_work_bytes(words.shape[0], seg_len))
+    return _k.encode_tz_substream(words, seg_len, classes16, _COSTS, work).tobytes()
 
 
-def encode_trailing(values: np.ndarray, dtype_name: str, seg_len: int) -> bytes:
-    """The substream of ``values`` (as :func:`encode_chunk` takes them) in low-bit mode 2: trailing
-    zeros by exponent. encode_chunk takes it for float32 and float64 where it is smaller."""
+def encode_trailing(values: np.ndarray, dtype_name: str, seg_len: int, rans: bool = False) -> bytes:
+    """The substream of ``values`` (as :func:`encode_chunk` takes them) with their trailing zeros
+    coded: low-bit mode 3 for float32, mode 2 for float64, or with ``rans`` mode 2 for float32 too
+    (as the version-8 writer wrote it). encode_chunk takes it where it is smaller."""
     W, M = FORMATS[dtype_name]
     words = _words(values, dtype_name)
-    return _encode_trailing(words, W, M, seg_len, _segment_classes(words, W, M, seg_len)[1])
+    classes16 = _segment_classes(words, W, M, seg_len)[1]
+    if W == 32 and not rans:
+        return _tz_substream(words, W, M, seg_len, classes16)
+    return _encode_trailing(words, W, M, seg_len, classes16)
 
 
 def _segment_classes(words: np.ndarray, W: int, M: int, seg_len: int) -> tuple[np.ndarray, np.ndarray]:
@@ -256,7 +248,8 @@ def revision_of(substreams: list[bytes]) -> int:
     """The coder parameter of a FLOAT entry with these substreams: what they use, bit by bit."""
     modes = {data[0] for data in substreams if data}
     return ((TRAILING_REVISION if TRAILING_MODE in modes else 0)
-            | (TANS_REVISION if any(m & TANS_FLAG for m in modes) else 0))
+            | (TANS_REVISION if modes & {TANS_FLAG, TANS_FLAG | 1} else 0)
+            | (TZ_REVISION if TZ_BYTE in modes else 0))
 
 
 _LITTLE_ENDIAN = sys.byteorder == "little"  # (elsewhere the words are copied into the native order)
@@ -365,7 +358,7 @@ class _Reader:
 
 
 def decode_chunk(data, dtype_name: str, seg_len: int, out: np.ndarray, where: str = "substream",
-                 revision: int = TRAILING_REVISION | TANS_REVISION) -> None:
+                 revision: int = TRAILING_REVISION | TANS_REVISION | TZ_REVISION) -> None:
     """Decode a substream of :func:`encode_chunk` into ``out`` (the flat carrier of ``len(out)``
     elements: float16/32/64, or uint16 for bfloat16) of an entry of ``revision``. CorruptStreamError
     says what is wrong."""
@@ -378,9 +371,12 @@ def decode_chunk(data, dtype_name: str, seg_len: int, out: np.ndarray, where: st
     if byte == TRAILING_MODE and revision & TRAILING_REVISION:
         _decode_trailing(r, W, M, n, seg_len, words)
         return
-    tans = bool(byte & TANS_FLAG) and bool(revision & TANS_REVISION)
+    if byte == TZ_BYTE and revision & TZ_REVISION and W != 32:
+        raise CorruptStreamError(f"{where}: low-bit mode 3 (trailing zeros in the symbol) in a {dtype_name} tensor, "
+                                 f"which only float32 takes")
+    tans = bool(byte & TANS_FLAG) and bool(revision & (TZ_REVISION if byte == TZ_BYTE else TANS_REVISION))
     mode = byte & ~TANS_FLAG if tans else byte
-    if mode not in (0, 1):
+    if mode not in ((0, 1, _k.TZ_MODE) if tans else (0, 1)):
         raise CorruptStreamError(f"{where}: a mode byte of {byte:#04x}, unknown to an entry of coder parameter "
                                  f"{revision} (low-bit mode {byte & ~TANS_FLAG}"
                                  f"{', symbols by tANS' if byte & TANS_FLAG else ''})")

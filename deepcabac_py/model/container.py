@@ -49,10 +49,12 @@ MAGIC = STREAM_MAGIC
 # the lowest version that describes its stream, so streams without them stay readable by older
 # readers; version 5 Mode.FLOAT (lossless float coding), version 6 Mode.MAGNITUDE, version 7 FLOAT
 # substreams with the trailing zeros by exponent, version 8 FLOAT substreams with their symbols by
-# tANS (each said by a bit of the entry's coder parameter). This reader reads all eight.
-FORMAT_VERSION = 8
-READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8)
-REVISION_VERSIONS = ((floatcoder.TANS_REVISION, 8), (floatcoder.TRAILING_REVISION, 7))  # FLOAT coder parameter bits
+# tANS, version 9 float32 FLOAT substreams with their trailing zeros in the symbol (low-bit mode 3;
+# each said by a bit of the entry's coder parameter). This reader reads all nine.
+FORMAT_VERSION = 9
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9)
+REVISION_VERSIONS = ((floatcoder.TZ_REVISION, 9), (floatcoder.TANS_REVISION, 8),
+                     (floatcoder.TRAILING_REVISION, 7))  # FLOAT coder parameter bits
 SWITCHES_VERSION = 3  # LINEAR_BIT and NO_COLUMNS_BIT
 PREAMBLE = struct.Struct("<8sHHI")
 HEADER_DEFLATE_LEVEL = 6  # (any level inflates; the writer's is fixed, for the same bytes from the same input)
@@ -158,8 +160,9 @@ class TensorEntry:
 
     @property
     def codes_trailing_zeros(self) -> bool:
-        """A FLOAT entry whose substreams may code their trailing zeros by exponent."""
-        return self.mode == Mode.FLOAT and bool(self.coder_param & floatcoder.TRAILING_REVISION)
+        """A FLOAT entry whose substreams may code their trailing zeros (low-bit modes 2 and 3)."""
+        return self.mode == Mode.FLOAT and bool(self.coder_param
+                                                & (floatcoder.TRAILING_REVISION | floatcoder.TZ_REVISION))
 
     @property
     def min_version(self) -> int:
