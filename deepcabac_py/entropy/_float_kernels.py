@@ -1814,22 +1814,34 @@ def _tz_parts(w):
 
 
 @inline
-def _tz_bits(entry, v):
-    """The float32 bits of a mode 3 element from its decoding entry (symbol from bit 4) and its raw
-    bits ``v``."""
-    c = (entry >> np.uint64(4)) & np.uint64(TZ_CAP)
-    some = np.uint64(c < np.uint64(TZ_CAP))
-    low = ((v >> np.uint64(1)) << (c + some)) | (some << c)
-    sym = (entry >> np.uint64(4 + TZ_BITS)) & np.uint64((1 << (8 + TOP_BITS)) - 1)
-    return ((v & np.uint64(1)) << np.uint64(31)) | (sym << np.uint64(_TZ_L)) | low
+def _tz_tables():
+    """Per capped count c (0 to TZ_CAP), what the decoder looks up instead of working it out per
+    element (scratch: 3.46 -> 2.98 ns per element on EfficientNet's conv_head): the raw bit count,
+    the shift of the raw bits above the sign, and the implied lowest set bit (none at the cap)."""
+    count = np.empty(TZ_CAP + 1, dtype=np.int64)
+    shift = np.empty(TZ_CAP + 1, dtype=np.uint64)
+    implied = np.empty(TZ_CAP + 1, dtype=np.uint64)
+    for c in range(TZ_CAP + 1):
+        some = np.int64(c < TZ_CAP)
+        count[c] = _TZ_L - c + 1 - some
+        shift[c] = c + some
+        implied[c] = np.uint64(some) << np.uint64(c)
+    return count, shift, implied
 
 
 @inline
-def _tz_raw_count(entry):
-    """The raw bits of a mode 3 element with this decoding entry: 1 + L - t - 1 below the cap, else
-    1 + L - TZ_CAP."""
-    c = np.int64((entry >> np.uint32(4)) & np.uint32(TZ_CAP))
-    return _TZ_L - c + np.int64(c == TZ_CAP)
+def _tz_count(entry):
+    """The capped trailing-zero count of a mode 3 decoding entry (its symbol from bit 4)."""
+    return (entry >> np.uint32(4)) & np.uint32(TZ_CAP)
+
+
+@inline
+def _tz_float(entry, c, v, shift, implied):
+    """The float32 bits of a mode 3 element from its decoding entry, its count ``c`` and its raw
+    bits ``v``. (The entry's next-state base, shifted past bit 31, is dropped by the uint32 store.)"""
+    v = np.uint64(v)
+    return (((v & np.uint64(1)) << np.uint64(31)) | ((np.uint64(entry) >> np.uint64(4 + TZ_BITS)) << np.uint64(_TZ_L))
+            | ((v >> np.uint64(1)) << shift[c]) | implied[c])
 
 
 @kernel
@@ -1907,18 +1919,20 @@ def encode_tz_substream(words, seg_len, classes16, costs, work):
 
 
 @inline
-def _tz_one(i, x0, x1, x2, x3, pos, total, base, flat, words, out, raw, at, nw):
-    """Element i of mode 3 alone: (states, bit position, raw bit position, OK or an error code)."""
+def _tz_one(i, x0, x1, x2, x3, pos, total, base, flat, words, out, raw, at, nw, tz):
+    """Element i of mode 3 alone (``tz``: :func:`_tz_tables`): (states, bit position, raw bit
+    position, OK or an error code)."""
     lane = i & 3
     e, nb = _tans_entry(flat, base, _lane_state(lane, x0, x1, x2, x3))
     if pos + nb > total:
         return x0, x1, x2, x3, pos, at, ERR_OVERRUN
     x = _tans_next(e, _raw_at(words, pos, nb))
     x0, x1, x2, x3 = _with_lane(lane, x, x0, x1, x2, x3)
-    k = _tz_raw_count(e)
+    c = _tz_count(e)
+    k = tz[0][c]
     if at + k > 32 * nw:
         return x0, x1, x2, x3, pos, at, ERR_OVERRUN
-    out[_U(i)] = _tz_bits(np.uint64(e), np.uint64(_raw_at(raw, at, k)))
+    out[_U(i)] = _tz_float(e, c, _raw_at(raw, at, k), tz[1], tz[2])
     return x0, x1, x2, x3, pos + nb, at + k, OK
 
 
@@ -1934,13 +1948,16 @@ def decode_tz(words, first_bit, x0, x1, x2, x3, raw, seg_len, classes, precision
     flat = table.ravel()
     pos = np.int64(first_bit)
     at = 0
+    tz = _tz_tables()
+    count, shift, implied = tz
     for j in range(classes.shape[0]):
         lo = j * seg_len
         stop = min(n, lo + seg_len)
         base = _U(classes[j]) * _U(R)
         i = lo
         while i < stop and i & 3:  # (up to the first whole group)
-            x0, x1, x2, x3, pos, at, err = _tz_one(i, x0, x1, x2, x3, pos, total, base, flat, words, out, raw, at, nw)
+            x0, x1, x2, x3, pos, at, err = _tz_one(i, x0, x1, x2, x3, pos, total, base, flat, words, out, raw, at, nw,
+                                                   tz)
             if err != OK:
                 return err
             i += 1
@@ -1948,15 +1965,17 @@ def decode_tz(words, first_bit, x0, x1, x2, x3, raw, seg_len, classes, precision
         # raw bits (at most 88) and the word after them are there
         while i + 4 <= stop and pos + 64 <= total and at + 160 <= 32 * nw:
             e0, e1, e2, e3, x0, x1, x2, x3, pos = _tans_group(flat, base, x0, x1, x2, x3, words, pos)
-            k0, k1, k2, k3 = _tz_raw_count(e0), _tz_raw_count(e1), _tz_raw_count(e2), _tz_raw_count(e3)
-            out[_U(i)] = _tz_bits(np.uint64(e0), np.uint64(_raw_near(raw, at, k0)))
-            out[_U(i + 1)] = _tz_bits(np.uint64(e1), np.uint64(_raw_near(raw, at + k0, k1)))
-            out[_U(i + 2)] = _tz_bits(np.uint64(e2), np.uint64(_raw_near(raw, at + k0 + k1, k2)))
-            out[_U(i + 3)] = _tz_bits(np.uint64(e3), np.uint64(_raw_near(raw, at + k0 + k1 + k2, k3)))
+            c0, c1, c2, c3 = _tz_count(e0), _tz_count(e1), _tz_count(e2), _tz_count(e3)
+            k0, k1, k2, k3 = count[c0], count[c1], count[c2], count[c3]
+            out[_U(i)] = _tz_float(e0, c0, _raw_near(raw, at, k0), shift, implied)
+            out[_U(i + 1)] = _tz_float(e1, c1, _raw_near(raw, at + k0, k1), shift, implied)
+            out[_U(i + 2)] = _tz_float(e2, c2, _raw_near(raw, at + k0 + k1, k2), shift, implied)
+            out[_U(i + 3)] = _tz_float(e3, c3, _raw_near(raw, at + k0 + k1 + k2, k3), shift, implied)
             at += k0 + k1 + k2 + k3
             i += 4
         while i < stop:  # (the segment's last elements, or the streams' last bits)
-            x0, x1, x2, x3, pos, at, err = _tz_one(i, x0, x1, x2, x3, pos, total, base, flat, words, out, raw, at, nw)
+            x0, x1, x2, x3, pos, at, err = _tz_one(i, x0, x1, x2, x3, pos, total, base, flat, words, out, raw, at, nw,
+                                                   tz)
             if err != OK:
                 return err
             i += 1
