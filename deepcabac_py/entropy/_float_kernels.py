@@ -155,6 +155,15 @@ def _append_raw(bits, k, acc, nacc, nraw, raw_out):
 
 
 @inline
+def _last_raw_word(acc, nacc, nraw, raw_out):
+    """Store the pending ``nacc`` bits of ``acc``, if any, as the last raw word: the raw word count."""
+    if nacc > 0:
+        raw_out[_U(nraw)] = np.uint32(acc & np.uint64(0xFFFFFFFF))
+        nraw += 1
+    return nraw
+
+
+@inline
 def _encode_grouped(words, lo, stop, W, M, z, k, symbols, raw_out, acc, nacc, nraw):
     """encode_kernel's segment [lo, stop) of k <= 16 raw bits an element: those of two or four
     elements are put together before they join the words, so the accumulator's chain, the limit
@@ -247,10 +256,7 @@ def encode_kernel(words, seg_len, W, M, zeros, symbols, raw_out, mean_exponent):
                     nraw += 1
                     acc >>= np.uint64(32)
                     nacc -= 32
-    if nacc > 0:
-        raw_out[_U(nraw)] = np.uint32(acc & np.uint64(0xFFFFFFFF))
-        nraw += 1
-    return nraw
+    return _last_raw_word(acc, nacc, nraw, raw_out)
 
 
 @inline
@@ -1304,20 +1310,16 @@ def decode_tans_substream(data, n, seg_len, W, M, out, detail):
     raw_at = pos + 4 * count
     if tz:  # (the raw bits' count follows from the symbols: all the words left, checked as they are read)
         nraw = (size - raw_at) >> 2
-        if 32 * nraw < (1 + _TZ_L - TZ_CAP) * n:  # (the fewest raw bits an element has)
-            detail[0] = 9
-            return ERR_SHORT
-        if raw_at + 4 * nraw != size:
-            detail[0] = size - raw_at - 4 * nraw
-            return ERR_AFTER_RAW
+        short = 32 * nraw < (1 + _TZ_L - TZ_CAP) * n  # (the fewest raw bits an element has)
     else:
         nraw = (raw_bit_count(n, seg_len, M, zeros) + 31) >> 5
-        if raw_at + 4 * nraw > size:
-            detail[0] = 9
-            return ERR_SHORT
-        if raw_at + 4 * nraw != size:
-            detail[0] = size - raw_at - 4 * nraw
-            return ERR_AFTER_RAW
+        short = raw_at + 4 * nraw > size
+    if short:
+        detail[0] = 9
+        return ERR_SHORT
+    if raw_at + 4 * nraw != size:
+        detail[0] = size - raw_at - 4 * nraw
+        return ERR_AFTER_RAW
     if n == 0:  # (no element: no bits, and the states where the encoder starts)
         return ERR_TRAILING if count else (ERR_BAD_END if x.any() or first_bit else OK)
     # the decoder reads one word past its bits, to drop it: the raw words' first (there is one, as
@@ -1327,7 +1329,7 @@ def decode_tans_substream(data, n, seg_len, W, M, out, detail):
         return ERR_BEFORE_FIRST
     raw = data[raw_at:size].view(np.uint32)
     table = np.empty((np.int64(1) << klog, R), dtype=np.uint32)
-    tans_decode_table(freq >> (PROB_BITS - precision), precision, 4 if tz else _tans_symbol_shift(W, M), table)
+    tans_decode_table(freq >> (PROB_BITS - precision), precision, _tans_symbol_shift(W, M), table)
     if tz:
         return decode_tz(words, first_bit, x[0], x[1], x[2], x[3], raw, seg_len, classes, precision, table, out)
     return decode_floats_tans(words, first_bit, x[0], x[1], x[2], x[3], raw, seg_len, W, M, zeros, classes, precision,
@@ -1376,13 +1378,19 @@ def _tans_work_parts(n, seg_len, W, M):
     return 2 * n, 4 * raw_words, 8 * classes * alphabet, 32 * classes * alphabet, 4 * coded_words, out
 
 
+@inline
+def _work_total(parts):
+    """The bytes of work memory that holds ``parts``, each carved at an 8-byte boundary."""
+    total = 0
+    for nbytes in parts:
+        total += (nbytes + 7) & ~7
+    return total
+
+
 @kernel
 def tans_work_bytes(n, seg_len, W, M):
     """The bytes of work memory :func:`encode_tans_substream` takes for ``n`` elements."""
-    total = 0
-    for nbytes in _tans_work_parts(n, seg_len, W, M):
-        total += (nbytes + 7) & ~7
-    return total
+    return _work_total(_tans_work_parts(n, seg_len, W, M))
 
 
 @inline
@@ -1629,10 +1637,7 @@ def trailing_split(words, W, M, symbols, tz, raw_out):
             nraw += 1
             acc >>= np.uint64(32)
             nacc -= 32
-    if nacc > 0:
-        raw_out[_U(nraw)] = np.uint32(acc & np.uint64(0xFFFFFFFF))
-        nraw += 1
-    return nraw, e_top
+    return _last_raw_word(acc, nacc, nraw, raw_out), e_top
 
 
 @kernel
@@ -1831,7 +1836,8 @@ def _tz_tables():
 
 @inline
 def _tz_count(entry):
-    """The capped trailing-zero count of a mode 3 decoding entry (its symbol from bit 4)."""
+    """The capped trailing-zero count of a mode 3 decoding entry (its symbol from bit 4, as
+    _tans_symbol_shift places float32's)."""
     return (entry >> np.uint32(4)) & np.uint32(TZ_CAP)
 
 
@@ -1854,19 +1860,8 @@ def tz_split(words, symbols, raw_out):
     for i in range(words.shape[0]):
         sym, raw, k = _tz_parts(np.uint64(words[_U(i)]))
         symbols[_U(i)] = sym
-        # (k <= 22: one word at most to store, stored every time and kept when full: the counts vary
-        # from element to element, so a branch on them would be mispredicted often)
-        acc |= raw << np.uint64(nacc)
-        nacc += k
-        raw_out[_U(nraw)] = np.uint32(acc & np.uint64(0xFFFFFFFF))
-        full = np.int64(nacc >= 32)
-        nraw += full
-        acc >>= np.uint64(32 * full)
-        nacc -= 32 * full
-    if nacc > 0:
-        raw_out[_U(nraw)] = np.uint32(acc & np.uint64(0xFFFFFFFF))
-        nraw += 1
-    return nraw
+        acc, nacc, nraw = _append_raw(raw, k, acc, nacc, nraw, raw_out)
+    return _last_raw_word(acc, nacc, nraw, raw_out)
 
 
 @inline
@@ -1885,10 +1880,7 @@ def _tz_work_parts(n, seg_len):
 @kernel
 def tz_work_bytes(n, seg_len):
     """The bytes of work memory :func:`encode_tz_substream` takes for ``n`` elements."""
-    total = 0
-    for nbytes in _tz_work_parts(n, seg_len):
-        total += (nbytes + 7) & ~7
-    return total
+    return _work_total(_tz_work_parts(n, seg_len))
 
 
 @kernel
@@ -2060,10 +2052,7 @@ def int_encode_kernel(values, symbols, raw_out):
             nacc += piece
             rest >>= np.uint64(piece)
             left -= piece
-    if nacc > 0:
-        raw_out[nraw] = np.uint32(acc & np.uint64(0xFFFFFFFF))
-        nraw += 1
-    return nraw
+    return _last_raw_word(acc, nacc, nraw, raw_out)
 
 
 @kernel

@@ -182,22 +182,26 @@ def encode_chunk(values: np.ndarray, dtype_name: str, seg_len: int) -> bytes:
         return _tans_substream(words, seg_len, W, M, none, none)
     zeros, classes16 = _segment_classes(words, W, M, seg_len)
     promise = _k.trailing_promise(words, W, M, seg_len, zeros)
-    trailing = _tz_substream if W == 32 else _encode_trailing
     if promise >= TRAILING_SURE * TRAILING_GAIN:
-        return trailing(words, W, M, seg_len, classes16)
+        return _trailing_substream(words, W, M, seg_len, classes16)
     data = _tans_substream(words, seg_len, W, M, zeros, classes16)
     if promise >= TRAILING_GAIN:
-        # (mode 2 decodes at about a quarter of the speed: a small saving does not pay for that)
-        other = trailing(words, W, M, seg_len, classes16)
+        # (mode 3 decodes at about half the speed of modes 0 and 1, mode 2 at a quarter: a small
+        # saving does not pay for that)
+        other = _trailing_substream(words, W, M, seg_len, classes16)
         if len(other) <= (1 - TRAILING_GAIN) * len(data):
             return other
     return data
 
 
-def _tz_substream(words: np.ndarray, W: int, M: int, seg_len: int, classes16: np.ndarray) -> bytes:
-    """Low-bit mode 3 (float32)."""
-    work = _WORK.take(_k.tz_work_bytes(words.shape[0], seg_len))
-    return _k.encode_tz_substream(words, seg_len, classes16, _COSTS, work).tobytes()
+def _trailing_substream(words: np.ndarray, W: int, M: int, seg_len: int, classes16: np.ndarray,
+                        rans: bool = False) -> bytes:
+    """The trailing zeros coded: low-bit mode 3 for float32 (mode 2 with ``rans``), mode 2 for
+    float64."""
+    if W == 32 and not rans:
+        work = _WORK.take(_k.tz_work_bytes(words.shape[0], seg_len))
+        return _k.encode_tz_substream(words, seg_len, classes16, _COSTS, work).tobytes()
+    return _encode_trailing(words, W, M, seg_len, classes16)
 
 
 def encode_trailing(values: np.ndarray, dtype_name: str, seg_len: int, rans: bool = False) -> bytes:
@@ -206,10 +210,7 @@ def encode_trailing(values: np.ndarray, dtype_name: str, seg_len: int, rans: boo
     (as the version-8 writer wrote it). encode_chunk takes it where it is smaller."""
     W, M = FORMATS[dtype_name]
     words = _words(values, dtype_name)
-    classes16 = _segment_classes(words, W, M, seg_len)[1]
-    if W == 32 and not rans:
-        return _tz_substream(words, W, M, seg_len, classes16)
-    return _encode_trailing(words, W, M, seg_len, classes16)
+    return _trailing_substream(words, W, M, seg_len, _segment_classes(words, W, M, seg_len)[1], rans)
 
 
 def _segment_classes(words: np.ndarray, W: int, M: int, seg_len: int) -> tuple[np.ndarray, np.ndarray]:
