@@ -7,12 +7,13 @@ import struct
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import deepcabac_py as dc
 from deepcabac_py.entropy import chunk_layout, levelcoder
 from deepcabac_py.entropy import linear_prediction as lp
+from deepcabac_py.entropy.levelcoder import LEVEL_MAX
 from deepcabac_py.errors import CorruptStreamError, DeepCabacError
 from deepcabac_py.model.container import Mode, read_header
 
@@ -43,14 +44,20 @@ def predictor(rng, ncols, m, frac_bits, coef_max, pivot_bound):
 @given(seed=st.integers(0, 2**32 - 1), ncols=st.integers(2, 40), rows=st.integers(1, 40),
        frac_bits=st.integers(0, 10), coef_max=st.sampled_from([0, 1, 7, 300]),
        level_max=st.sampled_from([1, 50, 3000, 2**20]))
+@example(seed=25733057, ncols=35, rows=38, frac_bits=0, coef_max=300, level_max=2**20)  # overshoots 31 bits
 def test_residuals_and_rebuild_match_the_reference(seed, ncols, rows, frac_bits, coef_max, level_max):
     rng = np.random.default_rng(seed)
     m = int(rng.integers(1, ncols))
     levels = rng.integers(-level_max, level_max + 1, size=rows * ncols).astype(np.int32)
     pred = predictor(rng, ncols, m, frac_bits, coef_max, level_max)
     assert pred.float_dtype() is not None
-    res = pred.residuals(levels)
     ref = reference_residuals(levels, ncols, pred.pivots, pred.coef, pred.intercepts, frac_bits)
+    if np.abs(ref).max() > LEVEL_MAX:
+        # a hand-made predictor can overshoot what fit() would allow: refused, not wrapped
+        with pytest.raises(ValueError, match="31-bit range"):
+            pred.residuals(levels)
+        return
+    res = pred.residuals(levels)
     assert np.array_equal(res.astype(np.int64), ref)
     back = np.empty_like(levels)
     pred.rebuild(res, back)
