@@ -646,35 +646,67 @@ def _get_gamma(buf, state, limit_bits):
     return v
 
 
+@inline
+def _read_table_row(buf, state, limit, alphabet, scale, syms, freqs):
+    """One class's table of :func:`write_tables` at the bit position state[0]: its symbols in
+    increasing order into ``syms`` and their frequencies (summing to ``scale``) into ``freqs``;
+    returns how many, or ERR_BAD_TABLE. More symbols than ``syms`` holds cannot sum to ``scale``."""
+    used = _get_gamma(buf, state, limit)
+    if used < 1 or used > alphabet or used > syms.shape[0]:
+        return ERR_BAD_TABLE
+    sym = -1
+    total = 0
+    for u in range(used):
+        gap = _get_gamma(buf, state, limit)
+        f = _get_gamma(buf, state, limit)
+        if gap < 1 or f < 1:
+            return ERR_BAD_TABLE
+        sym += gap
+        if sym >= alphabet or total + f > scale:
+            return ERR_BAD_TABLE
+        syms[u] = sym
+        freqs[u] = f
+        total += f
+    if total != scale:
+        return ERR_BAD_TABLE
+    return used
+
+
 @kernel
 def read_tables(buf, precision, freq, start):
     """Parse tables written by :func:`write_tables` (frequencies summing to 2**precision) into
-    ``freq`` and ``start`` (zeroed, shape (classes, alphabet)) at PROB_BITS; returns the byte count
-    read, or an error code."""
+    ``freq`` and ``start`` (zeroed, shape (classes, alphabet)) at PROB_BITS, as rANS takes them;
+    returns the byte count read, or an error code."""
     scale = np.int64(1) << precision
     up = PROB_BITS - precision
     state = np.zeros(1, dtype=np.int64)
-    limit = buf.shape[0] * 8
-    alphabet = freq.shape[1]
+    width = min(freq.shape[1], scale)
+    syms = np.empty(width, dtype=np.int64)
+    freqs = np.empty(width, dtype=np.int64)
     for c in range(freq.shape[0]):
-        used = _get_gamma(buf, state, limit)
-        if used < 1 or used > alphabet:
-            return ERR_BAD_TABLE
-        sym = -1
+        used = _read_table_row(buf, state, buf.shape[0] * 8, freq.shape[1], scale, syms, freqs)
+        if used < 0:
+            return used
         total = 0
-        for _ in range(used):
-            gap = _get_gamma(buf, state, limit)
-            f = _get_gamma(buf, state, limit)
-            if gap < 1 or f < 1:
-                return ERR_BAD_TABLE
-            sym += gap
-            if sym >= alphabet or total + f > scale:
-                return ERR_BAD_TABLE
-            freq[c, sym] = f << up
-            start[c, sym] = total << up
-            total += f
-        if total != scale:
-            return ERR_BAD_TABLE
+        for u in range(used):
+            freq[c, syms[u]] = freqs[u] << up
+            start[c, syms[u]] = total << up
+            total += freqs[u]
+    return (state[0] + 7) >> 3
+
+
+@inline
+def _read_used_tables(buf, precision, alphabet, syms, freqs, used):
+    """Parse tables written by :func:`write_tables` as tANS takes them: each class's symbols in use
+    (``syms[c, :used[c]]``, increasing) and their frequencies at ``precision``; returns the byte
+    count read, or an error code. Nothing is spent on the symbols a table does not use: mode 3's
+    alphabet of 2**14 would cost a small chunk more than its decoding."""
+    state = np.zeros(1, dtype=np.int64)
+    for c in range(syms.shape[0]):
+        got = _read_table_row(buf, state, buf.shape[0] * 8, alphabet, np.int64(1) << precision, syms[c], freqs[c])
+        if got < 0:
+            return got
+        used[c] = got
     return (state[0] + 7) >> 3
 
 
@@ -900,29 +932,33 @@ def _tans_states(freq_row, R, spread, ys):
 
 
 @kernel
-def tans_decode_table(freq, precision, shift, table):
+def tans_decode_table(syms, freqs, used, precision, shift, table):
     """table[c, x], the decoder's entry of state x in class c: bit count | symbol << ``shift`` |
-    the next state's base << _TANS_BASE_SHIFT (``freq``: the tables as sent, each class's summing to
-    2**precision; ``shift``: _tans_symbol_shift of the float format)."""
+    the next state's base << _TANS_BASE_SHIFT (the tables as :func:`_read_used_tables` gives them,
+    each class's summing to 2**precision; ``shift``: _tans_symbol_shift of the float format). The
+    states are spread over the symbols in use in the order of the encoder's dense tables, so the
+    entries are the same."""
     R = 1 << precision
-    spread = np.empty(R, dtype=np.int64)
+    spread = np.empty(R, dtype=np.int64)  # (a state's symbol: its place among the class's symbols)
     ys = np.empty(R, dtype=np.int64)
-    high = np.empty(freq.shape[1], dtype=np.int64)
-    for c in range(freq.shape[0]):
-        _tans_states(freq[c], R, spread, ys)
-        for s in range(freq.shape[1]):
-            high[s] = _floor_log2(max(np.int64(freq[c, s]), 1))
+    high = np.empty(syms.shape[1], dtype=np.int64)
+    for c in range(syms.shape[0]):
+        row = freqs[c, :used[c]]
+        _tans_states(row, R, spread, ys)
+        for u in range(row.shape[0]):
+            high[u] = _floor_log2(np.int64(row[u]))
         for x in range(R):
-            s, y = spread[x], ys[x]
-            nb = precision - high[s] - np.int64(y >> (high[s] + 1) > 0)  # (precision - floor(log2 y))
-            table[c, x] = np.uint32(nb | (s << shift) | (((y << nb) - R) << _TANS_BASE_SHIFT))
+            u, y = spread[x], ys[x]
+            nb = precision - high[u] - np.int64(y >> (high[u] + 1) > 0)  # (precision - floor(log2 y))
+            table[c, x] = np.uint32(nb | (np.int64(syms[c, u]) << shift) | (((y << nb) - R) << _TANS_BASE_SHIFT))
 
 
 @kernel
 def tans_encode_tables(freq, precision, delta_bits, delta_find, states):
     """The encoder's tables: per class and symbol, what finds the bit count of a state x (R to
     2R - 1): (x + delta_bits) >> 16, and where its next state is: states[c, (x >> bits) + delta_find]
-    (``freq`` as :func:`tans_decode_table` takes it; ``states``: R to 2R - 1)."""
+    (``freq``: the tables as sent, (classes, alphabet), each class's summing to 2**precision;
+    ``states``: R to 2R - 1)."""
     R = 1 << precision
     spread = np.empty(R, dtype=np.int64)
     ys = np.empty(R, dtype=np.int64)
@@ -1276,9 +1312,11 @@ def decode_tans_substream(data, n, seg_len, W, M, out, detail):
         detail[0] = 5
         return ERR_SHORT
     alphabet = np.int64(1) << (W - 1 - M + TOP_BITS + (TZ_BITS if tz else 0))
-    freq = np.zeros((np.int64(1) << klog, alphabet), dtype=np.int32)
-    start = np.zeros_like(freq)
-    got = read_tables(data[pos:pos + table_bytes], precision, freq, start)
+    R = np.int64(1) << precision
+    syms = np.empty((np.int64(1) << klog, min(alphabet, R)), dtype=np.int32)
+    freqs = np.empty_like(syms)
+    used = np.empty(np.int64(1) << klog, dtype=np.int64)
+    got = _read_used_tables(data[pos:pos + table_bytes], precision, alphabet, syms, freqs, used)
     if got < 0:
         return got
     if got != table_bytes:
@@ -1287,7 +1325,6 @@ def decode_tans_substream(data, n, seg_len, W, M, out, detail):
     if pos + 9 > size:
         detail[0] = 6
         return ERR_SHORT
-    R = np.int64(1) << precision
     first_bit = np.int64(data[pos])
     x = np.empty(4, dtype=np.int64)
     for lane in range(4):
@@ -1329,7 +1366,7 @@ def decode_tans_substream(data, n, seg_len, W, M, out, detail):
         return ERR_BEFORE_FIRST
     raw = data[raw_at:size].view(np.uint32)
     table = np.empty((np.int64(1) << klog, R), dtype=np.uint32)
-    tans_decode_table(freq >> (PROB_BITS - precision), precision, _tans_symbol_shift(W, M), table)
+    tans_decode_table(syms, freqs, used, precision, _tans_symbol_shift(W, M), table)
     if tz:
         return decode_tz(words, first_bit, x[0], x[1], x[2], x[3], raw, seg_len, classes, precision, table, out)
     return decode_floats_tans(words, first_bit, x[0], x[1], x[2], x[3], raw, seg_len, W, M, zeros, classes, precision,
