@@ -601,24 +601,34 @@ def _put_gamma(buf, state, v):
     _put_bits(buf, state, v, k + 1)
 
 
-@kernel
-def write_tables(freq, buf):
-    """The tables' bits into the zeroed ``buf``; returns the byte count."""
+@inline
+def _write_used_tables(syms, freq, buf):
+    """The tables' bits into the zeroed ``buf`` (``freq[c, u]``: class c's frequency of symbol
+    ``syms[u]``, the symbols increasing; a zero is a symbol the class does not use); returns the
+    byte count."""
     state = np.zeros(1, dtype=np.int64)
     for c in range(freq.shape[0]):
         prev = -1
         used = 0
-        for sym in range(freq.shape[1]):
-            if freq[c, sym] > 0:
+        for u in range(freq.shape[1]):
+            if freq[c, u] > 0:
                 used += 1
         _put_gamma(buf, state, used)
-        for sym in range(freq.shape[1]):
-            f = np.int64(freq[c, sym])
+        for u in range(freq.shape[1]):
+            f = np.int64(freq[c, u])
             if f > 0:
+                sym = np.int64(syms[u])
                 _put_gamma(buf, state, sym - prev)
                 _put_gamma(buf, state, f)
                 prev = sym
     return (state[0] + 7) >> 3
+
+
+@kernel
+def write_tables(freq, buf):
+    """The tables' bits (``freq``: classes x alphabet) into the zeroed ``buf``; returns the byte
+    count."""
+    return _write_used_tables(np.arange(freq.shape[1]), freq, buf)
 
 
 @inline
@@ -729,6 +739,14 @@ def _gamma_length(v):
     return 2 * k + 1
 
 
+# The gamma code's length of each frequency (1 to PROB_SCALE), looked up: the class choice prices
+# every frequency of every class at every precision, and the loop above took most of a small
+# chunk's choice (scratch: 34 us of a 3456-element mode-3 chunk's 65).
+_FREQ_GAMMA = np.zeros(PROB_SCALE + 1, dtype=np.int64)
+for _f in range(1, PROB_SCALE + 1):
+    _FREQ_GAMMA[_f] = 2 * (_f.bit_length() - 1) + 1
+
+
 @kernel
 def normalize_row(counts, scale_bits, out):
     """Frequencies summing to 2**scale_bits, at least 1 where a count is: floor(count * scale /
@@ -789,8 +807,10 @@ def choose_classes(hist16, nseg, costs, max_bits, freq):
     as ``TABLE_SIZE_CHARGE_SHIFT`` says. The tables, at that precision, go into ``freq`` (zeroed,
     16 x alphabet). Returns (klog, precision)."""
     hist, used_syms = _used_of(hist16)
-    klog, precision, chosen = _choose_used(hist, used_syms, nseg, costs, max_bits, freq.shape[1])
-    freq[:chosen.shape[0]] = chosen
+    klog, precision, chosen = _choose_used(hist, used_syms, nseg, costs, max_bits)
+    for c in range(chosen.shape[0]):
+        for u in range(used_syms.shape[0]):
+            freq[c, used_syms[u]] = chosen[c, u]
     return klog, precision
 
 
@@ -808,13 +828,15 @@ def _used_of(hist16):
 
 
 @kernel
-def _choose_used(hist, used_syms, nseg, costs, max_bits, alphabet):
+def _choose_used(hist, used_syms, nseg, costs, max_bits):
     """:func:`choose_classes` on the histograms of the used symbols ``used_syms`` alone: (klog,
-    precision, the 2**klog tables of ``alphabet`` symbols)."""
+    precision, the 2**klog tables: each class's frequencies of the used symbols)."""
     groups = hist.shape[0]
     nu = used_syms.shape[0]
     rows = np.zeros((groups, nu), dtype=np.int64)
     tmp = np.zeros(nu, dtype=np.int64)
+    counted = np.empty((groups, nu), dtype=np.int64)
+    used = np.empty(groups, dtype=np.int64)
     best_cost = np.int64(-1)
     best = 0
     best_bits = PROB_BITS
@@ -832,33 +854,47 @@ def _choose_used(hist, used_syms, nseg, costs, max_bits, alphabet):
                 complete = False
         if not complete:
             break
+        # A class's table names the symbols it counts, at every precision (normalize_row gives
+        # each a frequency of at least 1): the count and the gaps cost the same bits at each.
+        # Each class's counted symbols alone (``counted[c, :used[c]]``): with many classes a class
+        # counts a fraction of the chunk's symbols, and normalize_row, which never gives a symbol
+        # without a count a frequency, picks the same ones in the same order from them.
+        # A class's table names those symbols at every precision: its count and gaps cost the
+        # same bits at each.
         most = 0  # (symbols of the fullest class: a table of 2**bits holds at most 2**bits)
+        names = 0
         for c in range(K):
-            most = max(most, np.count_nonzero(rows[c]))
+            m = 0
+            prev = -1
+            for u in range(nu):
+                if rows[c, u] > 0:
+                    counted[c, m] = rows[c, u]
+                    m += 1
+                    names += _gamma_length(used_syms[u] - prev)
+                    prev = used_syms[u]
+            used[c] = m
+            names += _gamma_length(m)
+            most = max(most, m)
         for bits in TABLE_PRECISIONS:
             if most > (1 << bits) or bits > max_bits:
                 continue
             cost = np.int64(4 * nseg if klog else 0) << COST_FRACTION_BITS
             cost += (elements * (klog + bits)) << (COST_FRACTION_BITS - TABLE_SIZE_CHARGE_SHIFT)
+            table = names
             for c in range(K):
-                normalize_row(rows[c], bits, tmp)
-                used = 0
-                prev = -1
-                table = 0
-                for u in range(nu):
-                    if tmp[u] > 0:
-                        cost += rows[c, u] * costs[tmp[u] << (PROB_BITS - bits)]
-                        used += 1
-                        table += _gamma_length(used_syms[u] - prev) + _gamma_length(tmp[u])
-                        prev = used_syms[u]
-                cost += np.int64(table + _gamma_length(used)) << COST_FRACTION_BITS
+                row = counted[c, :used[c]]
+                normalize_row(row, bits, tmp[:row.shape[0]])
+                for i in range(row.shape[0]):
+                    cost += row[i] * costs[tmp[i] << (PROB_BITS - bits)]
+                    table += _FREQ_GAMMA[tmp[i]]
+            cost += np.int64(table) << COST_FRACTION_BITS
             if best_cost < 0 or cost < best_cost:
                 best_cost = cost
                 best = klog
                 best_bits = bits
     K = 1 << best
     per = groups // K
-    freq = np.zeros((K, alphabet), dtype=np.int32)
+    freq = np.zeros((K, nu), dtype=np.int32)
     for c in range(K):
         rows[c] = 0
         for g in range(c * per, (c + 1) * per):
@@ -866,7 +902,7 @@ def _choose_used(hist, used_syms, nseg, costs, max_bits, alphabet):
                 rows[c, u] += hist[g, u]
         normalize_row(rows[c], best_bits, tmp)
         for u in range(nu):
-            freq[c, used_syms[u]] = tmp[u]
+            freq[c, u] = tmp[u]
     return best, best_bits, freq
 
 
@@ -954,29 +990,30 @@ def tans_decode_table(syms, freqs, used, precision, shift, table):
 
 
 @kernel
-def tans_encode_tables(freq, precision, delta_bits, delta_find, states):
+def tans_encode_tables(syms, freq, precision, delta_bits, delta_find, states):
     """The encoder's tables: per class and symbol, what finds the bit count of a state x (R to
     2R - 1): (x + delta_bits) >> 16, and where its next state is: states[c, (x >> bits) + delta_find]
-    (``freq``: the tables as sent, (classes, alphabet), each class's summing to 2**precision;
-    ``states``: R to 2R - 1)."""
+    (``freq[c, u]``: class c's frequency of symbol ``syms[u]`` as sent, the symbols increasing, each
+    class's summing to 2**precision; ``states``: R to 2R - 1). Only the symbols a class uses get
+    their entries: no other is looked up."""
     R = 1 << precision
-    spread = np.empty(R, dtype=np.int64)
+    spread = np.empty(R, dtype=np.int64)  # (a state's symbol: its place in ``syms``)
     ys = np.empty(R, dtype=np.int64)
     start = np.empty(freq.shape[1], dtype=np.int64)
     for c in range(freq.shape[0]):
         _tans_states(freq[c], R, spread, ys)
         total = 0
-        for s in range(freq.shape[1]):
-            f = np.int64(freq[c, s])
-            start[s] = total
+        for u in range(freq.shape[1]):
+            f = np.int64(freq[c, u])
+            start[u] = total
             total += f
             if f:
                 most = precision - _floor_log2(f)  # (bits of a state from f << most on: most, else one fewer)
-                delta_bits[c, s] = (most << 16) - (f << most)
-                delta_find[c, s] = start[s] - f
+                delta_bits[c, syms[u]] = (most << 16) - (f << most)
+                delta_find[c, syms[u]] = start[u] - f
         for x in range(R):
-            s = spread[x]
-            states[c, start[s] + ys[x] - freq[c, s]] = x + R
+            u = spread[x]
+            states[c, start[u] + ys[x] - freq[c, u]] = x + R
 
 
 @inline
@@ -1385,12 +1422,30 @@ def _used_histogram(symbols, seg_len, classes16, alphabet):
     """(each class's counts of the used symbols, the used symbols in increasing order): for a chunk
     too small to pay for clearing and adding up the 16 whole-alphabet histograms."""
     n = symbols.shape[0]
-    slot = np.full(alphabet, -1, dtype=np.int64)
+    # The symbols in use, increasing, from a bit per symbol: mode 3's alphabet of 2**14 took a
+    # sweep of a symbol-sized array longer than a small chunk's coding. Only the used symbols'
+    # slots are written and read.
+    seen = np.zeros(max(alphabet >> 6, 1), dtype=np.uint64)
     for i in range(n):
-        slot[symbols[_U(i)]] = 0
-    used_syms = np.nonzero(slot + 1)[0]
-    for u in range(used_syms.shape[0]):
-        slot[used_syms[u]] = u
+        s = np.uint64(symbols[_U(i)])
+        seen[s >> np.uint64(6)] |= np.uint64(1) << (s & np.uint64(63))
+    nu = 0
+    for w in range(seen.shape[0]):
+        b = seen[w]
+        while b:
+            b &= b - np.uint64(1)
+            nu += 1
+    used_syms = np.empty(nu, dtype=np.int64)
+    slot = np.empty(alphabet, dtype=np.int64)
+    u = 0
+    for w in range(seen.shape[0]):
+        b = seen[w]
+        while b:
+            sym = 64 * w + np.int64(_ctz(b))
+            used_syms[u] = sym
+            slot[sym] = u
+            u += 1
+            b &= b - np.uint64(1)
     hist = np.zeros((np.int64(1) << MAX_CLASSES_LOG2, used_syms.shape[0]), dtype=np.int64)
     for j in range(classes16.shape[0]):
         c = np.int64(classes16[j])
@@ -1437,27 +1492,30 @@ def _carve(work, at, nbytes):
 
 
 @inline
-def _tans_code(symbols, seg_len, classes16, klog, precision, sent, work):
-    """The symbols by tANS with the chosen tables ``sent`` (2**klog classes at ``precision``):
-    (segment classes, table bytes, their count, the first coded word, the first bit, the four final
-    states, the coded words, carved from ``work``)."""
+def _tans_code(symbols, seg_len, classes16, klog, precision, used_syms, sent, alphabet, work):
+    """The symbols (of ``alphabet``) by tANS with the chosen tables ``sent`` (2**klog classes at
+    ``precision``, over the symbols ``used_syms``, as :func:`_choose_used` gives them): (segment
+    classes, table bytes, their count, the first coded word, the first bit, the four final states,
+    the coded words, carved from ``work``)."""
     nseg = classes16.shape[0]
-    K, alphabet = sent.shape[0], sent.shape[1]
+    K = sent.shape[0]
     classes = np.empty(nseg, dtype=np.uint8)
     for j in range(nseg):
         classes[j] = classes16[j] >> (MAX_CLASSES_LOG2 - klog)
     used = 0
     for c in range(K):
-        for sym in range(alphabet):
-            used += sent[c, sym] > 0
+        for u in range(sent.shape[1]):
+            used += sent[c, u] > 0
     tables = np.zeros(8 + 4 * K + 7 * used, dtype=np.uint8)  # (gamma codes: a count, then a gap and a frequency)
-    table_bytes = write_tables(sent, tables)
+    table_bytes = _write_used_tables(used_syms, sent, tables)
     R = np.int64(1) << precision
-    # (narrow tables: a class's states, at 2**13, then take 16 KB and stay in the L1 cache)
-    delta_bits = np.zeros((K, alphabet), dtype=np.int32)
-    delta_find = np.zeros((K, alphabet), dtype=np.int32)
+    # (narrow tables: a class's states, at 2**13, then take 16 KB and stay in the L1 cache; by
+    # symbol, but only the symbols each class uses are written and read: mode 3's alphabet of 2**14
+    # would cost a small chunk more to clear than to code)
+    delta_bits = np.empty((K, alphabet), dtype=np.int32)
+    delta_find = np.empty((K, alphabet), dtype=np.int32)
     states = np.zeros((K, R), dtype=np.uint16)
-    tans_encode_tables(sent, precision, delta_bits, delta_find, states)
+    tans_encode_tables(used_syms, sent, precision, delta_bits, delta_find, states)
     coded = work.view(np.uint32)[:symbols.shape[0] * precision // 32 + 3]
     begin, first_bit, x0, x1, x2, x3 = tans_encode(symbols, seg_len, classes, precision, delta_bits, delta_find,
                                                    states, coded)
@@ -1540,10 +1598,10 @@ def encode_tans_substream(words, seg_len, W, M, zeros, classes16, costs, work):
         part[:] = 0
         _histogram_into(symbols, seg_len, classes16, hist16, part)
         hist, used_syms = _used_of(hist16)
-    klog, precision, sent = _choose_used(hist, used_syms, nseg, costs, TANS_MAX_BITS, alphabet)
+    klog, precision, sent = _choose_used(hist, used_syms, nseg, costs, TANS_MAX_BITS)
     b, at = _carve(work, at, parts[4])
     classes, tables, table_bytes, begin, first_bit, xs, coded = _tans_code(symbols, seg_len, classes16, klog, precision,
-                                                                           sent, b)
+                                                                           used_syms, sent, alphabet, b)
     same = True
     for j in range(1, nseg):
         same = same and zeros[j] == zeros[0]
@@ -1937,10 +1995,10 @@ def encode_tz_substream(words, seg_len, classes16, costs, work):
     # (the used symbols' counts only: whole-alphabet histograms of 2**14 symbols cost more to clear
     # and add up than a chunk's elements)
     hist, used_syms = _used_histogram(symbols, seg_len, classes16, alphabet)
-    klog, precision, sent = _choose_used(hist, used_syms, nseg, costs, TANS_MAX_BITS, alphabet)
+    klog, precision, sent = _choose_used(hist, used_syms, nseg, costs, TANS_MAX_BITS)
     b, at = _carve(work, at, parts[2])
     classes, tables, table_bytes, begin, first_bit, xs, coded = _tans_code(symbols, seg_len, classes16, klog, precision,
-                                                                           sent, b)
+                                                                           used_syms, sent, alphabet, b)
     out, at = _carve(work, at, 1 + _tans_fields_size(klog, nseg, table_bytes, coded.shape[0] - begin, nraw))
     out[0] = 0x80 | TZ_MODE
     _put_tans_fields(out, 1, klog, precision, classes, tables, table_bytes, first_bit, xs, coded, begin, raw, nraw)
