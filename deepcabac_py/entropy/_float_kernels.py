@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._jit import inline, kernel
+from .._jit import inline, kernel, trailing_zeros
 
 PROB_BITS = 14  # frequencies of a table sum to 2**PROB_BITS
 PROB_SCALE = 1 << PROB_BITS
@@ -1627,18 +1627,10 @@ def encode_tans_substream(words, seg_len, W, M, zeros, classes16, costs, work):
 
 TRAILING_CONTEXTS = 16
 
-# ctz by the de Bruijn sequence: the lowest set bit times it puts a distinct pattern in the top 6 bits
-_DE_BRUIJN = np.uint64(0x03F79D71B4CB0A89)
-_CTZ = np.zeros(64, dtype=np.int64)
-for _bit in range(64):
-    _CTZ[((1 << _bit) * 0x03F79D71B4CB0A89 % (1 << 64)) >> 58] = _bit
-
-
 @inline
 def _ctz(x):
     """Trailing zero bits of the nonzero uint64 ``x``."""
-    lowest = x & (~x + np.uint64(1))
-    return _CTZ[(lowest * _DE_BRUIJN) >> np.uint64(58)]
+    return np.int64(trailing_zeros(x))
 
 
 @inline
