@@ -28,6 +28,7 @@ import tempfile
 import warnings
 
 import numba
+from numba.cpython.unsafe.numbers import trailing_zeros as _hardware_trailing_zeros
 
 from .errors import DeepCabacWarning
 
@@ -81,17 +82,16 @@ kernel = _cached(nogil=True)
 inline = _cached(inline="always")
 parallel_kernel = _cached(parallel=True, nogil=True)
 
-if numba.config.DISABLE_JIT:  # (the pure-Python path: an intrinsic cannot run outside compiled code)
 
-    def trailing_zeros(x):
-        """The trailing zero bits of the nonzero integer ``x``."""
-        x = int(x)
-        return (x & -x).bit_length() - 1
+def _python_trailing_zeros(x):
+    """The trailing zero bits of the nonzero integer ``x``."""
+    x = int(x)
+    return (x & -x).bit_length() - 1
 
-else:
-    # the processor's own count (one instruction, where a de Bruijn multiplication and a table
-    # load took a fifth of mode 3's split)
-    from numba.cpython.unsafe.numbers import trailing_zeros  # noqa: F401
+
+# The processor's own count (one instruction, where a de Bruijn multiplication and a table load took
+# a fifth of mode 3's split); the pure-Python path counts in Python: an intrinsic runs only compiled.
+trailing_zeros = _python_trailing_zeros if numba.config.DISABLE_JIT else _hardware_trailing_zeros
 
 
 def not_yet_compiled(*kernels) -> bool:

@@ -12,9 +12,11 @@ def shape_problem(shape: tuple[int, ...]) -> str | None:
     """Why a tensor of ``shape`` cannot be held (None if it can)."""
     if len(shape) > MAX_NDIM:
         return f"{len(shape)} dimensions (at most {MAX_NDIM})"
-    if any(d < 0 for d in shape):
+    if not shape:
+        return None
+    if min(shape) < 0:
         return f"a negative dimension in {tuple(shape)}"
-    if any(d > MAX_DIM for d in shape):
+    if max(shape) > MAX_DIM:
         return f"a dimension above 2**48 in {tuple(shape)}"
     # (numpy refuses a shape whose nonzero dimensions overflow, even with a zero among them)
     if math.prod(max(d, 1) for d in shape) > MAX_DIM:

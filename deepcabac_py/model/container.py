@@ -86,20 +86,23 @@ class Mode(enum.IntEnum):
     @property
     def is_quantized(self) -> bool:
         """Values are levels times the step (uniform or through the trellis's state machine)."""
-        return self in (Mode.UNIFORM, Mode.DEPENDENT)
+        return self == Mode.UNIFORM or self == Mode.DEPENDENT
 
     @property
     def has_step(self) -> bool:
-        return self in (Mode.UNIFORM, Mode.DEPENDENT, Mode.LOG)
+        return self == Mode.UNIFORM or self == Mode.DEPENDENT or self == Mode.LOG
 
     @property
     def is_class_coded(self) -> bool:
         """Coded by classes and rANS (entropy.floatcoder): the exact values, not levels."""
-        return self in (Mode.FLOAT, Mode.MAGNITUDE)
+        return self == Mode.FLOAT or self == Mode.MAGNITUDE
 
     @property
     def min_version(self) -> int:
-        return {Mode.DEPENDENT: 2, Mode.LOG: 4, Mode.FLOAT: 5, Mode.MAGNITUDE: 6}.get(self, 1)
+        return _MODE_VERSIONS.get(self, 1)
+
+
+_MODE_VERSIONS = {Mode.DEPENDENT: 2, Mode.LOG: 4, Mode.FLOAT: 5, Mode.MAGNITUDE: 6}
 
 
 class Coder(enum.IntEnum):
