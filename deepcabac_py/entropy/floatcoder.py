@@ -364,7 +364,7 @@ def decode_chunk(data, dtype_name: str, seg_len: int, out: np.ndarray, where: st
     elements: float16/32/64, or uint16 for bfloat16) of an entry of ``revision``. CorruptStreamError
     says what is wrong."""
     W, M = FORMATS[dtype_name]
-    words = out.view(_WORDS[W])  # (a view of the caller's array: decoded in place, never into a copy)
+    words = _words(out, dtype_name)
     n = words.shape[0]
     nseg = -(-n // seg_len)
     r = _Reader(_read_only(np.frombuffer(data, dtype=np.uint8)), where)

@@ -338,15 +338,15 @@ class _Tensor:
     def run(self, k: int) -> int:
         """Decode chunk ``k`` into the output; returns its element count."""
         e, out = self.entry, self.out
-        if e.mode == Mode.FLOAT or e.mode == Mode.MAGNITUDE:  # (class-coded: the most common, and the smallest)
-            start = k * e.chunk_elements
-            window = out[start:start + e.chunk_elements]
+        if e.mode.is_class_coded:
+            start, stop = e.even_chunk_bounds(k)
             where = f"tensor {e.name!r}, chunk {k}"
             if e.mode == Mode.MAGNITUDE:
-                floatcoder.decode_magnitudes(self.views[k], self.seg_len, window, where=where)
+                floatcoder.decode_magnitudes(self.views[k], self.seg_len, out[start:stop], where=where)
             else:
-                floatcoder.decode_chunk(self.views[k], e.dtype.dtype_name, self.seg_len, window, where, e.coder_param)
-            return window.shape[0]
+                floatcoder.decode_chunk(self.views[k], e.dtype.dtype_name, self.seg_len, out[start:stop], where,
+                                        e.coder_param)
+            return stop - start
         start, stop = self.layout.bounds(k)
         dependent = e.mode == Mode.DEPENDENT
         if self.want_levels:
