@@ -682,29 +682,6 @@ def _read_table_row(buf, state, limit, alphabet, scale, syms, freqs):
     return used
 
 
-@kernel
-def read_tables(buf, precision, freq, start):
-    """Parse tables written by :func:`write_tables` (frequencies summing to 2**precision) into
-    ``freq`` and ``start`` (zeroed, shape (classes, alphabet)) at PROB_BITS, as rANS takes them;
-    returns the byte count read, or an error code."""
-    scale = np.int64(1) << precision
-    up = PROB_BITS - precision
-    state = np.zeros(1, dtype=np.int64)
-    width = min(freq.shape[1], scale)
-    syms = np.empty(width, dtype=np.int64)
-    freqs = np.empty(width, dtype=np.int64)
-    for c in range(freq.shape[0]):
-        used = _read_table_row(buf, state, buf.shape[0] * 8, freq.shape[1], scale, syms, freqs)
-        if used < 0:
-            return used
-        total = 0
-        for u in range(used):
-            freq[c, syms[u]] = freqs[u] << up
-            start[c, syms[u]] = total << up
-            total += freqs[u]
-    return (state[0] + 7) >> 3
-
-
 @inline
 def _read_used_tables(buf, precision, alphabet, syms, freqs, used):
     """Parse tables written by :func:`write_tables` as tANS takes them: each class's symbols in use
@@ -718,6 +695,28 @@ def _read_used_tables(buf, precision, alphabet, syms, freqs, used):
             return got
         used[c] = got
     return (state[0] + 7) >> 3
+
+
+@kernel
+def read_tables(buf, precision, freq, start):
+    """Parse tables written by :func:`write_tables` (frequencies summing to 2**precision) into
+    ``freq`` and ``start`` (zeroed, shape (classes, alphabet)) at PROB_BITS, as rANS takes them;
+    returns the byte count read, or an error code."""
+    K, alphabet = freq.shape[0], freq.shape[1]
+    syms = np.empty((K, min(alphabet, np.int64(1) << precision)), dtype=np.int32)
+    freqs = np.empty_like(syms)
+    used = np.empty(K, dtype=np.int64)
+    got = _read_used_tables(buf, precision, alphabet, syms, freqs, used)
+    if got < 0:
+        return got
+    up = PROB_BITS - precision
+    for c in range(K):
+        total = 0
+        for u in range(used[c]):
+            freq[c, syms[c, u]] = freqs[c, u] << up
+            start[c, syms[c, u]] = total << up
+            total += freqs[c, u]
+    return got
 
 
 COST_FRACTION_BITS = 16  # the class choice counts bits in units of 2**-16, in integers: deterministic
@@ -1427,23 +1426,18 @@ def _used_histogram(symbols, seg_len, classes16, alphabet):
     for i in range(n):
         s = np.uint64(symbols[_U(i)])
         seen[s >> np.uint64(6)] |= np.uint64(1) << (s & np.uint64(63))
-    nu = 0
-    for w in range(seen.shape[0]):
-        b = seen[w]
-        while b:
-            b &= b - np.uint64(1)
-            nu += 1
-    used_syms = np.empty(nu, dtype=np.int64)
+    found = np.empty(min(n, alphabet), dtype=np.int64)
     slot = np.empty(alphabet, dtype=np.int64)
     u = 0
     for w in range(seen.shape[0]):
         b = seen[w]
         while b:
             sym = 64 * w + np.int64(_ctz(b))
-            used_syms[u] = sym
+            found[u] = sym
             slot[sym] = u
             u += 1
             b &= b - np.uint64(1)
+    used_syms = found[:u]
     hist = np.zeros((np.int64(1) << MAX_CLASSES_LOG2, used_syms.shape[0]), dtype=np.int64)
     for j in range(classes16.shape[0]):
         c = np.int64(classes16[j])

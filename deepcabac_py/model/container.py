@@ -83,25 +83,30 @@ class Mode(enum.IntEnum):
     FLOAT = 5  # the float bits themselves, losslessly (format version 5; entropy.floatcoder)
     MAGNITUDE = 6  # signed integers by magnitude class, losslessly (format version 6; entropy.floatcoder)
 
+    # (each looked up in a set or dict of members made once: the header parser and the decoder ask
+    # them per tensor)
     @property
     def is_quantized(self) -> bool:
         """Values are levels times the step (uniform or through the trellis's state machine)."""
-        return self == Mode.UNIFORM or self == Mode.DEPENDENT
+        return self in _QUANTIZED
 
     @property
     def has_step(self) -> bool:
-        return self == Mode.UNIFORM or self == Mode.DEPENDENT or self == Mode.LOG
+        return self in _WITH_STEP
 
     @property
     def is_class_coded(self) -> bool:
         """Coded by classes and rANS (entropy.floatcoder): the exact values, not levels."""
-        return self == Mode.FLOAT or self == Mode.MAGNITUDE
+        return self in _CLASS_CODED
 
     @property
     def min_version(self) -> int:
         return _MODE_VERSIONS.get(self, 1)
 
 
+_QUANTIZED = frozenset((Mode.UNIFORM, Mode.DEPENDENT))
+_WITH_STEP = _QUANTIZED | {Mode.LOG}
+_CLASS_CODED = frozenset((Mode.FLOAT, Mode.MAGNITUDE))
 _MODE_VERSIONS = {Mode.DEPENDENT: 2, Mode.LOG: 4, Mode.FLOAT: 5, Mode.MAGNITUDE: 6}
 
 
