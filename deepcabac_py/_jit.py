@@ -28,7 +28,11 @@ import tempfile
 import warnings
 
 import numba
+import numpy as np
+from llvmlite import ir
+from numba.core import types
 from numba.cpython.unsafe.numbers import trailing_zeros as _hardware_trailing_zeros
+from numba.extending import intrinsic
 
 from .errors import DeepCabacWarning
 
@@ -53,7 +57,8 @@ def drop_stale_caches(root: str) -> None:
     """Remove the Numba caches of the package at ``root`` unless its kernel modules are those the
     stamp in ``root/__pycache__`` names; then stamp them."""
     try:
-        sources = sorted(glob.glob(os.path.join(root, "*", "_*kernels.py")))
+        # (and this module: its intrinsics are compiled into the kernels that call them)
+        sources = sorted(glob.glob(os.path.join(root, "*", "_*kernels.py")) + glob.glob(os.path.join(root, "_jit.py")))
         stamp = "\n".join(f"{os.path.relpath(p, root)} {st.st_mtime_ns} {st.st_size}"
                           for p in sources for st in [os.stat(p)])
         marker = os.path.join(root, "__pycache__", "kernel-sources.stamp")
@@ -92,6 +97,45 @@ def _python_trailing_zeros(x):
 # The processor's own count (one instruction, where a de Bruijn multiplication and a table load took
 # a fifth of mode 3's split); the pure-Python path counts in Python: an intrinsic runs only compiled.
 trailing_zeros = _python_trailing_zeros if numba.config.DISABLE_JIT else _hardware_trailing_zeros
+
+
+@intrinsic
+def _unaligned_u64(typingctx, array, byte):
+    """The eight bytes at byte offset ``byte`` of a contiguous array's data, little-endian (the
+    machine's order: Numba runs on little-endian machines only), unchecked."""
+    if not (isinstance(array, types.Array) and array.ndim == 1 and array.layout == "C"
+            and isinstance(byte, types.Integer)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        at = builder.gep(builder.bitcast(data, ir.IntType(8).as_pointer()), [args[1]])
+        return builder.load(builder.bitcast(at, ir.IntType(64).as_pointer()), align=1)
+
+    return types.uint64(array, byte), codegen
+
+
+if numba.config.DISABLE_JIT:
+    def load_le64(array, byte):
+        """The eight bytes of ``array`` (contiguous, 1-d) from byte ``byte`` on, as a little-endian
+        uint64; they must lie inside the array."""
+        data = array.view(np.uint8)
+        byte = int(byte)
+        if byte < 0 or byte + 8 > data.shape[0]:
+            raise IndexError(f"eight bytes from byte {byte} of a {data.shape[0]}-byte array")
+        return np.uint64(int.from_bytes(data[byte:byte + 8].tobytes(), "little"))
+elif numba.config.BOUNDSCHECK:
+    # (the fuzz targets run with bounds checks: an unchecked read would hide what they look for)
+    @inline
+    def load_le64(array, byte):
+        if byte < 0 or byte + 8 > array.shape[0] * array.itemsize:
+            raise IndexError("an unaligned read outside its array")
+        return _unaligned_u64(array, byte)
+else:
+    @inline
+    def load_le64(array, byte):
+        """One load for what two aligned words, a shift and an OR would take."""
+        return _unaligned_u64(array, byte)
 
 
 def not_yet_compiled(*kernels) -> bool:

@@ -161,3 +161,10 @@ def test_a_changed_kernel_module_drops_every_cached_kernel(tmp_path):
     fill()
     drop_stale_caches(str(root))
     assert all(f.exists() for f in cached)
+    # the package's own Numba helpers are compiled into the kernels too
+    (root / "_jit.py").write_text("y = 1\n")
+    drop_stale_caches(str(root))
+    assert not any(f.exists() for f in cached)
+    fill()
+    drop_stale_caches(str(root))
+    assert all(f.exists() for f in cached)

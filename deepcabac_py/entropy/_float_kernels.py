@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._jit import inline, kernel, trailing_zeros
+from .._jit import inline, kernel, load_le64, trailing_zeros
 
 PROB_BITS = 14  # frequencies of a table sum to 2**PROB_BITS
 PROB_SCALE = 1 << PROB_BITS
@@ -407,8 +407,9 @@ def _raw_bits(raw, p, k, after):
 
 @inline
 def _raw_near(raw, p, k):
-    """:func:`_raw_at` where the word after the one holding bit ``p`` is known to exist."""
-    return _raw_bits(raw, p, k, (_U(p) >> _U(5)) + _U(1))
+    """:func:`_raw_at` where the eight bytes from the one holding bit ``p`` are known to lie in
+    ``raw`` (``k`` <= 56 here)."""
+    return np.int64(load_le64(raw, _U(p) >> _U(3)) >> _U(p & 7)) & ((np.int64(1) << k) - 1)
 
 
 @inline
@@ -1110,16 +1111,14 @@ def _tans_placed(entry, W, M):
 
 @inline
 def _peek64(words, pos):
-    """The 64 bits of the stream from bit ``pos`` (three words from the one holding it must exist)."""
-    w = _U(pos) >> _U(5)
-    off = _U(pos & 31)
-    return (((np.uint64(words[w]) | (np.uint64(words[w + _U(1)]) << _U(32))) >> off)
-            | ((np.uint64(words[w + _U(2)]) << (_U(63) - off)) << _U(1)))
+    """The stream's bits from bit ``pos`` on (57 of them at least; the eight bytes from the one
+    holding bit pos must lie in the words)."""
+    return load_le64(words, _U(pos) >> _U(3)) >> _U(pos & 7)
 
 
 @inline
 def _tans_group(flat, base, x0, x1, x2, x3, words, pos):
-    """The four states' next symbols (a whole group: three words from the one holding bit ``pos``
+    """The four states' next symbols (a whole group: eight bytes from the one holding bit ``pos``
     must exist): (their entries, the new states, the new bit position)."""
     e0, n0 = _tans_entry(flat, base, x0)
     e1, n1 = _tans_entry(flat, base, x1)
@@ -1163,44 +1162,55 @@ def _tans_segment(form, x0, x1, x2, x3, pos, total, lo, stop, base, flat, words,
             return x0, x1, x2, x3, pos, err
         i += 1
     groups_end = i + ((stop - i) & ~3)
-    # whole groups while three words are left to read (at most 52 bits a group, then the padding)
-    # and the group's raw bits and the word after them are there (they start below raw_limit: a
-    # bound on i, worked out once)
-    raw_limit = 32 * (raw.shape[0] - 1) - 4 * k
+    # whole groups while eight bytes are left to read (at most 52 bits a group) and the group's raw
+    # bits and eight bytes from the last one's are there (they start below raw_limit: a bound on i,
+    # worked out once)
+    raw_limit = 32 * (raw.shape[0] - 2) - 4 * k
     groups_end = min(groups_end, lo + max(0, (raw_limit - bit0 + k - 1) // k))
     while i < groups_end and pos + 64 <= total:
-        e0, e1, e2, e3, x0, x1, x2, x3, pos = _tans_group(flat, base, x0, x1, x2, x3, words, pos)
-        at = bit0 + (i - lo) * k
-        if (form == FAST or form == LOOKUP) and k <= 16:
-            # the raw bits of two elements (four, at most 8 bits each) in one read: the reads,
-            # not the states, are the limit here
-            if k <= 8:
-                r = _raw_near(raw, at, 4 * k)
-                r01, r23 = r & ((np.int64(1) << (2 * k)) - 1), r >> (2 * k)
+        # the groups that cannot reach the last eight bytes (each reads at most 4 * TANS_MAX_BITS
+        # bits), checked once for them all: the loop then keeps one bound in a register
+        run_end = min(groups_end, i + 4 * ((total - 64 - pos) // (4 * TANS_MAX_BITS) + 1))
+        while i < run_end:
+            e0, e1, e2, e3, x0, x1, x2, x3, pos = _tans_group(flat, base, x0, x1, x2, x3, words, pos)
+            at = bit0 + (i - lo) * k
+            if (form == FAST or form == LOOKUP) and k <= 16:
+                # the raw bits of two elements (four, at most 8 bits each) in one read: the reads,
+                # not the states, are the limit here
+                if k <= 8:
+                    r = _raw_near(raw, at, 4 * k)
+                    r01, r23 = r & ((np.int64(1) << (2 * k)) - 1), r >> (2 * k)
+                else:
+                    r01, r23 = _raw_near(raw, at, 2 * k), _raw_near(raw, at + 2 * k, 2 * k)
+                mask = (np.int64(1) << k) - 1
+                if form == LOOKUP:
+                    out[_U(i)] = np.int64(lut[_U(r01 & mask)]) | _tans_placed(e0, W, M)
+                    out[_U(i + 1)] = np.int64(lut[_U(r01 >> k)]) | _tans_placed(e1, W, M)
+                    out[_U(i + 2)] = np.int64(lut[_U(r23 & mask)]) | _tans_placed(e2, W, M)
+                    out[_U(i + 3)] = np.int64(lut[_U(r23 >> k)]) | _tans_placed(e3, W, M)
+                else:
+                    out[_U(i)] = _fast_placed(r01 & mask, _tans_placed(e0, W, M), W, M, z, low_bits)
+                    out[_U(i + 1)] = _fast_placed(r01 >> k, _tans_placed(e1, W, M), W, M, z, low_bits)
+                    out[_U(i + 2)] = _fast_placed(r23 & mask, _tans_placed(e2, W, M), W, M, z, low_bits)
+                    out[_U(i + 3)] = _fast_placed(r23 >> k, _tans_placed(e3, W, M), W, M, z, low_bits)
+            elif form == FAST:  # (k <= 32: float32; two elements' raw bits in one read while they fit)
+                mask = (np.int64(1) << k) - 1
+                if k <= 28:
+                    r01, r23 = _raw_near(raw, at, 2 * k), _raw_near(raw, at + 2 * k, 2 * k)
+                    r0, r1, r2, r3 = r01 & mask, r01 >> k, r23 & mask, r23 >> k
+                else:
+                    r0, r1 = _raw_near(raw, at, k), _raw_near(raw, at + k, k)
+                    r2, r3 = _raw_near(raw, at + 2 * k, k), _raw_near(raw, at + 3 * k, k)
+                out[_U(i)] = _fast_placed(r0, _tans_placed(e0, W, M), W, M, z, low_bits)
+                out[_U(i + 1)] = _fast_placed(r1, _tans_placed(e1, W, M), W, M, z, low_bits)
+                out[_U(i + 2)] = _fast_placed(r2, _tans_placed(e2, W, M), W, M, z, low_bits)
+                out[_U(i + 3)] = _fast_placed(r3, _tans_placed(e3, W, M), W, M, z, low_bits)
             else:
-                r01, r23 = _raw_near(raw, at, 2 * k), _raw_near(raw, at + 2 * k, 2 * k)
-            mask = (np.int64(1) << k) - 1
-            if form == LOOKUP:
-                out[_U(i)] = np.int64(lut[_U(r01 & mask)]) | _tans_placed(e0, W, M)
-                out[_U(i + 1)] = np.int64(lut[_U(r01 >> k)]) | _tans_placed(e1, W, M)
-                out[_U(i + 2)] = np.int64(lut[_U(r23 & mask)]) | _tans_placed(e2, W, M)
-                out[_U(i + 3)] = np.int64(lut[_U(r23 >> k)]) | _tans_placed(e3, W, M)
-            else:
-                out[_U(i)] = _fast_placed(r01 & mask, _tans_placed(e0, W, M), W, M, z, low_bits)
-                out[_U(i + 1)] = _fast_placed(r01 >> k, _tans_placed(e1, W, M), W, M, z, low_bits)
-                out[_U(i + 2)] = _fast_placed(r23 & mask, _tans_placed(e2, W, M), W, M, z, low_bits)
-                out[_U(i + 3)] = _fast_placed(r23 >> k, _tans_placed(e3, W, M), W, M, z, low_bits)
-        elif form == FAST:  # (k <= 32: float32; the reads need no clamp here, as above)
-            out[_U(i)] = _fast_placed(_raw_near(raw, at, k), _tans_placed(e0, W, M), W, M, z, low_bits)
-            out[_U(i + 1)] = _fast_placed(_raw_near(raw, at + k, k), _tans_placed(e1, W, M), W, M, z, low_bits)
-            out[_U(i + 2)] = _fast_placed(_raw_near(raw, at + 2 * k, k), _tans_placed(e2, W, M), W, M, z, low_bits)
-            out[_U(i + 3)] = _fast_placed(_raw_near(raw, at + 3 * k, k), _tans_placed(e3, W, M), W, M, z, low_bits)
-        else:
-            _emit(form, out, i, _tans_symbol(e0, W, M), raw, at, W, M, z, low_bits, k)
-            _emit(form, out, i + 1, _tans_symbol(e1, W, M), raw, at + k, W, M, z, low_bits, k)
-            _emit(form, out, i + 2, _tans_symbol(e2, W, M), raw, at + 2 * k, W, M, z, low_bits, k)
-            _emit(form, out, i + 3, _tans_symbol(e3, W, M), raw, at + 3 * k, W, M, z, low_bits, k)
-        i += 4
+                _emit(form, out, i, _tans_symbol(e0, W, M), raw, at, W, M, z, low_bits, k)
+                _emit(form, out, i + 1, _tans_symbol(e1, W, M), raw, at + k, W, M, z, low_bits, k)
+                _emit(form, out, i + 2, _tans_symbol(e2, W, M), raw, at + 2 * k, W, M, z, low_bits, k)
+                _emit(form, out, i + 3, _tans_symbol(e3, W, M), raw, at + 3 * k, W, M, z, low_bits, k)
+            i += 4
     while i < stop:  # (the segment's last elements, or the stream's last bits)
         x0, x1, x2, x3, pos, err = _tans_one(one, i, x0, x1, x2, x3, pos, total, base, flat, words, out, raw,
                                              bit0 + (i - lo) * k, W, M, z, low_bits, k)
@@ -2032,18 +2042,22 @@ def decode_tz(words, first_bit, x0, x1, x2, x3, raw, seg_len, classes, precision
             if err != OK:
                 return err
             i += 1
-        # whole groups while three words are left to read (at most 52 bits a group) and the group's
-        # raw bits (at most 88) and the word after them are there
+        # whole groups while eight bytes are left to read (at most 52 bits a group) and the group's
+        # raw bits (at most 88) and eight bytes from the last one's are there
         while i + 4 <= stop and pos + 64 <= total and at + 160 <= 32 * nw:
-            e0, e1, e2, e3, x0, x1, x2, x3, pos = _tans_group(flat, base, x0, x1, x2, x3, words, pos)
-            c0, c1, c2, c3 = _tz_count(e0), _tz_count(e1), _tz_count(e2), _tz_count(e3)
-            k0, k1, k2, k3 = count[c0], count[c1], count[c2], count[c3]
-            out[_U(i)] = _tz_float(e0, c0, _raw_near(raw, at, k0), shift, implied)
-            out[_U(i + 1)] = _tz_float(e1, c1, _raw_near(raw, at + k0, k1), shift, implied)
-            out[_U(i + 2)] = _tz_float(e2, c2, _raw_near(raw, at + k0 + k1, k2), shift, implied)
-            out[_U(i + 3)] = _tz_float(e3, c3, _raw_near(raw, at + k0 + k1 + k2, k3), shift, implied)
-            at += k0 + k1 + k2 + k3
-            i += 4
+            # (the groups that cannot cross those bounds, checked once for them all, as in _tans_segment)
+            runs = min((total - 64 - pos) // (4 * TANS_MAX_BITS), (32 * nw - 160 - at) // 88) + 1
+            run_end = min(stop - 3, i + 4 * runs)
+            while i < run_end:
+                e0, e1, e2, e3, x0, x1, x2, x3, pos = _tans_group(flat, base, x0, x1, x2, x3, words, pos)
+                c0, c1, c2, c3 = _tz_count(e0), _tz_count(e1), _tz_count(e2), _tz_count(e3)
+                k0, k1, k2, k3 = count[c0], count[c1], count[c2], count[c3]
+                out[_U(i)] = _tz_float(e0, c0, _raw_near(raw, at, k0), shift, implied)
+                out[_U(i + 1)] = _tz_float(e1, c1, _raw_near(raw, at + k0, k1), shift, implied)
+                out[_U(i + 2)] = _tz_float(e2, c2, _raw_near(raw, at + k0 + k1, k2), shift, implied)
+                out[_U(i + 3)] = _tz_float(e3, c3, _raw_near(raw, at + k0 + k1 + k2, k3), shift, implied)
+                at += k0 + k1 + k2 + k3
+                i += 4
         while i < stop:  # (the segment's last elements, or the streams' last bits)
             x0, x1, x2, x3, pos, at, err = _tz_one(i, x0, x1, x2, x3, pos, total, base, flat, words, out, raw, at, nw,
                                                    tz)

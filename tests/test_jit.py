@@ -1,0 +1,58 @@
+"""The package's own compiled helpers (deepcabac_py._jit) against plain Python."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numba
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from deepcabac_py._jit import load_le64, trailing_zeros
+
+
+@numba.njit
+def _compiled_load(array, byte):
+    return load_le64(array, byte)
+
+
+@numba.njit
+def _compiled_trailing_zeros(x):
+    return trailing_zeros(x)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(min_size=8, max_size=64), st.data(), st.sampled_from([np.uint8, np.uint32]))
+def test_an_unaligned_load_is_the_eight_bytes_little_endian(raw, data, dtype):
+    raw = raw[:len(raw) // np.dtype(dtype).itemsize * np.dtype(dtype).itemsize]
+    array = np.frombuffer(raw, dtype=dtype).copy()
+    byte = data.draw(st.integers(0, len(raw) - 8))
+    assert int(_compiled_load(array, byte)) == int.from_bytes(raw[byte:byte + 8], "little")
+
+
+@given(st.integers(1, 2**64 - 1))
+def test_trailing_zeros_counts_the_low_zero_bits(x):
+    expected = (x & -x).bit_length() - 1
+    assert _compiled_trailing_zeros(np.uint64(x)) == expected
+
+
+def test_an_unaligned_load_past_the_end_is_refused_under_bounds_checks(tmp_path):
+    # the fuzz targets run with NUMBA_BOUNDSCHECK=1: there the load must check its bytes as an
+    # array index would
+    code = ("import numba, numpy as np\n"
+            "from deepcabac_py._jit import load_le64\n"
+            "f = numba.njit(lambda a, i: load_le64(a, i))\n"
+            "a = np.arange(4, dtype=np.uint32)\n"
+            "assert int(f(a, 8)) == 2 | 3 << 32\n"
+            "for bad in (9, 12, -1):\n"
+            "    try:\n"
+            "        f(a, bad)\n"
+            "    except IndexError:\n"
+            "        continue\n"
+            "    raise SystemExit(f'byte {bad} was read')\n")
+    env = dict(os.environ, NUMBA_BOUNDSCHECK="1", NUMBA_CACHE_DIR=str(tmp_path))
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr + run.stdout
