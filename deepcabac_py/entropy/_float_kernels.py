@@ -2052,10 +2052,13 @@ def decode_tz(words, first_bit, x0, x1, x2, x3, raw, seg_len, classes, precision
                 e0, e1, e2, e3, x0, x1, x2, x3, pos = _tans_group(flat, base, x0, x1, x2, x3, words, pos)
                 c0, c1, c2, c3 = _tz_count(e0), _tz_count(e1), _tz_count(e2), _tz_count(e3)
                 k0, k1, k2, k3 = count[c0], count[c1], count[c2], count[c3]
-                out[_U(i)] = _tz_float(e0, c0, _raw_near(raw, at, k0), shift, implied)
-                out[_U(i + 1)] = _tz_float(e1, c1, _raw_near(raw, at + k0, k1), shift, implied)
-                out[_U(i + 2)] = _tz_float(e2, c2, _raw_near(raw, at + k0 + k1, k2), shift, implied)
-                out[_U(i + 3)] = _tz_float(e3, c3, _raw_near(raw, at + k0 + k1 + k2, k3), shift, implied)
+                # two elements' raw bits to a read (at most 44 of its 57 bits)
+                r01 = _raw_near(raw, at, k0 + k1)
+                r23 = _raw_near(raw, at + k0 + k1, k2 + k3)
+                out[_U(i)] = _tz_float(e0, c0, r01 & ((np.int64(1) << k0) - 1), shift, implied)
+                out[_U(i + 1)] = _tz_float(e1, c1, r01 >> k0, shift, implied)
+                out[_U(i + 2)] = _tz_float(e2, c2, r23 & ((np.int64(1) << k2) - 1), shift, implied)
+                out[_U(i + 3)] = _tz_float(e3, c3, r23 >> k2, shift, implied)
                 at += k0 + k1 + k2 + k3
                 i += 4
         while i < stop:  # (the segment's last elements, or the streams' last bits)
