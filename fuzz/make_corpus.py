@@ -207,6 +207,10 @@ def float_chunks() -> dict[str, bytes]:
         flat = a.reshape(-1)
         seg = floatcoder.segment_length(a.shape)
         out[f"{name}.bin"] = struct.pack("<BHH", code, flat.size, seg) + floatcoder.encode_chunk(flat, name, seg)
+        if name in ("bfloat16", "float16"):  # low-bit mode 4 (64 rANS states): no segment may drop a bit
+            odd = flat.view(np.uint16) | 1
+            out[f"{name}_mode4.bin"] = (struct.pack("<BHH", code, flat.size, seg)
+                                        + floatcoder.encode_chunk(odd, name, seg, wide=True))
         # low-bit mode 3 (float32) or 2 (trailing zeros), of the values rounded to one grid
         grid = np.ldexp(np.round(np.ldexp(torch.as_tensor(t).double().numpy(), 30)), -30)
         g = torch.from_numpy(grid).to(t.dtype if name == "bfloat16" else torch.float64)

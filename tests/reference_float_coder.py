@@ -544,3 +544,45 @@ def encode_magnitudes(values: list[int], width: int, seg: int) -> bytes:
         nbits += 1 + count
     raw = [(bits >> (32 * k)) & 0xFFFFFFFF for k in range(-(-nbits // 32))]
     return _tail([sym for sym, _, _ in symbols], seg, klog, precision, sent, classes, raw)
+
+
+WIDE_LANES = 64
+WIDE_L = 1 << 16
+
+
+def encode_wide(words: list[int], dtype_name: str, seg: int) -> bytes | None:
+    """Low-bit mode 4 (docs/format.md §4.4): 16-bit floats dropping no low bit, the symbols by 64
+    rANS states, element i on state i % 64; None where a segment has low bits zero throughout."""
+    W, M = floatcoder.FORMATS[dtype_name]
+    assert W == 16
+    n = len(words)
+    means = []
+    for _, idx in _segments(n, seg):
+        acc = 0
+        for i in idx:
+            acc |= words[i] & ((1 << M) - 1)
+        if not acc & 1:
+            return None
+        means.append(sum((words[i] >> M) & ((1 << (W - 1 - M)) - 1) for i in idx) / len(idx))
+    classes16 = _classes16(means)
+    alphabet = 1 << (W - 1 - M + TOP)
+    hist = np.zeros((16, alphabet), dtype=np.int64)
+    for j, idx in _segments(n, seg):
+        for i in idx:
+            hist[classes16[j], _split(words[i], W, M, 0)[0]] += 1
+    klog, precision, sent = choose_classes(hist, len(means), TANS_MAX_BITS)
+    classes = [c >> (4 - klog) for c in classes16]
+    raw = _packed([_split(w, W, M, 0)[1:] for w in words])
+    starts = [[sum(row[:s]) for s in range(len(row))] for row in sent]
+    x = [WIDE_L] * WIDE_LANES
+    pushed = []
+    for i in reversed(range(n)):
+        c, s = classes[i // seg], _split(words[i], W, M, 0)[0]
+        f, state = sent[c][s], x[i % WIDE_LANES]
+        if state >= f << (32 - precision):
+            pushed.append(state & 0xFFFF)
+            state >>= 16
+        x[i % WIDE_LANES] = (state // f << precision) + state % f + starts[c][s]
+    coder = pushed[::-1]
+    return (bytes([TANS_FLAG | 4]) + _tables(klog, precision, sent, classes) + struct.pack("<64I", *x)
+            + struct.pack(f"<I{len(coder)}H", len(coder), *coder) + struct.pack(f"<{len(raw)}I", *raw))

@@ -3,6 +3,11 @@ kernels against the plain-Python reference, the dropped low bits, and damaged su
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -12,6 +17,7 @@ from reference_float_coder import decode as ref_decode
 from reference_float_coder import encode as ref_encode
 from reference_float_coder import encode_trailing as ref_encode_trailing
 from reference_float_coder import encode_tz as ref_encode_tz
+from reference_float_coder import encode_wide as ref_encode_wide
 
 import deepcabac_py as dc
 from deepcabac_py.entropy import floatcoder
@@ -137,10 +143,9 @@ def test_rans_substreams_of_the_version_7_writer_still_decode(dtype_name, n, seg
     assert out.view(np.uint8).tobytes() == flat.view(np.uint8).tobytes()
 
 
-def _tans_layout(data: bytes, nseg: int) -> dict[str, int]:
-    """Where each field of a tANS substream begins (the fields as the decoder names them)."""
-    at = {"low-bit count" if data[0] == floatcoder.TANS_FLAG else "low-bit counts": 1}
-    pos = 2 if data[0] == floatcoder.TANS_FLAG else 1 + nseg
+def _class_tables_layout(data: bytes, pos: int, nseg: int, at: dict[str, int]) -> int:
+    """Where the class count, classes, table size and tables begin (into ``at``), from ``pos``;
+    where they end."""
     at["class count and table precision"] = pos
     klog = data[pos]
     pos += 2
@@ -149,7 +154,13 @@ def _tans_layout(data: bytes, nseg: int) -> dict[str, int]:
         pos += -(-nseg // 2)
     at["table size"] = pos
     at["tables"] = pos + 4
-    pos += 4 + int.from_bytes(data[pos:pos + 4], "little")
+    return pos + 4 + int.from_bytes(data[pos:pos + 4], "little")
+
+
+def _tans_layout(data: bytes, nseg: int) -> dict[str, int]:
+    """Where each field of a tANS substream begins (the fields as the decoder names them)."""
+    at = {"low-bit count" if data[0] == floatcoder.TANS_FLAG else "low-bit counts": 1}
+    pos = _class_tables_layout(data, 2 if data[0] == floatcoder.TANS_FLAG else 1 + nseg, nseg, at)
     at["coder states"] = pos
     at["coder size"] = pos + 9
     at["coder words"] = pos + 13
@@ -381,16 +392,16 @@ def _flipped(data: bytes, rng) -> list[bytes]:
     return out
 
 
-@pytest.mark.parametrize("coder_param", [0, 3, 8])
+@pytest.mark.parametrize("coder_param", [0, 3, 16])
 def test_a_float_entry_that_misstates_its_revision_is_refused(coder_param):
     from deepcabac_py.model.container import pack_header
     rng = np.random.default_rng(4)
     data = dc.encode_model({"w": _grid_weights(rng, "float32", (64, 512))}, keep_exact=True, threads=1)
     h = read_header(data)
     assert h.version == 9 and h.tensors[0].coder_param == floatcoder.TZ_REVISION
-    h.tensors[0].coder_param = coder_param  # (0 and 3: mode 3 without its bit; 8: no such bit)
+    h.tensors[0].coder_param = coder_param  # (0 and 3: mode 3 without its bit; 16: no such bit)
     bad = pack_header(h.qp, h.qp_1d, h.qp_density, h.metadata, h.tensors) + data[h.header_size:]
-    with pytest.raises(CorruptStreamError, match="coder parameter 8" if coder_param == 8 else "low-bit mode 3"):
+    with pytest.raises(CorruptStreamError, match="coder parameter 16" if coder_param == 16 else "low-bit mode 3"):
         dc.decode_model(bad)
 
 
@@ -610,3 +621,104 @@ def test_histogram_counts_each_symbol_in_its_segments_class(n):
     expected = np.zeros_like(hist)
     np.add.at(expected, (np.repeat(classes, seg)[:n], symbols), 1)
     np.testing.assert_array_equal(hist, expected)
+
+
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(1, 900), seg=st.integers(256, 400), dtype_name=st.sampled_from(["bfloat16", "float16"]),
+       seed=st.integers(0, 2**32 - 1), scale=st.sampled_from([1e-3, 0.05, 3.0]))
+def test_mode_4_matches_the_reference_and_round_trips(n, seg, dtype_name, seed, scale):
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal(n) * scale).astype(np.float32)
+    words = ((x.view(np.uint32) >> 16) | 1).astype(np.uint16) if dtype_name == "bfloat16" \
+        else (x.astype(np.float16).view(np.uint16) | 1)  # (no low bit dropped: mode 4 takes the chunk)
+    data = floatcoder.encode_chunk(words, dtype_name, seg, wide=True)
+    assert data == ref_encode_wide([int(w) for w in words], dtype_name, seg)
+    out = np.zeros(n, dtype=np.uint16)
+    floatcoder.decode_chunk(data, dtype_name, seg, out)
+    assert np.array_equal(out, words)
+
+
+def _wide_chunk(seed: int, dtype_name: str, shape) -> tuple[np.ndarray, int, bytes, dict[str, int]]:
+    """A mode 4 substream of weights of ``shape`` (rows of different scales), their segment length
+    and where its fields begin."""
+    a = _weights(np.random.default_rng(seed), dtype_name, shape).reshape(-1)
+    w = a.view(np.uint16)
+    w |= 1  # (no segment drops a low bit)
+    seg = floatcoder.segment_length(shape)
+    data = floatcoder.encode_chunk(a, dtype_name, seg, wide=True)
+    assert data[0] == floatcoder.WIDE_BYTE
+    at: dict[str, int] = {}
+    pos = _class_tables_layout(data, 1, -(-a.size // seg), at)
+    at["coder states"] = pos
+    at["coder size"] = pos + 256
+    at["coder words"] = pos + 260
+    at["raw bits"] = pos + 260 + 2 * int.from_bytes(data[pos + 256:pos + 260], "little")
+    return a, seg, data, at
+
+
+@pytest.mark.parametrize("dtype_name", ["bfloat16", "float16"])
+def test_a_mode_4_substream_cut_short_or_with_impossible_fields_is_refused(dtype_name):
+    a, seg, data, at = _wide_chunk(13, dtype_name, (40, 300))
+    assert "classes" in at
+
+    def refused(bad: bytes, what: str) -> None:
+        _refused(bad, dtype_name, seg, a, what)
+
+    fields = sorted(at.items(), key=lambda kv: kv[1])
+    for cut in range(1, len(data), 7):
+        field = [name for name, start in fields if start <= cut][-1]
+        refused(data[:cut], f"ends inside its {field}|tables do not fill|raw bits of")
+    refused(data + bytes(4), "4 bytes after the raw bits")
+    states = at["coder states"]
+    refused(data[:states + 8] + (0xFFFF).to_bytes(4, "little") + data[states + 12:], "initial coder state of 65535")
+    refused(data[:2] + bytes([14]) + data[3:], "precision|frequency table")
+    size = at["coder size"]
+    count = int.from_bytes(data[size:size + 4], "little")
+    refused(data[:size] + (count - 1).to_bytes(4, "little") + data[size + 4:], "substream")
+    with pytest.raises(CorruptStreamError, match="only 16-bit floats take"):
+        floatcoder.decode_chunk(data, "float32", seg, np.empty(a.size, dtype=np.float32))
+    out = np.empty_like(a)
+    floatcoder.decode_chunk(data, dtype_name, seg, out)  # (the original decodes)
+    assert out.view(np.uint8).tobytes() == a.view(np.uint8).tobytes()
+
+
+@pytest.mark.parametrize("dtype_name", ["bfloat16", "float16"])
+def test_damaged_mode_4_substreams_are_refused_or_decode_within_bounds(dtype_name):
+    rng = np.random.default_rng(6)
+    a, seg, data, _ = _wide_chunk(14, dtype_name, (30, 256))
+    for bad in _flipped(data, rng) + [data[:-2] + data[-1:]]:
+        try:
+            floatcoder.decode_chunk(bad, dtype_name, seg, np.empty_like(a))
+        except CorruptStreamError as exc:
+            assert "substream" in str(exc)
+
+
+def test_mode_4_is_taken_for_large_16_bit_chunks_that_drop_no_bit():
+    rng = np.random.default_rng(15)
+    a = _weights(rng, "float16", (512, 256)).reshape(-1)
+    a.view(np.uint16)[:] |= 1
+    seg = floatcoder.segment_length((512, 256))
+    assert a.size >= floatcoder.WIDE_FROM
+    assert floatcoder.encode_chunk(a, "float16", seg)[0] == floatcoder.WIDE_BYTE
+    assert floatcoder.encode_chunk(a[:floatcoder.WIDE_FROM - seg], "float16", seg)[0] == floatcoder.TANS_FLAG
+    a.view(np.uint16)[:seg] &= 0xFFFE  # (a segment dropping a bit: modes 0 and 1 drop it)
+    assert floatcoder.encode_chunk(a, "float16", seg)[0] == floatcoder.TANS_FLAG | 1
+    assert floatcoder.revision_of([floatcoder.encode_chunk(a, "float16", seg, wide=False),
+                                   _wide_chunk(1, "bfloat16", (4, 300))[2]]) == (floatcoder.TANS_REVISION
+                                                                                | floatcoder.WIDE_REVISION)
+
+
+def test_the_scalar_steps_give_the_vector_steps_bytes_and_values(tmp_path):
+    """Processors without AVX-512's VBMI2 run mode 4 one element at a time: the mode-4 tests again
+    (reference bytes, round trips, damage, golden substreams) with that path forced, in a Numba
+    cache of its own (a cached kernel keeps the steps it was compiled with)."""
+    tests = Path(__file__).resolve().parent
+    env = dict(os.environ, DEEPCABAC_SCALAR_STEPS="1", NUMBA_CACHE_DIR=str(tmp_path))
+    env.pop("DEEPCABAC_REGEN_GOLDEN", None)
+    check = "from deepcabac_py.entropy import _wide_kernels as w; assert not w.VECTOR_STEPS"
+    subprocess.run([sys.executable, "-c", check], env=env, check=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", "-k", "mode_4",
+                           str(tests / "test_floatcoder.py"), str(tests / "test_golden.py")],
+                          env=env, cwd=tests.parent, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout and "skipped" not in proc.stdout

@@ -231,3 +231,28 @@ def test_golden_files_are_small():
     # about 11 KB of it is linear.dcb: the linear prediction needs 768 x 48 elements at least
     total = sum(p.stat().st_size for p in GOLDEN.iterdir() if p.suffix in (".dcb", ".npz"))
     assert total < 50_000  # (lossless_v6.dcb to lossless_v8.dcb: 5 KB each)
+
+
+def _mode4_words(dtype_name: str) -> np.ndarray:
+    """1,200 16-bit floats from frozen draws, a low bit set in every one (so that no segment drops a
+    bit and low-bit mode 4 takes them)."""
+    x = torch.from_numpy(golden_floats(31, (4, 300), -3))
+    t = x.to(torch.bfloat16 if dtype_name == "bfloat16" else torch.float16)
+    return t.view(torch.int16).numpy().view(np.uint16).reshape(-1) | 1
+
+
+@pytest.mark.parametrize("dtype_name", ["bfloat16", "float16"])
+def test_the_mode_4_golden_substreams_decode_and_are_reproduced(dtype_name):
+    from deepcabac_py.entropy import floatcoder
+    words = _mode4_words(dtype_name)
+    seg = floatcoder.segment_length((4, 300))
+    path = GOLDEN / f"mode4_{dtype_name}.bin"
+    data = floatcoder.encode_chunk(words, dtype_name, seg, wide=True)
+    if REGEN:
+        path.write_bytes(data)
+    committed = path.read_bytes()
+    assert committed[0] == floatcoder.WIDE_BYTE
+    out = np.empty_like(words)
+    floatcoder.decode_chunk(committed, dtype_name, seg, out)
+    assert np.array_equal(out, words)
+    assert data == committed

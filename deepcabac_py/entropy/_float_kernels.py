@@ -1412,7 +1412,7 @@ def decode_tans_substream(data, n, seg_len, W, M, out, detail):
 
 
 @inline
-def _put_u32(out, pos, v):
+def put_u32(out, pos, v):
     for b in range(4):
         out[pos + b] = np.uint8((v >> (8 * b)) & 0xFF)
     return pos + 4
@@ -1460,9 +1460,10 @@ def _tans_work_parts(n, seg_len, W, M):
     alphabet = np.int64(1) << (W - 1 - M + TOP_BITS)
     classes = np.int64(1) << MAX_CLASSES_LOG2
     raw_words = ((n * (M - TOP_BITS + 1) + 31) >> 5) + 1
-    coded_words = n * TANS_MAX_BITS // 32 + 3
+    # (low-bit mode 4: a u16 word per element at most, gathered at the front and turned around into the end)
+    coded_words = max(n * TANS_MAX_BITS // 32 + 3, n + 16)
     tables = 8 + 4 * classes + 7 * classes * alphabet  # (as encode_tans_substream bounds them)
-    out = 1 + nseg + 2 + ((nseg + 1) >> 1) + 4 + tables + 9 + 4 + 4 * coded_words + 4 * raw_words
+    out = 1 + nseg + 2 + ((nseg + 1) >> 1) + 4 + tables + 4 * 64 + 4 + 4 * coded_words + 4 * raw_words  # (64 states)
     return 2 * n, 4 * raw_words, 8 * classes * alphabet, 32 * classes * alphabet, 4 * coded_words, out
 
 
@@ -1488,11 +1489,9 @@ def _carve(work, at, nbytes):
 
 
 @inline
-def _tans_code(symbols, seg_len, classes16, klog, precision, used_syms, sent, alphabet, work):
-    """The symbols (of ``alphabet``) by tANS with the chosen tables ``sent`` (2**klog classes at
-    ``precision``, over the symbols ``used_syms``, as :func:`_choose_used` gives them): (segment
-    classes, table bytes, their count, the first coded word, the first bit, the four final states,
-    the coded words, carved from ``work``)."""
+def classes_and_tables(classes16, klog, used_syms, sent):
+    """(each segment's class of the 2**klog, the tables' bytes, their count) of the chosen tables
+    ``sent`` over ``used_syms``."""
     nseg = classes16.shape[0]
     K = sent.shape[0]
     classes = np.empty(nseg, dtype=np.uint8)
@@ -1504,6 +1503,17 @@ def _tans_code(symbols, seg_len, classes16, klog, precision, used_syms, sent, al
             used += sent[c, u] > 0
     tables = np.zeros(8 + 4 * K + 7 * used, dtype=np.uint8)  # (gamma codes: a count, then a gap and a frequency)
     table_bytes = _write_used_tables(used_syms, sent, tables)
+    return classes, tables, table_bytes
+
+
+@inline
+def _tans_code(symbols, seg_len, classes16, klog, precision, used_syms, sent, alphabet, work):
+    """The symbols (of ``alphabet``) by tANS with the chosen tables ``sent`` (2**klog classes at
+    ``precision``, over the symbols ``used_syms``, as :func:`_choose_used` gives them): (segment
+    classes, table bytes, their count, the first coded word, the first bit, the four final states,
+    the coded words, carved from ``work``)."""
+    K = sent.shape[0]
+    classes, tables, table_bytes = classes_and_tables(classes16, klog, used_syms, sent)
     R = np.int64(1) << precision
     # (narrow tables: a class's states, at 2**13, then take 16 KB and stay in the L1 cache; by
     # symbol, but only the symbols each class uses are written and read: mode 3's alphabet of 2**14
@@ -1525,10 +1535,9 @@ def _tans_fields_size(klog, nseg, table_bytes, count, nraw):
 
 
 @inline
-def _put_tans_fields(out, pos, klog, precision, classes, tables, table_bytes, first_bit, xs, coded, begin, raw, nraw):
-    """Everything of a tANS substream after its head, from ``out[pos]`` to its end: class count,
-    precision, class nibbles, tables, first bit, the decoder's initial states ``xs``, the coded words
-    from ``begin`` and the ``nraw`` raw words."""
+def put_class_tables(out, pos, klog, precision, classes, tables, table_bytes):
+    """The class count, precision, class nibbles, table size and tables from ``out[pos]`` on; the
+    next place."""
     nseg = classes.shape[0]
     out[pos] = klog
     out[pos + 1] = precision
@@ -1538,9 +1547,17 @@ def _put_tans_fields(out, pos, klog, precision, classes, tables, table_bytes, fi
             hi = classes[j + 1] if j + 1 < nseg else 0
             out[pos + (j >> 1)] = classes[j] | (hi << 4)
         pos += (nseg + 1) >> 1
-    pos = _put_u32(out, pos, table_bytes)
+    pos = put_u32(out, pos, table_bytes)
     out[pos:pos + table_bytes] = tables[:table_bytes]
-    pos += table_bytes
+    return pos + table_bytes
+
+
+@inline
+def _put_tans_fields(out, pos, klog, precision, classes, tables, table_bytes, first_bit, xs, coded, begin, raw, nraw):
+    """Everything of a tANS substream after its head, from ``out[pos]`` to its end: class count,
+    precision, class nibbles, tables, first bit, the decoder's initial states ``xs``, the coded words
+    from ``begin`` and the ``nraw`` raw words."""
+    pos = put_class_tables(out, pos, klog, precision, classes, tables, table_bytes)
     out[pos] = first_bit
     pos += 1
     for x in xs:
@@ -1548,22 +1565,20 @@ def _put_tans_fields(out, pos, klog, precision, classes, tables, table_bytes, fi
         out[pos + 1] = x >> 8
         pos += 2
     count = coded.shape[0] - begin
-    pos = _put_u32(out, pos, count)
+    pos = put_u32(out, pos, count)
     # (the words little-endian as they are in memory: Numba runs on little-endian machines only)
     out[pos:pos + 4 * count].view(np.uint32)[:] = coded[begin:]
     pos += 4 * count
     out[pos:pos + 4 * nraw].view(np.uint32)[:] = raw[:nraw]
 
 
-@kernel
-def encode_tans_substream(words, seg_len, W, M, zeros, classes16, costs, work):
-    """The whole substream of low-bit mode 0 or 1 (mode 0 where every segment drops as many low
-    bits) with its symbols by tANS, as bytes (``zeros``: each segment's low bits zero,
-    ``classes16``: its class of 16, both as :func:`segment_classes` finds them, or both empty:
-    found here, during the split): what :func:`decode_tans_substream` reads. Its large arrays are
-    carved from ``work`` (uint8, :func:`tans_work_bytes` of them), which the caller keeps from chunk
-    to chunk: buffers of megabytes allocated for every chunk cost their first touch, page by page,
-    every time. Returns the substream, a view into ``work``."""
+@inline
+def split_and_choose(words, seg_len, W, M, zeros, classes16, costs, max_bits, work):
+    """The front of a substream's encoding: the split into symbols and raw bits, the histograms and
+    the tables' choice (``zeros``, ``classes16``: as :func:`encode_tans_substream` takes them).
+    Returns (zeros, classes16, symbols, raw words, their count, klog, precision, the used symbols,
+    the chosen tables, the coded words' bytes, the next free byte of ``work``), all carved from
+    ``work`` (:func:`tans_work_bytes` of it)."""
     n = words.shape[0]
     alphabet = np.int64(1) << (W - 1 - M + TOP_BITS)
     nclasses = np.int64(1) << MAX_CLASSES_LOG2
@@ -1594,8 +1609,24 @@ def encode_tans_substream(words, seg_len, W, M, zeros, classes16, costs, work):
         part[:] = 0
         _histogram_into(symbols, seg_len, classes16, hist16, part)
         hist, used_syms = _used_of(hist16)
-    klog, precision, sent = _choose_used(hist, used_syms, nseg, costs, TANS_MAX_BITS)
+    klog, precision, sent = _choose_used(hist, used_syms, nseg, costs, max_bits)
     b, at = _carve(work, at, parts[4])
+    return zeros, classes16, symbols, raw, nraw, klog, precision, used_syms, sent, b, at
+
+
+@kernel
+def encode_tans_substream(words, seg_len, W, M, zeros, classes16, costs, work):
+    """The whole substream of low-bit mode 0 or 1 (mode 0 where every segment drops as many low
+    bits) with its symbols by tANS, as bytes (``zeros``: each segment's low bits zero,
+    ``classes16``: its class of 16, both as :func:`segment_classes` finds them, or both empty:
+    found here, during the split): what :func:`decode_tans_substream` reads. Its large arrays are
+    carved from ``work`` (uint8, :func:`tans_work_bytes` of them), which the caller keeps from chunk
+    to chunk: buffers of megabytes allocated for every chunk cost their first touch, page by page,
+    every time. Returns the substream, a view into ``work``."""
+    alphabet = np.int64(1) << (W - 1 - M + TOP_BITS)
+    zeros, classes16, symbols, raw, nraw, klog, precision, used_syms, sent, b, at = split_and_choose(
+        words, seg_len, W, M, zeros, classes16, costs, TANS_MAX_BITS, work)
+    nseg = zeros.shape[0]
     classes, tables, table_bytes, begin, first_bit, xs, coded = _tans_code(symbols, seg_len, classes16, klog, precision,
                                                                            used_syms, sent, alphabet, b)
     same = True

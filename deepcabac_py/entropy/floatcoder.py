@@ -24,6 +24,7 @@ import numpy as np
 
 from ..errors import CorruptStreamError
 from . import _float_kernels as _k
+from . import _wide_kernels as _w
 
 PROB_BITS = _k.PROB_BITS
 MIN_SEGMENT = 256  # a segment's class costs 4 bits: no segment is shorter than this
@@ -33,14 +34,20 @@ MAX_CLASSES = 1 << _k.MAX_CLASSES_LOG2
 # A FLOAT entry's coder parameter says what its substreams use beyond format version 6
 # (docs/format.md §4.4), bit by bit: TRAILING_REVISION where one of them takes low-bit mode 2
 # (trailing zeros by exponent, version 7), TANS_REVISION where one codes its symbols by tANS
-# (version 8), TZ_REVISION where one takes low-bit mode 3 (trailing zeros in the symbol, version 9).
+# (version 8), TZ_REVISION where one takes low-bit mode 3 (trailing zeros in the symbol, version 9),
+# WIDE_REVISION where one takes low-bit mode 4 (64 rANS states, decoded sixteen at a time, version 10).
 TRAILING_REVISION = 1
 TANS_REVISION = 2
 TZ_REVISION = 4
-REVISIONS = tuple(range(8))  # (any combination of the three)
+WIDE_REVISION = 8
+REVISIONS = tuple(range(16))  # (any combination of the four)
 TRAILING_MODE = 2  # the substream's low-bit mode byte for the trailing zeros by exponent (rANS)
 TANS_FLAG = 0x80  # in the mode byte of low-bit modes 0 and 1: the symbols by tANS, not rANS
 TZ_BYTE = TANS_FLAG | _k.TZ_MODE  # low-bit mode 3's byte: the trailing zeros in the symbol, by tANS
+WIDE_BYTE = TANS_FLAG | 4  # low-bit mode 4's byte: 16-bit floats dropping no bit, 64 rANS states
+# Mode 4 for chunks of 16-bit floats from this many elements: its 64 states cost about 128 bytes
+# more than tANS's four (0.07% of a chunk of 2**17 bf16 elements), and its tables twice the cache
+WIDE_FROM = 1 << 17
 TRAILING_GAIN = 0.01  # mode 2 or 3 must save this share of the chunk (and a sample promise it first)
 TRAILING_SURE = 4  # a promise this many times the gain takes mode 2 or 3 untried against the segments' drop
 # Mode 2 decodes two symbols per element: the trailing zeros' tables are kept at 2**10 slots, whose
@@ -165,21 +172,30 @@ _WORK = _Work()
 
 
 def _tans_substream(words: np.ndarray, seg_len: int, W: int, M: int, zeros: np.ndarray,
-                    classes16: np.ndarray) -> bytes:
+                    classes16: np.ndarray, wide: bool = False) -> bytes:
+    """Low-bit mode 0 or 1 by tANS, or with ``wide`` (16-bit floats) mode 4 where no segment drops
+    a low bit."""
     work = _WORK.take(_k.tans_work_bytes(words.shape[0], seg_len, W, M))
+    if wide and words.shape[0]:
+        data = _w.encode_wide_substream(words, seg_len, M, _COSTS, work)
+        if data.shape[0]:
+            return data.tobytes()
     return _k.encode_tans_substream(words, seg_len, W, M, zeros, classes16, _COSTS, work).tobytes()
 
 
-def encode_chunk(values: np.ndarray, dtype_name: str, seg_len: int) -> bytes:
+def encode_chunk(values: np.ndarray, dtype_name: str, seg_len: int, wide: bool | None = None) -> bytes:
     """The substream of ``values`` (a flat array of the dtype's bits or values: float16/32/64, or the
-    uint16 bits of bfloat16), whose segments are ``seg_len`` long (the last may be shorter)."""
+    uint16 bits of bfloat16), whose segments are ``seg_len`` long (the last may be shorter). 16-bit
+    floats take low-bit mode 4 where no segment drops a low bit and ``wide`` says so (None: from
+    :data:`WIDE_FROM` elements on)."""
     if dtype_name not in FORMATS:
         raise ValueError(f"the lossless float coder takes {', '.join(FORMATS)}, not {dtype_name}")
     W, M = FORMATS[dtype_name]
     words = _words(values, dtype_name)
     if W < 32:  # (no low-bit mode 2 to judge: the kernel finds each segment's statistics as it splits it)
         none = np.empty(0, dtype=np.uint8)
-        return _tans_substream(words, seg_len, W, M, none, none)
+        wide = words.shape[0] >= WIDE_FROM if wide is None else wide
+        return _tans_substream(words, seg_len, W, M, none, none, wide=wide)
     zeros, classes16 = _segment_classes(words, W, M, seg_len)
     promise = _k.trailing_promise(words, W, M, seg_len, zeros)
     if promise >= TRAILING_SURE * TRAILING_GAIN:
@@ -250,7 +266,8 @@ def revision_of(substreams: list[bytes]) -> int:
     modes = {data[0] for data in substreams if data}
     return ((TRAILING_REVISION if TRAILING_MODE in modes else 0)
             | (TANS_REVISION if modes & {TANS_FLAG, TANS_FLAG | 1} else 0)
-            | (TZ_REVISION if TZ_BYTE in modes else 0))
+            | (TZ_REVISION if TZ_BYTE in modes else 0)
+            | (WIDE_REVISION if WIDE_BYTE in modes else 0))
 
 
 _LITTLE_ENDIAN = sys.byteorder == "little"  # (elsewhere the words are copied into the native order)
@@ -282,6 +299,15 @@ class _Reader:
         """(classes, PROB_BITS - precision, the rANS decoder's two lookup tables) of a substream:
         class count, precision, class nibbles and tables, validated. The lookup tables have a slot
         per unit of the precision the tables were sent at: a coarser table is smaller, and faster."""
+        classes, precision, freq, start = self.frequencies(nseg, alphabet)
+        lut_step = np.empty((freq.shape[0], 1 << precision), dtype=np.uint32)
+        lut_sym = np.empty((freq.shape[0], 1 << precision), dtype=np.uint16)
+        _k.build_lut(freq, start, PROB_BITS - precision, lut_step, lut_sym)
+        return classes, PROB_BITS - precision, lut_step, lut_sym
+
+    def frequencies(self, nseg: int, alphabet: int) -> tuple[np.ndarray, int, np.ndarray, np.ndarray]:
+        """(classes, precision, frequencies and starts at PROB_BITS) of a substream: class count,
+        precision, class nibbles and tables, validated."""
         where = self.where
         klog, precision = (int(v) for v in self.take(2, "class count and table precision"))
         if klog > _k.MAX_CLASSES_LOG2:
@@ -304,10 +330,7 @@ class _Reader:
         got = _k.read_tables(tables, precision, freq, start)
         if got < 0 or got != tables.shape[0]:
             raise CorruptStreamError(f"{where}: {_ERRORS.get(got, 'the frequency tables do not fill their bytes')}")
-        lut_step = np.empty((freq.shape[0], 1 << precision), dtype=np.uint32)
-        lut_sym = np.empty((freq.shape[0], 1 << precision), dtype=np.uint16)
-        _k.build_lut(freq, start, PROB_BITS - precision, lut_step, lut_sym)
-        return classes, PROB_BITS - precision, lut_step, lut_sym
+        return classes, precision, freq, start
 
     def coder(self, n: int, seg_len: int, alphabet: int) -> tuple[np.ndarray, int, np.ndarray, np.ndarray, np.ndarray]:
         """The classes, tables and rANS words of a substream of ``n`` elements (see :meth:`tables`),
@@ -359,7 +382,7 @@ class _Reader:
 
 
 def decode_chunk(data, dtype_name: str, seg_len: int, out: np.ndarray, where: str = "substream",
-                 revision: int = TRAILING_REVISION | TANS_REVISION | TZ_REVISION) -> None:
+                 revision: int = TRAILING_REVISION | TANS_REVISION | TZ_REVISION | WIDE_REVISION) -> None:
     """Decode a substream of :func:`encode_chunk` into ``out`` (the flat carrier of ``len(out)``
     elements: float16/32/64, or uint16 for bfloat16) of an entry of ``revision``. CorruptStreamError
     says what is wrong."""
@@ -371,6 +394,12 @@ def decode_chunk(data, dtype_name: str, seg_len: int, out: np.ndarray, where: st
     byte = int(r.take(1, "low-bit mode")[0])
     if byte == TRAILING_MODE and revision & TRAILING_REVISION:
         _decode_trailing(r, W, M, n, seg_len, words)
+        return
+    if byte == WIDE_BYTE and revision & WIDE_REVISION:
+        if W != 16:
+            raise CorruptStreamError(f"{where}: low-bit mode 4 (64 rANS states) in a {dtype_name} tensor, which only "
+                                     f"16-bit floats take")
+        _decode_wide(r, M, n, seg_len, words)
         return
     if byte == TZ_BYTE and revision & TZ_REVISION and W != 32:
         raise CorruptStreamError(f"{where}: low-bit mode 3 (trailing zeros in the symbol) in a {dtype_name} tensor, "
@@ -419,6 +448,22 @@ def _tans_error(status: int, detail: np.ndarray, dtype_name: str) -> str:
     """What the tANS kernel's ``status`` (with its ``detail``) says is wrong."""
     word = _TANS_ERRORS.get(status)
     return word(int(detail[0]), int(detail[1]), dtype_name) if word else _ERRORS[status]
+
+
+def _decode_wide(r: _Reader, M: int, n: int, seg_len: int, words: np.ndarray) -> None:
+    """The rest of a low-bit mode 4 substream (after its mode byte) into ``words``."""
+    classes, precision, freq, start = r.frequencies(-(-n // seg_len), _alphabet(16, M))
+    if precision > _w.WIDE_MAX_BITS:
+        raise CorruptStreamError(f"{r.where}: mode 4 tables of {precision}-bit precision (at most {_w.WIDE_MAX_BITS})")
+    table = np.empty(freq.shape[0] << precision, dtype=np.uint64)
+    _w.wide_decode_table(freq, start, PROB_BITS - precision, M, table)
+    states = r.take(4 * _w.WIDE_LANES, "coder states").view("<u4").astype(np.uint32)
+    if int(states.min()) < _w.WIDE_L:
+        raise CorruptStreamError(f"{r.where}: an initial coder state of {int(states.min())}, below {_w.WIDE_L}")
+    count = r.u32("coder size")
+    coder = _read_only(r.take(2 * count, "coder words").view("<u2"))
+    raw = r.raw(-(-n * (M - _k.TOP_BITS + 1) // 32), padding=0).view(np.uint8)
+    r.check(_w.decode_wide(coder, raw, states, seg_len, M, classes, precision, table, words))
 
 
 def _decode_trailing(r: _Reader, W: int, M: int, n: int, seg_len: int, words: np.ndarray) -> None:

@@ -50,10 +50,11 @@ MAGIC = STREAM_MAGIC
 # readers; version 5 Mode.FLOAT (lossless float coding), version 6 Mode.MAGNITUDE, version 7 FLOAT
 # substreams with the trailing zeros by exponent, version 8 FLOAT substreams with their symbols by
 # tANS, version 9 float32 FLOAT substreams with their trailing zeros in the symbol (low-bit mode 3;
-# each said by a bit of the entry's coder parameter). This reader reads all nine.
-FORMAT_VERSION = 9
-READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9)
-REVISION_VERSIONS = ((floatcoder.TZ_REVISION, 9), (floatcoder.TANS_REVISION, 8),
+# each said by a bit of the entry's coder parameter), version 10 16-bit FLOAT substreams with 64
+# rANS states (low-bit mode 4). This reader reads all ten.
+FORMAT_VERSION = 10
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10)
+REVISION_VERSIONS = ((floatcoder.WIDE_REVISION, 10), (floatcoder.TZ_REVISION, 9), (floatcoder.TANS_REVISION, 8),
                      (floatcoder.TRAILING_REVISION, 7))  # FLOAT coder parameter bits
 SWITCHES_VERSION = 3  # LINEAR_BIT and NO_COLUMNS_BIT
 PREAMBLE = struct.Struct("<8sHHI")

@@ -1,0 +1,493 @@
+"""Numba kernels of the float coder's low-bit mode 4 (private: :mod:`.floatcoder` is the front).
+
+Mode 4 takes the chunks of 16-bit floats that drop no low bit, as modes 0 and 1 do with tANS, and
+codes their symbols (exponent and ``TOP_BITS`` mantissa bits, by the segment's class) with 64
+interleaved rANS states instead of four tANS states: the decoder then takes sixteen elements at a
+time in vector registers, one gather of their table entries, one expanding load of the words the
+sixteen states renormalise with, their raw bits cut from one load. A scalar tANS step is bound by
+its instructions (about 1.3 ns per element on MiniLM's bf16 word embeddings, scratch); the
+sixteen-wide step is about 0.8 ns.
+
+Element i uses state ``16 * (g % 4) + i % 16`` of group ``g = i // 16``: four sets of sixteen
+states take turns, so that one group's gather latency overlaps the next three. A group decodes its
+sixteen symbols, then renormalises the states that fell below ``WIDE_L`` in lane order, each with
+the next 16-bit word of one shared stream. The encoder runs it backwards. Layout: docs/format.md §4.4.
+"""
+
+from __future__ import annotations
+
+import os
+
+import llvmlite.binding as llvm
+import numba
+import numpy as np
+from llvmlite import ir
+from numba.core import types
+from numba.extending import intrinsic
+
+from .._jit import inline, kernel, load_le64
+from ._float_kernels import (
+    _U,
+    ERR_BAD_END,
+    ERR_OVERRUN,
+    ERR_TRAILING,
+    OK,
+    TOP_BITS,
+    classes_and_tables,
+    put_class_tables,
+    put_u32,
+    split_and_choose,
+)
+
+WIDE_LANES = 64  # four sets of sixteen states
+GROUP = 16  # elements a vector step decodes
+WIDE_L = 1 << 16  # states stay in [WIDE_L, 2**32); renormalisation moves 16 bits
+WIDE_MAX_BITS = 13  # (the tables' precision, as tANS's: 2**16 // 2**13 leaves a state 8 or more)
+
+_I1, _I8, _I16, _I32, _I64 = ir.IntType(1), ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
+
+
+class _Step:
+    """What both vector steps build their IR from: vectors of GROUP lanes, the arrays' data, the
+    group's states and the gather of its table entries."""
+
+    def __init__(self, context, builder, signature, args):
+        self.context, self.b, self.types, self.args = context, builder, signature.args, args
+
+    @staticmethod
+    def vec(t, n=GROUP):
+        return ir.VectorType(t, n)
+
+    def const(self, t, values):
+        values = list(values)
+        return ir.Constant(self.vec(t, len(values)), values)
+
+    def splat(self, value, t):
+        v = self.b.insert_element(ir.Constant(self.vec(t), ir.Undefined), value, ir.Constant(_I32, 0))
+        return self.b.shuffle_vector(v, ir.Constant(self.vec(t), ir.Undefined), self.const(_I32, [0] * GROUP))
+
+    def intrinsic(self, name, ret, args):
+        try:
+            return self.b.module.get_global(name)
+        except KeyError:
+            return ir.Function(self.b.module, ir.FunctionType(ret, args), name=name)
+
+    def at(self, k, index, t):
+        """A pointer to GROUP elements of type ``t`` from ``index`` of array argument ``k``."""
+        data = self.context.make_array(self.types[k])(self.context, self.b, self.args[k]).data
+        return self.b.bitcast(self.b.gep(self.b.bitcast(data, t.as_pointer()), [index]), self.vec(t).as_pointer())
+
+    def rows(self, lo, hi, split, index):
+        """The table (argument 2, 8-byte entries) at ``index`` of row ``lo`` for the lanes below
+        ``split``, of row ``hi`` for the others: one gather."""
+        b = self.b
+        base = b.select(b.icmp_signed("<", self.const(_I64, range(GROUP)), self.splat(split, _I64)),
+                        self.splat(lo, _I64), self.splat(hi, _I64))
+        data = self.context.make_array(self.types[2])(self.context, b, self.args[2]).data
+        where = b.add(self.splat(b.ptrtoint(data, _I64), _I64),
+                      b.shl(b.add(base, index), self.const(_I64, [3] * GROUP)))
+        gather = self.intrinsic("llvm.masked.gather.v16i64.v16p0", self.vec(_I64),
+                                [self.vec(_I64.as_pointer()), _I32, self.vec(_I1), self.vec(_I64)])
+        return b.call(gather, [b.inttoptr(where, self.vec(_I64.as_pointer())), ir.Constant(_I32, 8),
+                               self.const(_I1, [1] * GROUP), ir.Constant(self.vec(_I64), None)])
+
+    def count(self, mask):
+        """The lanes set in ``mask``, as an int64."""
+        popcount = self.intrinsic("llvm.ctpop.i16", _I16, [_I16])
+        return self.b.zext(self.b.call(popcount, [self.b.bitcast(mask, _I16)]), _I64)
+
+
+def _decode_step(k):
+    """The decoder's step for a whole group, raw bits of ``k`` (<= 9) bits per element (the
+    element's are bits ``i * k`` to ``i * k + k`` of the raw bytes, its sign on top): arguments
+    (states, lane0, table, base_lo, base_hi, split, words, p, raw, out, i, precision), what
+    :func:`_group_checked` does for the group; returns the next word's index."""
+    low = k - 1
+    # lane l's raw bits lie in the bytes (k * l) >> 3 and the one after (k + 7 <= 16 bits)
+    pick = [b for lane in range(GROUP) for b in ((k * lane) >> 3, ((k * lane) >> 3) + 1)]
+    shifts = [(k * lane) & 7 for lane in range(GROUP)]
+
+    @intrinsic
+    def step(typingctx, states, lane0, table, base_lo, base_hi, split, words, p, raw, out, i, precision):
+        def codegen(context, builder, signature, args):
+            v = _Step(context, builder, signature, args)
+            b = builder
+            _, lane0_, _, lo, hi, split_, _, p_, _, _, i_, precision_ = args
+            states_at = v.at(0, lane0_, _I32)
+            x = b.load(states_at, align=4)
+            # the entries: the slot's frequency (bits 32 on), its distance from the symbol's start
+            # (16 to 31) and the symbol where the float holds it (0 to 15)
+            bits = b.trunc(precision_, _I32)
+            slot = b.and_(x, v.splat(b.sub(b.shl(ir.Constant(_I32, 1), bits), ir.Constant(_I32, 1)), _I32))
+            entry = v.rows(lo, hi, split_, b.zext(slot, v.vec(_I64)))
+            freq = b.trunc(b.lshr(entry, v.const(_I64, [32] * GROUP)), v.vec(_I32))
+            bias = b.and_(b.trunc(b.lshr(entry, v.const(_I64, [16] * GROUP)), v.vec(_I32)),
+                          v.const(_I32, [0xFFFF] * GROUP))
+            x = b.add(b.mul(freq, b.lshr(x, v.splat(bits, _I32))), bias)
+            # the raw bits of the sixteen elements from one load of 32 bytes
+            raw_at = v.at(8, b.lshr(b.mul(i_, ir.Constant(_I64, k)), ir.Constant(_I64, 3)), _I8)
+            raw_bytes = b.load(b.bitcast(raw_at, v.vec(_I8, 32).as_pointer()), align=1)
+            pairs = b.shuffle_vector(raw_bytes, ir.Constant(v.vec(_I8, 32), ir.Undefined), v.const(_I32, pick))
+            r = b.and_(b.lshr(b.bitcast(pairs, v.vec(_I16)), v.const(_I16, shifts)),
+                       v.const(_I16, [(1 << k) - 1] * GROUP))
+            value = b.or_(b.trunc(entry, v.vec(_I16)), b.and_(r, v.const(_I16, [(1 << low) - 1] * GROUP)))
+            value = b.or_(value, b.shl(b.lshr(r, v.const(_I16, [low] * GROUP)), v.const(_I16, [15] * GROUP)))
+            b.store(value, v.at(9, i_, _I16), align=2)
+            # the states below WIDE_L take the next words, in lane order: one expanding load
+            need = b.icmp_unsigned("<", x, v.const(_I32, [WIDE_L] * GROUP))
+            expand = v.intrinsic("llvm.masked.expandload.v16i16", v.vec(_I16),
+                                 [_I16.as_pointer(), v.vec(_I1), v.vec(_I16)])
+            words_at = b.bitcast(v.at(6, p_, _I16), _I16.as_pointer())
+            w = b.call(expand, [words_at, need, ir.Constant(v.vec(_I16), None)])
+            x = b.select(need, b.or_(b.shl(x, v.const(_I32, [16] * GROUP)), b.zext(w, v.vec(_I32))), x)
+            b.store(x, states_at, align=4)
+            return b.add(p_, v.count(need))
+
+        return (types.int64(states, lane0, table, base_lo, base_hi, split, words, p, raw, out, i, precision),
+                codegen)
+
+    return step
+
+
+@intrinsic
+def _vector_encode16(typingctx, states, lane0, table, base_lo, base_hi, split, symbols, i, pushed, t, precision):
+    """The encoder's step for the whole group of elements i to i + 15 (what the decoder's step
+    undoes), table rows as the decoder's; ``table`` holds each symbol's frequency | start << 32.
+    The words the group pushes go to ``pushed[t:]`` in decreasing lane order (reversed at the end,
+    they are in the stream's order); returns the next ``t``. Sixteen words are stored: those after
+    the pushed ones are overwritten by the next group's."""
+    def codegen(context, builder, signature, args):
+        v = _Step(context, builder, signature, args)
+        b = builder
+        _, lane0_, _, lo, hi, split_, _, i_, _, t_, precision_ = args
+        states_at = v.at(0, lane0_, _I32)
+        x = b.load(states_at, align=4)
+        entry = v.rows(lo, hi, split_, b.zext(b.load(v.at(6, i_, _I16), align=2), v.vec(_I64)))
+        f64 = b.and_(entry, v.const(_I64, [0xFFFFFFFF] * GROUP))
+        start = b.trunc(b.lshr(entry, v.const(_I64, [32] * GROUP)), v.vec(_I32))
+        limit = b.shl(f64, v.splat(b.sub(ir.Constant(_I64, 32), precision_), _I64))
+        push = b.icmp_unsigned(">=", b.zext(x, v.vec(_I64)), limit)
+        # (compressed in a register and stored whole: this machine's compressing store to memory
+        # took 3.6 ns per element, scratch)
+        reverse = v.const(_I32, range(GROUP - 1, -1, -1))
+        words = b.shuffle_vector(b.trunc(x, v.vec(_I16)), ir.Constant(v.vec(_I16), ir.Undefined), reverse)
+        order = b.shuffle_vector(push, ir.Constant(v.vec(_I1), ir.Undefined), reverse)
+        compress = v.intrinsic("llvm.x86.avx512.mask.compress.v16i16", v.vec(_I16),
+                               [v.vec(_I16), v.vec(_I16), v.vec(_I1)])
+        b.store(b.call(compress, [words, ir.Constant(v.vec(_I16), None), order]), v.at(8, t_, _I16), align=2)
+        x = b.select(push, b.lshr(x, v.const(_I32, [16] * GROUP)), x)
+        # x div f exactly: x < 2**32 and f <= 2**13, so the double quotient never rounds up to the
+        # next integer
+        f = b.trunc(f64, v.vec(_I32))
+        double = v.vec(ir.DoubleType())
+        q = b.fptoui(b.fdiv(b.uitofp(x, double), b.uitofp(f, double)), v.vec(_I32))
+        r = b.sub(x, b.mul(q, f))
+        x = b.add(b.add(b.shl(q, v.splat(b.trunc(precision_, _I32), _I32)), r), start)
+        b.store(x, states_at, align=4)
+        return b.add(t_, v.count(push))
+
+    return (types.int64(states, lane0, table, base_lo, base_hi, split, symbols, i, pushed, t, precision), codegen)
+
+
+@inline
+def _raw_bits(raw, at, k):
+    """The ``k`` raw bits from bit ``at`` (inside ``raw``'s bytes; the byte after is read only
+    where it exists)."""
+    b = at >> 3
+    v = np.int64(raw[b])
+    if b + 1 < raw.shape[0]:
+        v |= np.int64(raw[b + 1]) << 8
+    return (v >> (at & 7)) & ((np.int64(1) << k) - 1)
+
+
+@inline
+def _group_checked(states, lane0, table, base_lo, base_hi, split, words, p, raw, out, i, m, precision, k):
+    """Elements i to i + m - 1 (m <= 16) of a group, one at a time, each read checked: (the next
+    word's index, OK or ERR_OVERRUN). What the vector step does for a whole group."""
+    mask = (np.int64(1) << precision) - 1
+    low = (np.int64(1) << (k - 1)) - 1
+    for lane in range(m):
+        x = np.int64(states[lane0 + lane])
+        e = np.int64(table[(base_lo if lane < split else base_hi) + (x & mask)])
+        states[lane0 + lane] = np.uint32((e >> 32) * (x >> precision) + ((e >> 16) & 0xFFFF))
+        r = _raw_bits(raw, (i + lane) * k, k)
+        out[i + lane] = np.uint16(((r >> (k - 1)) << 15) | (e & 0xFFFF) | (r & low))
+    for lane in range(m):
+        x = np.int64(states[lane0 + lane])
+        if x < WIDE_L:
+            if p >= words.shape[0]:
+                return p, ERR_OVERRUN
+            states[lane0 + lane] = np.uint32((x << 16) | np.int64(words[p]))
+            p += 1
+    return p, OK
+
+
+@inline
+def _encode_checked(states, lane0, table, base_lo, base_hi, split, symbols, i, m, pushed, t, precision):
+    """Elements i to i + m - 1 (m <= 16) of a group, one at a time: what the vector step does for a
+    whole group; the next ``t``."""
+    for lane in range(m - 1, -1, -1):
+        e = table[(base_lo if lane < split else base_hi) + np.int64(symbols[i + lane])]
+        f = e & 0xFFFFFFFF
+        x = np.int64(states[lane0 + lane])
+        if x >= f << (32 - precision):
+            pushed[t] = np.uint16(x & 0xFFFF)
+            t += 1
+            x >>= 16
+        states[lane0 + lane] = np.uint32(((x // f) << precision) + x % f + (e >> 32))
+    return t
+
+
+@inline
+def _group_scalar(states, lane0, table, base_lo, base_hi, split, words, p, raw, out, i, precision, k):
+    """A whole group one element at a time, for processors without the vector steps: each element
+    decoded and its state renormalised at once (the same reads as the vector step's: a state's
+    word comes after those of the lanes before it). Its reads are the vector step's, unchecked: 16
+    words from ``p`` at most, and the group's raw bytes from (i * k) >> 3, eight at a time."""
+    mask = (np.int64(1) << precision) - 1
+    low = (np.int64(1) << (k - 1)) - 1
+    for lane in range(GROUP):
+        at = (i + lane) * k
+        r = np.int64(load_le64(raw, _U(at >> 3)) >> _U(at & 7)) & ((np.int64(1) << k) - 1)
+        x = np.int64(states[lane0 + lane])
+        e = np.int64(table[_U((base_lo if lane < split else base_hi) + (x & mask))])
+        x = (e >> 32) * (x >> precision) + ((e >> 16) & 0xFFFF)
+        out[_U(i + lane)] = np.uint16(((r >> (k - 1)) << 15) | (e & 0xFFFF) | (r & low))
+        need = np.int64(x < WIDE_L)
+        x = (x << (16 * need)) | (np.int64(words[_U(p)]) & -need)
+        p += need
+        states[lane0 + lane] = np.uint32(x)
+    return p
+
+
+def _vector_steps() -> bool:
+    """Whether the kernels are compiled for a processor with AVX-512's 16-bit compress and expand
+    (VBMI2, with BW and VL): the steps' expanding load and register compress need them to be single
+    instructions (elsewhere LLVM would load lane by lane, or not compile the compress at all). Else,
+    or with DEEPCABAC_SCALAR_STEPS=1 (the tests compare both), the checked steps do every group."""
+    if numba.config.DISABLE_JIT or os.environ.get("DEEPCABAC_SCALAR_STEPS") == "1":
+        return False
+    if numba.config.CPU_NAME not in (None, "host"):
+        return False  # (a portable cache for another processor: no vector instruction assumed)
+    features = numba.config.CPU_FEATURES
+    if features is None:
+        features = llvm.get_host_cpu_features().flatten()
+    have = set(features.split(","))
+    return {"+avx512f", "+avx512bw", "+avx512vl", "+avx512vbmi2"} <= have
+
+
+VECTOR_STEPS = _vector_steps()
+
+if not VECTOR_STEPS:
+    # (an intrinsic runs compiled only, and on the processors above: the checked step instead)
+    @inline
+    def _group_bf16(states, lane0, table, base_lo, base_hi, split, words, p, raw, out, i, precision):
+        return _group_scalar(states, lane0, table, base_lo, base_hi, split, words, p, raw, out, i, precision, 6)
+
+    @inline
+    def _group_fp16(states, lane0, table, base_lo, base_hi, split, words, p, raw, out, i, precision):
+        return _group_scalar(states, lane0, table, base_lo, base_hi, split, words, p, raw, out, i, precision, 9)
+
+    @inline
+    def _encode16(states, lane0, table, base_lo, base_hi, split, symbols, i, pushed, t, precision):
+        return _encode_checked(states, lane0, table, base_lo, base_hi, split, symbols, i, GROUP, pushed, t,
+                               precision)
+else:
+    _vector_bf16 = _decode_step(7 - TOP_BITS + 1)
+    _vector_fp16 = _decode_step(10 - TOP_BITS + 1)
+
+    if numba.config.BOUNDSCHECK:
+        # (the fuzz targets run with bounds checks: the vector step checks what it will touch as an
+        # index would)
+        @inline
+        def _in_bounds(states, lane0, table, base_lo, base_hi, words, p, raw, out, i, precision, k):
+            if (lane0 < 0 or lane0 + GROUP > states.shape[0] or p < 0 or p + GROUP > words.shape[0]
+                    or i < 0 or i + GROUP > out.shape[0] or ((i * k) >> 3) + 32 > raw.shape[0]
+                    or min(base_lo, base_hi) < 0
+                    or max(base_lo, base_hi) + (np.int64(1) << precision) > table.shape[0]):
+                raise IndexError("a vector step outside its arrays")
+
+        @inline
+        def _group_bf16(states, lane0, table, base_lo, base_hi, split, words, p, raw, out, i, precision):
+            _in_bounds(states, lane0, table, base_lo, base_hi, words, p, raw, out, i, precision, 6)
+            return _vector_bf16(states, lane0, table, base_lo, base_hi, split, words, p, raw, out, i, precision)
+
+        @inline
+        def _group_fp16(states, lane0, table, base_lo, base_hi, split, words, p, raw, out, i, precision):
+            _in_bounds(states, lane0, table, base_lo, base_hi, words, p, raw, out, i, precision, 9)
+            return _vector_fp16(states, lane0, table, base_lo, base_hi, split, words, p, raw, out, i, precision)
+
+        @inline
+        def _encode16(states, lane0, table, base_lo, base_hi, split, symbols, i, pushed, t, precision):
+            if (lane0 < 0 or lane0 + GROUP > states.shape[0] or i < 0 or i + GROUP > symbols.shape[0]
+                    or t < 0 or t + GROUP > pushed.shape[0] or min(base_lo, base_hi) < 0):
+                raise IndexError("a vector step outside its arrays")
+            return _vector_encode16(states, lane0, table, base_lo, base_hi, split, symbols, i, pushed, t, precision)
+    else:
+        _group_bf16 = _vector_bf16
+        _group_fp16 = _vector_fp16
+        _encode16 = _vector_encode16
+
+
+@kernel
+def wide_decode_table(freq, start, up, M, table):
+    """The decoder's table (``table``: classes x 2**precision entries, flat) from the tables as
+    :func:`._float_kernels.read_tables` gives them (at PROB_BITS, ``up`` bits above the
+    precision): each slot's frequency, its distance from its symbol's start and the symbol where
+    a 16-bit float holds it (shifted up by M - TOP_BITS)."""
+    K, alphabet = freq.shape[0], freq.shape[1]
+    R = table.shape[0] // K
+    for c in range(K):
+        for s in range(alphabet):
+            f = np.int64(freq[c, s]) >> up
+            s0 = np.int64(start[c, s]) >> up
+            for j in range(f):
+                table[c * R + s0 + j] = _U((f << 32) | (j << 16) | (s << (M - TOP_BITS)))
+
+
+@inline
+def _vector_run(xs, g, count, table, base, words, p, raw, out, precision, M):
+    """``count`` whole groups from group ``g`` on, all in one segment (of table row ``base``), by
+    the vector step: the next word's index. (Per group, only the step: the segment's bookkeeping
+    around every group had cost a quarter of the decode, scratch.)"""
+    if M == 7:
+        for h in range(g, g + count):
+            p = _group_bf16(xs, (h & 3) * GROUP, table, base, base, GROUP, words, p, raw, out, GROUP * h, precision)
+    else:
+        for h in range(g, g + count):
+            p = _group_fp16(xs, (h & 3) * GROUP, table, base, base, GROUP, words, p, raw, out, GROUP * h, precision)
+    return p
+
+
+@kernel
+def decode_wide(words, raw, states, seg_len, M, classes, precision, table, out):
+    """Rebuild ``out`` (the uint16 bits of a 16-bit float chunk) from its rANS ``words``, its
+    ``raw`` bytes (exactly the raw words of its n * k bits), the decoder's 64 initial ``states``
+    (each at least WIDE_L: the front checks), its segments' classes and :func:`wide_decode_table`'s
+    ``table``; OK or an error code. The vector steps run in stretches that cannot reach the end of
+    the words or of the raw bytes; the rest goes one element at a time, each read checked."""
+    n = out.shape[0]
+    k = M - TOP_BITS + 1
+    R = np.int64(1) << precision
+    xs = states.copy()
+    p = np.int64(0)
+    groups = (n + GROUP - 1) // GROUP
+    full = n // GROUP
+    seg = 0
+    seg_end = min(seg_len, n)
+    g = 0
+    while g < groups:
+        i = GROUP * g
+        while i >= seg_end:
+            seg += 1
+            seg_end = min(seg_end + seg_len, n)
+        base_lo = np.int64(classes[seg]) * R
+        # whole groups whose reads stay inside (16 words and 32 raw bytes at most) and inside the segment
+        safe = 0
+        if g < full:
+            raw_left = raw.shape[0] - 32 - ((i * k) >> 3)  # (a group's raw bits: 2k bytes; its load: 32)
+            safe = min(full - g, (words.shape[0] - p) // GROUP, max(0, raw_left // (2 * k) + 1))
+        inside = min(safe, (seg_end - i) // GROUP)
+        if inside > 0:
+            p = _vector_run(xs, g, inside, table, base_lo, words, p, raw, out, precision, M)
+            g += inside
+            continue
+        m = min(GROUP, n - i)
+        split = GROUP
+        base_hi = base_lo
+        if i + m > seg_end:  # (a group crosses at most one boundary: segments are 256 long at least)
+            split = seg_end - i
+            base_hi = np.int64(classes[seg + 1]) * R
+        lane0 = (g & 3) * GROUP
+        if safe > 0:
+            if M == 7:
+                p = _group_bf16(xs, lane0, table, base_lo, base_hi, split, words, p, raw, out, i, precision)
+            else:
+                p = _group_fp16(xs, lane0, table, base_lo, base_hi, split, words, p, raw, out, i, precision)
+        else:
+            p, err = _group_checked(xs, lane0, table, base_lo, base_hi, split, words, p, raw, out, i, m, precision, k)
+            if err != OK:
+                return err
+        g += 1
+    for lane in range(WIDE_LANES):
+        if xs[lane] != WIDE_L:
+            return ERR_BAD_END
+    if p != words.shape[0]:
+        return ERR_TRAILING
+    return OK
+
+
+@inline
+def _wide_encode(symbols, seg_len, classes, precision, used_syms, sent, alphabet, out):
+    """The rANS words of ``symbols`` into the end of ``out`` (u16, 2 n + 32 words at least: a symbol
+    pushes one word at most); (where they begin, the 64 final states). The groups go from the last
+    to the first, each by the vector step (the last group, if short, one element at a time), their
+    pushed words into the front of ``out`` in reverse order, then turned around into its end."""
+    n = symbols.shape[0]
+    K = sent.shape[0]
+    # (per class and symbol: frequency | start << 32; the used symbols' only; one gather)
+    table = np.zeros(K * alphabet, dtype=np.int64)
+    for c in range(K):
+        total = 0
+        for u in range(used_syms.shape[0]):
+            f = np.int64(sent[c, u])
+            if f:
+                table[c * alphabet + used_syms[u]] = f | (total << 32)
+                total += f
+    xs = np.full(WIDE_LANES, WIDE_L, dtype=np.uint32)
+    t = 0
+    groups = (n + GROUP - 1) // GROUP
+    seg = (n - 1) // seg_len if n else 0
+    seg_lo = seg * seg_len
+    for gg in range(groups - 1, -1, -1):
+        i = GROUP * gg
+        m = min(GROUP, n - i)
+        while i + m - 1 < seg_lo:
+            seg -= 1
+            seg_lo -= seg_len
+        base_hi = np.int64(classes[seg]) * alphabet
+        base_lo = base_hi
+        split = 0
+        if i < seg_lo:  # (a group crosses at most one boundary: segments are 256 long at least)
+            split = seg_lo - i
+            base_lo = np.int64(classes[seg - 1]) * alphabet
+        lane0 = (gg & 3) * GROUP
+        if m == GROUP:
+            t = _encode16(xs, lane0, table, base_lo, base_hi, split, symbols, i, out, t, precision)
+        else:
+            t = _encode_checked(xs, lane0, table, base_lo, base_hi, split, symbols, i, m, out, t, precision)
+    end = out.shape[0]
+    for k in range(t):  # (turned around: the last pushed is the first read)
+        out[end - 1 - k] = out[k]
+    return end - t, xs
+
+
+@kernel
+def encode_wide_substream(words, seg_len, M, costs, work):
+    """The whole low-bit mode 4 substream of a 16-bit float chunk (``M``: its mantissa bits), or an
+    empty array where a segment has low bits zero in all its elements (modes 0 and 1 drop them:
+    the caller codes the chunk by tANS). Large arrays are carved from ``work`` as
+    :func:`._float_kernels.encode_tans_substream` carves them. Returns a view into ``work``."""
+    alphabet = np.int64(1) << (15 - M + TOP_BITS)
+    zeros, classes16, symbols, raw, nraw, klog, precision, used_syms, sent, coded_bytes, at = split_and_choose(
+        words, seg_len, 16, M, np.empty(0, dtype=np.uint8), np.empty(0, dtype=np.uint8), costs, WIDE_MAX_BITS, work)
+    nseg = classes16.shape[0]
+    for j in range(nseg):
+        if zeros[j]:
+            return work[:0]
+    coded = coded_bytes.view(np.uint16)
+    classes, tables, table_bytes = classes_and_tables(classes16, klog, used_syms, sent)
+    begin, xs = _wide_encode(symbols, seg_len, classes, precision, used_syms, sent, alphabet, coded)
+    count = coded.shape[0] - begin
+    size = 1 + 2 + (((nseg + 1) >> 1) if klog else 0) + 4 + table_bytes + 4 * WIDE_LANES + 4 + 2 * count + 4 * nraw
+    out = work[at:at + size]
+    out[0] = 0x84
+    pos = put_class_tables(out, 1, klog, precision, classes, tables, table_bytes)
+    for lane in range(WIDE_LANES):
+        pos = put_u32(out, pos, xs[lane])
+    pos = put_u32(out, pos, count)
+    # (the words little-endian as they are in memory: Numba runs on little-endian machines only)
+    out[pos:pos + 2 * count].view(np.uint16)[:] = coded[begin:]
+    pos += 2 * count
+    out[pos:pos + 4 * nraw].view(np.uint32)[:] = raw[:nraw]
+    return out
