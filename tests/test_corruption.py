@@ -30,6 +30,7 @@ from deepcabac_py.entropy import chunk_layout
 from deepcabac_py.errors import CorruptStreamError, DeepCabacError, FormatError, TruncatedStreamError
 from deepcabac_py.model.container import (
     FLAG_ALIAS,
+    FORMAT_VERSION,
     NO_ALIAS,
     PREAMBLE,
     Coder,
@@ -212,7 +213,7 @@ def test_empty_and_short_inputs(small_stream):
         dc.decode_model(small_stream[:PREAMBLE.size + 5])
 
 
-@pytest.mark.parametrize("version", [0, 10, 0xFFFF])
+@pytest.mark.parametrize("version", [0, FORMAT_VERSION + 1, 0xFFFF])
 def test_unsupported_version(small_stream, version):
     data = bytearray(small_stream)
     struct.pack_into("<H", data, 8, version)
