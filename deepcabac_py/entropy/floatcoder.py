@@ -8,7 +8,8 @@ density inside an octave. So the tensor is cut into *segments* (whole rows, at l
 each class its own frequency table for the symbol (exponent, top mantissa bits). The rest of the
 bits go out raw, less the low mantissa bits that are zero in every element of the segment (float32
 tensors holding bfloat16 or float16 values). Tables are static per chunk, so decoding is a table
-lookup per element (:mod:`._float_kernels`).
+lookup per element (:mod:`._float_kernels`); large chunks of 16-bit floats take sixteen elements
+per vector step instead (low-bit mode 4, :mod:`._wide_kernels`).
 
 Chunks of :func:`chunk_elements` elements are independent substreams, like the level coder's.
 """
