@@ -1623,12 +1623,21 @@ def encode_tans_substream(words, seg_len, W, M, zeros, classes16, costs, work):
     carved from ``work`` (uint8, :func:`tans_work_bytes` of them), which the caller keeps from chunk
     to chunk: buffers of megabytes allocated for every chunk cost their first touch, page by page,
     every time. Returns the substream, a view into ``work``."""
-    alphabet = np.int64(1) << (W - 1 - M + TOP_BITS)
     zeros, classes16, symbols, raw, nraw, klog, precision, used_syms, sent, b, at = split_and_choose(
         words, seg_len, W, M, zeros, classes16, costs, TANS_MAX_BITS, work)
+    return tans_substream(W, M, seg_len, zeros, classes16, symbols, raw, nraw, klog, precision, used_syms, sent, b, at,
+                          work)
+
+
+@inline
+def tans_substream(W, M, seg_len, zeros, classes16, symbols, raw, nraw, klog, precision, used_syms, sent, coded_bytes,
+                   at, work):
+    """The substream of modes 0 and 1 from what :func:`split_and_choose` returns, carved from
+    ``work`` at ``at``."""
+    alphabet = np.int64(1) << (W - 1 - M + TOP_BITS)
     nseg = zeros.shape[0]
     classes, tables, table_bytes, begin, first_bit, xs, coded = _tans_code(symbols, seg_len, classes16, klog, precision,
-                                                                           used_syms, sent, alphabet, b)
+                                                                           used_syms, sent, alphabet, coded_bytes)
     same = True
     for j in range(1, nseg):
         same = same and zeros[j] == zeros[0]

@@ -25,24 +25,30 @@ from llvmlite import ir
 from numba.core import types
 from numba.extending import intrinsic
 
-from .._jit import inline, kernel, load_le64
+from .._jit import inline, kernel
 from ._float_kernels import (
     _U,
     ERR_BAD_END,
     ERR_OVERRUN,
     ERR_TRAILING,
     OK,
+    TANS_MAX_BITS,
     TOP_BITS,
+    _raw_at,
+    _raw_near,
     classes_and_tables,
     put_class_tables,
     put_u32,
     split_and_choose,
+    tans_substream,
 )
 
 WIDE_LANES = 64  # four sets of sixteen states
 GROUP = 16  # elements a vector step decodes
 WIDE_L = 1 << 16  # states stay in [WIDE_L, 2**32); renormalisation moves 16 bits
-WIDE_MAX_BITS = 13  # (the tables' precision, as tANS's: 2**16 // 2**13 leaves a state 8 or more)
+# the tables' precision at most: tANS's (a 16-bit chunk's tables are chosen once, for either mode),
+# and 2**16 >> 13 leaves a decoded state 8 or more, which one renormalisation brings back above 2**16
+WIDE_MAX_BITS = TANS_MAX_BITS
 
 _I1, _I8, _I16, _I32, _I64 = ir.IntType(1), ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 
@@ -101,7 +107,7 @@ def _decode_step(k):
     """The decoder's step for a whole group, raw bits of ``k`` (<= 9) bits per element (the
     element's are bits ``i * k`` to ``i * k + k`` of the raw bytes, its sign on top): arguments
     (states, lane0, table, base_lo, base_hi, split, words, p, raw, out, i, precision), what
-    :func:`_group_checked` does for the group; returns the next word's index."""
+    :func:`_group_elements` does for the group; returns the next word's index."""
     low = k - 1
     # lane l's raw bits lie in the bytes (k * l) >> 3 and the one after (k + 7 <= 16 bits)
     pick = [b for lane in range(GROUP) for b in ((k * lane) >> 3, ((k * lane) >> 3) + 1)]
@@ -190,35 +196,32 @@ def _vector_encode16(typingctx, states, lane0, table, base_lo, base_hi, split, s
 
 
 @inline
-def _raw_bits(raw, at, k):
-    """The ``k`` raw bits from bit ``at`` (inside ``raw``'s bytes; the byte after is read only
-    where it exists)."""
-    b = at >> 3
-    v = np.int64(raw[b])
-    if b + 1 < raw.shape[0]:
-        v |= np.int64(raw[b + 1]) << 8
-    return (v >> (at & 7)) & ((np.int64(1) << k) - 1)
-
-
-@inline
-def _group_checked(states, lane0, table, base_lo, base_hi, split, words, p, raw, out, i, m, precision, k):
-    """Elements i to i + m - 1 (m <= 16) of a group, one at a time, each read checked: (the next
-    word's index, OK or ERR_OVERRUN). What the vector step does for a whole group."""
+def _group_elements(states, lane0, table, base_lo, base_hi, split, words, p, raw, out, i, m, precision, k, checked):
+    """Elements i to i + m - 1 (m <= 16) of a group one at a time, each decoded and its state
+    renormalised at once (the vector step's reads in the same order: a state's word comes after
+    those of the lanes before it): (the next word's index, OK or ERR_OVERRUN). With ``checked``
+    every read is checked; without, they are the vector step's (16 words from ``p`` at most, eight
+    bytes from each element's raw bits inside the group's 32)."""
     mask = (np.int64(1) << precision) - 1
     low = (np.int64(1) << (k - 1)) - 1
     for lane in range(m):
+        at = (i + lane) * k
+        r = _raw_at(raw, at, k) if checked else _raw_near(raw, at, k)
         x = np.int64(states[lane0 + lane])
-        e = np.int64(table[(base_lo if lane < split else base_hi) + (x & mask)])
-        states[lane0 + lane] = np.uint32((e >> 32) * (x >> precision) + ((e >> 16) & 0xFFFF))
-        r = _raw_bits(raw, (i + lane) * k, k)
-        out[i + lane] = np.uint16(((r >> (k - 1)) << 15) | (e & 0xFFFF) | (r & low))
-    for lane in range(m):
-        x = np.int64(states[lane0 + lane])
-        if x < WIDE_L:
-            if p >= words.shape[0]:
-                return p, ERR_OVERRUN
-            states[lane0 + lane] = np.uint32((x << 16) | np.int64(words[p]))
-            p += 1
+        e = np.int64(table[_U((base_lo if lane < split else base_hi) + (x & mask))])
+        x = (e >> 32) * (x >> precision) + ((e >> 16) & 0xFFFF)
+        out[_U(i + lane)] = np.uint16(((r >> (k - 1)) << 15) | (e & 0xFFFF) | (r & low))
+        if checked:
+            if x < WIDE_L:
+                if p >= words.shape[0]:
+                    return p, ERR_OVERRUN
+                x = (x << 16) | np.int64(words[p])
+                p += 1
+        else:  # (without a branch: taken for about one element in three, unpredictably)
+            need = np.int64(x < WIDE_L)
+            x = (x << (16 * need)) | (np.int64(words[_U(p)]) & -need)
+            p += need
+        states[lane0 + lane] = np.uint32(x)
     return p, OK
 
 
@@ -238,34 +241,12 @@ def _encode_checked(states, lane0, table, base_lo, base_hi, split, symbols, i, m
     return t
 
 
-@inline
-def _group_scalar(states, lane0, table, base_lo, base_hi, split, words, p, raw, out, i, precision, k):
-    """A whole group one element at a time, for processors without the vector steps: each element
-    decoded and its state renormalised at once (the same reads as the vector step's: a state's
-    word comes after those of the lanes before it). Its reads are the vector step's, unchecked: 16
-    words from ``p`` at most, and the group's raw bytes from (i * k) >> 3, eight at a time."""
-    mask = (np.int64(1) << precision) - 1
-    low = (np.int64(1) << (k - 1)) - 1
-    for lane in range(GROUP):
-        at = (i + lane) * k
-        r = np.int64(load_le64(raw, _U(at >> 3)) >> _U(at & 7)) & ((np.int64(1) << k) - 1)
-        x = np.int64(states[lane0 + lane])
-        e = np.int64(table[_U((base_lo if lane < split else base_hi) + (x & mask))])
-        x = (e >> 32) * (x >> precision) + ((e >> 16) & 0xFFFF)
-        out[_U(i + lane)] = np.uint16(((r >> (k - 1)) << 15) | (e & 0xFFFF) | (r & low))
-        need = np.int64(x < WIDE_L)
-        x = (x << (16 * need)) | (np.int64(words[_U(p)]) & -need)
-        p += need
-        states[lane0 + lane] = np.uint32(x)
-    return p
-
-
 def _vector_steps() -> bool:
     """Whether the kernels are compiled for a processor with AVX-512's 16-bit compress and expand
     (VBMI2, with BW and VL): the steps' expanding load and register compress need them to be single
     instructions (elsewhere LLVM would load lane by lane, or not compile the compress at all). Else,
     or with DEEPCABAC_SCALAR_STEPS=1 (the tests run both), every group goes one element at a time
-    (:func:`_group_scalar`, :func:`_encode_checked`): the same bytes, slower than tANS."""
+    (:func:`_group_elements`, :func:`_encode_checked`): the same bytes, slower than tANS."""
     if numba.config.DISABLE_JIT or os.environ.get("DEEPCABAC_SCALAR_STEPS") == "1":
         return False
     if numba.config.CPU_NAME not in (None, "host"):
@@ -283,11 +264,13 @@ if not VECTOR_STEPS:
     # (an intrinsic runs compiled only, and fast on the processors above only: one element at a time)
     @inline
     def _group_bf16(states, lane0, table, base_lo, base_hi, split, words, p, raw, out, i, precision):
-        return _group_scalar(states, lane0, table, base_lo, base_hi, split, words, p, raw, out, i, precision, 6)
+        return _group_elements(states, lane0, table, base_lo, base_hi, split, words, p, raw, out, i, GROUP,
+                               precision, 6, False)[0]
 
     @inline
     def _group_fp16(states, lane0, table, base_lo, base_hi, split, words, p, raw, out, i, precision):
-        return _group_scalar(states, lane0, table, base_lo, base_hi, split, words, p, raw, out, i, precision, 9)
+        return _group_elements(states, lane0, table, base_lo, base_hi, split, words, p, raw, out, i, GROUP,
+                               precision, 9, False)[0]
 
     @inline
     def _encode16(states, lane0, table, base_lo, base_hi, split, symbols, i, pushed, t, precision):
@@ -303,7 +286,7 @@ else:
         @inline
         def _in_bounds(states, lane0, table, base_lo, base_hi, words, p, raw, out, i, precision, k):
             if (lane0 < 0 or lane0 + GROUP > states.shape[0] or p < 0 or p + GROUP > words.shape[0]
-                    or i < 0 or i + GROUP > out.shape[0] or ((i * k) >> 3) + 32 > raw.shape[0]
+                    or i < 0 or i + GROUP > out.shape[0] or ((i * k) >> 3) + 32 > 4 * raw.shape[0]
                     or min(base_lo, base_hi) < 0
                     or max(base_lo, base_hi) + (np.int64(1) << precision) > table.shape[0]):
                 raise IndexError("a vector step outside its arrays")
@@ -363,7 +346,7 @@ def _vector_run(xs, g, count, table, base, words, p, raw, out, precision, M):
 @kernel
 def decode_wide(words, raw, states, seg_len, M, classes, precision, table, out):
     """Rebuild ``out`` (the uint16 bits of a 16-bit float chunk) from its rANS ``words``, its
-    ``raw`` bytes (exactly the raw words of its n * k bits), the decoder's 64 initial ``states``
+    ``raw`` words (exactly those of its n * k bits, u32), the decoder's 64 initial ``states``
     (each at least WIDE_L: the front checks), its segments' classes and :func:`wide_decode_table`'s
     ``table``; OK or an error code. The vector steps run in stretches that cannot reach the end of
     the words or of the raw bytes; the rest goes one element at a time, each read checked."""
@@ -386,7 +369,7 @@ def decode_wide(words, raw, states, seg_len, M, classes, precision, table, out):
         # whole groups whose reads stay inside (16 words and 32 raw bytes at most) and inside the segment
         safe = 0
         if g < full:
-            raw_left = raw.shape[0] - 32 - ((i * k) >> 3)  # (a group's raw bits: 2k bytes; its load: 32)
+            raw_left = 4 * raw.shape[0] - 32 - ((i * k) >> 3)  # (a group's raw bits: 2k bytes; its load: 32)
             safe = min(full - g, (words.shape[0] - p) // GROUP, max(0, raw_left // (2 * k) + 1))
         inside = min(safe, (seg_end - i) // GROUP)
         if inside > 0:
@@ -406,7 +389,8 @@ def decode_wide(words, raw, states, seg_len, M, classes, precision, table, out):
             else:
                 p = _group_fp16(xs, lane0, table, base_lo, base_hi, split, words, p, raw, out, i, precision)
         else:
-            p, err = _group_checked(xs, lane0, table, base_lo, base_hi, split, words, p, raw, out, i, m, precision, k)
+            p, err = _group_elements(xs, lane0, table, base_lo, base_hi, split, words, p, raw, out, i, m, precision,
+                                     k, True)
             if err != OK:
                 return err
         g += 1
@@ -464,18 +448,21 @@ def _wide_encode(symbols, seg_len, classes, precision, used_syms, sent, alphabet
 
 
 @kernel
-def encode_wide_substream(words, seg_len, M, costs, work):
-    """The whole low-bit mode 4 substream of a 16-bit float chunk (``M``: its mantissa bits), or an
-    empty array where a segment has low bits zero in all its elements (modes 0 and 1 drop them:
-    the caller codes the chunk by tANS). Large arrays are carved from ``work`` as
-    :func:`._float_kernels.encode_tans_substream` carves them. Returns a view into ``work``."""
+def encode_16bit_substream(words, seg_len, M, costs, wide, work):
+    """The whole substream of a 16-bit float chunk (``M``: its mantissa bits): low-bit mode 4 with
+    ``wide`` where no segment has low bits zero in all its elements, else mode 0 or 1 by tANS (which
+    drop those bits), from one split and one choice of tables (the two modes choose them alike).
+    Large arrays are carved from ``work`` as :func:`._float_kernels.encode_tans_substream` carves
+    them. Returns a view into ``work``."""
     alphabet = np.int64(1) << (15 - M + TOP_BITS)
     zeros, classes16, symbols, raw, nraw, klog, precision, used_syms, sent, coded_bytes, at = split_and_choose(
         words, seg_len, 16, M, np.empty(0, dtype=np.uint8), np.empty(0, dtype=np.uint8), costs, WIDE_MAX_BITS, work)
     nseg = classes16.shape[0]
     for j in range(nseg):
-        if zeros[j]:
-            return work[:0]
+        wide = wide and zeros[j] == 0
+    if not wide or nseg == 0:
+        return tans_substream(16, M, seg_len, zeros, classes16, symbols, raw, nraw, klog, precision, used_syms, sent,
+                              coded_bytes, at, work)
     coded = coded_bytes.view(np.uint16)
     classes, tables, table_bytes = classes_and_tables(classes16, klog, used_syms, sent)
     begin, xs = _wide_encode(symbols, seg_len, classes, precision, used_syms, sent, alphabet, coded)

@@ -175,12 +175,11 @@ _WORK = _Work()
 def _tans_substream(words: np.ndarray, seg_len: int, W: int, M: int, zeros: np.ndarray,
                     classes16: np.ndarray, wide: bool = False) -> bytes:
     """Low-bit mode 0 or 1 by tANS, or with ``wide`` (16-bit floats) mode 4 where no segment drops
-    a low bit."""
+    a low bit (16-bit floats find their segments' statistics as they split: ``zeros`` and
+    ``classes16`` are empty then)."""
     work = _WORK.take(_k.tans_work_bytes(words.shape[0], seg_len, W, M))
-    if wide and words.shape[0]:
-        data = _w.encode_wide_substream(words, seg_len, M, _COSTS, work)
-        if data.shape[0]:
-            return data.tobytes()
+    if W == 16:
+        return _w.encode_16bit_substream(words, seg_len, M, _COSTS, wide, work).tobytes()
     return _k.encode_tans_substream(words, seg_len, W, M, zeros, classes16, _COSTS, work).tobytes()
 
 
@@ -463,7 +462,7 @@ def _decode_wide(r: _Reader, M: int, n: int, seg_len: int, words: np.ndarray) ->
         raise CorruptStreamError(f"{r.where}: an initial coder state of {int(states.min())}, below {_w.WIDE_L}")
     count = r.u32("coder size")
     coder = _read_only(r.take(2 * count, "coder words").view("<u2"))
-    raw = r.raw(-(-n * (M - _k.TOP_BITS + 1) // 32), padding=0).view(np.uint8)
+    raw = r.raw(-(-n * (M - _k.TOP_BITS + 1) // 32), padding=0)
     r.check(_w.decode_wide(coder, raw, states, seg_len, M, classes, precision, table, words))
 
 
