@@ -207,8 +207,9 @@ def float_chunks() -> dict[str, bytes]:
         flat = a.reshape(-1)
         seg = floatcoder.segment_length(a.shape)
         out[f"{name}.bin"] = struct.pack("<BHH", code, flat.size, seg) + floatcoder.encode_chunk(flat, name, seg)
-        if name in ("bfloat16", "float16"):  # low-bit mode 4 (64 rANS states): no segment may drop a bit
-            odd = flat.view(np.uint16) | 1
+        if name != "float64":  # low-bit mode 4 (64 rANS states): no segment may drop a bit
+            words = flat.view(np.uint32 if name == "float32" else np.uint16)
+            odd = (words | 1).view(flat.dtype)
             out[f"{name}_mode4.bin"] = (struct.pack("<BHH", code, flat.size, seg)
                                         + floatcoder.encode_chunk(odd, name, seg, wide=True))
         # low-bit mode 3 (float32) or 2 (trailing zeros), of the values rounded to one grid

@@ -551,10 +551,10 @@ WIDE_L = 1 << 16
 
 
 def encode_wide(words: list[int], dtype_name: str, seg: int) -> bytes | None:
-    """Low-bit mode 4 (docs/format.md §4.4): 16-bit floats dropping no low bit, the symbols by 64
-    rANS states, element i on state i % 64; None where a segment has low bits zero throughout."""
+    """Low-bit mode 4 (docs/format.md §4.4): bf16, fp16 or fp32 dropping no low bit, the symbols by
+    64 rANS states, element i on state i % 64; None where a segment has low bits zero throughout."""
     W, M = floatcoder.FORMATS[dtype_name]
-    assert W == 16
+    assert W in (16, 32)
     n = len(words)
     means = []
     for _, idx in _segments(n, seg):

@@ -107,6 +107,23 @@ def test_any_bits_roundtrip(dtype_name, n, seg, seed, low_zero):
     assert out.view(np.uint8).tobytes() == flat.view(np.uint8).tobytes()
 
 
+@settings(max_examples=40, deadline=None)
+@given(dtype_name=st.sampled_from(["bfloat16", "float16"]), n=st.integers(1, 3000), seg=st.integers(1, 700),
+       seed=st.integers(0, 2**32 - 1))
+def test_the_16bit_split_gives_the_reference_bytes_whatever_the_segments_drop(dtype_name, n, seg, seed):
+    """The vector split of 16-bit floats runs where the raw bits' position is a whole byte; the
+    segments that drop low bits (about half here, 1 to 3 bits) move it off and back."""
+    rng = np.random.default_rng(seed)
+    drops = rng.integers(1, 4, size=-(-n // seg)) * (rng.random(-(-n // seg)) < 0.5)
+    flat = _random_floats(rng, dtype_name, n, np.repeat(drops, seg)[:n])
+    data = floatcoder.encode_chunk(flat, dtype_name, seg, wide=False)
+    words = [int(v) for v in flat.view(np.uint16)]
+    assert ref_encode(words, dtype_name, seg) == data
+    out = np.empty_like(flat)
+    floatcoder.decode_chunk(data, dtype_name, seg, out)
+    assert out.view(np.uint16).tolist() == words
+
+
 @pytest.mark.parametrize("dtype_name", sorted(DTYPES))
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_kernels_match_the_python_reference(dtype_name, seed):
@@ -327,8 +344,9 @@ def test_the_trailing_mode_is_taken_where_it_pays(dtype_name):
     bit, mode = (floatcoder.TZ_REVISION, 3) if dtype_name == "float32" else (floatcoder.TRAILING_REVISION, 2)
     assert chosen[0] == (floatcoder.TZ_BYTE if mode == 3 else 2)
     assert segments[0] in (floatcoder.TANS_FLAG, floatcoder.TANS_FLAG | 1)
-    assert floatcoder.revision_of([segments, chosen]) == floatcoder.TANS_REVISION | bit
-    assert floatcoder.revision_of([segments]) == floatcoder.TANS_REVISION and floatcoder.revision_of([chosen]) == bit
+    assert floatcoder.revision_of([segments, chosen], dtype_name) == floatcoder.TANS_REVISION | bit
+    assert floatcoder.revision_of([segments], dtype_name) == floatcoder.TANS_REVISION
+    assert floatcoder.revision_of([chosen], dtype_name) == bit
     # (the same grid by the segments' drop alone: the per-element counts save more than a tenth)
     words = [int(v) for v in grid.reshape(-1).view(WORDS[dtype_name])]
     assert len(chosen) < 0.9 * len(ref_encode(words, dtype_name, seg))
@@ -623,18 +641,24 @@ def test_histogram_counts_each_symbol_in_its_segments_class(n):
     np.testing.assert_array_equal(hist, expected)
 
 
-@settings(max_examples=25, deadline=None)
-@given(n=st.integers(1, 900), seg=st.integers(256, 400), dtype_name=st.sampled_from(["bfloat16", "float16"]),
+WIDE_DTYPES = ["bfloat16", "float16", "float32"]
+
+
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(1, 900), seg=st.integers(256, 400), dtype_name=st.sampled_from(WIDE_DTYPES),
        seed=st.integers(0, 2**32 - 1), scale=st.sampled_from([1e-3, 0.05, 3.0]))
 def test_mode_4_matches_the_reference_and_round_trips(n, seg, dtype_name, seed, scale):
     rng = np.random.default_rng(seed)
     x = (rng.standard_normal(n) * scale).astype(np.float32)
-    words = ((x.view(np.uint32) >> 16) | 1).astype(np.uint16) if dtype_name == "bfloat16" \
-        else (x.astype(np.float16).view(np.uint16) | 1)  # (no low bit dropped: mode 4 takes the chunk)
-    data = floatcoder.encode_chunk(words, dtype_name, seg, wide=True)
+    # (no low bit dropped: mode 4 takes the chunk)
+    words = {"bfloat16": lambda: ((x.view(np.uint32) >> 16) | 1).astype(np.uint16),
+             "float16": lambda: x.astype(np.float16).view(np.uint16) | 1,
+             "float32": lambda: x.view(np.uint32) | 1}[dtype_name]()
+    values = words.view(np.float32) if dtype_name == "float32" else words
+    data = floatcoder.encode_chunk(values, dtype_name, seg, wide=True)
     assert data == ref_encode_wide([int(w) for w in words], dtype_name, seg)
-    out = np.zeros(n, dtype=np.uint16)
-    floatcoder.decode_chunk(data, dtype_name, seg, out)
+    out = np.zeros(n, dtype=words.dtype)
+    floatcoder.decode_chunk(data, dtype_name, seg, out.view(np.float32) if dtype_name == "float32" else out)
     assert np.array_equal(out, words)
 
 
@@ -642,7 +666,7 @@ def _wide_chunk(seed: int, dtype_name: str, shape) -> tuple[np.ndarray, int, byt
     """A mode 4 substream of weights of ``shape`` (rows of different scales), their segment length
     and where its fields begin."""
     a = _weights(np.random.default_rng(seed), dtype_name, shape).reshape(-1)
-    w = a.view(np.uint16)
+    w = a.view(WORDS[dtype_name])
     w |= 1  # (no segment drops a low bit)
     seg = floatcoder.segment_length(shape)
     data = floatcoder.encode_chunk(a, dtype_name, seg, wide=True)
@@ -656,7 +680,7 @@ def _wide_chunk(seed: int, dtype_name: str, shape) -> tuple[np.ndarray, int, byt
     return a, seg, data, at
 
 
-@pytest.mark.parametrize("dtype_name", ["bfloat16", "float16"])
+@pytest.mark.parametrize("dtype_name", WIDE_DTYPES)
 def test_a_mode_4_substream_cut_short_or_with_impossible_fields_is_refused(dtype_name):
     a, seg, data, at = _wide_chunk(13, dtype_name, (40, 300))
     assert "classes" in at
@@ -675,14 +699,19 @@ def test_a_mode_4_substream_cut_short_or_with_impossible_fields_is_refused(dtype
     size = at["coder size"]
     count = int.from_bytes(data[size:size + 4], "little")
     refused(data[:size] + (count - 1).to_bytes(4, "little") + data[size + 4:], "substream")
-    with pytest.raises(CorruptStreamError, match="only 16-bit floats take"):
-        floatcoder.decode_chunk(data, "float32", seg, np.empty(a.size, dtype=np.float32))
+    with pytest.raises(CorruptStreamError, match="only bf16, fp16 and fp32 take"):
+        floatcoder.decode_chunk(data, "float64", seg, np.empty(a.size, dtype=np.float64))
+    with pytest.raises(CorruptStreamError, match="mode byte of 0x84, unknown to an entry of coder parameter"):
+        # (an entry that says it has no mode 4 of its width: a 16-bit one's bit for float32, and back)
+        floatcoder.decode_chunk(data, dtype_name, seg, np.empty_like(a),
+                                revision=floatcoder.REVISIONS[-1] & ~(floatcoder.WIDE32_REVISION if dtype_name
+                                                                      == "float32" else floatcoder.WIDE_REVISION))
     out = np.empty_like(a)
     floatcoder.decode_chunk(data, dtype_name, seg, out)  # (the original decodes)
     assert out.view(np.uint8).tobytes() == a.view(np.uint8).tobytes()
 
 
-@pytest.mark.parametrize("dtype_name", ["bfloat16", "float16"])
+@pytest.mark.parametrize("dtype_name", WIDE_DTYPES)
 def test_damaged_mode_4_substreams_are_refused_or_decode_within_bounds(dtype_name):
     rng = np.random.default_rng(6)
     a, seg, data, _ = _wide_chunk(14, dtype_name, (30, 256))
@@ -704,20 +733,37 @@ def test_mode_4_is_taken_for_large_16_bit_chunks_that_drop_no_bit():
     a.view(np.uint16)[:seg] &= 0xFFFE  # (a segment dropping a bit: modes 0 and 1 drop it)
     assert floatcoder.encode_chunk(a, "float16", seg)[0] == floatcoder.TANS_FLAG | 1
     assert floatcoder.revision_of([floatcoder.encode_chunk(a, "float16", seg, wide=False),
-                                   _wide_chunk(1, "bfloat16", (4, 300))[2]]) == (floatcoder.TANS_REVISION
-                                                                                | floatcoder.WIDE_REVISION)
+                                   _wide_chunk(1, "float16", (4, 300))[2]], "float16") == (floatcoder.TANS_REVISION
+                                                                                          | floatcoder.WIDE_REVISION)
+    assert floatcoder.revision_of([_wide_chunk(1, "float32", (4, 300))[2]], "float32") == floatcoder.WIDE32_REVISION
+
+
+def test_mode_4_is_taken_for_large_float32_chunks_unless_their_trailing_zeros_pay_more():
+    rng = np.random.default_rng(16)
+    a = _weights(rng, "float32", (512, 256)).reshape(-1)
+    # (random low bits: no segment drops one, and the trailing zeros are not worth coding; every
+    # element's lowest bit set would be: mode 3 leaves out the one above the trailing zeros)
+    a.view(np.uint32)[:] ^= rng.integers(0, 1 << 16, size=a.size, dtype=np.uint32)
+    seg = floatcoder.segment_length((512, 256))
+    assert floatcoder.encode_chunk(a, "float32", seg)[0] == floatcoder.WIDE_BYTE
+    assert floatcoder.encode_chunk(a[:floatcoder.WIDE_FROM - seg], "float32", seg)[0] == floatcoder.TANS_FLAG
+    grid = _grid_weights(rng, "float32", (512, 256)).reshape(-1)  # (values on a grid: mode 3 saves more)
+    assert floatcoder.encode_chunk(grid, "float32", seg)[0] == floatcoder.TZ_BYTE
+    assert floatcoder.encode_chunk(a.astype(np.float64), "float64", seg)[0] != floatcoder.WIDE_BYTE
 
 
 def test_the_scalar_steps_give_the_vector_steps_bytes_and_values(tmp_path):
-    """Processors without AVX-512's VBMI2 run mode 4 one element at a time: the mode-4 tests again
-    (reference bytes, round trips, damage, golden substreams) with that path forced, in a Numba
-    cache of its own (a cached kernel keeps the steps it was compiled with)."""
+    """Processors without AVX-512's VBMI and VBMI2 run mode 4 and the 16-bit split one element at
+    a time: their tests again (reference bytes, round trips, damage, golden substreams) with that
+    path forced, in a Numba cache of its own (a cached kernel keeps the steps it was compiled
+    with)."""
     tests = Path(__file__).resolve().parent
     env = dict(os.environ, DEEPCABAC_SCALAR_STEPS="1", NUMBA_CACHE_DIR=str(tmp_path))
     env.pop("DEEPCABAC_REGEN_GOLDEN", None)
-    check = "from deepcabac_py.entropy import _wide_kernels as w; assert not w.VECTOR_STEPS"
+    check = "from deepcabac_py.entropy import _vector_kernels as v; assert not v.VECTOR_STEPS"
     subprocess.run([sys.executable, "-c", check], env=env, check=True, timeout=300)
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", "-k", "mode_4",
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0",
+                           "-k", "mode_4 or 16bit_split",
                            str(tests / "test_floatcoder.py"), str(tests / "test_golden.py")],
                           env=env, cwd=tests.parent, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]

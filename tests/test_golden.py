@@ -234,14 +234,16 @@ def test_golden_files_are_small():
 
 
 def _mode4_words(dtype_name: str) -> np.ndarray:
-    """1,200 16-bit floats from frozen draws, a low bit set in every one (so that no segment drops a
-    bit and low-bit mode 4 takes them)."""
+    """1,200 floats (bf16 and fp16 as uint16, fp32 as float32) from frozen draws, a low bit set in
+    every one (so that no segment drops a bit and low-bit mode 4 takes them)."""
     x = torch.from_numpy(golden_floats(31, (4, 300), -3))
+    if dtype_name == "float32":
+        return (x.numpy().astype(np.float32).view(np.uint32).reshape(-1) | 1).view(np.float32)
     t = x.to(torch.bfloat16 if dtype_name == "bfloat16" else torch.float16)
     return t.view(torch.int16).numpy().view(np.uint16).reshape(-1) | 1
 
 
-@pytest.mark.parametrize("dtype_name", ["bfloat16", "float16"])
+@pytest.mark.parametrize("dtype_name", ["bfloat16", "float16", "float32"])
 def test_the_mode_4_golden_substreams_decode_and_are_reproduced(dtype_name):
     from deepcabac_py.entropy import floatcoder
     words = _mode4_words(dtype_name)
@@ -254,5 +256,5 @@ def test_the_mode_4_golden_substreams_decode_and_are_reproduced(dtype_name):
     assert committed[0] == floatcoder.WIDE_BYTE
     out = np.empty_like(words)
     floatcoder.decode_chunk(committed, dtype_name, seg, out)
-    assert np.array_equal(out, words)
+    assert out.tobytes() == words.tobytes()
     assert data == committed

@@ -16,9 +16,6 @@ the next 16-bit word of one shared stream. The encoder runs it backwards. Layout
 
 from __future__ import annotations
 
-import os
-
-import llvmlite.binding as llvm
 import numba
 import numpy as np
 from llvmlite import ir
@@ -42,110 +39,67 @@ from ._float_kernels import (
     split_and_choose,
     tans_substream,
 )
+from ._vector_kernels import GROUP, I1, I8, I16, I32, I64, VECTOR_STEPS, Step, window
 
 WIDE_LANES = 64  # four sets of sixteen states
-GROUP = 16  # elements a vector step decodes
 WIDE_L = 1 << 16  # states stay in [WIDE_L, 2**32); renormalisation moves 16 bits
 # the tables' precision at most: tANS's (a 16-bit chunk's tables are chosen once, for either mode),
 # and 2**16 >> 13 leaves a decoded state 8 or more, which one renormalisation brings back above 2**16
 WIDE_MAX_BITS = TANS_MAX_BITS
 
-_I1, _I8, _I16, _I32, _I64 = ir.IntType(1), ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
-
-
-class _Step:
-    """What both vector steps build their IR from: vectors of GROUP lanes, the arrays' data, the
-    group's states and the gather of its table entries."""
-
-    def __init__(self, context, builder, signature, args):
-        self.context, self.b, self.types, self.args = context, builder, signature.args, args
-
-    @staticmethod
-    def vec(t, n=GROUP):
-        return ir.VectorType(t, n)
-
-    def const(self, t, values):
-        values = list(values)
-        return ir.Constant(self.vec(t, len(values)), values)
-
-    def splat(self, value, t):
-        v = self.b.insert_element(ir.Constant(self.vec(t), ir.Undefined), value, ir.Constant(_I32, 0))
-        return self.b.shuffle_vector(v, ir.Constant(self.vec(t), ir.Undefined), self.const(_I32, [0] * GROUP))
-
-    def intrinsic(self, name, ret, args):
-        try:
-            return self.b.module.get_global(name)
-        except KeyError:
-            return ir.Function(self.b.module, ir.FunctionType(ret, args), name=name)
-
-    def at(self, k, index, t):
-        """A pointer to GROUP elements of type ``t`` from ``index`` of array argument ``k``."""
-        data = self.context.make_array(self.types[k])(self.context, self.b, self.args[k]).data
-        return self.b.bitcast(self.b.gep(self.b.bitcast(data, t.as_pointer()), [index]), self.vec(t).as_pointer())
-
-    def rows(self, lo, hi, split, index):
-        """The table (argument 2, 8-byte entries) at ``index`` of row ``lo`` for the lanes below
-        ``split``, of row ``hi`` for the others: one gather."""
-        b = self.b
-        base = b.select(b.icmp_signed("<", self.const(_I64, range(GROUP)), self.splat(split, _I64)),
-                        self.splat(lo, _I64), self.splat(hi, _I64))
-        data = self.context.make_array(self.types[2])(self.context, b, self.args[2]).data
-        where = b.add(self.splat(b.ptrtoint(data, _I64), _I64),
-                      b.shl(b.add(base, index), self.const(_I64, [3] * GROUP)))
-        gather = self.intrinsic("llvm.masked.gather.v16i64.v16p0", self.vec(_I64),
-                                [self.vec(_I64.as_pointer()), _I32, self.vec(_I1), self.vec(_I64)])
-        return b.call(gather, [b.inttoptr(where, self.vec(_I64.as_pointer())), ir.Constant(_I32, 8),
-                               self.const(_I1, [1] * GROUP), ir.Constant(self.vec(_I64), None)])
-
-    def count(self, mask):
-        """The lanes set in ``mask``, as an int64."""
-        popcount = self.intrinsic("llvm.ctpop.i16", _I16, [_I16])
-        return self.b.zext(self.b.call(popcount, [self.b.bitcast(mask, _I16)]), _I64)
-
-
-def _decode_step(k):
-    """The decoder's step for a whole group, raw bits of ``k`` (<= 9) bits per element (the
-    element's are bits ``i * k`` to ``i * k + k`` of the raw bytes, its sign on top): arguments
-    (states, lane0, table, base_lo, base_hi, split, words, p, raw, out, i, precision), what
-    :func:`_group_elements` does for the group; returns the next word's index."""
+def _decode_step(W, M):
+    """The decoder's step for a whole group of floats of ``W`` (16 or 32) bits, ``M`` mantissa
+    bits: the raw bits of ``k = M - TOP_BITS + 1`` bits per element (the element's are bits
+    ``i * k`` to ``i * k + k`` of the raw bytes, its sign on top), cut from one load of
+    :func:`window` bytes; arguments (states, lane0, table, base_lo, base_hi, split, words, p, raw,
+    out, i, precision), what :func:`_group_elements` does for the group; returns the next word's
+    index."""
+    k = M - TOP_BITS + 1
     low = k - 1
-    # lane l's raw bits lie in the bytes (k * l) >> 3 and the one after (k + 7 <= 16 bits)
-    pick = [b for lane in range(GROUP) for b in ((k * lane) >> 3, ((k * lane) >> 3) + 1)]
+    size = window.py_func(k)
+    # lane l's raw bits lie in the two (16-bit floats: k + 7 <= 16 bits) or four bytes from
+    # (k * l) >> 3 on
+    width = W // 8
+    pick = [((k * lane) >> 3) + j for lane in range(GROUP) for j in range(width)]
     shifts = [(k * lane) & 7 for lane in range(GROUP)]
+    It = I16 if W == 16 else I32
 
     @intrinsic
     def step(typingctx, states, lane0, table, base_lo, base_hi, split, words, p, raw, out, i, precision):
         def codegen(context, builder, signature, args):
-            v = _Step(context, builder, signature, args)
+            v = Step(context, builder, signature, args)
             b = builder
             _, lane0_, _, lo, hi, split_, _, p_, _, _, i_, precision_ = args
-            states_at = v.at(0, lane0_, _I32)
+            states_at = v.at(0, lane0_, I32)
             x = b.load(states_at, align=4)
             # the entries: the slot's frequency (bits 32 on), its distance from the symbol's start
-            # (16 to 31) and the symbol where the float holds it (0 to 15)
-            bits = b.trunc(precision_, _I32)
-            slot = b.and_(x, v.splat(b.sub(b.shl(ir.Constant(_I32, 1), bits), ir.Constant(_I32, 1)), _I32))
-            entry = v.rows(lo, hi, split_, b.zext(slot, v.vec(_I64)))
-            freq = b.trunc(b.lshr(entry, v.const(_I64, [32] * GROUP)), v.vec(_I32))
-            bias = b.and_(b.trunc(b.lshr(entry, v.const(_I64, [16] * GROUP)), v.vec(_I32)),
-                          v.const(_I32, [0xFFFF] * GROUP))
-            x = b.add(b.mul(freq, b.lshr(x, v.splat(bits, _I32))), bias)
-            # the raw bits of the sixteen elements from one load of 32 bytes
-            raw_at = v.at(8, b.lshr(b.mul(i_, ir.Constant(_I64, k)), ir.Constant(_I64, 3)), _I8)
-            raw_bytes = b.load(b.bitcast(raw_at, v.vec(_I8, 32).as_pointer()), align=1)
-            pairs = b.shuffle_vector(raw_bytes, ir.Constant(v.vec(_I8, 32), ir.Undefined), v.const(_I32, pick))
-            r = b.and_(b.lshr(b.bitcast(pairs, v.vec(_I16)), v.const(_I16, shifts)),
-                       v.const(_I16, [(1 << k) - 1] * GROUP))
-            value = b.or_(b.trunc(entry, v.vec(_I16)), b.and_(r, v.const(_I16, [(1 << low) - 1] * GROUP)))
-            value = b.or_(value, b.shl(b.lshr(r, v.const(_I16, [low] * GROUP)), v.const(_I16, [15] * GROUP)))
-            b.store(value, v.at(9, i_, _I16), align=2)
+            # (16 to 31) and the symbol (0 to 15; where a 16-bit float holds it, for the others
+            # shifted here)
+            bits = b.trunc(precision_, I32)
+            slot = b.and_(x, v.splat(b.sub(b.shl(ir.Constant(I32, 1), bits), ir.Constant(I32, 1)), I32))
+            entry = v.rows(lo, hi, split_, b.zext(slot, v.vec(I64)))
+            freq = b.trunc(b.lshr(entry, v.const(I64, [32] * GROUP)), v.vec(I32))
+            bias = b.and_(b.trunc(b.lshr(entry, v.const(I64, [16] * GROUP)), v.vec(I32)),
+                          v.const(I32, [0xFFFF] * GROUP))
+            x = b.add(b.mul(freq, b.lshr(x, v.splat(bits, I32))), bias)
+            # the raw bits of the sixteen elements from one load
+            raw_at = v.at(8, b.lshr(b.mul(i_, ir.Constant(I64, k)), ir.Constant(I64, 3)), I8)
+            raw_bytes = b.load(b.bitcast(raw_at, v.vec(I8, size).as_pointer()), align=1)
+            lanes = b.shuffle_vector(raw_bytes, ir.Constant(v.vec(I8, size), ir.Undefined), v.const(I32, pick))
+            r = b.and_(b.lshr(b.bitcast(lanes, v.vec(It)), v.const(It, shifts)), v.const(It, [(1 << k) - 1] * GROUP))
+            symbol = b.trunc(entry, v.vec(I16))
+            if W == 32:
+                symbol = b.shl(b.zext(symbol, v.vec(I32)), v.const(I32, [M - TOP_BITS] * GROUP))
+            value = b.or_(symbol, b.and_(r, v.const(It, [(1 << low) - 1] * GROUP)))
+            value = b.or_(value, b.shl(b.lshr(r, v.const(It, [low] * GROUP)), v.const(It, [W - 1] * GROUP)))
+            b.store(value, v.at(9, i_, It), align=W // 8)
             # the states below WIDE_L take the next words, in lane order: one expanding load
-            need = b.icmp_unsigned("<", x, v.const(_I32, [WIDE_L] * GROUP))
-            expand = v.intrinsic("llvm.masked.expandload.v16i16", v.vec(_I16),
-                                 [_I16.as_pointer(), v.vec(_I1), v.vec(_I16)])
-            words_at = b.bitcast(v.at(6, p_, _I16), _I16.as_pointer())
-            w = b.call(expand, [words_at, need, ir.Constant(v.vec(_I16), None)])
-            x = b.select(need, b.or_(b.shl(x, v.const(_I32, [16] * GROUP)), b.zext(w, v.vec(_I32))), x)
+            need = b.icmp_unsigned("<", x, v.const(I32, [WIDE_L] * GROUP))
+            expand = v.intrinsic("llvm.masked.expandload.v16i16", v.vec(I16),
+                                 [I16.as_pointer(), v.vec(I1), v.vec(I16)])
+            words_at = b.bitcast(v.at(6, p_, I16), I16.as_pointer())
+            w = b.call(expand, [words_at, need, ir.Constant(v.vec(I16), None)])
+            x = b.select(need, b.or_(b.shl(x, v.const(I32, [16] * GROUP)), b.zext(w, v.vec(I32))), x)
             b.store(x, states_at, align=4)
             return b.add(p_, v.count(need))
 
@@ -163,32 +117,32 @@ def _vector_encode16(typingctx, states, lane0, table, base_lo, base_hi, split, s
     they are in the stream's order); returns the next ``t``. Sixteen words are stored: those after
     the pushed ones are overwritten by the next group's."""
     def codegen(context, builder, signature, args):
-        v = _Step(context, builder, signature, args)
+        v = Step(context, builder, signature, args)
         b = builder
         _, lane0_, _, lo, hi, split_, _, i_, _, t_, precision_ = args
-        states_at = v.at(0, lane0_, _I32)
+        states_at = v.at(0, lane0_, I32)
         x = b.load(states_at, align=4)
-        entry = v.rows(lo, hi, split_, b.zext(b.load(v.at(6, i_, _I16), align=2), v.vec(_I64)))
-        f64 = b.and_(entry, v.const(_I64, [0xFFFFFFFF] * GROUP))
-        start = b.trunc(b.lshr(entry, v.const(_I64, [32] * GROUP)), v.vec(_I32))
-        limit = b.shl(f64, v.splat(b.sub(ir.Constant(_I64, 32), precision_), _I64))
-        push = b.icmp_unsigned(">=", b.zext(x, v.vec(_I64)), limit)
+        entry = v.rows(lo, hi, split_, b.zext(b.load(v.at(6, i_, I16), align=2), v.vec(I64)))
+        f64 = b.and_(entry, v.const(I64, [0xFFFFFFFF] * GROUP))
+        start = b.trunc(b.lshr(entry, v.const(I64, [32] * GROUP)), v.vec(I32))
+        limit = b.shl(f64, v.splat(b.sub(ir.Constant(I64, 32), precision_), I64))
+        push = b.icmp_unsigned(">=", b.zext(x, v.vec(I64)), limit)
         # (compressed in a register and stored whole: this machine's compressing store to memory
         # took 3.6 ns per element, scratch)
-        reverse = v.const(_I32, range(GROUP - 1, -1, -1))
-        words = b.shuffle_vector(b.trunc(x, v.vec(_I16)), ir.Constant(v.vec(_I16), ir.Undefined), reverse)
-        order = b.shuffle_vector(push, ir.Constant(v.vec(_I1), ir.Undefined), reverse)
-        compress = v.intrinsic("llvm.x86.avx512.mask.compress.v16i16", v.vec(_I16),
-                               [v.vec(_I16), v.vec(_I16), v.vec(_I1)])
-        b.store(b.call(compress, [words, ir.Constant(v.vec(_I16), None), order]), v.at(8, t_, _I16), align=2)
-        x = b.select(push, b.lshr(x, v.const(_I32, [16] * GROUP)), x)
+        reverse = v.const(I32, range(GROUP - 1, -1, -1))
+        words = b.shuffle_vector(b.trunc(x, v.vec(I16)), ir.Constant(v.vec(I16), ir.Undefined), reverse)
+        order = b.shuffle_vector(push, ir.Constant(v.vec(I1), ir.Undefined), reverse)
+        compress = v.intrinsic("llvm.x86.avx512.mask.compress.v16i16", v.vec(I16),
+                               [v.vec(I16), v.vec(I16), v.vec(I1)])
+        b.store(b.call(compress, [words, ir.Constant(v.vec(I16), None), order]), v.at(8, t_, I16), align=2)
+        x = b.select(push, b.lshr(x, v.const(I32, [16] * GROUP)), x)
         # x div f exactly: x < 2**32 and f <= 2**13, so the double quotient never rounds up to the
         # next integer
-        f = b.trunc(f64, v.vec(_I32))
+        f = b.trunc(f64, v.vec(I32))
         double = v.vec(ir.DoubleType())
-        q = b.fptoui(b.fdiv(b.uitofp(x, double), b.uitofp(f, double)), v.vec(_I32))
+        q = b.fptoui(b.fdiv(b.uitofp(x, double), b.uitofp(f, double)), v.vec(I32))
         r = b.sub(x, b.mul(q, f))
-        x = b.add(b.add(b.shl(q, v.splat(b.trunc(precision_, _I32), _I32)), r), start)
+        x = b.add(b.add(b.shl(q, v.splat(b.trunc(precision_, I32), I32)), r), start)
         b.store(x, states_at, align=4)
         return b.add(t_, v.count(push))
 
@@ -196,12 +150,15 @@ def _vector_encode16(typingctx, states, lane0, table, base_lo, base_hi, split, s
 
 
 @inline
-def _group_elements(states, lane0, table, base_lo, base_hi, split, words, p, raw, out, i, m, precision, k, checked):
-    """Elements i to i + m - 1 (m <= 16) of a group one at a time, each decoded and its state
-    renormalised at once (the vector step's reads in the same order: a state's word comes after
-    those of the lanes before it): (the next word's index, OK or ERR_OVERRUN). With ``checked``
-    every read is checked; without, they are the vector step's (16 words from ``p`` at most, eight
-    bytes from each element's raw bits inside the group's 32)."""
+def _group_elements(states, lane0, table, base_lo, base_hi, split, words, p, raw, out, i, m, precision, M, checked):
+    """Elements i to i + m - 1 (m <= 16) of a group of floats of ``M`` mantissa bits one at a time,
+    each decoded and its state renormalised at once (the vector step's reads in the same order: a
+    state's word comes after those of the lanes before it): (the next word's index, OK or
+    ERR_OVERRUN). With ``checked`` every read is checked; without, they are the vector step's (16
+    words from ``p`` at most, eight bytes from each element's raw bits inside the group's window)."""
+    k = M - TOP_BITS + 1
+    top = 31 if M == 23 else 15  # (the sign's bit)
+    shift = M - TOP_BITS if M == 23 else 0  # (the symbol's: 16-bit floats' tables hold it in place)
     mask = (np.int64(1) << precision) - 1
     low = (np.int64(1) << (k - 1)) - 1
     for lane in range(m):
@@ -210,7 +167,7 @@ def _group_elements(states, lane0, table, base_lo, base_hi, split, words, p, raw
         x = np.int64(states[lane0 + lane])
         e = np.int64(table[_U((base_lo if lane < split else base_hi) + (x & mask))])
         x = (e >> 32) * (x >> precision) + ((e >> 16) & 0xFFFF)
-        out[_U(i + lane)] = np.uint16(((r >> (k - 1)) << 15) | (e & 0xFFFF) | (r & low))
+        out[_U(i + lane)] = ((r >> (k - 1)) << top) | ((e & 0xFFFF) << shift) | (r & low)
         if checked:
             if x < WIDE_L:
                 if p >= words.shape[0]:
@@ -241,44 +198,32 @@ def _encode_checked(states, lane0, table, base_lo, base_hi, split, symbols, i, m
     return t
 
 
-def _vector_steps() -> bool:
-    """Whether the kernels are compiled for a processor with AVX-512's 16-bit compress and expand
-    (VBMI2, with BW and VL): the steps' expanding load and register compress need them to be single
-    instructions (elsewhere LLVM would load lane by lane, or not compile the compress at all). Else,
-    or with DEEPCABAC_SCALAR_STEPS=1 (the tests run both), every group goes one element at a time
-    (:func:`_group_elements`, :func:`_encode_checked`): the same bytes, slower than tANS."""
-    if numba.config.DISABLE_JIT or os.environ.get("DEEPCABAC_SCALAR_STEPS") == "1":
-        return False
-    if numba.config.CPU_NAME not in (None, "host"):
-        return False  # (a portable cache for another processor: no vector instruction assumed)
-    features = numba.config.CPU_FEATURES
-    if features is None:
-        features = llvm.get_host_cpu_features().flatten()
-    have = set(features.split(","))
-    return {"+avx512f", "+avx512bw", "+avx512vl", "+avx512vbmi2"} <= have
-
-
-VECTOR_STEPS = _vector_steps()
 
 if not VECTOR_STEPS:
     # (an intrinsic runs compiled only, and fast on the processors above only: one element at a time)
     @inline
     def _group_bf16(states, lane0, table, base_lo, base_hi, split, words, p, raw, out, i, precision):
         return _group_elements(states, lane0, table, base_lo, base_hi, split, words, p, raw, out, i, GROUP,
-                               precision, 6, False)[0]
+                               precision, 7, False)[0]
 
     @inline
     def _group_fp16(states, lane0, table, base_lo, base_hi, split, words, p, raw, out, i, precision):
         return _group_elements(states, lane0, table, base_lo, base_hi, split, words, p, raw, out, i, GROUP,
-                               precision, 9, False)[0]
+                               precision, 10, False)[0]
+
+    @inline
+    def _group_fp32(states, lane0, table, base_lo, base_hi, split, words, p, raw, out, i, precision):
+        return _group_elements(states, lane0, table, base_lo, base_hi, split, words, p, raw, out, i, GROUP,
+                               precision, 23, False)[0]
 
     @inline
     def _encode16(states, lane0, table, base_lo, base_hi, split, symbols, i, pushed, t, precision):
         return _encode_checked(states, lane0, table, base_lo, base_hi, split, symbols, i, GROUP, pushed, t,
                                precision)
 else:
-    _vector_bf16 = _decode_step(7 - TOP_BITS + 1)
-    _vector_fp16 = _decode_step(10 - TOP_BITS + 1)
+    _vector_bf16 = _decode_step(16, 7)
+    _vector_fp16 = _decode_step(16, 10)
+    _vector_fp32 = _decode_step(32, 23)
 
     if numba.config.BOUNDSCHECK:
         # (the fuzz targets run with bounds checks: the vector step checks what it will touch as an
@@ -286,7 +231,7 @@ else:
         @inline
         def _in_bounds(states, lane0, table, base_lo, base_hi, words, p, raw, out, i, precision, k):
             if (lane0 < 0 or lane0 + GROUP > states.shape[0] or p < 0 or p + GROUP > words.shape[0]
-                    or i < 0 or i + GROUP > out.shape[0] or ((i * k) >> 3) + 32 > 4 * raw.shape[0]
+                    or i < 0 or i + GROUP > out.shape[0] or ((i * k) >> 3) + window(k) > 4 * raw.shape[0]
                     or min(base_lo, base_hi) < 0
                     or max(base_lo, base_hi) + (np.int64(1) << precision) > table.shape[0]):
                 raise IndexError("a vector step outside its arrays")
@@ -302,6 +247,11 @@ else:
             return _vector_fp16(states, lane0, table, base_lo, base_hi, split, words, p, raw, out, i, precision)
 
         @inline
+        def _group_fp32(states, lane0, table, base_lo, base_hi, split, words, p, raw, out, i, precision):
+            _in_bounds(states, lane0, table, base_lo, base_hi, words, p, raw, out, i, precision, 22)
+            return _vector_fp32(states, lane0, table, base_lo, base_hi, split, words, p, raw, out, i, precision)
+
+        @inline
         def _encode16(states, lane0, table, base_lo, base_hi, split, symbols, i, pushed, t, precision):
             if (lane0 < 0 or lane0 + GROUP > states.shape[0] or i < 0 or i + GROUP > symbols.shape[0]
                     or t < 0 or t + GROUP > pushed.shape[0] or min(base_lo, base_hi) < 0):
@@ -310,6 +260,7 @@ else:
     else:
         _group_bf16 = _vector_bf16
         _group_fp16 = _vector_fp16
+        _group_fp32 = _vector_fp32
         _encode16 = _vector_encode16
 
 
@@ -317,8 +268,9 @@ else:
 def wide_decode_table(freq, start, up, M, table):
     """The decoder's table (``table``: classes x 2**precision entries, flat) from the tables as
     :func:`._float_kernels.read_tables` gives them (at PROB_BITS, ``up`` bits above the
-    precision): each slot's frequency, its distance from its symbol's start and the symbol where
-    a 16-bit float holds it (shifted up by M - TOP_BITS)."""
+    precision): each slot's frequency, its distance from its symbol's start and the symbol, where
+    a 16-bit float holds it (shifted up by M - TOP_BITS; a float32's is shifted by the step)."""
+    shift = 0 if M == 23 else M - TOP_BITS
     K, alphabet = freq.shape[0], freq.shape[1]
     R = table.shape[0] // K
     for c in range(K):
@@ -326,7 +278,7 @@ def wide_decode_table(freq, start, up, M, table):
             f = np.int64(freq[c, s]) >> up
             s0 = np.int64(start[c, s]) >> up
             for j in range(f):
-                table[c * R + s0 + j] = _U((f << 32) | (j << 16) | (s << (M - TOP_BITS)))
+                table[c * R + s0 + j] = _U((f << 32) | (j << 16) | (s << shift))
 
 
 @inline
@@ -337,16 +289,19 @@ def _vector_run(xs, g, count, table, base, words, p, raw, out, precision, M):
     if M == 7:
         for h in range(g, g + count):
             p = _group_bf16(xs, (h & 3) * GROUP, table, base, base, GROUP, words, p, raw, out, GROUP * h, precision)
-    else:
+    elif M == 10:
         for h in range(g, g + count):
             p = _group_fp16(xs, (h & 3) * GROUP, table, base, base, GROUP, words, p, raw, out, GROUP * h, precision)
+    else:
+        for h in range(g, g + count):
+            p = _group_fp32(xs, (h & 3) * GROUP, table, base, base, GROUP, words, p, raw, out, GROUP * h, precision)
     return p
 
 
 @kernel
 def decode_wide(words, raw, states, seg_len, M, classes, precision, table, out):
-    """Rebuild ``out`` (the uint16 bits of a 16-bit float chunk) from its rANS ``words``, its
-    ``raw`` words (exactly those of its n * k bits, u32), the decoder's 64 initial ``states``
+    """Rebuild ``out`` (the bits of a chunk of bf16, fp16 or fp32 floats, as uint16 or uint32) from
+    its rANS ``words``, its ``raw`` words (exactly those of its n * k bits, u32), the decoder's 64 initial ``states``
     (each at least WIDE_L: the front checks), its segments' classes and :func:`wide_decode_table`'s
     ``table``; OK or an error code. The vector steps run in stretches that cannot reach the end of
     the words or of the raw bytes; the rest goes one element at a time, each read checked."""
@@ -366,10 +321,11 @@ def decode_wide(words, raw, states, seg_len, M, classes, precision, table, out):
             seg += 1
             seg_end = min(seg_end + seg_len, n)
         base_lo = np.int64(classes[seg]) * R
-        # whole groups whose reads stay inside (16 words and 32 raw bytes at most) and inside the segment
+        # whole groups whose reads stay inside (16 words and a window of raw bytes at most) and inside
+        # the segment
         safe = 0
         if g < full:
-            raw_left = 4 * raw.shape[0] - 32 - ((i * k) >> 3)  # (a group's raw bits: 2k bytes; its load: 32)
+            raw_left = 4 * raw.shape[0] - window(k) - ((i * k) >> 3)  # (a group's raw bits: 2k bytes)
             safe = min(full - g, (words.shape[0] - p) // GROUP, max(0, raw_left // (2 * k) + 1))
         inside = min(safe, (seg_end - i) // GROUP)
         if inside > 0:
@@ -386,11 +342,13 @@ def decode_wide(words, raw, states, seg_len, M, classes, precision, table, out):
         if safe > 0:
             if M == 7:
                 p = _group_bf16(xs, lane0, table, base_lo, base_hi, split, words, p, raw, out, i, precision)
-            else:
+            elif M == 10:
                 p = _group_fp16(xs, lane0, table, base_lo, base_hi, split, words, p, raw, out, i, precision)
+            else:
+                p = _group_fp32(xs, lane0, table, base_lo, base_hi, split, words, p, raw, out, i, precision)
         else:
             p, err = _group_elements(xs, lane0, table, base_lo, base_hi, split, words, p, raw, out, i, m, precision,
-                                     k, True)
+                                     M, True)
             if err != OK:
                 return err
         g += 1
@@ -448,20 +406,22 @@ def _wide_encode(symbols, seg_len, classes, precision, used_syms, sent, alphabet
 
 
 @kernel
-def encode_16bit_substream(words, seg_len, M, costs, wide, work):
-    """The whole substream of a 16-bit float chunk (``M``: its mantissa bits): low-bit mode 4 with
-    ``wide`` where no segment has low bits zero in all its elements, else mode 0 or 1 by tANS (which
-    drop those bits), from one split and one choice of tables (the two modes choose them alike).
-    Large arrays are carved from ``work`` as :func:`._float_kernels.encode_tans_substream` carves
-    them. Returns a view into ``work``."""
-    alphabet = np.int64(1) << (15 - M + TOP_BITS)
+def encode_wide_substream(words, seg_len, W, M, zeros, classes16, costs, wide, work):
+    """The whole substream of a chunk of bf16, fp16 or fp32 floats (``W``, ``M``: their bits and
+    mantissa bits): low-bit mode 4 with ``wide`` where no segment has low bits zero in all its
+    elements, else mode 0 or 1 by tANS (which drop those bits), from one split and one choice of
+    tables (the two modes choose them alike). ``zeros`` and ``classes16`` as
+    :func:`._float_kernels.encode_tans_substream` takes them (16-bit floats: empty, found as they
+    split). Large arrays are carved from ``work`` as that function carves them. Returns a view
+    into ``work``."""
+    alphabet = np.int64(1) << (W - 1 - M + TOP_BITS)
     zeros, classes16, symbols, raw, nraw, klog, precision, used_syms, sent, coded_bytes, at = split_and_choose(
-        words, seg_len, 16, M, np.empty(0, dtype=np.uint8), np.empty(0, dtype=np.uint8), costs, WIDE_MAX_BITS, work)
+        words, seg_len, W, M, zeros, classes16, costs, WIDE_MAX_BITS, work)
     nseg = classes16.shape[0]
     for j in range(nseg):
         wide = wide and zeros[j] == 0
     if not wide or nseg == 0:
-        return tans_substream(16, M, seg_len, zeros, classes16, symbols, raw, nraw, klog, precision, used_syms, sent,
+        return tans_substream(W, M, seg_len, zeros, classes16, symbols, raw, nraw, klog, precision, used_syms, sent,
                               coded_bytes, at, work)
     coded = coded_bytes.view(np.uint16)
     classes, tables, table_bytes = classes_and_tables(classes16, klog, used_syms, sent)

@@ -8,8 +8,8 @@ density inside an octave. So the tensor is cut into *segments* (whole rows, at l
 each class its own frequency table for the symbol (exponent, top mantissa bits). The rest of the
 bits go out raw, less the low mantissa bits that are zero in every element of the segment (float32
 tensors holding bfloat16 or float16 values). Tables are static per chunk, so decoding is a table
-lookup per element (:mod:`._float_kernels`); large chunks of 16-bit floats take sixteen elements
-per vector step instead (low-bit mode 4, :mod:`._wide_kernels`).
+lookup per element (:mod:`._float_kernels`); large chunks of bf16, fp16 and fp32 take sixteen
+elements per vector step instead (low-bit mode 4, :mod:`._wide_kernels`).
 
 Chunks of :func:`chunk_elements` elements are independent substreams, like the level coder's.
 """
@@ -36,18 +36,20 @@ MAX_CLASSES = 1 << _k.MAX_CLASSES_LOG2
 # (docs/format.md §4.4), bit by bit: TRAILING_REVISION where one of them takes low-bit mode 2
 # (trailing zeros by exponent, version 7), TANS_REVISION where one codes its symbols by tANS
 # (version 8), TZ_REVISION where one takes low-bit mode 3 (trailing zeros in the symbol, version 9),
-# WIDE_REVISION where one takes low-bit mode 4 (64 rANS states, decoded sixteen at a time, version 10).
+# WIDE_REVISION where a 16-bit one takes low-bit mode 4 (64 rANS states, decoded sixteen at a time,
+# version 10), WIDE32_REVISION where a float32 one does (version 11).
 TRAILING_REVISION = 1
 TANS_REVISION = 2
 TZ_REVISION = 4
 WIDE_REVISION = 8
-REVISIONS = tuple(range(16))  # (any combination of the four)
+WIDE32_REVISION = 16
+REVISIONS = tuple(range(32))  # (any combination of the five)
 TRAILING_MODE = 2  # the substream's low-bit mode byte for the trailing zeros by exponent (rANS)
 TANS_FLAG = 0x80  # in the mode byte of low-bit modes 0 and 1: the symbols by tANS, not rANS
 TZ_BYTE = TANS_FLAG | _k.TZ_MODE  # low-bit mode 3's byte: the trailing zeros in the symbol, by tANS
-WIDE_BYTE = TANS_FLAG | 4  # low-bit mode 4's byte: 16-bit floats dropping no bit, 64 rANS states
-# Mode 4 for chunks of 16-bit floats from this many elements: its 64 states cost about 128 bytes
-# more than tANS's four (0.07% of a chunk of 2**17 bf16 elements), and its tables twice the cache
+WIDE_BYTE = TANS_FLAG | 4  # low-bit mode 4's byte: bf16, fp16 or fp32 dropping no bit, 64 rANS states
+# Mode 4 for chunks from this many elements: its 64 states cost about 128 bytes more than tANS's
+# four (0.07% of a chunk of 2**17 bf16 elements), and its tables twice the cache
 WIDE_FROM = 1 << 17
 TRAILING_GAIN = 0.01  # mode 2 or 3 must save this share of the chunk (and a sample promise it first)
 TRAILING_SURE = 4  # a promise this many times the gain takes mode 2 or 3 untried against the segments' drop
@@ -174,20 +176,21 @@ _WORK = _Work()
 
 def _tans_substream(words: np.ndarray, seg_len: int, W: int, M: int, zeros: np.ndarray,
                     classes16: np.ndarray, wide: bool = False) -> bytes:
-    """Low-bit mode 0 or 1 by tANS, or with ``wide`` (16-bit floats) mode 4 where no segment drops
-    a low bit (16-bit floats find their segments' statistics as they split: ``zeros`` and
-    ``classes16`` are empty then)."""
+    """Low-bit mode 0 or 1 by tANS, or with ``wide`` mode 4 where no segment drops a low bit (16-bit
+    floats find their segments' statistics as they split: ``zeros`` and ``classes16`` are empty
+    then)."""
     work = _WORK.take(_k.tans_work_bytes(words.shape[0], seg_len, W, M))
-    if W == 16:
-        return _w.encode_16bit_substream(words, seg_len, M, _COSTS, wide, work).tobytes()
+    if W == 16 or wide:
+        return _w.encode_wide_substream(words, seg_len, W, M, zeros, classes16, _COSTS, wide, work).tobytes()
     return _k.encode_tans_substream(words, seg_len, W, M, zeros, classes16, _COSTS, work).tobytes()
 
 
 def encode_chunk(values: np.ndarray, dtype_name: str, seg_len: int, wide: bool | None = None) -> bytes:
     """The substream of ``values`` (a flat array of the dtype's bits or values: float16/32/64, or the
-    uint16 bits of bfloat16), whose segments are ``seg_len`` long (the last may be shorter). 16-bit
-    floats take low-bit mode 4 where no segment drops a low bit and ``wide`` says so (None: from
-    :data:`WIDE_FROM` elements on)."""
+    uint16 bits of bfloat16), whose segments are ``seg_len`` long (the last may be shorter). bf16,
+    fp16 and fp32 take low-bit mode 4 where no segment drops a low bit and ``wide`` says so (None:
+    from :data:`WIDE_FROM` elements on, float32 unless a mode of trailing zeros saves more; True:
+    float32 untried against those)."""
     if dtype_name not in FORMATS:
         raise ValueError(f"the lossless float coder takes {', '.join(FORMATS)}, not {dtype_name}")
     W, M = FORMATS[dtype_name]
@@ -197,10 +200,13 @@ def encode_chunk(values: np.ndarray, dtype_name: str, seg_len: int, wide: bool |
         wide = words.shape[0] >= WIDE_FROM if wide is None else wide
         return _tans_substream(words, seg_len, W, M, none, none, wide=wide)
     zeros, classes16 = _segment_classes(words, W, M, seg_len)
+    if W == 32 and wide:
+        return _tans_substream(words, seg_len, W, M, zeros, classes16, wide=True)
     promise = _k.trailing_promise(words, W, M, seg_len, zeros)
     if promise >= TRAILING_SURE * TRAILING_GAIN:
         return _trailing_substream(words, W, M, seg_len, classes16)
-    data = _tans_substream(words, seg_len, W, M, zeros, classes16)
+    wide = W == 32 and wide is None and words.shape[0] >= WIDE_FROM
+    data = _tans_substream(words, seg_len, W, M, zeros, classes16, wide=wide)
     if promise >= TRAILING_GAIN:
         # (mode 3 decodes at about half the speed of modes 0 and 1, mode 2 at a quarter: a small
         # saving does not pay for that)
@@ -261,13 +267,15 @@ def _encode_trailing(words: np.ndarray, W: int, M: int, seg_len: int, classes16:
                    nraw)
 
 
-def revision_of(substreams: list[bytes]) -> int:
-    """The coder parameter of a FLOAT entry with these substreams: what they use, bit by bit."""
+def revision_of(substreams: list[bytes], dtype_name: str) -> int:
+    """The coder parameter of a FLOAT entry of ``dtype_name`` with these substreams: what they use,
+    bit by bit."""
     modes = {data[0] for data in substreams if data}
+    wide = WIDE32_REVISION if FORMATS[dtype_name][0] == 32 else WIDE_REVISION
     return ((TRAILING_REVISION if TRAILING_MODE in modes else 0)
             | (TANS_REVISION if modes & {TANS_FLAG, TANS_FLAG | 1} else 0)
             | (TZ_REVISION if TZ_BYTE in modes else 0)
-            | (WIDE_REVISION if WIDE_BYTE in modes else 0))
+            | (wide if WIDE_BYTE in modes else 0))
 
 
 _LITTLE_ENDIAN = sys.byteorder == "little"  # (elsewhere the words are copied into the native order)
@@ -382,7 +390,7 @@ class _Reader:
 
 
 def decode_chunk(data, dtype_name: str, seg_len: int, out: np.ndarray, where: str = "substream",
-                 revision: int = TRAILING_REVISION | TANS_REVISION | TZ_REVISION | WIDE_REVISION) -> None:
+                 revision: int = REVISIONS[-1]) -> None:
     """Decode a substream of :func:`encode_chunk` into ``out`` (the flat carrier of ``len(out)``
     elements: float16/32/64, or uint16 for bfloat16) of an entry of ``revision``. CorruptStreamError
     says what is wrong."""
@@ -395,11 +403,11 @@ def decode_chunk(data, dtype_name: str, seg_len: int, out: np.ndarray, where: st
     if byte == TRAILING_MODE and revision & TRAILING_REVISION:
         _decode_trailing(r, W, M, n, seg_len, words)
         return
-    if byte == WIDE_BYTE and revision & WIDE_REVISION:
-        if W != 16:
+    if byte == WIDE_BYTE and revision & (WIDE32_REVISION if W == 32 else WIDE_REVISION):
+        if W == 64:
             raise CorruptStreamError(f"{where}: low-bit mode 4 (64 rANS states) in a {dtype_name} tensor, which only "
-                                     f"16-bit floats take")
-        _decode_wide(r, M, n, seg_len, words)
+                                     f"bf16, fp16 and fp32 take")
+        _decode_wide(r, W, M, n, seg_len, words)
         return
     if byte == TZ_BYTE and revision & TZ_REVISION and W != 32:
         raise CorruptStreamError(f"{where}: low-bit mode 3 (trailing zeros in the symbol) in a {dtype_name} tensor, "
@@ -450,9 +458,9 @@ def _tans_error(status: int, detail: np.ndarray, dtype_name: str) -> str:
     return word(int(detail[0]), int(detail[1]), dtype_name) if word else _ERRORS[status]
 
 
-def _decode_wide(r: _Reader, M: int, n: int, seg_len: int, words: np.ndarray) -> None:
+def _decode_wide(r: _Reader, W: int, M: int, n: int, seg_len: int, words: np.ndarray) -> None:
     """The rest of a low-bit mode 4 substream (after its mode byte) into ``words``."""
-    classes, precision, freq, start = r.frequencies(-(-n // seg_len), _alphabet(16, M))
+    classes, precision, freq, start = r.frequencies(-(-n // seg_len), _alphabet(W, M))
     if precision > _w.WIDE_MAX_BITS:
         raise CorruptStreamError(f"{r.where}: mode 4 tables of {precision}-bit precision (at most {_w.WIDE_MAX_BITS})")
     table = np.empty(freq.shape[0] << precision, dtype=np.uint64)

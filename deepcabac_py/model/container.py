@@ -51,11 +51,11 @@ MAGIC = STREAM_MAGIC
 # substreams with the trailing zeros by exponent, version 8 FLOAT substreams with their symbols by
 # tANS, version 9 float32 FLOAT substreams with their trailing zeros in the symbol (low-bit mode 3;
 # each said by a bit of the entry's coder parameter), version 10 16-bit FLOAT substreams with 64
-# rANS states (low-bit mode 4). This reader reads all ten.
-FORMAT_VERSION = 10
-READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10)
-REVISION_VERSIONS = ((floatcoder.WIDE_REVISION, 10), (floatcoder.TZ_REVISION, 9), (floatcoder.TANS_REVISION, 8),
-                     (floatcoder.TRAILING_REVISION, 7))  # FLOAT coder parameter bits
+# rANS states (low-bit mode 4), version 11 float32 ones. This reader reads all eleven.
+FORMAT_VERSION = 11
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11)
+REVISION_VERSIONS = ((floatcoder.WIDE32_REVISION, 11), (floatcoder.WIDE_REVISION, 10), (floatcoder.TZ_REVISION, 9),
+                     (floatcoder.TANS_REVISION, 8), (floatcoder.TRAILING_REVISION, 7))  # FLOAT coder parameter bits
 SWITCHES_VERSION = 3  # LINEAR_BIT and NO_COLUMNS_BIT
 PREAMBLE = struct.Struct("<8sHHI")
 HEADER_DEFLATE_LEVEL = 6  # (any level inflates; the writer's is fixed, for the same bytes from the same input)

@@ -280,7 +280,7 @@ class _TensorCoder:
             self._store_raw(p, counted=True)
             return p.entry.numel
         if p.entry.mode == Mode.FLOAT:
-            p.entry.coder_param = floatcoder.revision_of(chunks)
+            p.entry.coder_param = floatcoder.revision_of(chunks, p.entry.dtype.dtype_name)
         if p.linear is not None:
             chunks.insert(0, p.linear.to_bytes())
         if p.log_offset is not None:
