@@ -1,8 +1,8 @@
 """Vector steps of the float coder's kernels, built as LLVM IR (private: the kernels call them).
 
 Numba does not vectorise a loop whose iterations share a position in a bit stream or a word
-stream, which is every loop of an entropy coder. The steps here take sixteen 16-bit floats at a
-time in AVX-512 registers, with the instructions the scalar loops cannot reach (gathers, expanding
+stream, which is every loop of an entropy coder. The steps here take sixteen floats at a time in
+AVX-512 registers, with the instructions the scalar loops cannot reach (gathers, expanding
 loads, compresses, byte permutes); :data:`VECTOR_STEPS` says whether the processor the kernels are
 compiled for has them. Every step has a scalar twin in its kernel module that writes the same
 bytes (the tests run both).

@@ -1,12 +1,12 @@
 """Numba kernels of the float coder's low-bit mode 4 (private: :mod:`.floatcoder` is the front).
 
-Mode 4 takes the chunks of 16-bit floats that drop no low bit, as modes 0 and 1 do with tANS, and
-codes their symbols (exponent and ``TOP_BITS`` mantissa bits, by the segment's class) with 64
+Mode 4 takes the chunks of bf16, fp16 and fp32 that drop no low bit, as modes 0 and 1 do with tANS,
+and codes their symbols (exponent and ``TOP_BITS`` mantissa bits, by the segment's class) with 64
 interleaved rANS states instead of four tANS states: the decoder then takes sixteen elements at a
 time in vector registers, one gather of their table entries, one expanding load of the words the
 sixteen states renormalise with, their raw bits cut from one load. A scalar tANS step is bound by
-its instructions (about 1.3 ns per element on MiniLM's bf16 word embeddings, scratch); the
-sixteen-wide steps decode that chunk at about 0.9 ns per element.
+its instructions (about 1.3 ns per element on MiniLM's bf16 word embeddings, 1.5 on fp32,
+scratch); the sixteen-wide steps decode those chunks at about 0.9 ns per element.
 
 Element i uses state ``16 * (g % 4) + i % 16`` of group ``g = i // 16``: four sets of sixteen
 states take turns, so that one group's gather latency overlaps the next three. A group decodes its
