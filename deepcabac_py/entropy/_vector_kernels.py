@@ -102,10 +102,16 @@ def window(k):
     return 32 if k <= 15 else 64
 
 
+def fields(k):
+    """Sixteen fields of ``k`` bits one after another, field ``lane`` from bit ``k * lane``: each
+    one's first byte and its first bit in that byte."""
+    return [(k * lane) >> 3 for lane in range(GROUP)], [(k * lane) & 7 for lane in range(GROUP)]
+
+
 def _residues(k):
-    """Fields of ``k`` bits from bit ``k * lane`` (each inside one 32-bit lane after a shift of
-    ``(k * lane) % 8``): how many residues mod R keep every byte to one field of each residue."""
-    first = [(k * lane) >> 3 for lane in range(GROUP)]
+    """Fields of ``k`` bits as :func:`fields` lays them (each inside one 32-bit lane after a shift
+    of its first bit): how many residues mod R keep every byte to one field of each residue."""
+    first, _ = fields(k)
     last = [(k * lane + k - 1) >> 3 for lane in range(GROUP)]
     for R in range(1, GROUP + 1):
         if all(first[lane + R] > last[lane] for lane in range(GROUP - R)):
@@ -124,7 +130,7 @@ def split_step(W, shift):
     k = shift + 1
     if not (6 <= k <= 9 if W == 16 else W == 32 and 17 <= k <= 25):
         raise ValueError(f"raw fields of {k} bits in {W}-bit floats")  # (each inside one 32-bit lane)
-    size = window(k)
+    size = window.py_func(k)
     R, first, last = _residues(k)
     # each byte of the group's raw bits from the lane of each residue whose field covers it
     picks = []
@@ -149,16 +155,14 @@ def split_step(W, shift):
             r = b.or_(b.shl(b.lshr(w, v.const(It, [W - 1] * GROUP)), v.const(It, [shift] * GROUP)),
                       b.and_(w, v.const(It, [(1 << shift) - 1] * GROUP)))
             r = b.zext(r, v.vec(I32)) if W == 16 else r
-            placed = b.shl(r, v.const(I32, [(k * lane) & 7 for lane in range(GROUP)]))
+            placed = b.shl(r, v.const(I32, fields(k)[1]))
             bytes64 = b.bitcast(placed, v.vec(I8, 64))
             zero = ir.Constant(v.vec(I8, 64), None)
             packed = None
             for pick in picks:
                 part = b.shuffle_vector(bytes64, zero, v.const(I32, pick))
                 packed = part if packed is None else b.or_(packed, part)
-            data = context.make_array(v.types[3])(context, b, v.args[3]).data
-            target = b.gep(b.bitcast(data, I8.as_pointer()), [at_])
-            b.store(packed, b.bitcast(target, v.vec(I8, size).as_pointer()), align=1)
+            b.store(packed, b.bitcast(v.at(3, at_, I8), v.vec(I8, size).as_pointer()), align=1)
             return context.get_dummy_value()
 
         return types.none(words, i, symbols, raw, at), codegen

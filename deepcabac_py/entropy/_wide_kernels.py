@@ -39,13 +39,21 @@ from ._float_kernels import (
     split_and_choose,
     tans_substream,
 )
-from ._vector_kernels import GROUP, I1, I8, I16, I32, I64, VECTOR_STEPS, Step, window
+from ._vector_kernels import GROUP, I1, I8, I16, I32, I64, VECTOR_STEPS, Step, fields, window
 
 WIDE_LANES = 64  # four sets of sixteen states
 WIDE_L = 1 << 16  # states stay in [WIDE_L, 2**32); renormalisation moves 16 bits
 # the tables' precision at most: tANS's (a 16-bit chunk's tables are chosen once, for either mode),
 # and 2**16 >> 13 leaves a decoded state 8 or more, which one renormalisation brings back above 2**16
 WIDE_MAX_BITS = TANS_MAX_BITS
+
+@inline
+def _symbol_shifts(M):
+    """Where mode 4 moves a symbol into place in the float (``M`` mantissa bits): (by the decoder's
+    table, by the step). A 16-bit float's symbol fits the entry's 16 bits in place; a float32's
+    does not, and the step shifts it."""
+    return (0, M - TOP_BITS) if M == 23 else (M - TOP_BITS, 0)
+
 
 def _decode_step(W, M):
     """The decoder's step for a whole group of floats of ``W`` (16 or 32) bits, ``M`` mantissa
@@ -57,11 +65,10 @@ def _decode_step(W, M):
     k = M - TOP_BITS + 1
     low = k - 1
     size = window.py_func(k)
-    # lane l's raw bits lie in the two (16-bit floats: k + 7 <= 16 bits) or four bytes from
-    # (k * l) >> 3 on
-    width = W // 8
-    pick = [((k * lane) >> 3) + j for lane in range(GROUP) for j in range(width)]
-    shifts = [(k * lane) & 7 for lane in range(GROUP)]
+    # lane l's raw bits lie in the two (16-bit floats: k + 7 <= 16 bits) or four bytes from its
+    # field's first on
+    first, shifts = fields(k)
+    pick = [first[lane] + j for lane in range(GROUP) for j in range(W // 8)]
     It = I16 if W == 16 else I32
 
     @intrinsic
@@ -89,7 +96,7 @@ def _decode_step(W, M):
             r = b.and_(b.lshr(b.bitcast(lanes, v.vec(It)), v.const(It, shifts)), v.const(It, [(1 << k) - 1] * GROUP))
             symbol = b.trunc(entry, v.vec(I16))
             if W == 32:
-                symbol = b.shl(b.zext(symbol, v.vec(I32)), v.const(I32, [M - TOP_BITS] * GROUP))
+                symbol = b.shl(b.zext(symbol, v.vec(I32)), v.const(I32, [_symbol_shifts.py_func(M)[1]] * GROUP))
             value = b.or_(symbol, b.and_(r, v.const(It, [(1 << low) - 1] * GROUP)))
             value = b.or_(value, b.shl(b.lshr(r, v.const(It, [low] * GROUP)), v.const(It, [W - 1] * GROUP)))
             b.store(value, v.at(9, i_, It), align=W // 8)
@@ -158,7 +165,7 @@ def _group_elements(states, lane0, table, base_lo, base_hi, split, words, p, raw
     words from ``p`` at most, eight bytes from each element's raw bits inside the group's window)."""
     k = M - TOP_BITS + 1
     top = 31 if M == 23 else 15  # (the sign's bit)
-    shift = M - TOP_BITS if M == 23 else 0  # (the symbol's: 16-bit floats' tables hold it in place)
+    shift = _symbol_shifts(M)[1]
     mask = (np.int64(1) << precision) - 1
     low = (np.int64(1) << (k - 1)) - 1
     for lane in range(m):
@@ -270,7 +277,7 @@ def wide_decode_table(freq, start, up, M, table):
     :func:`._float_kernels.read_tables` gives them (at PROB_BITS, ``up`` bits above the
     precision): each slot's frequency, its distance from its symbol's start and the symbol, where
     a 16-bit float holds it (shifted up by M - TOP_BITS; a float32's is shifted by the step)."""
-    shift = 0 if M == 23 else M - TOP_BITS
+    shift = _symbol_shifts(M)[0]
     K, alphabet = freq.shape[0], freq.shape[1]
     R = table.shape[0] // K
     for c in range(K):
