@@ -28,11 +28,13 @@ DTYPES = {"bfloat16": np.uint16, "float16": np.float16, "float32": np.float32, "
 WORDS = {"bfloat16": np.uint16, "float16": np.uint16, "float32": np.uint32, "float64": np.uint64}
 
 
-def _weights(rng, dtype_name: str, shape) -> np.ndarray:
-    """Bell-shaped values whose scale varies by row (what the classes model), as the dtype's carrier."""
-    rows = shape[0] if len(shape) > 1 else 1
-    scale = np.exp2(rng.integers(-8, 0, size=(rows, 1)))
-    x = (rng.standard_normal((rows, int(np.prod(shape)) // rows)) * scale).reshape(shape)
+def _weights(rng, dtype_name: str, shape, x: np.ndarray | None = None) -> np.ndarray:
+    """Bell-shaped values whose scale varies by row (what the classes model), or the values ``x``,
+    as the dtype's carrier."""
+    if x is None:
+        rows = shape[0] if len(shape) > 1 else 1
+        scale = np.exp2(rng.integers(-8, 0, size=(rows, 1)))
+        x = (rng.standard_normal((rows, int(np.prod(shape)) // rows)) * scale).reshape(shape)
     if dtype_name == "bfloat16":
         return torch.from_numpy(x.astype(np.float32)).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
     return x.astype(DTYPES[dtype_name])
@@ -646,10 +648,12 @@ WIDE_DTYPES = ["bfloat16", "float16", "float32"]
 
 @settings(max_examples=30, deadline=None)
 @given(n=st.integers(1, 900), seg=st.integers(256, 400), dtype_name=st.sampled_from(WIDE_DTYPES),
-       seed=st.integers(0, 2**32 - 1), scale=st.sampled_from([1e-3, 0.05, 3.0]))
-def test_mode_4_matches_the_reference_and_round_trips(n, seg, dtype_name, seed, scale):
+       seed=st.integers(0, 2**32 - 1), scale=st.sampled_from([1e-3, 0.05, 3.0]), zeros=st.booleans())
+def test_mode_4_matches_the_reference_and_round_trips(n, seg, dtype_name, seed, scale, zeros):
     rng = np.random.default_rng(seed)
     x = (rng.standard_normal(n) * scale).astype(np.float32)
+    if zeros:  # (symbols from 0 up: bf16's and fp32's decoding tables then take 8-byte entries)
+        x[::7] = 0
     # (no low bit dropped: mode 4 takes the chunk)
     words = {"bfloat16": lambda: ((x.view(np.uint32) >> 16) | 1).astype(np.uint16),
              "float16": lambda: x.astype(np.float16).view(np.uint16) | 1,
@@ -678,6 +682,45 @@ def _wide_chunk(seed: int, dtype_name: str, shape) -> tuple[np.ndarray, int, byt
     at["coder words"] = pos + 260
     at["raw bits"] = pos + 260 + 2 * int.from_bytes(data[pos + 256:pos + 260], "little")
     return a, seg, data, at
+
+
+def _mode_4_case(dtype_name: str, case: str) -> tuple[np.ndarray, int]:
+    """A chunk mode 4 codes, and its segment length: weights, weights with zeros among them (symbols
+    from 0 to the weights' exponents) or a value taking over half of a large chunk."""
+    rng = np.random.default_rng(17)
+    if case == "dominant":  # (one class of many symbols and a large chunk: tables of 2**13)
+        shape = (2048, 256)
+        x = rng.standard_normal(shape) * np.exp(rng.standard_normal(shape))
+        x[rng.random(shape) < 0.55] = x[0, 0]
+        a = _weights(rng, dtype_name, shape, x).reshape(-1)
+    else:
+        shape = (40, 300)
+        a = _weights(rng, dtype_name, shape).reshape(-1)
+        if case == "zeros":
+            a[::9] = 0
+    a.view(WORDS[dtype_name])[:] |= 1  # (no segment drops a low bit)
+    return a, floatcoder.segment_length(shape)
+
+
+@pytest.mark.parametrize("dtype_name, case, entry_bytes", [
+    ("bfloat16", "weights", 4), ("float16", "weights", 4), ("float32", "weights", 4),
+    ("bfloat16", "zeros", 8), ("float32", "zeros", 8), ("float16", "dominant", 8), ("bfloat16", "dominant", 8)])
+def test_mode_4_decodes_through_entries_of_either_width(dtype_name, case, entry_bytes):
+    # (4-byte entries hold a frequency of at most 2**12 and the symbol less the lowest used, which
+    # 8 bits must hold; else the entries take 8 bytes)
+    a, seg = _mode_4_case(dtype_name, case)
+    data = floatcoder.encode_chunk(a, dtype_name, seg, wide=True)
+    assert data[0] == floatcoder.WIDE_BYTE
+    r = floatcoder._Reader(np.frombuffer(data, dtype=np.uint8), "substream")
+    r.take(1, "low-bit mode")
+    W, M = floatcoder.FORMATS[dtype_name]
+    _, precision, freq, start = r.frequencies(-(-a.size // seg), floatcoder._alphabet(W, M))
+    table, sym0 = floatcoder._wide_table(freq, start, precision, M)
+    assert table.itemsize == entry_bytes
+    assert sym0 == int(np.flatnonzero(freq.any(axis=0))[0])
+    out = np.empty_like(a)
+    floatcoder.decode_chunk(data, dtype_name, seg, out)
+    assert np.array_equal(out.view(WORDS[dtype_name]), a.view(WORDS[dtype_name]))
 
 
 @pytest.mark.parametrize("dtype_name", WIDE_DTYPES)

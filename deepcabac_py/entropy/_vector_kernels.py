@@ -55,12 +55,27 @@ class Step:
         data = self.context.make_array(self.types[k])(self.context, self.b, self.args[k]).data
         return self.b.bitcast(self.b.gep(self.b.bitcast(data, t.as_pointer()), [index]), self.vec(t).as_pointer())
 
+    def lanes(self, lo, hi, split, t):
+        """``lo`` (a scalar of type ``t``) in the lanes below ``split``, ``hi`` in the others."""
+        b = self.b
+        return b.select(b.icmp_signed("<", self.const(I64, range(GROUP)), self.splat(split, I64)),
+                        self.splat(lo, t), self.splat(hi, t))
+
+    def gather32(self, k, index):
+        """The 4-byte elements of array argument ``k`` at the lanes' int32 ``index``: one gather of
+        32-bit indices (LLVM's generic gather takes 64-bit addresses, twice the instructions)."""
+        b = self.b
+        data = self.context.make_array(self.types[k])(self.context, b, self.args[k]).data
+        gather = self.intrinsic("llvm.x86.avx512.mask.gather.dpi.512", self.vec(I32),
+                                [self.vec(I32), I8.as_pointer(), self.vec(I32), self.vec(I1), I32])
+        return b.call(gather, [ir.Constant(self.vec(I32), None), b.bitcast(data, I8.as_pointer()), index,
+                               self.const(I1, [1] * GROUP), ir.Constant(I32, 4)])
+
     def rows(self, lo, hi, split, index):
         """The table (argument 2, 8-byte entries) at ``index`` of row ``lo`` for the lanes below
         ``split``, of row ``hi`` for the others: one gather."""
         b = self.b
-        base = b.select(b.icmp_signed("<", self.const(I64, range(GROUP)), self.splat(split, I64)),
-                        self.splat(lo, I64), self.splat(hi, I64))
+        base = self.lanes(lo, hi, split, I64)
         data = self.context.make_array(self.types[2])(self.context, b, self.args[2]).data
         where = b.add(self.splat(b.ptrtoint(data, I64), I64),
                       b.shl(b.add(base, index), self.const(I64, [3] * GROUP)))

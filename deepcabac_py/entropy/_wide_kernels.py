@@ -46,6 +46,10 @@ WIDE_L = 1 << 16  # states stay in [WIDE_L, 2**32); renormalisation moves 16 bit
 # the tables' precision at most: tANS's (a 16-bit chunk's tables are chosen once, for either mode),
 # and 2**16 >> 13 leaves a decoded state 8 or more, which one renormalisation brings back above 2**16
 WIDE_MAX_BITS = TANS_MAX_BITS
+# Tables whose frequencies are at most 2**12 (no symbol takes more than half of 2**13 slots) and
+# whose used symbols lie within 2**8 of the lowest take 4-byte entries: (frequency - 1) << 20 |
+# distance from the symbol's start << 8 | symbol - lowest
+NARROW_FREQ = 1 << 12
 
 @inline
 def _symbol_shifts(M):
@@ -72,31 +76,40 @@ def _decode_step(W, M):
     It = I16 if W == 16 else I32
 
     @intrinsic
-    def step(typingctx, states, lane0, table, base_lo, base_hi, split, words, p, raw, out, i, precision):
+    def step(typingctx, states, lane0, table, base_lo, base_hi, split, words, p, raw, out, i, precision, sym0):
+        narrow = table.dtype.bitwidth == 32
+
         def codegen(context, builder, signature, args):
             v = Step(context, builder, signature, args)
             b = builder
-            _, lane0_, _, lo, hi, split_, _, p_, _, _, i_, precision_ = args
+            _, lane0_, _, lo, hi, split_, _, p_, _, _, i_, precision_, sym0_ = args
             states_at = v.at(0, lane0_, I32)
             x = b.load(states_at, align=4)
-            # the entries: the slot's frequency (bits 32 on), its distance from the symbol's start
-            # (16 to 31) and the symbol (0 to 15; where a 16-bit float holds it, for the others
-            # shifted here)
             bits = b.trunc(precision_, I32)
             slot = b.and_(x, v.splat(b.sub(b.shl(ir.Constant(I32, 1), bits), ir.Constant(I32, 1)), I32))
-            entry = v.rows(lo, hi, split_, b.zext(slot, v.vec(I64)))
-            freq = b.trunc(b.lshr(entry, v.const(I64, [32] * GROUP)), v.vec(I32))
-            bias = b.and_(b.trunc(b.lshr(entry, v.const(I64, [16] * GROUP)), v.vec(I32)),
-                          v.const(I32, [0xFFFF] * GROUP))
+            if narrow:  # (one gather of 4-byte entries: a class's table of 2**12 takes 16 KB)
+                entry = v.gather32(2, b.add(v.lanes(b.trunc(lo, I32), b.trunc(hi, I32), split_, I32), slot))
+                freq = b.add(b.lshr(entry, v.const(I32, [20] * GROUP)), v.const(I32, [1] * GROUP))
+                bias = b.and_(b.lshr(entry, v.const(I32, [8] * GROUP)), v.const(I32, [0xFFF] * GROUP))
+                symbol = b.add(b.and_(entry, v.const(I32, [0xFF] * GROUP)), v.splat(b.trunc(sym0_, I32), I32))
+                symbol = b.shl(symbol, v.const(I32, [M - TOP_BITS] * GROUP))
+                symbol = b.trunc(symbol, v.vec(It)) if W == 16 else symbol
+            else:
+                # the slot's frequency (bits 32 on), its distance from the symbol's start (16 to 31)
+                # and the symbol (0 to 15; where a 16-bit float holds it, for the others shifted here)
+                entry = v.rows(lo, hi, split_, b.zext(slot, v.vec(I64)))
+                freq = b.trunc(b.lshr(entry, v.const(I64, [32] * GROUP)), v.vec(I32))
+                bias = b.and_(b.trunc(b.lshr(entry, v.const(I64, [16] * GROUP)), v.vec(I32)),
+                              v.const(I32, [0xFFFF] * GROUP))
+                symbol = b.trunc(entry, v.vec(I16))
+                if W == 32:
+                    symbol = b.shl(b.zext(symbol, v.vec(I32)), v.const(I32, [_symbol_shifts.py_func(M)[1]] * GROUP))
             x = b.add(b.mul(freq, b.lshr(x, v.splat(bits, I32))), bias)
             # the raw bits of the sixteen elements from one load
             raw_at = v.at(8, b.lshr(b.mul(i_, ir.Constant(I64, k)), ir.Constant(I64, 3)), I8)
             raw_bytes = b.load(b.bitcast(raw_at, v.vec(I8, size).as_pointer()), align=1)
             lanes = b.shuffle_vector(raw_bytes, ir.Constant(v.vec(I8, size), ir.Undefined), v.const(I32, pick))
             r = b.and_(b.lshr(b.bitcast(lanes, v.vec(It)), v.const(It, shifts)), v.const(It, [(1 << k) - 1] * GROUP))
-            symbol = b.trunc(entry, v.vec(I16))
-            if W == 32:
-                symbol = b.shl(b.zext(symbol, v.vec(I32)), v.const(I32, [_symbol_shifts.py_func(M)[1]] * GROUP))
             value = b.or_(symbol, b.and_(r, v.const(It, [(1 << low) - 1] * GROUP)))
             value = b.or_(value, b.shl(b.lshr(r, v.const(It, [low] * GROUP)), v.const(It, [W - 1] * GROUP)))
             b.store(value, v.at(9, i_, It), align=W // 8)
@@ -110,7 +123,7 @@ def _decode_step(W, M):
             b.store(x, states_at, align=4)
             return b.add(p_, v.count(need))
 
-        return (types.int64(states, lane0, table, base_lo, base_hi, split, words, p, raw, out, i, precision),
+        return (types.int64(states, lane0, table, base_lo, base_hi, split, words, p, raw, out, i, precision, sym0),
                 codegen)
 
     return step
@@ -120,9 +133,8 @@ def _decode_step(W, M):
 def _vector_encode16(typingctx, states, lane0, table, base_lo, base_hi, split, symbols, i, pushed, t, precision):
     """The encoder's step for the whole group of elements i to i + 15 (what the decoder's step
     undoes), table rows as the decoder's; ``table`` holds each symbol's frequency | start << 32.
-    The words the group pushes go to ``pushed[t:]`` in decreasing lane order (reversed at the end,
-    they are in the stream's order); returns the next ``t``. Sixteen words are stored: those after
-    the pushed ones are overwritten by the next group's."""
+    The words the group pushes go just before ``pushed[t]``, in lane order (the groups go from the
+    last to the first, so the words come out in the stream's order); returns the next ``t``."""
     def codegen(context, builder, signature, args):
         v = Step(context, builder, signature, args)
         b = builder
@@ -134,14 +146,16 @@ def _vector_encode16(typingctx, states, lane0, table, base_lo, base_hi, split, s
         start = b.trunc(b.lshr(entry, v.const(I64, [32] * GROUP)), v.vec(I32))
         limit = b.shl(f64, v.splat(b.sub(ir.Constant(I64, 32), precision_), I64))
         push = b.icmp_unsigned(">=", b.zext(x, v.vec(I64)), limit)
-        # (compressed in a register and stored whole: this machine's compressing store to memory
-        # took 3.6 ns per element, scratch)
-        reverse = v.const(I32, range(GROUP - 1, -1, -1))
-        words = b.shuffle_vector(b.trunc(x, v.vec(I16)), ir.Constant(v.vec(I16), ir.Undefined), reverse)
-        order = b.shuffle_vector(push, ir.Constant(v.vec(I1), ir.Undefined), reverse)
+        # (compressed in a register, then a masked store of the words pushed: this machine's
+        # compressing store to memory took 3.6 ns per element, scratch)
         compress = v.intrinsic("llvm.x86.avx512.mask.compress.v16i16", v.vec(I16),
                                [v.vec(I16), v.vec(I16), v.vec(I1)])
-        b.store(b.call(compress, [words, ir.Constant(v.vec(I16), None), order]), v.at(8, t_, I16), align=2)
+        words = b.call(compress, [b.trunc(x, v.vec(I16)), ir.Constant(v.vec(I16), None), push])
+        count = v.count(push)
+        store = v.intrinsic("llvm.masked.store.v16i16.p0", ir.VoidType(),
+                            [v.vec(I16), v.vec(I16).as_pointer(), I32, v.vec(I1)])
+        first = b.icmp_signed("<", v.const(I64, range(GROUP)), v.splat(count, I64))
+        b.call(store, [words, v.at(8, b.sub(t_, count), I16), ir.Constant(I32, 2), first])
         x = b.select(push, b.lshr(x, v.const(I32, [16] * GROUP)), x)
         # x div f exactly: x < 2**32 and f <= 2**13, so the double quotient never rounds up to the
         # next integer
@@ -151,13 +165,14 @@ def _vector_encode16(typingctx, states, lane0, table, base_lo, base_hi, split, s
         r = b.sub(x, b.mul(q, f))
         x = b.add(b.add(b.shl(q, v.splat(b.trunc(precision_, I32), I32)), r), start)
         b.store(x, states_at, align=4)
-        return b.add(t_, v.count(push))
+        return b.sub(t_, count)
 
     return (types.int64(states, lane0, table, base_lo, base_hi, split, symbols, i, pushed, t, precision), codegen)
 
 
 @inline
-def _group_elements(states, lane0, table, base_lo, base_hi, split, words, p, raw, out, i, m, precision, M, checked):
+def _group_elements(states, lane0, table, base_lo, base_hi, split, words, p, raw, out, i, m, precision, sym0, M,
+                    checked):
     """Elements i to i + m - 1 (m <= 16) of a group of floats of ``M`` mantissa bits one at a time,
     each decoded and its state renormalised at once (the vector step's reads in the same order: a
     state's word comes after those of the lanes before it): (the next word's index, OK or
@@ -173,8 +188,13 @@ def _group_elements(states, lane0, table, base_lo, base_hi, split, words, p, raw
         r = _raw_at(raw, at, k) if checked else _raw_near(raw, at, k)
         x = np.int64(states[lane0 + lane])
         e = np.int64(table[_U((base_lo if lane < split else base_hi) + (x & mask))])
-        x = (e >> 32) * (x >> precision) + ((e >> 16) & 0xFFFF)
-        out[_U(i + lane)] = ((r >> (k - 1)) << top) | ((e & 0xFFFF) << shift) | (r & low)
+        if table.itemsize == 4:
+            x = ((e >> 20) + 1) * (x >> precision) + ((e >> 8) & 0xFFF)
+            symbol = ((e & 0xFF) + sym0) << (M - TOP_BITS)
+        else:
+            x = (e >> 32) * (x >> precision) + ((e >> 16) & 0xFFFF)
+            symbol = (e & 0xFFFF) << shift
+        out[_U(i + lane)] = ((r >> (k - 1)) << top) | symbol | (r & low)
         if checked:
             if x < WIDE_L:
                 if p >= words.shape[0]:
@@ -198,8 +218,8 @@ def _encode_checked(states, lane0, table, base_lo, base_hi, split, symbols, i, m
         f = e & 0xFFFFFFFF
         x = np.int64(states[lane0 + lane])
         if x >= f << (32 - precision):
+            t -= 1
             pushed[t] = np.uint16(x & 0xFFFF)
-            t += 1
             x >>= 16
         states[lane0 + lane] = np.uint32(((x // f) << precision) + x % f + (e >> 32))
     return t
@@ -209,19 +229,19 @@ def _encode_checked(states, lane0, table, base_lo, base_hi, split, symbols, i, m
 if not VECTOR_STEPS:
     # (an intrinsic runs compiled only, and fast on the processors above only: one element at a time)
     @inline
-    def _group_bf16(states, lane0, table, base_lo, base_hi, split, words, p, raw, out, i, precision):
+    def _group_bf16(states, lane0, table, base_lo, base_hi, split, words, p, raw, out, i, precision, sym0):
         return _group_elements(states, lane0, table, base_lo, base_hi, split, words, p, raw, out, i, GROUP,
-                               precision, 7, False)[0]
+                               precision, sym0, 7, False)[0]
 
     @inline
-    def _group_fp16(states, lane0, table, base_lo, base_hi, split, words, p, raw, out, i, precision):
+    def _group_fp16(states, lane0, table, base_lo, base_hi, split, words, p, raw, out, i, precision, sym0):
         return _group_elements(states, lane0, table, base_lo, base_hi, split, words, p, raw, out, i, GROUP,
-                               precision, 10, False)[0]
+                               precision, sym0, 10, False)[0]
 
     @inline
-    def _group_fp32(states, lane0, table, base_lo, base_hi, split, words, p, raw, out, i, precision):
+    def _group_fp32(states, lane0, table, base_lo, base_hi, split, words, p, raw, out, i, precision, sym0):
         return _group_elements(states, lane0, table, base_lo, base_hi, split, words, p, raw, out, i, GROUP,
-                               precision, 23, False)[0]
+                               precision, sym0, 23, False)[0]
 
     @inline
     def _encode16(states, lane0, table, base_lo, base_hi, split, symbols, i, pushed, t, precision):
@@ -244,24 +264,27 @@ else:
                 raise IndexError("a vector step outside its arrays")
 
         @inline
-        def _group_bf16(states, lane0, table, base_lo, base_hi, split, words, p, raw, out, i, precision):
+        def _group_bf16(states, lane0, table, base_lo, base_hi, split, words, p, raw, out, i, precision, sym0):
             _in_bounds(states, lane0, table, base_lo, base_hi, words, p, raw, out, i, precision, 6)
-            return _vector_bf16(states, lane0, table, base_lo, base_hi, split, words, p, raw, out, i, precision)
+            return _vector_bf16(states, lane0, table, base_lo, base_hi, split, words, p, raw, out, i, precision,
+                                  sym0)
 
         @inline
-        def _group_fp16(states, lane0, table, base_lo, base_hi, split, words, p, raw, out, i, precision):
+        def _group_fp16(states, lane0, table, base_lo, base_hi, split, words, p, raw, out, i, precision, sym0):
             _in_bounds(states, lane0, table, base_lo, base_hi, words, p, raw, out, i, precision, 9)
-            return _vector_fp16(states, lane0, table, base_lo, base_hi, split, words, p, raw, out, i, precision)
+            return _vector_fp16(states, lane0, table, base_lo, base_hi, split, words, p, raw, out, i, precision,
+                                  sym0)
 
         @inline
-        def _group_fp32(states, lane0, table, base_lo, base_hi, split, words, p, raw, out, i, precision):
+        def _group_fp32(states, lane0, table, base_lo, base_hi, split, words, p, raw, out, i, precision, sym0):
             _in_bounds(states, lane0, table, base_lo, base_hi, words, p, raw, out, i, precision, 22)
-            return _vector_fp32(states, lane0, table, base_lo, base_hi, split, words, p, raw, out, i, precision)
+            return _vector_fp32(states, lane0, table, base_lo, base_hi, split, words, p, raw, out, i, precision,
+                                  sym0)
 
         @inline
         def _encode16(states, lane0, table, base_lo, base_hi, split, symbols, i, pushed, t, precision):
             if (lane0 < 0 or lane0 + GROUP > states.shape[0] or i < 0 or i + GROUP > symbols.shape[0]
-                    or t < 0 or t + GROUP > pushed.shape[0] or min(base_lo, base_hi) < 0):
+                    or t < GROUP or t > pushed.shape[0] or min(base_lo, base_hi) < 0):
                 raise IndexError("a vector step outside its arrays")
             return _vector_encode16(states, lane0, table, base_lo, base_hi, split, symbols, i, pushed, t, precision)
     else:
@@ -272,11 +295,13 @@ else:
 
 
 @kernel
-def wide_decode_table(freq, start, up, M, table):
+def wide_decode_table(freq, start, up, M, table, sym0):
     """The decoder's table (``table``: classes x 2**precision entries, flat) from the tables as
     :func:`._float_kernels.read_tables` gives them (at PROB_BITS, ``up`` bits above the
-    precision): each slot's frequency, its distance from its symbol's start and the symbol, where
-    a 16-bit float holds it (shifted up by M - TOP_BITS; a float32's is shifted by the step)."""
+    precision): each slot's frequency, its distance from its symbol's start and the symbol. In
+    8-byte entries the symbol where a 16-bit float holds it (shifted up by M - TOP_BITS; a
+    float32's is shifted by the step), in 4-byte entries (:data:`NARROW_FREQ`) less ``sym0``, the
+    lowest symbol the tables use."""
     shift = _symbol_shifts(M)[0]
     K, alphabet = freq.shape[0], freq.shape[1]
     R = table.shape[0] // K
@@ -285,28 +310,34 @@ def wide_decode_table(freq, start, up, M, table):
             f = np.int64(freq[c, s]) >> up
             s0 = np.int64(start[c, s]) >> up
             for j in range(f):
-                table[c * R + s0 + j] = _U((f << 32) | (j << 16) | (s << shift))
+                if table.itemsize == 4:
+                    table[c * R + s0 + j] = ((f - 1) << 20) | (j << 8) | (s - sym0)
+                else:
+                    table[c * R + s0 + j] = _U((f << 32) | (j << 16) | (s << shift))
 
 
 @inline
-def _vector_run(xs, g, count, table, base, words, p, raw, out, precision, M):
+def _vector_run(xs, g, count, table, base, words, p, raw, out, precision, sym0, M):
     """``count`` whole groups from group ``g`` on, all in one segment (of table row ``base``), by
     the vector step: the next word's index. (Per group, only the step: the segment's bookkeeping
     around every group had cost a quarter of the decode, scratch.)"""
     if M == 7:
         for h in range(g, g + count):
-            p = _group_bf16(xs, (h & 3) * GROUP, table, base, base, GROUP, words, p, raw, out, GROUP * h, precision)
+            p = _group_bf16(xs, (h & 3) * GROUP, table, base, base, GROUP, words, p, raw, out, GROUP * h, precision,
+                            sym0)
     elif M == 10:
         for h in range(g, g + count):
-            p = _group_fp16(xs, (h & 3) * GROUP, table, base, base, GROUP, words, p, raw, out, GROUP * h, precision)
+            p = _group_fp16(xs, (h & 3) * GROUP, table, base, base, GROUP, words, p, raw, out, GROUP * h, precision,
+                            sym0)
     else:
         for h in range(g, g + count):
-            p = _group_fp32(xs, (h & 3) * GROUP, table, base, base, GROUP, words, p, raw, out, GROUP * h, precision)
+            p = _group_fp32(xs, (h & 3) * GROUP, table, base, base, GROUP, words, p, raw, out, GROUP * h, precision,
+                            sym0)
     return p
 
 
 @kernel
-def decode_wide(words, raw, states, seg_len, M, classes, precision, table, out):
+def decode_wide(words, raw, states, seg_len, M, classes, precision, table, sym0, out):
     """Rebuild ``out`` (the bits of a chunk of bf16, fp16 or fp32 floats, as uint16 or uint32) from
     its rANS ``words``, its ``raw`` words (exactly those of its n * k bits, u32), the decoder's 64 initial ``states``
     (each at least WIDE_L: the front checks), its segments' classes and :func:`wide_decode_table`'s
@@ -336,7 +367,7 @@ def decode_wide(words, raw, states, seg_len, M, classes, precision, table, out):
             safe = min(full - g, (words.shape[0] - p) // GROUP, max(0, raw_left // (2 * k) + 1))
         inside = min(safe, (seg_end - i) // GROUP)
         if inside > 0:
-            p = _vector_run(xs, g, inside, table, base_lo, words, p, raw, out, precision, M)
+            p = _vector_run(xs, g, inside, table, base_lo, words, p, raw, out, precision, sym0, M)
             g += inside
             continue
         m = min(GROUP, n - i)
@@ -348,14 +379,14 @@ def decode_wide(words, raw, states, seg_len, M, classes, precision, table, out):
         lane0 = (g & 3) * GROUP
         if safe > 0:
             if M == 7:
-                p = _group_bf16(xs, lane0, table, base_lo, base_hi, split, words, p, raw, out, i, precision)
+                p = _group_bf16(xs, lane0, table, base_lo, base_hi, split, words, p, raw, out, i, precision, sym0)
             elif M == 10:
-                p = _group_fp16(xs, lane0, table, base_lo, base_hi, split, words, p, raw, out, i, precision)
+                p = _group_fp16(xs, lane0, table, base_lo, base_hi, split, words, p, raw, out, i, precision, sym0)
             else:
-                p = _group_fp32(xs, lane0, table, base_lo, base_hi, split, words, p, raw, out, i, precision)
+                p = _group_fp32(xs, lane0, table, base_lo, base_hi, split, words, p, raw, out, i, precision, sym0)
         else:
             p, err = _group_elements(xs, lane0, table, base_lo, base_hi, split, words, p, raw, out, i, m, precision,
-                                     M, True)
+                                     sym0, M, True)
             if err != OK:
                 return err
         g += 1
@@ -372,7 +403,7 @@ def _wide_encode(symbols, seg_len, classes, precision, used_syms, sent, alphabet
     """The rANS words of ``symbols`` into the end of ``out`` (u16, 2 n + 32 words at least: a symbol
     pushes one word at most); (where they begin, the 64 final states). The groups go from the last
     to the first, each by the vector step (the last group, if short, one element at a time), their
-    pushed words into the front of ``out`` in reverse order, then turned around into its end."""
+    pushed words each before the last's, from the end of ``out`` down."""
     n = symbols.shape[0]
     K = sent.shape[0]
     # (per class and symbol: frequency | start << 32; the used symbols' only; one gather)
@@ -385,7 +416,7 @@ def _wide_encode(symbols, seg_len, classes, precision, used_syms, sent, alphabet
                 table[c * alphabet + used_syms[u]] = f | (total << 32)
                 total += f
     xs = np.full(WIDE_LANES, WIDE_L, dtype=np.uint32)
-    t = 0
+    t = out.shape[0]
     groups = (n + GROUP - 1) // GROUP
     seg = (n - 1) // seg_len if n else 0
     seg_lo = seg * seg_len
@@ -406,10 +437,7 @@ def _wide_encode(symbols, seg_len, classes, precision, used_syms, sent, alphabet
             t = _encode16(xs, lane0, table, base_lo, base_hi, split, symbols, i, out, t, precision)
         else:
             t = _encode_checked(xs, lane0, table, base_lo, base_hi, split, symbols, i, m, out, t, precision)
-    end = out.shape[0]
-    for k in range(t):  # (turned around: the last pushed is the first read)
-        out[end - 1 - k] = out[k]
-    return end - t, xs
+    return t, xs
 
 
 @kernel

@@ -463,15 +463,29 @@ def _decode_wide(r: _Reader, W: int, M: int, n: int, seg_len: int, words: np.nda
     classes, precision, freq, start = r.frequencies(-(-n // seg_len), _alphabet(W, M))
     if precision > _w.WIDE_MAX_BITS:
         raise CorruptStreamError(f"{r.where}: mode 4 tables of {precision}-bit precision (at most {_w.WIDE_MAX_BITS})")
-    table = np.empty(freq.shape[0] << precision, dtype=np.uint64)
-    _w.wide_decode_table(freq, start, PROB_BITS - precision, M, table)
+    table, sym0 = _wide_table(freq, start, precision, M)
     states = r.take(4 * _w.WIDE_LANES, "coder states").view("<u4").astype(np.uint32)
     if int(states.min()) < _w.WIDE_L:
         raise CorruptStreamError(f"{r.where}: an initial coder state of {int(states.min())}, below {_w.WIDE_L}")
     count = r.u32("coder size")
     coder = _read_only(r.take(2 * count, "coder words").view("<u2"))
     raw = r.raw(-(-n * (M - _k.TOP_BITS + 1) // 32), padding=0)
-    r.check(_w.decode_wide(coder, raw, states, seg_len, M, classes, precision, table, words))
+    r.check(_w.decode_wide(coder, raw, states, seg_len, M, classes, precision, table, sym0, words))
+
+
+def _wide_table(freq: np.ndarray, start: np.ndarray, precision: int, M: int) -> tuple[np.ndarray, int]:
+    """Mode 4's decoding table of the tables ``freq`` and ``start`` (at PROB_BITS, read and
+    validated) at ``precision``, and the lowest symbol they use. Its entries take 4 bytes where
+    they can (:data:`._wide_kernels.NARROW_FREQ`): a class's 2**13 slots then take 32 KB instead of
+    64, and most of them stay in the L1 cache (MiniLM bf16, decode 0.94 -> 0.73 ns per element,
+    scratch)."""
+    used = np.flatnonzero(freq.any(axis=0))
+    sym0 = int(used[0]) if used.size else 0
+    narrow = (used.size > 0 and int(used[-1]) - sym0 < 256
+              and int(freq.max()) >> (PROB_BITS - precision) <= _w.NARROW_FREQ)
+    table = np.empty(freq.shape[0] << precision, dtype=np.uint32 if narrow else np.uint64)
+    _w.wide_decode_table(freq, start, PROB_BITS - precision, M, table, sym0)
+    return table, sym0
 
 
 def _decode_trailing(r: _Reader, W: int, M: int, n: int, seg_len: int, words: np.ndarray) -> None:

@@ -15,4 +15,5 @@ May import: ``errors`` only (it is the bottom layer; torch is imported by ``chec
 * :mod:`.atomic`: ``write_atomic`` and the wording of operating-system errors.
 * :mod:`.inputs`: one error and one wording for a file that cannot be read.
 * :mod:`.checksum`: the formats' CRC-32 (zlib's, at ISA-L's speed when installed).
+* :mod:`.buffers`: large ``bytes`` joined in huge pages where the system gives them on request.
 """

@@ -20,6 +20,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from ..entropy import floatcoder, linear_prediction
+from ..io.buffers import joined
 from ..io.checkpoint import Checkpoint
 from ..io.checksum import crc32
 from ..io.tensor_source import TensorSource
@@ -107,7 +108,7 @@ batchnorm_eps, bias_correction, moments_qp
                               moments_qp=moments_qp)
     out = _Pieces()
     _write(out, model, settings, resolve_threads(threads), progress, _Payloads(), ELEMENTS_IN_FLIGHT)
-    return b"".join(out.pieces)
+    return joined(out.pieces)
 
 
 class _Pieces:
