@@ -295,6 +295,23 @@ else:
 
 
 @kernel
+def narrow_entries(freq, up):
+    """(whether the decoding table of ``freq``, at PROB_BITS, ``up`` bits above its precision, fits
+    4-byte entries (:data:`NARROW_FREQ`), the lowest symbol it uses)."""
+    lowest = freq.shape[1]
+    highest = -1
+    most = 0
+    for c in range(freq.shape[0]):
+        for s in range(freq.shape[1]):
+            f = np.int64(freq[c, s]) >> up
+            if f:
+                lowest = min(lowest, s)
+                highest = max(highest, s)
+                most = max(most, f)
+    return highest >= 0 and highest - lowest < 256 and most <= NARROW_FREQ, max(0, min(lowest, highest))
+
+
+@kernel
 def wide_decode_table(freq, start, up, M, table, sym0):
     """The decoder's table (``table``: classes x 2**precision entries, flat) from the tables as
     :func:`._float_kernels.read_tables` gives them (at PROB_BITS, ``up`` bits above the
