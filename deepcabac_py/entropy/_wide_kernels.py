@@ -87,7 +87,7 @@ def _decode_step(W, M):
             x = b.load(states_at, align=4)
             bits = b.trunc(precision_, I32)
             slot = b.and_(x, v.splat(b.sub(b.shl(ir.Constant(I32, 1), bits), ir.Constant(I32, 1)), I32))
-            if narrow:  # (one gather of 4-byte entries: a class's table of 2**12 takes 16 KB)
+            if narrow:  # (one gather of 32-bit indices, 4-byte entries: a class's 2**13 slots take 32 KB)
                 entry = v.gather32(2, b.add(v.lanes(b.trunc(lo, I32), b.trunc(hi, I32), split_, I32), slot))
                 freq = b.add(b.lshr(entry, v.const(I32, [20] * GROUP)), v.const(I32, [1] * GROUP))
                 bias = b.and_(b.lshr(entry, v.const(I32, [8] * GROUP)), v.const(I32, [0xFFF] * GROUP))
@@ -357,8 +357,8 @@ def _vector_run(xs, g, count, table, base, words, p, raw, out, precision, sym0, 
 def decode_wide(words, raw, states, seg_len, M, classes, precision, table, sym0, out):
     """Rebuild ``out`` (the bits of a chunk of bf16, fp16 or fp32 floats, as uint16 or uint32) from
     its rANS ``words``, its ``raw`` words (exactly those of its n * k bits, u32), the decoder's 64 initial ``states``
-    (each at least WIDE_L: the front checks), its segments' classes and :func:`wide_decode_table`'s
-    ``table``; OK or an error code. The vector steps run in stretches that cannot reach the end of
+    (each at least WIDE_L: the front checks), its segments' classes, :func:`wide_decode_table`'s
+    ``table`` and the lowest symbol ``sym0`` its 4-byte entries count from; OK or an error code. The vector steps run in stretches that cannot reach the end of
     the words or of the raw bytes; the rest goes one element at a time, each read checked."""
     n = out.shape[0]
     k = M - TOP_BITS + 1
