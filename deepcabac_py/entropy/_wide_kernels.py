@@ -356,10 +356,11 @@ def _vector_run(xs, g, count, table, base, words, p, raw, out, precision, sym0, 
 @kernel
 def decode_wide(words, raw, states, seg_len, M, classes, precision, table, sym0, out):
     """Rebuild ``out`` (the bits of a chunk of bf16, fp16 or fp32 floats, as uint16 or uint32) from
-    its rANS ``words``, its ``raw`` words (exactly those of its n * k bits, u32), the decoder's 64 initial ``states``
-    (each at least WIDE_L: the front checks), its segments' classes, :func:`wide_decode_table`'s
-    ``table`` and the lowest symbol ``sym0`` its 4-byte entries count from; OK or an error code. The vector steps run in stretches that cannot reach the end of
-    the words or of the raw bytes; the rest goes one element at a time, each read checked."""
+    its rANS ``words``, its ``raw`` words (exactly those of its n * k bits, u32), the decoder's 64
+    initial ``states`` (each at least WIDE_L: the front checks), its segments' classes,
+    :func:`wide_decode_table`'s ``table`` and the lowest symbol ``sym0`` its 4-byte entries count
+    from; OK or an error code. The vector steps run in stretches that cannot reach the end of the
+    words or of the raw bytes; the rest goes one element at a time, each read checked."""
     n = out.shape[0]
     k = M - TOP_BITS + 1
     R = np.int64(1) << precision
