@@ -55,11 +55,13 @@ class Step:
         data = self.context.make_array(self.types[k])(self.context, self.b, self.args[k]).data
         return self.b.bitcast(self.b.gep(self.b.bitcast(data, t.as_pointer()), [index]), self.vec(t).as_pointer())
 
+    def below(self, n):
+        """The mask of the lanes below ``n`` (an int64)."""
+        return self.b.icmp_signed("<", self.const(I64, range(GROUP)), self.splat(n, I64))
+
     def lanes(self, lo, hi, split, t):
         """``lo`` (a scalar of type ``t``) in the lanes below ``split``, ``hi`` in the others."""
-        b = self.b
-        return b.select(b.icmp_signed("<", self.const(I64, range(GROUP)), self.splat(split, I64)),
-                        self.splat(lo, t), self.splat(hi, t))
+        return self.b.select(self.below(split), self.splat(lo, t), self.splat(hi, t))
 
     def gather32(self, k, index):
         """The 4-byte elements of array argument ``k`` at the lanes' int32 ``index``: one gather of

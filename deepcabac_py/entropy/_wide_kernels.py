@@ -47,15 +47,18 @@ WIDE_L = 1 << 16  # states stay in [WIDE_L, 2**32); renormalisation moves 16 bit
 # and 2**16 >> 13 leaves a decoded state 8 or more, which one renormalisation brings back above 2**16
 WIDE_MAX_BITS = TANS_MAX_BITS
 # Tables whose frequencies are at most 2**12 (no symbol takes more than half of 2**13 slots) and
-# whose used symbols lie within 2**8 of the lowest take 4-byte entries: (frequency - 1) << 20 |
-# distance from the symbol's start << 8 | symbol - lowest
+# whose used symbols lie within 2**8 of the lowest take 4-byte entries: (frequency - 1) <<
+# NARROW_FREQ_AT | distance from the symbol's start << NARROW_DISTANCE_AT | symbol - lowest
 NARROW_FREQ = 1 << 12
+NARROW_FREQ_AT = 20
+NARROW_DISTANCE_AT = 8
 
 @inline
 def _symbol_shifts(M):
-    """Where mode 4 moves a symbol into place in the float (``M`` mantissa bits): (by the decoder's
-    table, by the step). A 16-bit float's symbol fits the entry's 16 bits in place; a float32's
-    does not, and the step shifts it."""
+    """Where mode 4 moves a symbol into place in the float (``M`` mantissa bits) from an 8-byte
+    entry: (by the decoder's table, by the step). A 16-bit float's symbol fits the entry's 16 bits
+    in place; a float32's does not, and the step shifts it. (From a 4-byte entry the step shifts
+    every symbol: it is stored less the lowest.)"""
     return (0, M - TOP_BITS) if M == 23 else (M - TOP_BITS, 0)
 
 
@@ -89,9 +92,11 @@ def _decode_step(W, M):
             slot = b.and_(x, v.splat(b.sub(b.shl(ir.Constant(I32, 1), bits), ir.Constant(I32, 1)), I32))
             if narrow:  # (one gather of 32-bit indices, 4-byte entries: a class's 2**13 slots take 32 KB)
                 entry = v.gather32(2, b.add(v.lanes(b.trunc(lo, I32), b.trunc(hi, I32), split_, I32), slot))
-                freq = b.add(b.lshr(entry, v.const(I32, [20] * GROUP)), v.const(I32, [1] * GROUP))
-                bias = b.and_(b.lshr(entry, v.const(I32, [8] * GROUP)), v.const(I32, [0xFFF] * GROUP))
-                symbol = b.add(b.and_(entry, v.const(I32, [0xFF] * GROUP)), v.splat(b.trunc(sym0_, I32), I32))
+                freq = b.add(b.lshr(entry, v.const(I32, [NARROW_FREQ_AT] * GROUP)), v.const(I32, [1] * GROUP))
+                bias = b.and_(b.lshr(entry, v.const(I32, [NARROW_DISTANCE_AT] * GROUP)),
+                              v.const(I32, [NARROW_FREQ - 1] * GROUP))
+                symbol = b.add(b.and_(entry, v.const(I32, [(1 << NARROW_DISTANCE_AT) - 1] * GROUP)),
+                               v.splat(b.trunc(sym0_, I32), I32))
                 symbol = b.shl(symbol, v.const(I32, [M - TOP_BITS] * GROUP))
                 symbol = b.trunc(symbol, v.vec(It)) if W == 16 else symbol
             else:
@@ -154,8 +159,7 @@ def _vector_encode16(typingctx, states, lane0, table, base_lo, base_hi, split, s
         count = v.count(push)
         store = v.intrinsic("llvm.masked.store.v16i16.p0", ir.VoidType(),
                             [v.vec(I16), v.vec(I16).as_pointer(), I32, v.vec(I1)])
-        first = b.icmp_signed("<", v.const(I64, range(GROUP)), v.splat(count, I64))
-        b.call(store, [words, v.at(8, b.sub(t_, count), I16), ir.Constant(I32, 2), first])
+        b.call(store, [words, v.at(8, b.sub(t_, count), I16), ir.Constant(I32, 2), v.below(count)])
         x = b.select(push, b.lshr(x, v.const(I32, [16] * GROUP)), x)
         # x div f exactly: x < 2**32 and f <= 2**13, so the double quotient never rounds up to the
         # next integer
@@ -189,8 +193,8 @@ def _group_elements(states, lane0, table, base_lo, base_hi, split, words, p, raw
         x = np.int64(states[lane0 + lane])
         e = np.int64(table[_U((base_lo if lane < split else base_hi) + (x & mask))])
         if table.itemsize == 4:
-            x = ((e >> 20) + 1) * (x >> precision) + ((e >> 8) & 0xFFF)
-            symbol = ((e & 0xFF) + sym0) << (M - TOP_BITS)
+            x = ((e >> NARROW_FREQ_AT) + 1) * (x >> precision) + ((e >> NARROW_DISTANCE_AT) & (NARROW_FREQ - 1))
+            symbol = ((e & ((1 << NARROW_DISTANCE_AT) - 1)) + sym0) << (M - TOP_BITS)
         else:
             x = (e >> 32) * (x >> precision) + ((e >> 16) & 0xFFFF)
             symbol = (e & 0xFFFF) << shift
@@ -308,7 +312,9 @@ def narrow_entries(freq, up):
                 lowest = min(lowest, s)
                 highest = max(highest, s)
                 most = max(most, f)
-    return highest >= 0 and highest - lowest < 256 and most <= NARROW_FREQ, max(0, min(lowest, highest))
+    if highest < 0:
+        return False, 0
+    return highest - lowest < 1 << NARROW_DISTANCE_AT and most <= NARROW_FREQ, lowest
 
 
 @kernel
@@ -328,7 +334,7 @@ def wide_decode_table(freq, start, up, M, table, sym0):
             s0 = np.int64(start[c, s]) >> up
             for j in range(f):
                 if table.itemsize == 4:
-                    table[c * R + s0 + j] = ((f - 1) << 20) | (j << 8) | (s - sym0)
+                    table[c * R + s0 + j] = ((f - 1) << NARROW_FREQ_AT) | (j << NARROW_DISTANCE_AT) | (s - sym0)
                 else:
                     table[c * R + s0 + j] = _U((f << 32) | (j << 16) | (s << shift))
 
