@@ -137,33 +137,38 @@ def _decode_step(W, M):
 @intrinsic
 def _vector_encode16(typingctx, states, lane0, table, base_lo, base_hi, split, symbols, i, pushed, t, precision):
     """The encoder's step for the whole group of elements i to i + 15 (what the decoder's step
-    undoes), table rows as the decoder's; ``table`` holds each symbol's frequency | start << 32.
-    The words the group pushes go just before ``pushed[t]``, in lane order (the groups go from the
-    last to the first, so the words come out in the stream's order); returns the next ``t``."""
+    undoes), table rows as the decoder's; ``table`` holds each symbol's frequency | start << 16
+    (4-byte entries: one gather of 32-bit indices). The words the group pushes go just before
+    ``pushed[t]``, in lane order (the groups go from the last to the first, so the words come out
+    in the stream's order), in a store of sixteen words whose lanes below them the next group
+    overwrites; returns the next ``t``."""
     def codegen(context, builder, signature, args):
         v = Step(context, builder, signature, args)
         b = builder
         _, lane0_, _, lo, hi, split_, _, i_, _, t_, precision_ = args
         states_at = v.at(0, lane0_, I32)
         x = b.load(states_at, align=4)
-        entry = v.rows(lo, hi, split_, b.zext(b.load(v.at(6, i_, I16), align=2), v.vec(I64)))
-        f64 = b.and_(entry, v.const(I64, [0xFFFFFFFF] * GROUP))
-        start = b.trunc(b.lshr(entry, v.const(I64, [32] * GROUP)), v.vec(I32))
-        limit = b.shl(f64, v.splat(b.sub(ir.Constant(I64, 32), precision_), I64))
-        push = b.icmp_unsigned(">=", b.zext(x, v.vec(I64)), limit)
-        # (compressed in a register, then a masked store of the words pushed: this machine's
-        # compressing store to memory took 3.6 ns per element, scratch)
+        symbol = b.zext(b.load(v.at(6, i_, I16), align=2), v.vec(I32))
+        entry = v.gather32(2, b.add(v.lanes(b.trunc(lo, I32), b.trunc(hi, I32), split_, I32), symbol))
+        f = b.and_(entry, v.const(I32, [0xFFFF] * GROUP))
+        start = b.lshr(entry, v.const(I32, [16] * GROUP))
+        # (x >= f << (32 - precision), in 32 bits)
+        push = b.icmp_unsigned(">=", b.lshr(x, v.splat(b.trunc(b.sub(ir.Constant(I64, 32), precision_), I32), I32)),
+                               f)
+        # (compressed in a register and rotated to the top lanes, then stored whole: this machine's
+        # compressing store to memory took 3.6 ns per element, a masked store of the low lanes
+        # 0.3 more than this, scratch)
         compress = v.intrinsic("llvm.x86.avx512.mask.compress.v16i16", v.vec(I16),
                                [v.vec(I16), v.vec(I16), v.vec(I1)])
         words = b.call(compress, [b.trunc(x, v.vec(I16)), ir.Constant(v.vec(I16), None), push])
         count = v.count(push)
-        store = v.intrinsic("llvm.masked.store.v16i16.p0", ir.VoidType(),
-                            [v.vec(I16), v.vec(I16).as_pointer(), I32, v.vec(I1)])
-        b.call(store, [words, v.at(8, b.sub(t_, count), I16), ir.Constant(I32, 2), v.below(count)])
+        permute = v.intrinsic("llvm.x86.avx512.permvar.hi.256", v.vec(I16), [v.vec(I16), v.vec(I16)])
+        top = b.add(v.const(I16, range(GROUP)), v.splat(b.trunc(count, I16), I16))
+        words = b.call(permute, [words, top])
+        b.store(words, v.at(8, b.sub(t_, ir.Constant(I64, GROUP)), I16), align=2)
         x = b.select(push, b.lshr(x, v.const(I32, [16] * GROUP)), x)
         # x div f exactly: x < 2**32 and f <= 2**13, so the double quotient never rounds up to the
         # next integer
-        f = b.trunc(f64, v.vec(I32))
         double = v.vec(ir.DoubleType())
         q = b.fptoui(b.fdiv(b.uitofp(x, double), b.uitofp(f, double)), v.vec(I32))
         r = b.sub(x, b.mul(q, f))
@@ -219,13 +224,13 @@ def _encode_checked(states, lane0, table, base_lo, base_hi, split, symbols, i, m
     whole group; the next ``t``."""
     for lane in range(m - 1, -1, -1):
         e = table[(base_lo if lane < split else base_hi) + np.int64(symbols[i + lane])]
-        f = e & 0xFFFFFFFF
+        f = np.int64(e & 0xFFFF)
         x = np.int64(states[lane0 + lane])
         if x >= f << (32 - precision):
             t -= 1
             pushed[t] = np.uint16(x & 0xFFFF)
             x >>= 16
-        states[lane0 + lane] = np.uint32(((x // f) << precision) + x % f + (e >> 32))
+        states[lane0 + lane] = np.uint32(((x // f) << precision) + x % f + (np.int64(e) >> 16))
     return t
 
 
@@ -423,6 +428,16 @@ def decode_wide(words, raw, states, seg_len, M, classes, precision, table, sym0,
 
 
 @inline
+def _encode_run(xs, g, count, table, base, symbols, out, t, precision):
+    """``count`` whole groups from group ``g`` down, all in one segment (of table row ``base``), by
+    the vector step: the next ``t``. (Only the step per group, as in the decoder's runs: the
+    segment's bookkeeping around every group had cost 0.13 ns per element, scratch.)"""
+    for h in range(g, g - count, -1):
+        t = _encode16(xs, (h & 3) * GROUP, table, base, base, 0, symbols, GROUP * h, out, t, precision)
+    return t
+
+
+@inline
 def _wide_encode(symbols, seg_len, classes, precision, used_syms, sent, alphabet, out):
     """The rANS words of ``symbols`` into the end of ``out`` (u16, 2 n + 32 words at least: a symbol
     pushes one word at most); (where they begin, the 64 final states). The groups go from the last
@@ -430,27 +445,33 @@ def _wide_encode(symbols, seg_len, classes, precision, used_syms, sent, alphabet
     pushed words each before the last's, from the end of ``out`` down."""
     n = symbols.shape[0]
     K = sent.shape[0]
-    # (per class and symbol: frequency | start << 32; the used symbols' only; one gather)
-    table = np.zeros(K * alphabet, dtype=np.int64)
+    # (per class and symbol: frequency | start << 16, the used symbols' only)
+    table = np.zeros(K * alphabet, dtype=np.int32)
     for c in range(K):
         total = 0
         for u in range(used_syms.shape[0]):
             f = np.int64(sent[c, u])
             if f:
-                table[c * alphabet + used_syms[u]] = f | (total << 32)
+                table[c * alphabet + used_syms[u]] = f | (total << 16)
                 total += f
     xs = np.full(WIDE_LANES, WIDE_L, dtype=np.uint32)
     t = out.shape[0]
     groups = (n + GROUP - 1) // GROUP
     seg = (n - 1) // seg_len if n else 0
     seg_lo = seg * seg_len
-    for gg in range(groups - 1, -1, -1):
+    gg = groups - 1
+    while gg >= 0:
         i = GROUP * gg
         m = min(GROUP, n - i)
         while i + m - 1 < seg_lo:
             seg -= 1
             seg_lo -= seg_len
         base_hi = np.int64(classes[seg]) * alphabet
+        if m == GROUP and i >= seg_lo:
+            count = gg - (seg_lo + GROUP - 1) // GROUP + 1
+            t = _encode_run(xs, gg, count, table, base_hi, symbols, out, t, precision)
+            gg -= count
+            continue
         base_lo = base_hi
         split = 0
         if i < seg_lo:  # (a group crosses at most one boundary: segments are 256 long at least)
@@ -461,6 +482,7 @@ def _wide_encode(symbols, seg_len, classes, precision, used_syms, sent, alphabet
             t = _encode16(xs, lane0, table, base_lo, base_hi, split, symbols, i, out, t, precision)
         else:
             t = _encode_checked(xs, lane0, table, base_lo, base_hi, split, symbols, i, m, out, t, precision)
+        gg -= 1
     return t, xs
 
 
