@@ -20,6 +20,7 @@ from reference_float_coder import encode_tz as ref_encode_tz
 from reference_float_coder import encode_wide as ref_encode_wide
 
 import deepcabac_py as dc
+from deepcabac_py.entropy import _wide_kernels as _w
 from deepcabac_py.entropy import floatcoder
 from deepcabac_py.errors import CorruptStreamError
 from deepcabac_py.model.container import Mode, read_header
@@ -714,10 +715,18 @@ def test_mode_4_decodes_through_entries_of_either_width(dtype_name, case, entry_
     r = floatcoder._Reader(np.frombuffer(data, dtype=np.uint8), "substream")
     r.take(1, "low-bit mode")
     W, M = floatcoder.FORMATS[dtype_name]
-    _, precision, freq, start = r.frequencies(-(-a.size // seg), floatcoder._alphabet(W, M))
-    table, sym0 = floatcoder._wide_table(freq, start, precision, M)
-    assert table.itemsize == entry_bytes
-    assert sym0 == int(np.flatnonzero(freq.any(axis=0))[0])
+    _, precision, freq, _ = r.frequencies(-(-a.size // seg), floatcoder._alphabet(W, M))
+    # (the rule, from the tables the stream sends)
+    f = freq >> (floatcoder.PROB_BITS - precision)
+    used = np.flatnonzero(f.any(axis=0))
+    narrow = f.max() <= _w.NARROW_FREQ and used[-1] - used[0] < 1 << _w.NARROW_DISTANCE_AT
+    assert (4 if narrow else 8) == entry_bytes
+    out = np.empty_like(a)
+    detail = np.zeros(2, dtype=np.int64)
+    assert _w.decode_wide_substream(np.frombuffer(data, dtype=np.uint8), a.size, seg, M, out.view(WORDS[dtype_name]),
+                                    detail) == 0
+    assert detail[0] == entry_bytes
+    assert np.array_equal(out.view(WORDS[dtype_name]), a.view(WORDS[dtype_name]))
     out = np.empty_like(a)
     floatcoder.decode_chunk(data, dtype_name, seg, out)
     assert np.array_equal(out.view(WORDS[dtype_name]), a.view(WORDS[dtype_name]))

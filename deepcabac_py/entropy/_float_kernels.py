@@ -1334,6 +1334,58 @@ TANS_FIELDS = ("low-bit count", "low-bit counts", "class count and table precisi
 
 
 @inline
+def class_tables_at(data, pos, alphabet, min_bits, max_bits, classes, detail):
+    """A substream's class count and precision, its segments' classes (into ``classes``) and
+    its tables from byte ``pos`` of ``data``, each field checked against the bytes before it is
+    read: (the byte after the tables, or an error code with its details in ``detail``; klog,
+    precision, each class's used symbols, their frequencies and count as
+    :func:`_read_used_tables` gives them)."""
+    size = data.shape[0]
+    nseg = classes.shape[0]
+    none = np.empty((0, 0), dtype=np.int32)
+    if pos + 2 > size:
+        detail[0] = 2
+        return ERR_SHORT, 0, 0, none, none, np.empty(0, dtype=np.int64)
+    klog, precision = np.int64(data[pos]), np.int64(data[pos + 1])
+    pos += 2
+    if klog > MAX_CLASSES_LOG2:
+        detail[0] = klog
+        return ERR_CLASS_COUNT, 0, 0, none, none, np.empty(0, dtype=np.int64)
+    if precision < min_bits or precision > max_bits:
+        detail[0] = precision
+        return ERR_PRECISION, 0, 0, none, none, np.empty(0, dtype=np.int64)
+    if klog:
+        packed = (nseg + 1) >> 1
+        if pos + packed > size:
+            detail[0] = 3
+            return ERR_SHORT, 0, 0, none, none, np.empty(0, dtype=np.int64)
+        for j in range(nseg):
+            c = (data[pos + (j >> 1)] >> (4 * (j & 1))) & 15
+            if c >= 1 << klog:
+                detail[0], detail[1] = c, 1 << klog
+                return ERR_CLASS, 0, 0, none, none, np.empty(0, dtype=np.int64)
+            classes[j] = c
+        pos += packed
+    if pos + 4 > size:
+        detail[0] = 4
+        return ERR_SHORT, 0, 0, none, none, np.empty(0, dtype=np.int64)
+    table_bytes = _u32_at(data, pos)
+    pos += 4
+    if pos + table_bytes > size:
+        detail[0] = 5
+        return ERR_SHORT, 0, 0, none, none, np.empty(0, dtype=np.int64)
+    syms = np.empty((np.int64(1) << klog, min(alphabet, np.int64(1) << precision)), dtype=np.int32)
+    freqs = np.empty_like(syms)
+    used = np.empty(np.int64(1) << klog, dtype=np.int64)
+    got = _read_used_tables(data[pos:pos + table_bytes], precision, alphabet, syms, freqs, used)
+    if got < 0:
+        return got, 0, 0, none, none, used
+    if got != table_bytes:
+        return ERR_TABLE_BYTES, 0, 0, none, none, used
+    return pos + table_bytes, klog, precision, syms, freqs, used
+
+
+@inline
 def _u32_at(data, pos):
     return (np.int64(data[pos]) | (np.int64(data[pos + 1]) << 8) | (np.int64(data[pos + 2]) << 16)
             | (np.int64(data[pos + 3]) << 24))
@@ -1367,49 +1419,13 @@ def decode_tans_substream(data, n, seg_len, W, M, out, detail):
     for j in range(nseg):
         if zeros[j] > M:
             return ERR_DROPS
-    if pos + 2 > size:
-        detail[0] = 2
-        return ERR_SHORT
-    klog, precision = np.int64(data[pos]), np.int64(data[pos + 1])
-    pos += 2
-    if klog > MAX_CLASSES_LOG2:
-        detail[0] = klog
-        return ERR_CLASS_COUNT
-    if precision < TANS_MIN_BITS or precision > TANS_MAX_BITS:
-        detail[0] = precision
-        return ERR_PRECISION
-    classes = np.zeros(nseg, dtype=np.uint8)
-    if klog:
-        packed = (nseg + 1) >> 1
-        if pos + packed > size:
-            detail[0] = 3
-            return ERR_SHORT
-        for j in range(nseg):
-            c = (data[pos + (j >> 1)] >> (4 * (j & 1))) & 15
-            if c >= 1 << klog:
-                detail[0], detail[1] = c, 1 << klog
-                return ERR_CLASS
-            classes[j] = c
-        pos += packed
-    if pos + 4 > size:
-        detail[0] = 4
-        return ERR_SHORT
-    table_bytes = _u32_at(data, pos)
-    pos += 4
-    if pos + table_bytes > size:
-        detail[0] = 5
-        return ERR_SHORT
     alphabet = np.int64(1) << (W - 1 - M + TOP_BITS + (TZ_BITS if tz else 0))
+    classes = np.zeros(nseg, dtype=np.uint8)
+    pos, klog, precision, syms, freqs, used = class_tables_at(data, pos, alphabet, TANS_MIN_BITS, TANS_MAX_BITS,
+                                                              classes, detail)
+    if pos < 0:
+        return pos
     R = np.int64(1) << precision
-    syms = np.empty((np.int64(1) << klog, min(alphabet, R)), dtype=np.int32)
-    freqs = np.empty_like(syms)
-    used = np.empty(np.int64(1) << klog, dtype=np.int64)
-    got = _read_used_tables(data[pos:pos + table_bytes], precision, alphabet, syms, freqs, used)
-    if got < 0:
-        return got
-    if got != table_bytes:
-        return ERR_TABLE_BYTES
-    pos += table_bytes
     if pos + 9 > size:
         detail[0] = 6
         return ERR_SHORT

@@ -25,14 +25,19 @@ from numba.extending import intrinsic
 from .._jit import inline, kernel
 from ._float_kernels import (
     _U,
+    ERR_AFTER_RAW,
     ERR_BAD_END,
     ERR_OVERRUN,
+    ERR_PRECISION,
+    ERR_SHORT,
     ERR_TRAILING,
     OK,
     TANS_MAX_BITS,
     TOP_BITS,
     _raw_at,
     _raw_near,
+    _u32_at,
+    class_tables_at,
     classes_and_tables,
     put_class_tables,
     put_u32,
@@ -52,6 +57,9 @@ WIDE_MAX_BITS = TANS_MAX_BITS
 NARROW_FREQ = 1 << 12
 NARROW_FREQ_AT = 20
 NARROW_DISTANCE_AT = 8
+# decode_wide_substream's own errors (the others are the tANS kernel's)
+ERR_WIDE_PRECISION = -17  # detail[0]: the tables' precision, outside 1 to WIDE_MAX_BITS
+ERR_WIDE_STATE = -18  # detail[0]: an initial state below WIDE_L
 
 @inline
 def _symbol_shifts(M):
@@ -303,47 +311,6 @@ else:
         _encode16 = _vector_encode16
 
 
-@kernel
-def narrow_entries(freq, up):
-    """(whether the decoding table of ``freq``, at PROB_BITS, ``up`` bits above its precision, fits
-    4-byte entries (:data:`NARROW_FREQ`), the lowest symbol it uses)."""
-    lowest = freq.shape[1]
-    highest = -1
-    most = 0
-    for c in range(freq.shape[0]):
-        for s in range(freq.shape[1]):
-            f = np.int64(freq[c, s]) >> up
-            if f:
-                lowest = min(lowest, s)
-                highest = max(highest, s)
-                most = max(most, f)
-    if highest < 0:
-        return False, 0
-    return highest - lowest < 1 << NARROW_DISTANCE_AT and most <= NARROW_FREQ, lowest
-
-
-@kernel
-def wide_decode_table(freq, start, up, M, table, sym0):
-    """The decoder's table (``table``: classes x 2**precision entries, flat) from the tables as
-    :func:`._float_kernels.read_tables` gives them (at PROB_BITS, ``up`` bits above the
-    precision): each slot's frequency, its distance from its symbol's start and the symbol. In
-    8-byte entries the symbol where a 16-bit float holds it (shifted up by M - TOP_BITS; a
-    float32's is shifted by the step), in 4-byte entries (:data:`NARROW_FREQ`) less ``sym0``, the
-    lowest symbol the tables use."""
-    shift = _symbol_shifts(M)[0]
-    K, alphabet = freq.shape[0], freq.shape[1]
-    R = table.shape[0] // K
-    for c in range(K):
-        for s in range(alphabet):
-            f = np.int64(freq[c, s]) >> up
-            s0 = np.int64(start[c, s]) >> up
-            for j in range(f):
-                if table.itemsize == 4:
-                    table[c * R + s0 + j] = ((f - 1) << NARROW_FREQ_AT) | (j << NARROW_DISTANCE_AT) | (s - sym0)
-                else:
-                    table[c * R + s0 + j] = _U((f << 32) | (j << 16) | (s << shift))
-
-
 @inline
 def _vector_run(xs, g, count, table, base, words, p, raw, out, precision, sym0, M):
     """``count`` whole groups from group ``g`` on, all in one segment (of table row ``base``), by
@@ -425,6 +392,100 @@ def decode_wide(words, raw, states, seg_len, M, classes, precision, table, sym0,
     if p != words.shape[0]:
         return ERR_TRAILING
     return OK
+
+
+@inline
+def _narrow_entries(syms, freqs, used):
+    """(whether the decoding table of these tables (each class's used symbols, their frequencies
+    and count) fits 4-byte entries (:data:`NARROW_FREQ`), the lowest symbol they use)."""
+    lowest = np.int64(1) << 30
+    highest = np.int64(-1)
+    most = np.int64(0)
+    for c in range(used.shape[0]):
+        for u in range(used[c]):
+            if freqs[c, u]:
+                lowest = min(lowest, np.int64(syms[c, u]))
+                highest = max(highest, np.int64(syms[c, u]))
+                most = max(most, np.int64(freqs[c, u]))
+    if highest < 0:
+        return False, np.int64(0)
+    return highest - lowest < 1 << NARROW_DISTANCE_AT and most <= NARROW_FREQ, lowest
+
+
+@inline
+def _fill_table(syms, freqs, used, precision, M, sym0, table):
+    """The decoder's table (``table``: classes x 2**precision entries, flat): each slot's
+    frequency, its distance from its symbol's start and the symbol. In 8-byte entries the symbol
+    where a 16-bit float holds it (shifted up by M - TOP_BITS; a float32's is shifted by the step),
+    in 4-byte entries (:data:`NARROW_FREQ`) less ``sym0``, the lowest symbol the tables use."""
+    shift = _symbol_shifts(M)[0]
+    R = np.int64(1) << precision
+    for c in range(used.shape[0]):
+        at = c * R
+        for u in range(used[c]):
+            f = np.int64(freqs[c, u])
+            s = np.int64(syms[c, u])
+            for j in range(f):
+                if table.itemsize == 4:
+                    table[at + j] = ((f - 1) << NARROW_FREQ_AT) | (j << NARROW_DISTANCE_AT) | (s - sym0)
+                else:
+                    table[at + j] = _U((f << 32) | (j << 16) | (s << shift))
+            at += f
+
+
+@kernel
+def decode_wide_substream(data, n, seg_len, M, out, detail):
+    """Decode a whole low-bit mode 4 substream (``data``: its bytes, the mode byte first) into
+    ``out`` (n float bits, ``M`` mantissa bits); OK or an error code, with its details in
+    ``detail`` (on success, detail[0]: the bytes of a decoding table entry, 4 or 8). Every field is
+    checked against the bytes before it is read or allocated. (Parsed in Python, field by field,
+    with the table built from whole-alphabet arrays, a chunk's front took 25-40 us, scratch.)"""
+    size = data.shape[0]
+    W = 32 if M == 23 else 16
+    classes = np.zeros((n + seg_len - 1) // seg_len, dtype=np.uint8)
+    pos, klog, precision, syms, freqs, used = class_tables_at(data, 1, np.int64(1) << (W - 1 - M + TOP_BITS), 1,
+                                                              WIDE_MAX_BITS, classes, detail)
+    if pos < 0:
+        return ERR_WIDE_PRECISION if pos == ERR_PRECISION else pos
+    if pos + 4 * WIDE_LANES > size:
+        detail[0] = 6
+        return ERR_SHORT
+    states = np.empty(WIDE_LANES, dtype=np.uint32)
+    for lane in range(WIDE_LANES):
+        x = _u32_at(data, pos + 4 * lane)
+        if x < WIDE_L:
+            detail[0] = x
+            return ERR_WIDE_STATE
+        states[lane] = x
+    pos += 4 * WIDE_LANES
+    if pos + 4 > size:
+        detail[0] = 7
+        return ERR_SHORT
+    count = _u32_at(data, pos)
+    pos += 4
+    if pos + 2 * count > size:
+        detail[0] = 8
+        return ERR_SHORT
+    words = data[pos:pos + 2 * count].view(np.uint16)
+    pos += 2 * count
+    nraw = (n * (M - TOP_BITS + 1) + 31) >> 5
+    if pos + 4 * nraw > size:
+        detail[0] = 9
+        return ERR_SHORT
+    if pos + 4 * nraw != size:
+        detail[0] = size - pos - 4 * nraw
+        return ERR_AFTER_RAW
+    raw = data[pos:size].view(np.uint32)
+    narrow, sym0 = _narrow_entries(syms, freqs, used)
+    if narrow:
+        table = np.empty(used.shape[0] << precision, dtype=np.uint32)
+        _fill_table(syms, freqs, used, precision, M, sym0, table)
+        detail[0] = 4
+        return decode_wide(words, raw, states, seg_len, M, classes, precision, table, sym0, out)
+    wide = np.empty(used.shape[0] << precision, dtype=np.uint64)
+    _fill_table(syms, freqs, used, precision, M, sym0, wide)
+    detail[0] = 8
+    return decode_wide(words, raw, states, seg_len, M, classes, precision, wide, sym0, out)
 
 
 @inline

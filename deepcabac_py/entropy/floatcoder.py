@@ -410,7 +410,10 @@ def decode_chunk(data, dtype_name: str, seg_len: int, out: np.ndarray, where: st
         if W == 64:
             raise CorruptStreamError(f"{where}: low-bit mode 4 (64 rANS states) in a {dtype_name} tensor, which only "
                                      f"bf16, fp16 and fp32 take")
-        _decode_wide(r, W, M, n, seg_len, words)
+        detail = np.zeros(2, dtype=np.int64)
+        status = _w.decode_wide_substream(r.data, n, seg_len, M, words, detail)
+        if status != _k.OK:
+            raise CorruptStreamError(f"{where}: {_substream_error(status, detail, dtype_name)}")
         return
     if byte == TZ_BYTE and revision & TZ_REVISION and W != 32:
         raise CorruptStreamError(f"{where}: low-bit mode 3 (trailing zeros in the symbol) in a {dtype_name} tensor, "
@@ -425,22 +428,23 @@ def decode_chunk(data, dtype_name: str, seg_len: int, out: np.ndarray, where: st
         detail = np.zeros(2, dtype=np.int64)
         status = _k.decode_tans_substream(r.data, n, seg_len, W, M, words, detail)
         if status != _k.OK:
-            raise CorruptStreamError(f"{where}: {_tans_error(status, detail, dtype_name)}")
+            raise CorruptStreamError(f"{where}: {_substream_error(status, detail, dtype_name)}")
         return
     if mode == 0:
         zeros = np.full(nseg, r.take(1, "low-bit count")[0], dtype=np.uint8)
     else:
         zeros = r.take(nseg, "low-bit counts")
     if nseg and int(zeros.max()) > M:
-        raise CorruptStreamError(f"{where}: {_TANS_ERRORS[_k.ERR_DROPS](0, 0, dtype_name)}")
+        raise CorruptStreamError(f"{where}: {_SUBSTREAM_ERRORS[_k.ERR_DROPS](0, 0, dtype_name)}")
     classes, up, lut_step, lut_sym, rans = r.coder(n, seg_len, _alphabet(W, M))
     raw = r.raw(-(-_k.raw_bit_count(n, seg_len, M, zeros) // 32), padding=0)
     r.check(_k.decode_floats(rans, raw, seg_len, W, M, zeros, classes, up, lut_step, lut_sym, words))
 
 
-# What the tANS kernel's errors say, worded from their two details: a function each, so that only
-# the error found is worded (another's detail may be a count of bytes, not a shift)
-_TANS_ERRORS = {
+# What the whole-substream kernels' errors say (tANS and mode 4), worded from their two details: a
+# function each, so that only the error found is worded (another's detail may be a count of bytes,
+# not a shift)
+_SUBSTREAM_ERRORS = {
     _k.ERR_SHORT: lambda a, b, dtype: f"the substream ends inside its {_k.TANS_FIELDS[a]}",
     _k.ERR_DROPS: lambda a, b, dtype: f"drops more low bits than a {dtype} mantissa has",
     _k.ERR_CLASS_COUNT: lambda a, b, dtype: f"{1 << a} classes (at most {MAX_CLASSES})",
@@ -452,40 +456,15 @@ _TANS_ERRORS = {
     _k.ERR_FIRST_BIT: lambda a, b, dtype: f"the first bit at {a} of a 32-bit word",
     _k.ERR_BEFORE_FIRST: lambda a, b, dtype: "bits set before the coder's first bit, or no word to hold it",
     _k.ERR_AFTER_RAW: lambda a, b, dtype: f"{a} bytes after the raw bits",
+    _w.ERR_WIDE_PRECISION: lambda a, b, dtype: f"mode 4 tables of {a}-bit precision (1 to {_w.WIDE_MAX_BITS})",
+    _w.ERR_WIDE_STATE: lambda a, b, dtype: f"an initial coder state of {a}, below {_w.WIDE_L}",
 }
 
 
-def _tans_error(status: int, detail: np.ndarray, dtype_name: str) -> str:
-    """What the tANS kernel's ``status`` (with its ``detail``) says is wrong."""
-    word = _TANS_ERRORS.get(status)
+def _substream_error(status: int, detail: np.ndarray, dtype_name: str) -> str:
+    """What a whole-substream kernel's ``status`` (with its ``detail``) says is wrong."""
+    word = _SUBSTREAM_ERRORS.get(status)
     return word(int(detail[0]), int(detail[1]), dtype_name) if word else _ERRORS[status]
-
-
-def _decode_wide(r: _Reader, W: int, M: int, n: int, seg_len: int, words: np.ndarray) -> None:
-    """The rest of a low-bit mode 4 substream (after its mode byte) into ``words``."""
-    classes, precision, freq, start = r.frequencies(-(-n // seg_len), _alphabet(W, M))
-    if precision > _w.WIDE_MAX_BITS:
-        raise CorruptStreamError(f"{r.where}: mode 4 tables of {precision}-bit precision (at most {_w.WIDE_MAX_BITS})")
-    table, sym0 = _wide_table(freq, start, precision, M)
-    states = r.take(4 * _w.WIDE_LANES, "coder states").view("<u4").astype(np.uint32)
-    if int(states.min()) < _w.WIDE_L:
-        raise CorruptStreamError(f"{r.where}: an initial coder state of {int(states.min())}, below {_w.WIDE_L}")
-    count = r.u32("coder size")
-    coder = _read_only(r.take(2 * count, "coder words").view("<u2"))
-    raw = r.raw(-(-n * (M - _k.TOP_BITS + 1) // 32), padding=0)
-    r.check(_w.decode_wide(coder, raw, states, seg_len, M, classes, precision, table, sym0, words))
-
-
-def _wide_table(freq: np.ndarray, start: np.ndarray, precision: int, M: int) -> tuple[np.ndarray, int]:
-    """Mode 4's decoding table of the tables ``freq`` and ``start`` (at PROB_BITS, read and
-    validated) at ``precision``, and the lowest symbol they use. Its entries take 4 bytes where
-    they can (:data:`._wide_kernels.NARROW_FREQ`): a class's 2**13 slots then take 32 KB instead of
-    64, and most of them stay in the L1 cache (MiniLM bf16, decode 0.94 -> 0.73 ns per element,
-    scratch)."""
-    narrow, sym0 = _w.narrow_entries(freq, PROB_BITS - precision)
-    table = np.empty(freq.shape[0] << precision, dtype=np.uint32 if narrow else np.uint64)
-    _w.wide_decode_table(freq, start, PROB_BITS - precision, M, table, sym0)
-    return table, sym0
 
 
 def _decode_trailing(r: _Reader, W: int, M: int, n: int, seg_len: int, words: np.ndarray) -> None:
