@@ -1386,6 +1386,21 @@ def class_tables_at(data, pos, alphabet, min_bits, max_bits, classes, detail):
 
 
 @inline
+def counted_at(data, pos, unit, detail):
+    """The coder's word count at byte ``pos`` and its words of ``unit`` bytes after it (fields 7
+    and 8 of TANS_FIELDS), checked against the bytes: (the count, the first word's byte), or
+    (ERR_SHORT, pos) with the field in ``detail``."""
+    if pos + 4 > data.shape[0]:
+        detail[0] = 7
+        return ERR_SHORT, pos
+    count = _u32_at(data, pos)
+    if pos + 4 + unit * count > data.shape[0]:
+        detail[0] = 8
+        return ERR_SHORT, pos
+    return count, pos + 4
+
+
+@inline
 def _u32_at(data, pos):
     return (np.int64(data[pos]) | (np.int64(data[pos + 1]) << 8) | (np.int64(data[pos + 2]) << 16)
             | (np.int64(data[pos + 3]) << 24))
@@ -1440,14 +1455,9 @@ def decode_tans_substream(data, n, seg_len, W, M, out, detail):
     if first_bit >= 32:
         detail[0] = first_bit
         return ERR_FIRST_BIT
-    if pos + 4 > size:
-        detail[0] = 7
-        return ERR_SHORT
-    count = _u32_at(data, pos)
-    pos += 4
-    if pos + 4 * count > size:
-        detail[0] = 8
-        return ERR_SHORT
+    count, pos = counted_at(data, pos, 4, detail)
+    if count < 0:
+        return count
     raw_at = pos + 4 * count
     if tz:  # (the raw bits' count follows from the symbols: all the words left, checked as they are read)
         nraw = (size - raw_at) >> 2

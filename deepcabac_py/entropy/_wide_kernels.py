@@ -39,6 +39,7 @@ from ._float_kernels import (
     _u32_at,
     class_tables_at,
     classes_and_tables,
+    counted_at,
     put_class_tables,
     put_u32,
     split_and_choose,
@@ -458,14 +459,9 @@ def decode_wide_substream(data, n, seg_len, M, out, detail):
             return ERR_WIDE_STATE
         states[lane] = x
     pos += 4 * WIDE_LANES
-    if pos + 4 > size:
-        detail[0] = 7
-        return ERR_SHORT
-    count = _u32_at(data, pos)
-    pos += 4
-    if pos + 2 * count > size:
-        detail[0] = 8
-        return ERR_SHORT
+    count, pos = counted_at(data, pos, 2, detail)
+    if count < 0:
+        return count
     words = data[pos:pos + 2 * count].view(np.uint16)
     pos += 2 * count
     nraw = (n * (M - TOP_BITS + 1) + 31) >> 5
