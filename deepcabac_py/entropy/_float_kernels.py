@@ -1342,46 +1342,46 @@ def class_tables_at(data, pos, alphabet, min_bits, max_bits, classes, detail):
     :func:`_read_used_tables` gives them)."""
     size = data.shape[0]
     nseg = classes.shape[0]
-    none = np.empty((0, 0), dtype=np.int32)
+    none, nothing = np.empty((0, 0), dtype=np.int32), np.empty(0, dtype=np.int64)  # (what an error returns)
     if pos + 2 > size:
         detail[0] = 2
-        return ERR_SHORT, 0, 0, none, none, np.empty(0, dtype=np.int64)
+        return ERR_SHORT, 0, 0, none, none, nothing
     klog, precision = np.int64(data[pos]), np.int64(data[pos + 1])
     pos += 2
     if klog > MAX_CLASSES_LOG2:
         detail[0] = klog
-        return ERR_CLASS_COUNT, 0, 0, none, none, np.empty(0, dtype=np.int64)
+        return ERR_CLASS_COUNT, 0, 0, none, none, nothing
     if precision < min_bits or precision > max_bits:
         detail[0] = precision
-        return ERR_PRECISION, 0, 0, none, none, np.empty(0, dtype=np.int64)
+        return ERR_PRECISION, 0, 0, none, none, nothing
     if klog:
         packed = (nseg + 1) >> 1
         if pos + packed > size:
             detail[0] = 3
-            return ERR_SHORT, 0, 0, none, none, np.empty(0, dtype=np.int64)
+            return ERR_SHORT, 0, 0, none, none, nothing
         for j in range(nseg):
             c = (data[pos + (j >> 1)] >> (4 * (j & 1))) & 15
             if c >= 1 << klog:
                 detail[0], detail[1] = c, 1 << klog
-                return ERR_CLASS, 0, 0, none, none, np.empty(0, dtype=np.int64)
+                return ERR_CLASS, 0, 0, none, none, nothing
             classes[j] = c
         pos += packed
     if pos + 4 > size:
         detail[0] = 4
-        return ERR_SHORT, 0, 0, none, none, np.empty(0, dtype=np.int64)
+        return ERR_SHORT, 0, 0, none, none, nothing
     table_bytes = _u32_at(data, pos)
     pos += 4
     if pos + table_bytes > size:
         detail[0] = 5
-        return ERR_SHORT, 0, 0, none, none, np.empty(0, dtype=np.int64)
+        return ERR_SHORT, 0, 0, none, none, nothing
     syms = np.empty((np.int64(1) << klog, min(alphabet, np.int64(1) << precision)), dtype=np.int32)
     freqs = np.empty_like(syms)
     used = np.empty(np.int64(1) << klog, dtype=np.int64)
     got = _read_used_tables(data[pos:pos + table_bytes], precision, alphabet, syms, freqs, used)
     if got < 0:
-        return got, 0, 0, none, none, used
+        return got, 0, 0, none, none, nothing
     if got != table_bytes:
-        return ERR_TABLE_BYTES, 0, 0, none, none, used
+        return ERR_TABLE_BYTES, 0, 0, none, none, nothing
     return pos + table_bytes, klog, precision, syms, freqs, used
 
 

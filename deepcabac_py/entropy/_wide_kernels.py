@@ -337,7 +337,7 @@ def decode_wide(words, raw, states, seg_len, M, classes, precision, table, sym0,
     """Rebuild ``out`` (the bits of a chunk of bf16, fp16 or fp32 floats, as uint16 or uint32) from
     its rANS ``words``, its ``raw`` words (exactly those of its n * k bits, u32), the decoder's 64
     initial ``states`` (each at least WIDE_L: the front checks), its segments' classes,
-    :func:`wide_decode_table`'s ``table`` and the lowest symbol ``sym0`` its 4-byte entries count
+    :func:`_fill_table`'s ``table`` and the lowest symbol ``sym0`` its 4-byte entries count
     from; OK or an error code. The vector steps run in stretches that cannot reach the end of the
     words or of the raw bytes; the rest goes one element at a time, each read checked."""
     n = out.shape[0]
@@ -397,19 +397,17 @@ def decode_wide(words, raw, states, seg_len, M, classes, precision, table, sym0,
 
 @inline
 def _narrow_entries(syms, freqs, used):
-    """(whether the decoding table of these tables (each class's used symbols, their frequencies
-    and count) fits 4-byte entries (:data:`NARROW_FREQ`), the lowest symbol they use)."""
-    lowest = np.int64(1) << 30
-    highest = np.int64(-1)
+    """(whether the decoding table of these tables (each class's used symbols, increasing, their
+    frequencies and count, as :func:`._float_kernels.class_tables_at` gives them) fits 4-byte
+    entries (:data:`NARROW_FREQ`), the lowest symbol they use). Every class uses a symbol."""
+    lowest = np.int64(syms[0, 0])
+    highest = lowest
     most = np.int64(0)
     for c in range(used.shape[0]):
+        lowest = min(lowest, np.int64(syms[c, 0]))
+        highest = max(highest, np.int64(syms[c, used[c] - 1]))
         for u in range(used[c]):
-            if freqs[c, u]:
-                lowest = min(lowest, np.int64(syms[c, u]))
-                highest = max(highest, np.int64(syms[c, u]))
-                most = max(most, np.int64(freqs[c, u]))
-    if highest < 0:
-        return False, np.int64(0)
+            most = max(most, np.int64(freqs[c, u]))
     return highest - lowest < 1 << NARROW_DISTANCE_AT and most <= NARROW_FREQ, lowest
 
 

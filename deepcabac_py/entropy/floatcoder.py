@@ -411,9 +411,7 @@ def decode_chunk(data, dtype_name: str, seg_len: int, out: np.ndarray, where: st
             raise CorruptStreamError(f"{where}: low-bit mode 4 (64 rANS states) in a {dtype_name} tensor, which only "
                                      f"bf16, fp16 and fp32 take")
         detail = np.zeros(2, dtype=np.int64)
-        status = _w.decode_wide_substream(r.data, n, seg_len, M, words, detail)
-        if status != _k.OK:
-            raise CorruptStreamError(f"{where}: {_substream_error(status, detail, dtype_name)}")
+        _check_substream(_w.decode_wide_substream(r.data, n, seg_len, M, words, detail), detail, where, dtype_name)
         return
     if byte == TZ_BYTE and revision & TZ_REVISION and W != 32:
         raise CorruptStreamError(f"{where}: low-bit mode 3 (trailing zeros in the symbol) in a {dtype_name} tensor, "
@@ -426,9 +424,8 @@ def decode_chunk(data, dtype_name: str, seg_len: int, out: np.ndarray, where: st
                                  f"{', symbols by tANS' if byte & TANS_FLAG else ''})")
     if tans:
         detail = np.zeros(2, dtype=np.int64)
-        status = _k.decode_tans_substream(r.data, n, seg_len, W, M, words, detail)
-        if status != _k.OK:
-            raise CorruptStreamError(f"{where}: {_substream_error(status, detail, dtype_name)}")
+        _check_substream(_k.decode_tans_substream(r.data, n, seg_len, W, M, words, detail), detail, where,
+                         dtype_name)
         return
     if mode == 0:
         zeros = np.full(nseg, r.take(1, "low-bit count")[0], dtype=np.uint8)
@@ -461,10 +458,12 @@ _SUBSTREAM_ERRORS = {
 }
 
 
-def _substream_error(status: int, detail: np.ndarray, dtype_name: str) -> str:
-    """What a whole-substream kernel's ``status`` (with its ``detail``) says is wrong."""
-    word = _SUBSTREAM_ERRORS.get(status)
-    return word(int(detail[0]), int(detail[1]), dtype_name) if word else _ERRORS[status]
+def _check_substream(status: int, detail: np.ndarray, where: str, dtype_name: str) -> None:
+    """CorruptStreamError, saying what is wrong, unless a whole-substream kernel returned OK."""
+    if status != _k.OK:
+        word = _SUBSTREAM_ERRORS.get(status)
+        raise CorruptStreamError(f"{where}: " + (word(int(detail[0]), int(detail[1]), dtype_name) if word
+                                                 else _ERRORS[status]))
 
 
 def _decode_trailing(r: _Reader, W: int, M: int, n: int, seg_len: int, words: np.ndarray) -> None:
