@@ -115,6 +115,23 @@ def _unaligned_u64(typingctx, array, byte):
     return types.uint64(array, byte), codegen
 
 
+@intrinsic
+def _unaligned_store_u64(typingctx, array, byte, value):
+    """Store ``value`` (uint64) as the eight bytes at byte offset ``byte`` of a contiguous array's
+    data, little-endian, unchecked."""
+    if not (isinstance(array, types.Array) and array.ndim == 1 and array.layout == "C"
+            and isinstance(byte, types.Integer) and value == types.uint64):
+        return None
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        at = builder.gep(builder.bitcast(data, ir.IntType(8).as_pointer()), [args[1]])
+        builder.store(args[2], builder.bitcast(at, ir.IntType(64).as_pointer()), align=1)
+        return context.get_dummy_value()
+
+    return types.none(array, byte, value), codegen
+
+
 if numba.config.DISABLE_JIT:
     def load_le64(array, byte):
         """The eight bytes of ``array`` (contiguous, 1-d) from byte ``byte`` on, as a little-endian
@@ -124,6 +141,15 @@ if numba.config.DISABLE_JIT:
         if byte < 0 or byte + 8 > data.shape[0]:
             raise IndexError(f"eight bytes from byte {byte} of a {data.shape[0]}-byte array")
         return np.uint64(int.from_bytes(data[byte:byte + 8].tobytes(), "little"))
+
+    def store_le64(array, byte, value):
+        """Store the uint64 ``value`` little-endian as the eight bytes of ``array`` (contiguous,
+        1-d) from byte ``byte`` on; they must lie inside the array."""
+        data = array.view(np.uint8)
+        byte = int(byte)
+        if byte < 0 or byte + 8 > data.shape[0]:
+            raise IndexError(f"eight bytes from byte {byte} of a {data.shape[0]}-byte array")
+        data[byte:byte + 8] = np.frombuffer(int(value).to_bytes(8, "little"), dtype=np.uint8)
 elif numba.config.BOUNDSCHECK:
     # (the fuzz targets run with bounds checks: an unchecked read would hide what they look for)
     @inline
@@ -131,11 +157,22 @@ elif numba.config.BOUNDSCHECK:
         if byte < 0 or byte + 8 > array.shape[0] * array.itemsize:
             raise IndexError("an unaligned read outside its array")
         return _unaligned_u64(array, byte)
+
+    @inline
+    def store_le64(array, byte, value):
+        if byte < 0 or byte + 8 > array.shape[0] * array.itemsize:
+            raise IndexError("an unaligned write outside its array")
+        _unaligned_store_u64(array, byte, value)
 else:
     @inline
     def load_le64(array, byte):
         """One load for what two aligned words, a shift and an OR would take."""
         return _unaligned_u64(array, byte)
+
+    @inline
+    def store_le64(array, byte, value):
+        """One store of eight bytes at any byte offset."""
+        _unaligned_store_u64(array, byte, value)
 
 
 def not_yet_compiled(*kernels) -> bool:

@@ -219,6 +219,9 @@ def float_chunks() -> dict[str, bytes]:
         flat = flat.reshape(-1)
         out[f"{name}_trailing.bin"] = (struct.pack("<BHH", code, flat.size, seg)
                                        + floatcoder.encode_trailing(flat, name, seg))
+        if name == "float32":  # low-bit mode 5 (mode 3 on 64 rANS states)
+            out[f"{name}_mode5.bin"] = (struct.pack("<BHH", code, flat.size, seg)
+                                        + floatcoder.encode_trailing(flat, name, seg, wide=True))
     rng = np.random.default_rng(8)
     for code, name in enumerate(sorted(floatcoder.INTEGER_WIDTHS), start=4):
         info = np.iinfo(name)

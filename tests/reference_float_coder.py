@@ -303,6 +303,7 @@ def encode_trailing(words: list[int], dtype_name: str, seg: int) -> bytes:
 
 
 TZ_BYTE = 0x83
+TZ_WIDE_BYTE = 0x85
 TZ_BITS = 4
 TZ_CAP = 15
 
@@ -318,8 +319,9 @@ def _tz_split(w: int) -> tuple[int, int, int]:
     return (sym << TZ_BITS) | t, s | ((low >> (t + 1)) << 1), L - t
 
 
-def encode_tz(words: list[int], seg: int) -> bytes:
-    """Low-bit mode 3 of float32 bits: the trailing zeros, capped, in the tANS symbol."""
+def encode_tz(words: list[int], seg: int, wide: bool = False) -> bytes:
+    """Low-bit mode 3 of float32 bits: the trailing zeros, capped, in the tANS symbol; with ``wide``
+    mode 5, the same symbols and raw bits on mode 4's 64 rANS states."""
     n = len(words)
     parts = [_tz_split(w) for w in words]
     means = [sum((words[i] >> 23) & 255 for i in idx) / len(idx) for _, idx in _segments(n, seg)]
@@ -331,6 +333,8 @@ def encode_tz(words: list[int], seg: int) -> bytes:
     klog, precision, sent = choose_classes(hist, len(means), TANS_MAX_BITS)
     classes = [c >> (4 - klog) for c in classes16]
     raw = _packed([(r, k) for _, r, k in parts])
+    if wide:
+        return _wide(TZ_WIDE_BYTE, [sym for sym, _, _ in parts], seg, klog, precision, sent, classes, raw)
     return (bytes([TZ_BYTE]) + _tables(klog, precision, sent, classes)
             + _tans([sym for sym, _, _ in parts], seg, precision, sent, classes) + struct.pack(f"<{len(raw)}I", *raw))
 
@@ -573,16 +577,22 @@ def encode_wide(words: list[int], dtype_name: str, seg: int) -> bytes | None:
     klog, precision, sent = choose_classes(hist, len(means), TANS_MAX_BITS)
     classes = [c >> (4 - klog) for c in classes16]
     raw = _packed([_split(w, W, M, 0)[1:] for w in words])
+    return _wide(TANS_FLAG | 4, [_split(w, W, M, 0)[0] for w in words], seg, klog, precision, sent, classes, raw)
+
+
+def _wide(mode_byte: int, symbols: list[int], seg: int, klog: int, precision: int, sent: list[list[int]],
+          classes: list[int], raw: list[int]) -> bytes:
+    """A mode 4 or 5 substream: the symbols by 64 rANS states, element i on state i % 64."""
     starts = [[sum(row[:s]) for s in range(len(row))] for row in sent]
     x = [WIDE_L] * WIDE_LANES
     pushed = []
-    for i in reversed(range(n)):
-        c, s = classes[i // seg], _split(words[i], W, M, 0)[0]
+    for i in reversed(range(len(symbols))):
+        c, s = classes[i // seg], symbols[i]
         f, state = sent[c][s], x[i % WIDE_LANES]
         if state >= f << (32 - precision):
             pushed.append(state & 0xFFFF)
             state >>= 16
         x[i % WIDE_LANES] = (state // f << precision) + state % f + starts[c][s]
     coder = pushed[::-1]
-    return (bytes([TANS_FLAG | 4]) + _tables(klog, precision, sent, classes) + struct.pack("<64I", *x)
+    return (bytes([mode_byte]) + _tables(klog, precision, sent, classes) + struct.pack("<64I", *x)
             + struct.pack(f"<I{len(coder)}H", len(coder), *coder) + struct.pack(f"<{len(raw)}I", *raw))

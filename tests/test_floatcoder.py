@@ -413,16 +413,18 @@ def _flipped(data: bytes, rng) -> list[bytes]:
     return out
 
 
-@pytest.mark.parametrize("coder_param", [0, 3, 16])
-def test_a_float_entry_that_misstates_its_revision_is_refused(coder_param):
+@pytest.mark.parametrize("mode, coder_param", [(3, 0), (3, 3), (3, 16), (5, 0), (5, 4), (5, 16)])
+def test_a_float_entry_that_misstates_its_revision_is_refused(mode, coder_param):
     from deepcabac_py.model.container import pack_header
     rng = np.random.default_rng(4)
-    data = dc.encode_model({"w": _grid_weights(rng, "float32", (64, 512))}, keep_exact=True, threads=1)
+    rows = 32 if mode == 3 else 64  # (a chunk of 2**14 elements takes mode 3, of 2**15 mode 5)
+    data = dc.encode_model({"w": _grid_weights(rng, "float32", (rows, 512))}, keep_exact=True, threads=1)
     h = read_header(data)
-    assert h.version == 9 and h.tensors[0].coder_param == floatcoder.TZ_REVISION
-    h.tensors[0].coder_param = coder_param  # (0 and 3: mode 3 without its bit; 16: no such bit)
+    version, bit = (9, floatcoder.TZ_REVISION) if mode == 3 else (12, floatcoder.TZ_WIDE_REVISION)
+    assert h.version == version and h.tensors[0].coder_param == bit
+    h.tensors[0].coder_param = coder_param  # (0, 3 and 4: the mode without its bit; 16: another mode's)
     bad = pack_header(h.qp, h.qp_1d, h.qp_density, h.metadata, h.tensors) + data[h.header_size:]
-    with pytest.raises(CorruptStreamError, match="coder parameter 16" if coder_param == 16 else "low-bit mode 3"):
+    with pytest.raises(CorruptStreamError, match="coder parameter 16" if coder_param == 16 else f"low-bit mode {mode}"):
         dc.decode_model(bad)
 
 
@@ -676,13 +678,18 @@ def _wide_chunk(seed: int, dtype_name: str, shape) -> tuple[np.ndarray, int, byt
     seg = floatcoder.segment_length(shape)
     data = floatcoder.encode_chunk(a, dtype_name, seg, wide=True)
     assert data[0] == floatcoder.WIDE_BYTE
+    return a, seg, data, _wide_layout(data, -(-a.size // seg))
+
+
+def _wide_layout(data: bytes, nseg: int) -> dict[str, int]:
+    """Where the fields of a mode 4 or 5 substream of ``nseg`` segments begin."""
     at: dict[str, int] = {}
-    pos = _class_tables_layout(data, 1, -(-a.size // seg), at)
+    pos = _class_tables_layout(data, 1, nseg, at)
     at["coder states"] = pos
     at["coder size"] = pos + 256
     at["coder words"] = pos + 260
     at["raw bits"] = pos + 260 + 2 * int.from_bytes(data[pos + 256:pos + 260], "little")
-    return a, seg, data, at
+    return at
 
 
 def _mode_4_case(dtype_name: str, case: str) -> tuple[np.ndarray, int]:
@@ -724,7 +731,7 @@ def test_mode_4_decodes_through_entries_of_either_width(dtype_name, case, entry_
     out = np.empty_like(a)
     detail = np.zeros(2, dtype=np.int64)
     assert _w.decode_wide_substream(np.frombuffer(data, dtype=np.uint8), a.size, seg, M, out.view(WORDS[dtype_name]),
-                                    detail) == 0
+                                    detail, False) == 0
     assert detail[0] == entry_bytes
     assert np.array_equal(out.view(WORDS[dtype_name]), a.view(WORDS[dtype_name]))
     out = np.empty_like(a)
@@ -799,14 +806,94 @@ def test_mode_4_is_taken_for_large_float32_chunks_unless_their_trailing_zeros_pa
     seg = floatcoder.segment_length((512, 256))
     assert floatcoder.encode_chunk(a, "float32", seg)[0] == floatcoder.WIDE_BYTE
     assert floatcoder.encode_chunk(a[:floatcoder.WIDE_FROM - seg], "float32", seg)[0] == floatcoder.TANS_FLAG
-    grid = _grid_weights(rng, "float32", (512, 256)).reshape(-1)  # (values on a grid: mode 3 saves more)
-    assert floatcoder.encode_chunk(grid, "float32", seg)[0] == floatcoder.TZ_BYTE
+    grid = _grid_weights(rng, "float32", (512, 256)).reshape(-1)  # (values on a grid: mode 5 saves more)
+    assert floatcoder.encode_chunk(grid, "float32", seg)[0] == floatcoder.TZ_WIDE_BYTE
     assert floatcoder.encode_chunk(a.astype(np.float64), "float64", seg)[0] != floatcoder.WIDE_BYTE
 
 
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(1, 1500), seg=st.integers(256, 400), seed=st.integers(0, 2**32 - 1),
+       low_zero=st.integers(0, 23))
+def test_mode_5_matches_the_reference_and_round_trips(n, seg, seed, low_zero):
+    rng = np.random.default_rng(seed)
+    # (each element's low bits zero up to low_zero of them: every capped count, and the cap)
+    a = _random_floats(rng, "float32", n, rng.integers(0, low_zero + 1, size=n))
+    words = [int(w) for w in a.view(np.uint32)]
+    data = floatcoder.encode_trailing(a, "float32", seg, wide=True)
+    assert data[0] == floatcoder.TZ_WIDE_BYTE and data == ref_encode_tz(words, seg, wide=True)
+    out = np.zeros_like(a)
+    floatcoder.decode_chunk(data, "float32", seg, out)
+    assert np.array_equal(out.view(np.uint32), a.view(np.uint32))
+
+
+def _mode_5_chunk(seed: int, shape) -> tuple[np.ndarray, int, bytes, dict[str, int]]:
+    """A mode 5 substream of grid weights of ``shape``, their segment length and where its fields
+    begin."""
+    a = _grid_weights(np.random.default_rng(seed), "float32", shape).reshape(-1)
+    seg = floatcoder.segment_length(shape)
+    data = floatcoder.encode_trailing(a, "float32", seg, wide=True)
+    assert data[0] == floatcoder.TZ_WIDE_BYTE
+    return a, seg, data, _wide_layout(data, -(-a.size // seg))
+
+
+def test_a_mode_5_substream_cut_short_or_with_impossible_fields_is_refused():
+    a, seg, data, at = _mode_5_chunk(13, (40, 300))
+
+    def refused(bad: bytes, what: str) -> None:
+        _refused(bad, "float32", seg, a, what)
+
+    fields = sorted(at.items(), key=lambda kv: kv[1])
+    for cut in range(1, at["raw bits"], 7):
+        field = [name for name, start in fields if start <= cut][-1]
+        refused(data[:cut], f"ends inside its {field}|tables do not fill")
+    # (the raw bits' count follows from the symbols: fewer words are read short, more are left over)
+    for cut in (at["raw bits"] + 4, len(data) - 4):
+        refused(data[:cut], "substream")
+    refused(data + bytes(4), "bytes are left after the last element")
+    refused(data + bytes(2), "2 bytes after the raw bits")
+    refused(data[:-1] + bytes([data[-1] | 0x80]), "bytes are left after the last element|substream")
+    states = at["coder states"]
+    refused(data[:states + 8] + (0xFFFF).to_bytes(4, "little") + data[states + 12:], "initial coder state of 65535")
+    refused(data[:2] + bytes([14]) + data[3:], "precision|frequency table")
+    for dtype_name in ("float16", "float64"):
+        with pytest.raises(CorruptStreamError, match="only float32 takes"):
+            floatcoder.decode_chunk(data, dtype_name, seg, np.empty(a.size, dtype=DTYPES[dtype_name]))
+    with pytest.raises(CorruptStreamError, match="mode byte of 0x85, unknown to an entry of coder parameter"):
+        floatcoder.decode_chunk(data, "float32", seg, np.empty_like(a),
+                                revision=floatcoder.REVISIONS[-1] & ~floatcoder.TZ_WIDE_REVISION)
+    out = np.empty_like(a)
+    floatcoder.decode_chunk(data, "float32", seg, out)  # (the original decodes)
+    assert out.view(np.uint8).tobytes() == a.view(np.uint8).tobytes()
+
+
+def test_damaged_mode_5_substreams_are_refused_or_decode_within_bounds():
+    rng = np.random.default_rng(6)
+    a, seg, data, _ = _mode_5_chunk(14, (30, 256))
+    for bad in _flipped(data, rng) + [data[:-2] + data[-1:]]:
+        try:
+            floatcoder.decode_chunk(bad, "float32", seg, np.empty_like(a))
+        except CorruptStreamError as exc:
+            assert "substream" in str(exc)
+
+
+def test_mode_5_takes_large_float32_chunks_whose_trailing_zeros_pay_and_mode_3_the_others():
+    rng = np.random.default_rng(18)
+    grid = _grid_weights(rng, "float32", (512, 256)).reshape(-1)
+    seg = floatcoder.segment_length((512, 256))
+    assert grid.size >= floatcoder.TZ_WIDE_FROM
+    wide = floatcoder.encode_chunk(grid, "float32", seg)
+    assert wide[0] == floatcoder.TZ_WIDE_BYTE
+    assert floatcoder.encode_chunk(grid[:floatcoder.TZ_WIDE_FROM - seg], "float32", seg)[0] == floatcoder.TZ_BYTE
+    # (the same symbols and tables: the 64 states cost a few hundred bytes)
+    narrow = floatcoder.encode_trailing(grid, "float32", seg, wide=False)
+    assert abs(len(wide) - len(narrow)) < 0.002 * len(narrow)
+    assert floatcoder.revision_of([wide], "float32") == floatcoder.TZ_WIDE_REVISION
+    assert floatcoder.revision_of([wide, narrow], "float32") == floatcoder.TZ_WIDE_REVISION | floatcoder.TZ_REVISION
+
+
 def test_the_scalar_steps_give_the_vector_steps_bytes_and_values(tmp_path):
-    """Processors without AVX-512's VBMI and VBMI2 run mode 4 and the 16-bit split one element at
-    a time: their tests again (reference bytes, round trips, damage, golden substreams) with that
+    """Processors without AVX-512's VBMI and VBMI2 run modes 4 and 5 and the 16-bit split one
+    element at a time: their tests again (reference bytes, round trips, damage, golden substreams) with that
     path forced, in a Numba cache of its own (a cached kernel keeps the steps it was compiled
     with)."""
     tests = Path(__file__).resolve().parent
@@ -815,7 +902,7 @@ def test_the_scalar_steps_give_the_vector_steps_bytes_and_values(tmp_path):
     check = "from deepcabac_py.entropy import _vector_kernels as v; assert not v.VECTOR_STEPS"
     subprocess.run([sys.executable, "-c", check], env=env, check=True, timeout=300)
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0",
-                           "-k", "mode_4 or 16bit_split",
+                           "-k", "mode_4 or mode_5 or 16bit_split",
                            str(tests / "test_floatcoder.py"), str(tests / "test_golden.py")],
                           env=env, cwd=tests.parent, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]

@@ -258,3 +258,23 @@ def test_the_mode_4_golden_substreams_decode_and_are_reproduced(dtype_name):
     floatcoder.decode_chunk(committed, dtype_name, seg, out)
     assert out.tobytes() == words.tobytes()
     assert data == committed
+
+
+def test_the_mode_5_golden_substream_decodes_and_is_reproduced():
+    from deepcabac_py.entropy import floatcoder
+    # (1,200 exact float32s from frozen draws: multiples of 2**-13, every other one plus a multiple of
+    # 2**-24: trailing-zero counts from 1 to the cap)
+    x = golden_floats(37, (4, 300), -3)
+    x[:, ::2] += golden_floats(38, (4, 300), -14)[:, ::2]
+    words = x.astype(np.float32).reshape(-1)
+    seg = floatcoder.segment_length((4, 300))
+    path = GOLDEN / "mode5_float32.bin"
+    data = floatcoder.encode_trailing(words, "float32", seg, wide=True)
+    if REGEN:
+        path.write_bytes(data)
+    committed = path.read_bytes()
+    assert committed[0] == floatcoder.TZ_WIDE_BYTE
+    out = np.empty_like(words)
+    floatcoder.decode_chunk(committed, "float32", seg, out)
+    assert out.tobytes() == words.tobytes()
+    assert data == committed

@@ -73,18 +73,22 @@ class Step:
         return b.call(gather, [ir.Constant(self.vec(I32), None), b.bitcast(data, I8.as_pointer()), index,
                                self.const(I1, [1] * GROUP), ir.Constant(I32, 4)])
 
-    def rows(self, lo, hi, split, index):
-        """The table (argument 2, 8-byte entries) at ``index`` of row ``lo`` for the lanes below
-        ``split``, of row ``hi`` for the others: one gather."""
+    def rows(self, lo, hi, split, slot):
+        """The table (argument 2, 8-byte entries) at int32 ``slot`` of row ``lo`` for the lanes below
+        ``split``, of row ``hi`` for the others: (the entries' low halves, their high halves), from
+        two gathers of eight by 32-bit indices, parted by two permutes (a gather of sixteen 64-bit
+        addresses and lane-by-lane narrowing took a dozen more instructions)."""
         b = self.b
-        base = self.lanes(lo, hi, split, I64)
+        index = b.add(self.lanes(b.trunc(lo, I32), b.trunc(hi, I32), split, I32), slot)
         data = self.context.make_array(self.types[2])(self.context, b, self.args[2]).data
-        where = b.add(self.splat(b.ptrtoint(data, I64), I64),
-                      b.shl(b.add(base, index), self.const(I64, [3] * GROUP)))
-        gather = self.intrinsic("llvm.masked.gather.v16i64.v16p0", self.vec(I64),
-                                [self.vec(I64.as_pointer()), I32, self.vec(I1), self.vec(I64)])
-        return b.call(gather, [b.inttoptr(where, self.vec(I64.as_pointer())), ir.Constant(I32, 8),
-                               self.const(I1, [1] * GROUP), ir.Constant(self.vec(I64), None)])
+        gather = self.intrinsic("llvm.x86.avx512.mask.gather.dpq.512", self.vec(I64, 8),
+                                [self.vec(I64, 8), I8.as_pointer(), self.vec(I32, 8), self.vec(I1, 8), I32])
+        parts = [b.bitcast(b.call(gather, [ir.Constant(self.vec(I64, 8), None), b.bitcast(data, I8.as_pointer()),
+                                           b.shuffle_vector(index, index, self.const(I32, range(h, h + 8))),
+                                           self.const(I1, [1] * 8), ir.Constant(I32, 8)]), self.vec(I32))
+                 for h in (0, GROUP // 2)]
+        return (b.shuffle_vector(parts[0], parts[1], self.const(I32, range(0, 2 * GROUP, 2))),
+                b.shuffle_vector(parts[0], parts[1], self.const(I32, range(1, 2 * GROUP, 2))))
 
     def count(self, mask):
         """The lanes set in ``mask``, as an int64."""

@@ -24,6 +24,7 @@ from numba.extending import intrinsic
 
 from .._jit import inline, kernel
 from ._float_kernels import (
+    _TZ_L,
     _U,
     ERR_AFTER_RAW,
     ERR_BAD_END,
@@ -34,8 +35,13 @@ from ._float_kernels import (
     OK,
     TANS_MAX_BITS,
     TOP_BITS,
+    TZ_ALPHABET,
+    TZ_BITS,
+    TZ_CAP,
+    _carve,
     _raw_at,
     _raw_near,
+    _tz_work_parts,
     _u32_at,
     class_tables_at,
     classes_and_tables,
@@ -44,6 +50,7 @@ from ._float_kernels import (
     put_u32,
     split_and_choose,
     tans_substream,
+    tz_front,
 )
 from ._vector_kernels import GROUP, I1, I8, I16, I32, I64, VECTOR_STEPS, Step, fields, window
 
@@ -61,6 +68,8 @@ NARROW_DISTANCE_AT = 8
 # decode_wide_substream's own errors (the others are the tANS kernel's)
 ERR_WIDE_PRECISION = -17  # detail[0]: the tables' precision, outside 1 to WIDE_MAX_BITS
 ERR_WIDE_STATE = -18  # detail[0]: an initial state below WIDE_L
+WIDE_BYTE = 0x84  # mode 4's mode byte
+TZ_WIDE_BYTE = 0x85  # mode 5's
 
 @inline
 def _symbol_shifts(M):
@@ -69,6 +78,28 @@ def _symbol_shifts(M):
     in place; a float32's does not, and the step shifts it. (From a 4-byte entry the step shifts
     every symbol: it is stored less the lowest.)"""
     return (0, M - TOP_BITS) if M == 23 else (M - TOP_BITS, 0)
+
+
+def _states(v, lane0, precision):
+    """A decoder step's sixteen states (argument 0 from ``lane0``): (where they are, the states,
+    the precision as an int32, each state's slot in its table)."""
+    b = v.b
+    states_at = v.at(0, lane0, I32)
+    x = b.load(states_at, align=4)
+    bits = b.trunc(precision, I32)
+    return states_at, x, bits, b.and_(x, v.splat(b.sub(b.shl(ir.Constant(I32, 1), bits), ir.Constant(I32, 1)), I32))
+
+
+def _renormalised(v, states_at, x, p):
+    """Store the decoded states ``x``, those below WIDE_L first taking the next words (argument 6,
+    from ``p``) in lane order, by one expanding load; returns the next word's index."""
+    b = v.b
+    need = b.icmp_unsigned("<", x, v.const(I32, [WIDE_L] * GROUP))
+    expand = v.intrinsic("llvm.masked.expandload.v16i16", v.vec(I16), [I16.as_pointer(), v.vec(I1), v.vec(I16)])
+    w = b.call(expand, [b.bitcast(v.at(6, p, I16), I16.as_pointer()), need, ir.Constant(v.vec(I16), None)])
+    b.store(b.select(need, b.or_(b.shl(x, v.const(I32, [16] * GROUP)), b.zext(w, v.vec(I32))), x), states_at,
+            align=4)
+    return b.add(p, v.count(need))
 
 
 def _decode_step(W, M):
@@ -95,10 +126,7 @@ def _decode_step(W, M):
             v = Step(context, builder, signature, args)
             b = builder
             _, lane0_, _, lo, hi, split_, _, p_, _, _, i_, precision_, sym0_ = args
-            states_at = v.at(0, lane0_, I32)
-            x = b.load(states_at, align=4)
-            bits = b.trunc(precision_, I32)
-            slot = b.and_(x, v.splat(b.sub(b.shl(ir.Constant(I32, 1), bits), ir.Constant(I32, 1)), I32))
+            states_at, x, bits, slot = _states(v, lane0_, precision_)
             if narrow:  # (one gather of 32-bit indices, 4-byte entries: a class's 2**13 slots take 32 KB)
                 entry = v.gather32(2, b.add(v.lanes(b.trunc(lo, I32), b.trunc(hi, I32), split_, I32), slot))
                 freq = b.add(b.lshr(entry, v.const(I32, [NARROW_FREQ_AT] * GROUP)), v.const(I32, [1] * GROUP))
@@ -111,11 +139,10 @@ def _decode_step(W, M):
             else:
                 # the slot's frequency (bits 32 on), its distance from the symbol's start (16 to 31)
                 # and the symbol (0 to 15; where a 16-bit float holds it, for the others shifted here)
-                entry = v.rows(lo, hi, split_, b.zext(slot, v.vec(I64)))
-                freq = b.trunc(b.lshr(entry, v.const(I64, [32] * GROUP)), v.vec(I32))
-                bias = b.and_(b.trunc(b.lshr(entry, v.const(I64, [16] * GROUP)), v.vec(I32)),
-                              v.const(I32, [0xFFFF] * GROUP))
-                symbol = b.trunc(entry, v.vec(I16))
+                # (the low half: the distance from the symbol's start, 16 to 31, and the symbol)
+                half, freq = v.rows(lo, hi, split_, slot)
+                bias = b.lshr(half, v.const(I32, [16] * GROUP))
+                symbol = b.trunc(half, v.vec(I16))
                 if W == 32:
                     symbol = b.shl(b.zext(symbol, v.vec(I32)), v.const(I32, [_symbol_shifts.py_func(M)[1]] * GROUP))
             x = b.add(b.mul(freq, b.lshr(x, v.splat(bits, I32))), bias)
@@ -127,17 +154,69 @@ def _decode_step(W, M):
             value = b.or_(symbol, b.and_(r, v.const(It, [(1 << low) - 1] * GROUP)))
             value = b.or_(value, b.shl(b.lshr(r, v.const(It, [low] * GROUP)), v.const(It, [W - 1] * GROUP)))
             b.store(value, v.at(9, i_, It), align=W // 8)
-            # the states below WIDE_L take the next words, in lane order: one expanding load
-            need = b.icmp_unsigned("<", x, v.const(I32, [WIDE_L] * GROUP))
-            expand = v.intrinsic("llvm.masked.expandload.v16i16", v.vec(I16),
-                                 [I16.as_pointer(), v.vec(I1), v.vec(I16)])
-            words_at = b.bitcast(v.at(6, p_, I16), I16.as_pointer())
-            w = b.call(expand, [words_at, need, ir.Constant(v.vec(I16), None)])
-            x = b.select(need, b.or_(b.shl(x, v.const(I32, [16] * GROUP)), b.zext(w, v.vec(I32))), x)
-            b.store(x, states_at, align=4)
-            return b.add(p_, v.count(need))
+            return _renormalised(v, states_at, x, p_)
 
         return (types.int64(states, lane0, table, base_lo, base_hi, split, words, p, raw, out, i, precision, sym0),
+                codegen)
+
+    return step
+
+
+def _tz_step():
+    """The decoder's step for a whole group of mode 5 (low-bit mode 3's symbols and raw bits on
+    mode 4's states): as :func:`_decode_step`'s for float32, with 8-byte entries, but each element's
+    raw bits as long as its symbol's trailing-zero count says (``tz_counts``), one after another from
+    bit ``at`` of the raw bytes: their offsets summed across the lanes, each lane's four bytes
+    picked from one 64-byte load by a byte permute. Arguments (states, lane0, table, base_lo,
+    base_hi, split, words, p, raw, out, i, precision, at); returns the next word's index | the next
+    raw bit's << 32."""
+
+    @intrinsic
+    def step(typingctx, states, lane0, table, base_lo, base_hi, split, words, p, raw, out, i, precision, at):
+        def codegen(context, builder, signature, args):
+            v = Step(context, builder, signature, args)
+            b = builder
+            _, lane0_, _, lo, hi, split_, _, p_, _, _, i_, precision_, at_ = args
+            states_at, x, bits, slot = _states(v, lane0_, precision_)
+            half, freq = v.rows(lo, hi, split_, slot)
+            bias = b.lshr(half, v.const(I32, [16] * GROUP))
+            symbol = b.and_(half, v.const(I32, [0xFFFF] * GROUP))
+            x = b.add(b.mul(freq, b.lshr(x, v.splat(bits, I32))), bias)
+            # each lane's raw bit count, their mask, the shift of the bits above the sign and the
+            # implied lowest set bit, by its capped count c (one permute each: TZ_CAP + 1 = 16 lanes)
+            c = b.and_(symbol, v.const(I32, [TZ_CAP] * GROUP))
+            by_count = v.intrinsic("llvm.x86.avx512.permvar.si.512", v.vec(I32), [v.vec(I32), v.vec(I32)])
+            k = b.call(by_count, [v.const(I32, [_TZ_L - j + (j == TZ_CAP) for j in range(GROUP)]), c])
+            ones = b.call(by_count, [v.const(I32, [(1 << (_TZ_L - j + (j == TZ_CAP))) - 1 for j in range(GROUP)]), c])
+            shift = b.call(by_count, [v.const(I32, [j + (j < TZ_CAP) for j in range(GROUP)]), c])
+            implied = b.call(by_count, [v.const(I32, [(j < TZ_CAP) << j for j in range(GROUP)]), c])
+            # their sums, eight lanes at a time in the bytes of a 64-bit word (at most 8 (TZ_L + 1) < 256):
+            # a multiply by 0x0101010101010101 adds each byte to those above it
+            pairs = b.bitcast(b.trunc(k, v.vec(I8)), v.vec(I64, 2))
+            sums = b.bitcast(b.mul(pairs, v.const(I64, [0x0101010101010101] * 2)), v.vec(I8))
+            total = b.zext(sums, v.vec(I32))
+            zero = ir.Constant(v.vec(I32), None)
+            total = b.add(total, b.shuffle_vector(total, zero, v.const(I32, [GROUP] * 8 + [7] * 8)))
+            offset = b.add(b.sub(total, k), v.splat(b.trunc(b.and_(at_, ir.Constant(I64, 7)), I32), I32))
+            # (a lane's bits start in its first byte at most 7 bits up: 7 + TZ_L + 1 bits fit its four bytes)
+            first = b.lshr(offset, v.const(I32, [3] * GROUP))
+            pick = b.add(b.mul(first, v.const(I32, [0x01010101] * GROUP)), v.const(I32, [0x03020100] * GROUP))
+            raw_at = v.at(8, b.lshr(at_, ir.Constant(I64, 3)), I8)
+            raw_bytes = b.load(b.bitcast(raw_at, v.vec(I8, 64).as_pointer()), align=1)
+            permute = v.intrinsic("llvm.x86.avx512.permvar.qi.512", v.vec(I8, 64), [v.vec(I8, 64), v.vec(I8, 64)])
+            r = b.bitcast(b.call(permute, [raw_bytes, b.bitcast(pick, v.vec(I8, 64))]), v.vec(I32))
+            r = b.lshr(r, b.and_(offset, v.const(I32, [7] * GROUP)))
+            r = b.and_(r, ones)
+            # the float: the sign (the raw bits' first), the symbol above the low bits, the rest of
+            # the raw bits above the lowest set one (implied below the cap)
+            value = b.or_(b.shl(r, v.const(I32, [31] * GROUP)),
+                          b.shl(b.lshr(symbol, v.const(I32, [TZ_BITS] * GROUP)), v.const(I32, [_TZ_L] * GROUP)))
+            low = b.or_(b.shl(b.lshr(r, v.const(I32, [1] * GROUP)), shift), implied)
+            b.store(b.or_(value, low), v.at(9, i_, I32), align=4)
+            used = b.zext(b.extract_element(total, ir.Constant(I32, GROUP - 1)), I64)
+            return b.or_(_renormalised(v, states_at, x, p_), b.shl(b.add(at_, used), ir.Constant(I64, 32)))
+
+        return (types.int64(states, lane0, table, base_lo, base_hi, split, words, p, raw, out, i, precision, at),
                 codegen)
 
     return step
@@ -244,6 +323,41 @@ def _encode_checked(states, lane0, table, base_lo, base_hi, split, symbols, i, m
 
 
 
+@inline
+def _tz_elements(states, lane0, table, base_lo, base_hi, split, words, p, raw, out, i, m, precision, at, checked):
+    """Elements i to i + m - 1 (m <= 16) of a mode 5 group one at a time, as :func:`_group_elements`
+    takes mode 4's, each element's raw bits from bit ``at`` on: (the next word's index, the next raw
+    bit, OK or ERR_OVERRUN). Without ``checked``, eight bytes from each element's raw bits and 16
+    words from ``p`` must be there."""
+    mask = (np.int64(1) << precision) - 1
+    for lane in range(m):
+        x = np.int64(states[lane0 + lane])
+        e = np.int64(table[_U((base_lo if lane < split else base_hi) + (x & mask))])
+        x = (e >> 32) * (x >> precision) + ((e >> 16) & 0xFFFF)
+        symbol = e & 0xFFFF
+        c = symbol & TZ_CAP
+        below = np.int64(c < TZ_CAP)
+        k = _TZ_L + 1 - c - below
+        if checked and at + k > 32 * raw.shape[0]:
+            return p, at, ERR_OVERRUN
+        r = _raw_at(raw, at, k) if checked else _raw_near(raw, at, k)
+        at += k
+        out[_U(i + lane)] = (((r & 1) << 31) | ((symbol >> TZ_BITS) << _TZ_L) | ((r >> 1) << (c + below))
+                             | (below << c))
+        if checked:
+            if x < WIDE_L:
+                if p >= words.shape[0]:
+                    return p, at, ERR_OVERRUN
+                x = (x << 16) | np.int64(words[p])
+                p += 1
+        else:
+            need = np.int64(x < WIDE_L)
+            x = (x << (16 * need)) | (np.int64(words[_U(p)]) & -need)
+            p += need
+        states[lane0 + lane] = np.uint32(x)
+    return p, at, OK
+
+
 if not VECTOR_STEPS:
     # (an intrinsic runs compiled only, and fast on the processors above only: one element at a time)
     @inline
@@ -265,10 +379,17 @@ if not VECTOR_STEPS:
     def _encode16(states, lane0, table, base_lo, base_hi, split, symbols, i, pushed, t, precision):
         return _encode_checked(states, lane0, table, base_lo, base_hi, split, symbols, i, GROUP, pushed, t,
                                precision)
+
+    @inline
+    def _group_tz(states, lane0, table, base_lo, base_hi, split, words, p, raw, out, i, precision, at):
+        p, at, _ = _tz_elements(states, lane0, table, base_lo, base_hi, split, words, p, raw, out, i, GROUP,
+                                precision, at, False)
+        return p | (at << 32)
 else:
     _vector_bf16 = _decode_step(16, 7)
     _vector_fp16 = _decode_step(16, 10)
     _vector_fp32 = _decode_step(32, 23)
+    _vector_tz = _tz_step()
 
     if numba.config.BOUNDSCHECK:
         # (the fuzz targets run with bounds checks: the vector step checks what it will touch as an
@@ -300,6 +421,15 @@ else:
                                   sym0)
 
         @inline
+        def _group_tz(states, lane0, table, base_lo, base_hi, split, words, p, raw, out, i, precision, at):
+            if (lane0 < 0 or lane0 + GROUP > states.shape[0] or p < 0 or p + GROUP > words.shape[0]
+                    or i < 0 or i + GROUP > out.shape[0] or at < 0 or (at >> 3) + 64 > 4 * raw.shape[0]
+                    or min(base_lo, base_hi) < 0
+                    or max(base_lo, base_hi) + (np.int64(1) << precision) > table.shape[0]):
+                raise IndexError("a vector step outside its arrays")
+            return _vector_tz(states, lane0, table, base_lo, base_hi, split, words, p, raw, out, i, precision, at)
+
+        @inline
         def _encode16(states, lane0, table, base_lo, base_hi, split, symbols, i, pushed, t, precision):
             if (lane0 < 0 or lane0 + GROUP > states.shape[0] or i < 0 or i + GROUP > symbols.shape[0]
                     or t < GROUP or t > pushed.shape[0] or min(base_lo, base_hi) < 0):
@@ -309,6 +439,7 @@ else:
         _group_bf16 = _vector_bf16
         _group_fp16 = _vector_fp16
         _group_fp32 = _vector_fp32
+        _group_tz = _vector_tz
         _encode16 = _vector_encode16
 
 
@@ -332,14 +463,30 @@ def _vector_run(xs, g, count, table, base, words, p, raw, out, precision, sym0, 
     return p
 
 
+@inline
+def _tz_run(xs, g, count, table, base, words, p, raw, out, precision, at):
+    """:func:`_vector_run` for mode 5: (the next word's index, the next raw bit)."""
+    for h in range(g, g + count):
+        packed = _group_tz(xs, (h & 3) * GROUP, table, base, base, GROUP, words, p, raw, out, GROUP * h, precision, at)
+        p, at = packed & 0xFFFFFFFF, packed >> 32
+    return p, at
+
+
+# the most raw bytes a group of mode 5 takes (sixteen of TZ_L + 1 bits), and what its step loads
+TZ_GROUP_BYTES = (GROUP * (_TZ_L + 1) + 7) // 8
+TZ_WINDOW = 64
+
+
 @kernel
-def decode_wide(words, raw, states, seg_len, M, classes, precision, table, sym0, out):
+def decode_wide(words, raw, states, seg_len, M, classes, precision, table, sym0, out, tz):
     """Rebuild ``out`` (the bits of a chunk of bf16, fp16 or fp32 floats, as uint16 or uint32) from
     its rANS ``words``, its ``raw`` words (exactly those of its n * k bits, u32), the decoder's 64
     initial ``states`` (each at least WIDE_L: the front checks), its segments' classes,
     :func:`_fill_table`'s ``table`` and the lowest symbol ``sym0`` its 4-byte entries count
-    from; OK or an error code. The vector steps run in stretches that cannot reach the end of the
-    words or of the raw bytes; the rest goes one element at a time, each read checked."""
+    from; OK or an error code. With ``tz``, mode 5 (float32, 8-byte entries): the raw bits as long as
+    each symbol says, ``raw`` all the words left (every one of them must be used). The vector steps
+    run in stretches that cannot reach the end of the words or of the raw bytes; the rest goes one
+    element at a time, each read checked."""
     n = out.shape[0]
     k = M - TOP_BITS + 1
     R = np.int64(1) << precision
@@ -350,6 +497,7 @@ def decode_wide(words, raw, states, seg_len, M, classes, precision, table, sym0,
     seg = 0
     seg_end = min(seg_len, n)
     g = 0
+    at = np.int64(0)  # (mode 5's next raw bit)
     while g < groups:
         i = GROUP * g
         while i >= seg_end:
@@ -360,11 +508,18 @@ def decode_wide(words, raw, states, seg_len, M, classes, precision, table, sym0,
         # the segment
         safe = 0
         if g < full:
-            raw_left = 4 * raw.shape[0] - window(k) - ((i * k) >> 3)  # (a group's raw bits: 2k bytes)
-            safe = min(full - g, (words.shape[0] - p) // GROUP, max(0, raw_left // (2 * k) + 1))
+            if tz:
+                raw_left = 4 * raw.shape[0] - TZ_WINDOW - (at >> 3)
+                safe = min(full - g, (words.shape[0] - p) // GROUP, max(0, raw_left // TZ_GROUP_BYTES + 1))
+            else:
+                raw_left = 4 * raw.shape[0] - window(k) - ((i * k) >> 3)  # (a group's raw bits: 2k bytes)
+                safe = min(full - g, (words.shape[0] - p) // GROUP, max(0, raw_left // (2 * k) + 1))
         inside = min(safe, (seg_end - i) // GROUP)
         if inside > 0:
-            p = _vector_run(xs, g, inside, table, base_lo, words, p, raw, out, precision, sym0, M)
+            if tz:
+                p, at = _tz_run(xs, g, inside, table, base_lo, words, p, raw, out, precision, at)
+            else:
+                p = _vector_run(xs, g, inside, table, base_lo, words, p, raw, out, precision, sym0, M)
             g += inside
             continue
         m = min(GROUP, n - i)
@@ -374,7 +529,16 @@ def decode_wide(words, raw, states, seg_len, M, classes, precision, table, sym0,
             split = seg_end - i
             base_hi = np.int64(classes[seg + 1]) * R
         lane0 = (g & 3) * GROUP
-        if safe > 0:
+        if tz:
+            if safe > 0:
+                packed = _group_tz(xs, lane0, table, base_lo, base_hi, split, words, p, raw, out, i, precision, at)
+                p, at = packed & 0xFFFFFFFF, packed >> 32
+            else:
+                p, at, err = _tz_elements(xs, lane0, table, base_lo, base_hi, split, words, p, raw, out, i, m,
+                                          precision, at, True)
+                if err != OK:
+                    return err
+        elif safe > 0:
             if M == 7:
                 p = _group_bf16(xs, lane0, table, base_lo, base_hi, split, words, p, raw, out, i, precision, sym0)
             elif M == 10:
@@ -391,6 +555,8 @@ def decode_wide(words, raw, states, seg_len, M, classes, precision, table, sym0,
         if xs[lane] != WIDE_L:
             return ERR_BAD_END
     if p != words.shape[0]:
+        return ERR_TRAILING
+    if tz and ((at + 31) >> 5 != raw.shape[0] or (at & 31 and raw[raw.shape[0] - 1] >> np.uint32(at & 31))):
         return ERR_TRAILING
     return OK
 
@@ -433,17 +599,18 @@ def _fill_table(syms, freqs, used, precision, M, sym0, table):
 
 
 @kernel
-def decode_wide_substream(data, n, seg_len, M, out, detail):
-    """Decode a whole low-bit mode 4 substream (``data``: its bytes, the mode byte first) into
-    ``out`` (n float bits, ``M`` mantissa bits); OK or an error code, with its details in
-    ``detail`` (on success, detail[0]: the bytes of a decoding table entry, 4 or 8). Every field is
-    checked against the bytes before it is read or allocated. (Parsed in Python, field by field,
-    with the table built from whole-alphabet arrays, a chunk's front took 25-40 us, scratch.)"""
+def decode_wide_substream(data, n, seg_len, M, out, detail, tz):
+    """Decode a whole low-bit mode 4 substream (``data``: its bytes, the mode byte first), or with
+    ``tz`` a mode 5 one (float32), into ``out`` (n float bits, ``M`` mantissa bits); OK or an error
+    code, with its details in ``detail`` (on success, detail[0]: the bytes of a decoding table entry,
+    4 or 8). Every field is checked against the bytes before it is read or allocated. (Parsed in
+    Python, field by field, with the table built from whole-alphabet arrays, a chunk's front took
+    25-40 us, scratch.)"""
     size = data.shape[0]
     W = 32 if M == 23 else 16
     classes = np.zeros((n + seg_len - 1) // seg_len, dtype=np.uint8)
-    pos, klog, precision, syms, freqs, used = class_tables_at(data, 1, np.int64(1) << (W - 1 - M + TOP_BITS), 1,
-                                                              WIDE_MAX_BITS, classes, detail)
+    alphabet = np.int64(1) << (W - 1 - M + TOP_BITS + (TZ_BITS if tz else 0))
+    pos, klog, precision, syms, freqs, used = class_tables_at(data, 1, alphabet, 1, WIDE_MAX_BITS, classes, detail)
     if pos < 0:
         return ERR_WIDE_PRECISION if pos == ERR_PRECISION else pos
     if pos + 4 * WIDE_LANES > size:
@@ -462,8 +629,13 @@ def decode_wide_substream(data, n, seg_len, M, out, detail):
         return count
     words = data[pos:pos + 2 * count].view(np.uint16)
     pos += 2 * count
-    nraw = (n * (M - TOP_BITS + 1) + 31) >> 5
-    if pos + 4 * nraw > size:
+    if tz:  # (the raw bits' count follows from the symbols: all the words left, each one used)
+        nraw = (size - pos) >> 2
+        short = 32 * nraw < (1 + _TZ_L - TZ_CAP) * n  # (the fewest raw bits an element has)
+    else:
+        nraw = (n * (M - TOP_BITS + 1) + 31) >> 5
+        short = pos + 4 * nraw > size
+    if short:
         detail[0] = 9
         return ERR_SHORT
     if pos + 4 * nraw != size:
@@ -471,15 +643,15 @@ def decode_wide_substream(data, n, seg_len, M, out, detail):
         return ERR_AFTER_RAW
     raw = data[pos:size].view(np.uint32)
     narrow, sym0 = _narrow_entries(syms, freqs, used)
-    if narrow:
+    if narrow and not tz:
         table = np.empty(used.shape[0] << precision, dtype=np.uint32)
         _fill_table(syms, freqs, used, precision, M, sym0, table)
         detail[0] = 4
-        return decode_wide(words, raw, states, seg_len, M, classes, precision, table, sym0, out)
+        return decode_wide(words, raw, states, seg_len, M, classes, precision, table, sym0, out, False)
     wide = np.empty(used.shape[0] << precision, dtype=np.uint64)
     _fill_table(syms, freqs, used, precision, M, sym0, wide)
     detail[0] = 8
-    return decode_wide(words, raw, states, seg_len, M, classes, precision, wide, sym0, out)
+    return decode_wide(words, raw, states, seg_len, M, classes, precision, wide, sym0, out, tz)
 
 
 @inline
@@ -559,13 +731,34 @@ def encode_wide_substream(words, seg_len, W, M, zeros, classes16, costs, wide, w
     if not wide or nseg == 0:
         return tans_substream(W, M, seg_len, zeros, classes16, symbols, raw, nraw, klog, precision, used_syms, sent,
                               coded_bytes, at, work)
-    coded = coded_bytes.view(np.uint16)
+    return _wide_substream(WIDE_BYTE, symbols, seg_len, classes16, klog, precision, used_syms, sent, alphabet,
+                           coded_bytes.view(np.uint16), raw, nraw, work[at:])
+
+
+@kernel
+def encode_tz_wide_substream(words, seg_len, classes16, costs, work):
+    """The whole substream of low-bit mode 5 of the float32 bits ``words``: mode 3's symbols and raw
+    bits (:func:`._float_kernels.tz_front`) on mode 4's 64 states. Arguments and result as
+    :func:`._float_kernels.encode_tz_substream`'s."""
+    symbols, raw, nraw, klog, precision, used_syms, sent, rest = tz_front(words, seg_len, classes16, costs, work)
+    coded_bytes, at = _carve(rest, 0, _tz_work_parts(words.shape[0], seg_len)[2])
+    return _wide_substream(TZ_WIDE_BYTE, symbols, seg_len, classes16, klog, precision, used_syms, sent, TZ_ALPHABET,
+                           coded_bytes.view(np.uint16), raw, nraw, rest[at:])
+
+
+@inline
+def _wide_substream(mode_byte, symbols, seg_len, classes16, klog, precision, used_syms, sent, alphabet, coded, raw,
+                    nraw, work):
+    """A mode 4 or 5 substream (``mode_byte`` first) of ``symbols`` with the chosen tables, their
+    rANS words coded into ``coded`` (u16, 2 n + 32 of them) and the ``nraw`` raw words after them,
+    written at the start of ``work``: a view into it."""
+    nseg = classes16.shape[0]
     classes, tables, table_bytes = classes_and_tables(classes16, klog, used_syms, sent)
     begin, xs = _wide_encode(symbols, seg_len, classes, precision, used_syms, sent, alphabet, coded)
     count = coded.shape[0] - begin
     size = 1 + 2 + (((nseg + 1) >> 1) if klog else 0) + 4 + table_bytes + 4 * WIDE_LANES + 4 + 2 * count + 4 * nraw
-    out = work[at:at + size]
-    out[0] = 0x84
+    out = work[:size]
+    out[0] = mode_byte
     pos = put_class_tables(out, 1, klog, precision, classes, tables, table_bytes)
     for lane in range(WIDE_LANES):
         pos = put_u32(out, pos, xs[lane])

@@ -14,11 +14,12 @@ def shape_problem(shape: tuple[int, ...]) -> str | None:
         return f"{len(shape)} dimensions (at most {MAX_NDIM})"
     if not shape:
         return None
-    if min(shape) < 0:
+    least = min(shape)
+    if least < 0:
         return f"a negative dimension in {tuple(shape)}"
     if max(shape) > MAX_DIM:
         return f"a dimension above 2**48 in {tuple(shape)}"
     # (numpy refuses a shape whose nonzero dimensions overflow, even with a zero among them)
-    if math.prod(max(d, 1) for d in shape) > MAX_DIM:
+    if math.prod(shape if least else (max(d, 1) for d in shape)) > MAX_DIM:
         return f"dimensions that multiply to more than 2**48 in {tuple(shape)}"
     return None

@@ -14,6 +14,7 @@ are really there before anything is allocated from it.
 from __future__ import annotations
 
 import enum
+import functools
 import json
 import math
 import os
@@ -51,10 +52,12 @@ MAGIC = STREAM_MAGIC
 # substreams with the trailing zeros by exponent, version 8 FLOAT substreams with their symbols by
 # tANS, version 9 float32 FLOAT substreams with their trailing zeros in the symbol (low-bit mode 3;
 # each said by a bit of the entry's coder parameter), version 10 16-bit FLOAT substreams with 64
-# rANS states (low-bit mode 4), version 11 float32 ones. This reader reads all eleven.
-FORMAT_VERSION = 11
-READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11)
-REVISION_VERSIONS = ((floatcoder.WIDE32_REVISION, 11), (floatcoder.WIDE_REVISION, 10), (floatcoder.TZ_REVISION, 9),
+# rANS states (low-bit mode 4), version 11 float32 ones, version 12 float32 ones with their trailing
+# zeros in the symbol (low-bit mode 5). This reader reads all twelve.
+FORMAT_VERSION = 12
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12)
+REVISION_VERSIONS = ((floatcoder.TZ_WIDE_REVISION, 12), (floatcoder.WIDE32_REVISION, 11),
+                     (floatcoder.WIDE_REVISION, 10), (floatcoder.TZ_REVISION, 9),
                      (floatcoder.TANS_REVISION, 8), (floatcoder.TRAILING_REVISION, 7))  # FLOAT coder parameter bits
 SWITCHES_VERSION = 3  # LINEAR_BIT and NO_COLUMNS_BIT
 PREAMBLE = struct.Struct("<8sHHI")
@@ -144,8 +147,8 @@ class TensorEntry:
     size: int = 0
     crc32: int = 0
 
-    @property
-    def numel(self) -> int:
+    @functools.cached_property
+    def numel(self) -> int:  # (an entry's shape is never reassigned: dataclasses.replace makes a new one)
         return math.prod(self.shape)
 
     @property
@@ -175,10 +178,7 @@ class TensorEntry:
 
     @property
     def min_version(self) -> int:
-        if self.mode.is_class_coded:
-            return max([self.mode.min_version] + [v for bit, v in REVISION_VERSIONS if self.coder_param & bit])
-        new = self.coder_param & (LINEAR_BIT | NO_COLUMNS_BIT) and not self.is_alias
-        return max(self.mode.min_version, SWITCHES_VERSION if new else 1)
+        return _min_version(self.mode, self.coder_param, self.is_alias)
 
     @property
     def step(self) -> float | None:
@@ -186,6 +186,16 @@ class TensorEntry:
         if not self.mode.has_step:
             return None
         return step_from_qp(self.qp, self.qp_density)
+
+
+@functools.lru_cache(maxsize=256)
+def _min_version(mode: Mode, coder_param: int, is_alias: bool) -> int:
+    """The format version an entry of this mode and coder parameter needs (few pairs: cached, as the
+    header parser asks for each entry)."""
+    if mode.is_class_coded:
+        return max([mode.min_version] + [v for bit, v in REVISION_VERSIONS if coder_param & bit])
+    new = coder_param & (LINEAR_BIT | NO_COLUMNS_BIT) and not is_alias
+    return max(mode.min_version, SWITCHES_VERSION if new else 1)
 
 
 @dataclass
@@ -211,6 +221,8 @@ _ENTRY_FIXED = struct.Struct("<BBBBB")  # dtype, mode, coder, flags, ndim
 _ENTRY_QUANT = struct.Struct("<hBBIQI")  # qp, qp_density, coder_param, alias_of, chunk_elements, chunk_count
 _ENTRY_TAIL = struct.Struct("<QQI")  # offset, size, crc32
 _NAME_LENGTH = struct.Struct("<H")
+# an entry's shape of each dimension count, and its coding parameters after it
+_SHAPE_AND_CODING = [struct.Struct(f"<{ndim}Q" + _ENTRY_QUANT.format[1:]) for ndim in range(MAX_NDIM + 1)]
 # (by value: a dict lookup, where calling the enum costs a microsecond per field and entry)
 _DTYPES: dict[int, DType] = {m.value: m for m in DType}
 _MODES: dict[int, Mode] = {m.value: m for m in Mode}
@@ -368,15 +380,17 @@ def read_header(data, *, total_size: int | None = None, payload_known: bool = Tr
     names: set[str] = set()
     next_offset = name_bytes = chunks = 0
     for i in range(count):
-        (name_len,) = r.unpack(_NAME_LENGTH, "name length")
+        # (fields read together where one fixes the next one's size: a take costs a microsecond)
+        (name_len,) = _NAME_LENGTH.unpack(r.take(_NAME_LENGTH.size, "name length"))
         name_bytes += name_len
         if name_bytes > MAX_NAME_BYTES:
             raise CorruptStreamError(f"tensor names of more than {MAX_NAME_BYTES:,} bytes in all")
+        head = r.take(name_len + _ENTRY_FIXED.size, (name_len, "name", "tensor type"))
         try:
-            name = bytes(r.take(name_len, "name")).decode("utf-8")
+            name = head[:name_len].decode("utf-8")
         except UnicodeDecodeError:
             raise CorruptStreamError(f"tensor {i}: name is not UTF-8") from None
-        dtype, mode, coder, flags, ndim = r.unpack(_ENTRY_FIXED, "tensor type")
+        dtype, mode, coder, flags, ndim = _ENTRY_FIXED.unpack_from(head, name_len)
         where = f"tensor {i} ({name!r})"
         if name in names:
             raise CorruptStreamError(f"{where}: a second tensor of the same name")
@@ -391,14 +405,16 @@ def read_header(data, *, total_size: int | None = None, payload_known: bool = Tr
             raise FormatError(f"{where}: unknown flags 0x{flags:02x}")
         if ndim > MAX_NDIM:
             raise CorruptStreamError(f"{where}: {ndim} dimensions")
-        shape = struct.unpack(f"<{ndim}Q", bytes(r.take(8 * ndim, "shape")))
-        coding = r.unpack(_ENTRY_QUANT, "coding parameters")
-        t_qp, t_density, coder_param, alias_of, chunk_elements, chunk_count = coding
+        shaped = _SHAPE_AND_CODING[ndim]
+        *shape, t_qp, t_density, coder_param, alias_of, chunk_elements, chunk_count = shaped.unpack(
+            r.take(shaped.size, (8 * ndim, "shape", "coding parameters")))
         chunks += chunk_count
         if chunk_count > r.remaining // 4 or chunks > MAX_CHUNKS:
             raise CorruptStreamError(f"{where}: chunk count {chunk_count} does not fit in the header")
-        chunk_sizes = list(struct.unpack(f"<{chunk_count}I", bytes(r.take(4 * chunk_count, "chunk sizes"))))
-        offset, size, crc = r.unpack(_ENTRY_TAIL, "payload location")
+        sizes = 4 * chunk_count
+        tail = r.take(sizes + _ENTRY_TAIL.size, (sizes, "chunk sizes", "payload location"))
+        chunk_sizes = list(struct.unpack_from(f"<{chunk_count}I", tail))
+        offset, size, crc = _ENTRY_TAIL.unpack_from(tail, sizes)
         entry = TensorEntry(name, dtype, tuple(shape), mode, coder, flags, t_qp, t_density, alias_of,
                             coder_param, chunk_elements, chunk_sizes, offset, size, crc)
         if entry.min_version > version:
@@ -439,8 +455,13 @@ class _BodyReader:
         """Bytes of the declared body not read yet."""
         return self.raw_size - self.consumed
 
-    def take(self, n: int, what: str) -> bytes:
+    def take(self, n: int, what: str | tuple[int, str, str]) -> bytes:
+        """The next ``n`` bytes of the body: field ``what``, or fields ``(size of the first, its
+        name, the next one's name)`` read together."""
         if n < 0 or n > self.raw_size - self.consumed:
+            if not isinstance(what, str):
+                first, first_name, next_name = what
+                what = first_name if self.raw_size - self.consumed < first else next_name
             raise CorruptStreamError(f"header field '{what}' runs past the end of the header")
         pos = self._pos
         while len(self._buf) - pos < n:
@@ -646,10 +667,13 @@ def _validate_class_coded_entry(e: TensorEntry, where: str) -> None:
     ce = floatcoder.chunk_elements(e.shape)
     if e.chunk_elements != ce:
         raise CorruptStreamError(f"{where}: chunks of {e.chunk_elements} elements, the shape needs {ce}")
-    numel = e.numel
-    if len(e.chunk_sizes) != -(-numel // ce):
-        raise CorruptStreamError(f"{where}: {len(e.chunk_sizes)} chunks, but the shape needs {-(-numel // ce)}")
-    for k, size in enumerate(e.chunk_sizes):
-        count = min(ce, numel - k * ce)
-        if count > floatcoder.max_elements_for_payload(size):
-            raise CorruptStreamError(f"{where}: chunk {k} claims {count} elements in {size} bytes")
+    numel, sizes = e.numel, e.chunk_sizes
+    if len(sizes) != -(-numel // ce):
+        raise CorruptStreamError(f"{where}: {len(sizes)} chunks, but the shape needs {-(-numel // ce)}")
+    # (every chunk holds ce elements but the last: the smallest of the others answers for them)
+    if sizes and (floatcoder.max_elements_for_payload(min(sizes[:-1], default=ce)) < ce
+                  or floatcoder.max_elements_for_payload(sizes[-1]) < numel - (len(sizes) - 1) * ce):
+        for k, size in enumerate(sizes):
+            count = min(ce, numel - k * ce)
+            if count > floatcoder.max_elements_for_payload(size):
+                raise CorruptStreamError(f"{where}: chunk {k} claims {count} elements in {size} bytes")
