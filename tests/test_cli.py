@@ -587,14 +587,17 @@ def test_info_reads_only_the_header(model_dir, monkeypatch):
     assert "payload" in line
 
 
-def test_info_names_the_trailing_zero_mode_and_keeps_its_columns(tmp_path):
+@pytest.mark.parametrize("rows, version", [(32, 9), (64, 12)])
+def test_info_names_the_trailing_zero_mode_and_keeps_its_columns(tmp_path, rows, version):
     rng = np.random.default_rng(6)
-    grid = np.ldexp(np.round(rng.standard_normal((64, 512)) * 2.0**14), -40).astype(np.float32)
+    grid = np.ldexp(np.round(rng.standard_normal((rows, 512)) * 2.0**14), -40).astype(np.float32)
     src, stream = tmp_path / "grid.npz", tmp_path / "grid.dcb"
     np.savez(src, grid=grid, plain=rng.standard_normal(512).astype(np.float32))
     ok(["encode", src, "-o", stream, "--lossless", "-q"])
     header = read_stream_header(stream.read_bytes())
-    assert header.version == 9  # (tANS symbols in "plain", version 8; trailing zeros in "grid", 9)
+    # (tANS symbols in "plain", version 8; trailing zeros in "grid": mode 3, version 9, below 2**15
+    # elements, mode 5, version 12, from there)
+    assert header.version == version
     rows = {line.split()[0]: line.split() for line in ok(["info", stream]).stdout.splitlines()[3:5]}
     for name, e in ((e.name, e) for e in header.tensors):
         assert rows[name][3] == ("float-lossless+tz" if name == "grid" else "float-lossless")

@@ -428,6 +428,25 @@ def test_a_float_entry_that_misstates_its_revision_is_refused(mode, coder_param)
         dc.decode_model(bad)
 
 
+def test_a_mode_5_entry_in_an_older_stream_is_refused_and_reported_as_what_it_is():
+    import struct
+
+    from helpers import reseal_header
+
+    from deepcabac_py.model.report import build_report
+    grid = _grid_weights(np.random.default_rng(4), "float32", (64, 512))
+    data = dc.encode_model({"w": grid}, keep_exact=True, threads=1)
+    h = read_header(data)
+    assert h.version == 12 and h.tensors[0].coder_param == floatcoder.TZ_WIDE_REVISION
+    # (bit 5 of a FLOAT entry's coder parameter is mode 5's, not the linear prediction's)
+    assert not h.tensors[0].is_linear and build_report(h).tensors[0].mode == "FLOAT+TZ"
+    old = bytearray(data)
+    struct.pack_into("<H", old, 8, 11)
+    with pytest.raises(CorruptStreamError, match=r"coder parameter 32 \(the substreams' low-bit modes\) needs "
+                                                  "format version 12, the stream says 11"):
+        dc.decode_model(reseal_header(old))
+
+
 @pytest.mark.parametrize("trailing", [False, True, "by rANS"])
 @pytest.mark.parametrize("dtype_name", sorted(DTYPES))
 def test_damaged_substreams_are_refused_or_decode_within_bounds(dtype_name, trailing):

@@ -168,13 +168,16 @@ class TensorEntry:
     @property
     def is_linear(self) -> bool:
         """The first substream is a linear predictor, the others code its residuals."""
-        return bool(self.coder_param & LINEAR_BIT) and not self.is_alias
+        # (a FLOAT entry's coder parameter says which low-bit modes its substreams use: its bit 5 is
+        # mode 5's, not this)
+        return bool(self.coder_param & LINEAR_BIT) and not self.is_alias and not self.mode.is_class_coded
 
     @property
     def codes_trailing_zeros(self) -> bool:
-        """A FLOAT entry whose substreams may code their trailing zeros (low-bit modes 2 and 3)."""
-        return self.mode == Mode.FLOAT and bool(self.coder_param
-                                                & (floatcoder.TRAILING_REVISION | floatcoder.TZ_REVISION))
+        """A FLOAT entry whose substreams may code their trailing zeros (low-bit modes 2, 3 and 5)."""
+        return self.mode == Mode.FLOAT and bool(self.coder_param & (floatcoder.TRAILING_REVISION
+                                                                    | floatcoder.TZ_REVISION
+                                                                    | floatcoder.TZ_WIDE_REVISION))
 
     @property
     def min_version(self) -> int:
@@ -418,8 +421,12 @@ def read_header(data, *, total_size: int | None = None, payload_known: bool = Tr
         entry = TensorEntry(name, dtype, tuple(shape), mode, coder, flags, t_qp, t_density, alias_of,
                             coder_param, chunk_elements, chunk_sizes, offset, size, crc)
         if entry.min_version > version:
-            what = "linear prediction" if entry.is_linear else (
-                "coding mode " + mode.name if mode.min_version > version else "switching the column model off")
+            if mode.min_version > version:
+                what = "coding mode " + mode.name
+            elif mode.is_class_coded:
+                what = f"coder parameter {coder_param} (the substreams' low-bit modes)"
+            else:
+                what = "linear prediction" if entry.is_linear else "switching the column model off"
             raise CorruptStreamError(f"{where}: {what} needs format version {entry.min_version}, "
                                      f"the stream says {version}")
         _validate_entry(entry, i, where, tensors, next_offset)

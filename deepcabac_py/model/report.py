@@ -22,7 +22,8 @@ class TensorReport:
     shape: list[int]
     dtype: str
     mode: str  # the coding mode's name; "+LP" when the levels go through the linear prediction,
-    # "+TZ" when float chunks code their trailing zeros by exponent (bit 0 of a FLOAT entry's coder parameter)
+    # "+TZ" when float chunks code their trailing zeros (low-bit modes 2, 3 and 5: bits 0, 2 and 5 of a
+    # FLOAT entry's coder parameter)
     qp: int | None
     step: float | None
     params: int
@@ -175,7 +176,7 @@ _MODE_LEGEND = {
     "tied": "tied = the storage of another tensor",
     "log": "log = optimizer moments, log2 of each magnitude in steps of qp's step (in octaves)",
     "+pred": "+pred = coded as residuals of a prediction across columns",
-    "+tz": "+tz = float32/float64 chunks coding each element's trailing zeros by its exponent",
+    "+tz": "+tz = float32/float64 chunks coding each element's trailing zeros (by its exponent, or in its symbol)",
 }
 _SUFFIX_WORDS = {"LP": "+pred", "TZ": "+tz"}
 
