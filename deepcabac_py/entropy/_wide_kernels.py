@@ -51,6 +51,8 @@ from ._float_kernels import (
     split_and_choose,
     tans_substream,
     tz_front,
+    tz_layout,
+    tz_value,
 )
 from ._vector_kernels import GROUP, I1, I8, I16, I32, I64, VECTOR_STEPS, Step, fields, window
 
@@ -165,7 +167,7 @@ def _decode_step(W, M):
 def _tz_step():
     """The decoder's step for a whole group of mode 5 (low-bit mode 3's symbols and raw bits on
     mode 4's states): as :func:`_decode_step`'s for float32, with 8-byte entries, but each element's
-    raw bits as long as its symbol's trailing-zero count says (``tz_counts``), one after another from
+    raw bits as long as its symbol's trailing-zero count says (:func:`tz_layout`), one after another from
     bit ``at`` of the raw bytes: their offsets summed across the lanes, each lane's four bytes
     picked from one 64-byte load by a byte permute. Arguments (states, lane0, table, base_lo,
     base_hi, split, words, p, raw, out, i, precision, at); returns the next word's index | the next
@@ -186,10 +188,11 @@ def _tz_step():
             # implied lowest set bit, by its capped count c (one permute each: TZ_CAP + 1 = 16 lanes)
             c = b.and_(symbol, v.const(I32, [TZ_CAP] * GROUP))
             by_count = v.intrinsic("llvm.x86.avx512.permvar.si.512", v.vec(I32), [v.vec(I32), v.vec(I32)])
-            k = b.call(by_count, [v.const(I32, [_TZ_L - j + (j == TZ_CAP) for j in range(GROUP)]), c])
-            ones = b.call(by_count, [v.const(I32, [(1 << (_TZ_L - j + (j == TZ_CAP))) - 1 for j in range(GROUP)]), c])
-            shift = b.call(by_count, [v.const(I32, [j + (j < TZ_CAP) for j in range(GROUP)]), c])
-            implied = b.call(by_count, [v.const(I32, [(j < TZ_CAP) << j for j in range(GROUP)]), c])
+            layout = [tz_layout.py_func(j) for j in range(GROUP)]
+            k = b.call(by_count, [v.const(I32, [int(n) for n, _, _ in layout]), c])
+            ones = b.call(by_count, [v.const(I32, [(1 << int(n)) - 1 for n, _, _ in layout]), c])
+            shift = b.call(by_count, [v.const(I32, [int(s) for _, s, _ in layout]), c])
+            implied = b.call(by_count, [v.const(I32, [int(m) for _, _, m in layout]), c])
             # their sums, eight lanes at a time in the bytes of a 64-bit word (at most 8 (TZ_L + 1) < 256):
             # a multiply by 0x0101010101010101 adds each byte to those above it
             pairs = b.bitcast(b.trunc(k, v.vec(I8)), v.vec(I64, 2))
@@ -292,18 +295,25 @@ def _group_elements(states, lane0, table, base_lo, base_hi, split, words, p, raw
             x = (e >> 32) * (x >> precision) + ((e >> 16) & 0xFFFF)
             symbol = (e & 0xFFFF) << shift
         out[_U(i + lane)] = ((r >> (k - 1)) << top) | symbol | (r & low)
-        if checked:
-            if x < WIDE_L:
-                if p >= words.shape[0]:
-                    return p, ERR_OVERRUN
-                x = (x << 16) | np.int64(words[p])
-                p += 1
-        else:  # (without a branch: taken for about one element in three, unpredictably)
-            need = np.int64(x < WIDE_L)
-            x = (x << (16 * need)) | (np.int64(words[_U(p)]) & -need)
-            p += need
+        x, p, ok = _renormalise(x, words, p, checked)
+        if not ok:
+            return p, ERR_OVERRUN
         states[lane0 + lane] = np.uint32(x)
     return p, OK
+
+
+@inline
+def _renormalise(x, words, p, checked):
+    """A decoded state below WIDE_L takes the next word (from ``p``): (the state, the next word's
+    index, whether there was one). Without ``checked``, the word at ``p`` must be there."""
+    if checked:
+        if x < WIDE_L:
+            if p >= words.shape[0]:
+                return x, p, False
+            return (x << 16) | np.int64(words[p]), p + 1, True
+        return x, p, True
+    need = np.int64(x < WIDE_L)  # (without a branch: taken for about one element in three, unpredictably)
+    return (x << (16 * need)) | (np.int64(words[_U(p)]) & -need), p + need, True
 
 
 @inline
@@ -335,25 +345,15 @@ def _tz_elements(states, lane0, table, base_lo, base_hi, split, words, p, raw, o
         e = np.int64(table[_U((base_lo if lane < split else base_hi) + (x & mask))])
         x = (e >> 32) * (x >> precision) + ((e >> 16) & 0xFFFF)
         symbol = e & 0xFFFF
-        c = symbol & TZ_CAP
-        below = np.int64(c < TZ_CAP)
-        k = _TZ_L + 1 - c - below
+        k, shift, implied = tz_layout(symbol & TZ_CAP)
         if checked and at + k > 32 * raw.shape[0]:
             return p, at, ERR_OVERRUN
         r = _raw_at(raw, at, k) if checked else _raw_near(raw, at, k)
         at += k
-        out[_U(i + lane)] = (((r & 1) << 31) | ((symbol >> TZ_BITS) << _TZ_L) | ((r >> 1) << (c + below))
-                             | (below << c))
-        if checked:
-            if x < WIDE_L:
-                if p >= words.shape[0]:
-                    return p, at, ERR_OVERRUN
-                x = (x << 16) | np.int64(words[p])
-                p += 1
-        else:
-            need = np.int64(x < WIDE_L)
-            x = (x << (16 * need)) | (np.int64(words[_U(p)]) & -need)
-            p += need
+        out[_U(i + lane)] = tz_value(symbol >> TZ_BITS, r, shift, implied)
+        x, p, ok = _renormalise(x, words, p, checked)
+        if not ok:
+            return p, at, ERR_OVERRUN
         states[lane0 + lane] = np.uint32(x)
     return p, at, OK
 

@@ -237,7 +237,7 @@ def _trailing_substream(words: np.ndarray, W: int, M: int, seg_len: int, classes
     float64."""
     if W == 32 and not rans:
         work = _WORK.take(_k.tz_work_bytes(words.shape[0], seg_len))
-        if words.shape[0] >= TZ_WIDE_FROM if wide is None else wide:
+        if (words.shape[0] >= TZ_WIDE_FROM) if wide is None else wide:
             return _w.encode_tz_wide_substream(words, seg_len, classes16, _COSTS, work).tobytes()
         return _k.encode_tz_substream(words, seg_len, classes16, _COSTS, work).tobytes()
     return _encode_trailing(words, W, M, seg_len, classes16)
