@@ -61,10 +61,13 @@ def choose_classes(hist: np.ndarray, nseg: int, max_bits: int = 14) -> tuple[int
     costs = [int(c) for c in _COSTS]
     best = None
     for klog in range(5):
+        if best is not None and klog - best[1] > 2:  # (two class counts in a row not the best: stop)
+            break
         per = 16 >> klog
         rows = [[int(v) for v in hist[c * per:(c + 1) * per].sum(axis=0)] for c in range(1 << klog)]
         if any(sum(r) == 0 for r in rows):
             break
+        before = None
         for bits in (14, 13, 12, 10, 8):
             if max(sum(1 for v in r if v) for r in rows) > 1 << bits or bits > max_bits:
                 continue
@@ -79,6 +82,9 @@ def choose_classes(hist: np.ndarray, nseg: int, max_bits: int = 14) -> tuple[int
                 cost += (_gamma_length(len(used)) + sum(map(_gamma_length, gaps))
                          + sum(_gamma_length(f[s]) for s in used)) << 16
                 tables.append(f)
+            if before is not None and cost > before:  # (the precisions, finest first, until one costs more)
+                break
+            before = cost
             if best is None or cost < best[0]:
                 best = (cost, klog, bits, tables)
     assert best is not None
