@@ -851,7 +851,7 @@ def _normalized(counts, total, best, scale_bits, out):
         excess -= take
 
 
-TABLE_PRECISIONS = (14, 13, 12, 10, 8)  # what the encoder tries: coarser tables cost fewer bits to send
+TABLE_PRECISIONS = (14, 13, 12, 10, 8)  # what the encoder tries, in order: coarser tables cost fewer bits to send
 # Each doubling of the decoder's tables (classes x states) is charged 2**-8 bit per element: the
 # larger they are, the farther from the core their lookups go. MiniLM's largest bf16 chunks go from
 # 16 x 2**13 to 8 x 2**12 states: in a scratch A/B the model decoded 13% faster for 0.025% more
@@ -1534,9 +1534,9 @@ def _used_histogram(symbols, seg_len, classes16, alphabet):
     """(each class's counts of the used symbols, the used symbols in increasing order): for a chunk
     too small to pay for clearing and adding up the 16 whole-alphabet histograms."""
     n = symbols.shape[0]
-    # The symbols in use, increasing, from a bit per symbol: mode 3's alphabet of 2**14 took a
-    # sweep of a symbol-sized array longer than a small chunk's coding. Only the used symbols'
-    # slots are written and read.
+    # The symbols in use, increasing, from a byte per symbol, scanned eight at a time (a bit per
+    # symbol chained each element's update to the last one's in the same word: 1.19 -> 0.76 ns per
+    # element, with the places below in uint16). Only the used symbols' places are written and read.
     seen = np.zeros(max(alphabet, 8), dtype=np.uint8)
     for i in range(n):
         seen[symbols[_U(i)]] = 1
