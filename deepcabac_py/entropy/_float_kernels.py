@@ -796,19 +796,26 @@ def normalize_row(counts, scale_bits, out):
     """Frequencies summing to 2**scale_bits, at least 1 where a count is: floor(count * scale /
     total), the rare ones raised to 1, the excess taken from the largest (ties: the lower symbol
     first) or a shortfall given to the most frequent symbol."""
+    total, best = _sum_and_largest(counts)
+    _normalized(counts, total, best, scale_bits, out)
+
+
+@inline
+def _sum_and_largest(counts):
+    """(the sum of ``counts``, the index of the first largest)."""
     total = 0
     best = 0
     for i in range(counts.shape[0]):
         total += counts[i]
         if counts[i] > counts[best]:
             best = i
-    _normalized(counts, total, best, scale_bits, out)
+    return total, best
 
 
 @inline
 def _normalized(counts, total, best, scale_bits, out):
-    """:func:`normalize_row` of ``counts``, whose sum is ``total`` and first largest ``best`` (the
-    class choice normalises some hundred rows per chunk, each at five precisions: those found once)."""
+    """:func:`normalize_row` of ``counts``, whose sum and first largest :func:`_sum_and_largest`
+    found (the class choice normalises each class's row at up to five precisions: found once)."""
     scale = np.int64(1) << scale_bits
     s = 0
     inv = 1.0 / total
@@ -829,21 +836,12 @@ def _normalized(counts, total, best, scale_bits, out):
     # The excess comes off the largest first (ties: the lower symbol), down to 1 each. Only a
     # frequency brought down to 1 makes way for the next, so the next is the largest above 1:
     # picked by a scan, not a sort, as the first one nearly always covers the excess and the class
-    # choice normalises a hundred rows per chunk. The frequencies rise with the counts, so the
-    # first is the first symbol whose frequency equals the largest count's.
-    first = True
+    # choice normalises a hundred rows per chunk.
     while excess > 0:
         idx = -1
-        if first:
-            if out[best] > 1:
-                idx = 0
-                while out[idx] != out[best]:
-                    idx += 1
-            first = False
-        else:
-            for i in range(out.shape[0]):
-                if out[i] > 1 and (idx < 0 or out[i] > out[idx]):
-                    idx = i
+        for i in range(out.shape[0]):
+            if out[i] > 1 and (idx < 0 or out[i] > out[idx]):
+                idx = i
         if idx < 0:
             break
         take = min(excess, np.int64(out[idx]) - 1)
@@ -898,7 +896,7 @@ def _choose_used(hist, used_syms, nseg, costs, max_bits):
     counted = np.empty((groups, nu), dtype=np.int64)
     used = np.empty(groups, dtype=np.int64)
     totals = np.empty(groups, dtype=np.int64)
-    largest = np.zeros(groups, dtype=np.int64)  # (each class's first largest count, in counted)
+    largest = np.empty(groups, dtype=np.int64)
     best_cost = np.int64(-1)
     best = 0
     best_bits = PROB_BITS
@@ -933,18 +931,14 @@ def _choose_used(hist, used_syms, nseg, costs, max_bits):
         for c in range(K):
             m = 0
             prev = -1
-            total = 0
             for u in range(nu):
                 if rows[c, u] > 0:
-                    if m == 0 or rows[c, u] > counted[c, largest[c]]:
-                        largest[c] = m
                     counted[c, m] = rows[c, u]
-                    total += rows[c, u]
                     m += 1
                     names += _gamma_length(used_syms[u] - prev)
                     prev = used_syms[u]
             used[c] = m
-            totals[c] = total
+            totals[c], largest[c] = _sum_and_largest(counted[c, :m])
             names += _gamma_length(m)
             most = max(most, m)
         before = np.int64(-1)
@@ -955,10 +949,9 @@ def _choose_used(hist, used_syms, nseg, costs, max_bits):
             cost += (elements * (klog + bits)) << (COST_FRACTION_BITS - TABLE_SIZE_CHARGE_SHIFT)
             table = names
             for c in range(K):
-                m = used[c]
-                row = counted[c, :m]
-                _normalized(row, totals[c], largest[c], bits, tmp[:m])
-                for i in range(m):
+                row = counted[c, :used[c]]
+                _normalized(row, totals[c], largest[c], bits, tmp[:row.shape[0]])
+                for i in range(row.shape[0]):
                     cost += row[i] * costs[tmp[i] << (PROB_BITS - bits)]
                     table += _FREQ_GAMMA[tmp[i]]
             cost += np.int64(table) << COST_FRACTION_BITS
@@ -1494,9 +1487,8 @@ def decode_tans_substream(data, n, seg_len, W, M, out, detail):
     if count < 0:
         return count
     raw_at = pos + 4 * count
-    if tz:  # (the raw bits' count follows from the symbols: all the words left, checked as they are read)
-        nraw = (size - raw_at) >> 2
-        short = 32 * nraw < (1 + _TZ_L - TZ_CAP) * n  # (the fewest raw bits an element has)
+    if tz:
+        nraw, short = tz_raw_words(size, raw_at, n)
     else:
         nraw = (raw_bit_count(n, seg_len, M, zeros) + 31) >> 5
         short = raw_at + 4 * nraw > size
@@ -2051,6 +2043,24 @@ def tz_layout(c):
 
 
 @inline
+def tz_raw_words(size, raw_at, n):
+    """The raw words of a mode 3 or 5 substream of ``n`` elements, ``size`` bytes, whose raw words
+    start at byte ``raw_at``: all the words left (their count follows from the symbols, each read
+    checked against it), and whether they are too few (an element has at least 1 + TZ_L - TZ_CAP
+    bits)."""
+    nraw = (size - raw_at) >> 2
+    return nraw, 32 * nraw < (1 + _TZ_L - TZ_CAP) * n
+
+
+@inline
+def tz_raw_left(raw, at):
+    """Whether raw bits remain past bit ``at`` where a mode 3 or 5 decoder stopped: a word it did not
+    reach, or a set bit above its last one."""
+    nw = raw.shape[0]
+    return (at + 31) >> 5 != nw or ((at & 31) != 0 and (raw[nw - 1] >> np.uint32(at & 31)) != 0)
+
+
+@inline
 def tz_value(top, v, shift, implied):
     """The float32 bits (uint64; bits past 31 to be dropped by the uint32 store) of an element of
     modes 3 and 5 from ``top``, its symbol's bits above the count, and its raw bits ``v`` laid out as
@@ -2275,7 +2285,7 @@ def decode_tz(words, first_bit, x0, x1, x2, x3, raw, seg_len, classes, precision
         return ERR_BAD_END
     if pos != total:
         return ERR_TRAILING
-    if (at + 31) >> 5 != nw or (at & 31 and raw[nw - 1] >> np.uint32(at & 31)):
+    if tz_raw_left(raw, at):
         return ERR_TRAILING
     return OK
 

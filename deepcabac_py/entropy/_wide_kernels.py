@@ -52,6 +52,8 @@ from ._float_kernels import (
     tans_substream,
     tz_front,
     tz_layout,
+    tz_raw_left,
+    tz_raw_words,
     tz_value,
 )
 from ._vector_kernels import GROUP, I1, I8, I16, I32, I64, VECTOR_STEPS, Step, fields, window
@@ -556,7 +558,7 @@ def decode_wide(words, raw, states, seg_len, M, classes, precision, table, sym0,
             return ERR_BAD_END
     if p != words.shape[0]:
         return ERR_TRAILING
-    if tz and ((at + 31) >> 5 != raw.shape[0] or (at & 31 and raw[raw.shape[0] - 1] >> np.uint32(at & 31))):
+    if tz and tz_raw_left(raw, at):
         return ERR_TRAILING
     return OK
 
@@ -629,9 +631,8 @@ def decode_wide_substream(data, n, seg_len, M, out, detail, tz):
         return count
     words = data[pos:pos + 2 * count].view(np.uint16)
     pos += 2 * count
-    if tz:  # (the raw bits' count follows from the symbols: all the words left, each one used)
-        nraw = (size - pos) >> 2
-        short = 32 * nraw < (1 + _TZ_L - TZ_CAP) * n  # (the fewest raw bits an element has)
+    if tz:
+        nraw, short = tz_raw_words(size, pos, n)
     else:
         nraw = (n * (M - TOP_BITS + 1) + 31) >> 5
         short = pos + 4 * nraw > size
