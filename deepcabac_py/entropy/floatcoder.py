@@ -52,6 +52,7 @@ TANS_FLAG = 0x80  # in the mode byte of low-bit modes 0 and 1: the symbols by tA
 TZ_BYTE = TANS_FLAG | _k.TZ_MODE  # low-bit mode 3's byte: the trailing zeros in the symbol, by tANS
 WIDE_BYTE = _w.WIDE_BYTE  # low-bit mode 4's byte: bf16, fp16 or fp32 dropping no bit, 64 rANS states
 TZ_WIDE_BYTE = _w.TZ_WIDE_BYTE  # low-bit mode 5's: float32's trailing zeros in the symbol, 64 rANS states
+_TANS_BYTES = (TANS_FLAG, TANS_FLAG | 1)  # low-bit modes 0 and 1 by tANS
 # Mode 4 for chunks from this many elements: its 64 states cost about 128 bytes more than tANS's
 # four (0.07% of a chunk of 2**17 bf16 elements), and its tables twice the cache
 WIDE_FROM = 1 << 17
@@ -417,10 +418,18 @@ def decode_chunk(data, dtype_name: str, seg_len: int, out: np.ndarray, where: st
     elements: float16/32/64, or uint16 for bfloat16) of an entry of ``revision``. CorruptStreamError
     says what is wrong."""
     W, M = FORMATS[dtype_name]
-    words = _words(out, dtype_name)
+    words = out.view(_WORDS[W]) if out.ndim == 1 and out.flags.c_contiguous else _words(out, dtype_name)
     n = words.shape[0]
     nseg = -(-n // seg_len)
-    r = _Reader(_read_only(np.frombuffer(data, dtype=np.uint8)), where)
+    buf = _read_only(np.frombuffer(data, dtype=np.uint8))
+    byte = int(buf[0]) if buf.shape[0] else -1
+    # (the whole-substream kernels read the bytes as they are: a chunk of a small tensor cost
+    # twice its kernel's time in Python before them)
+    if byte in _TANS_BYTES and revision & TANS_REVISION or byte == TZ_BYTE and W == 32 and revision & TZ_REVISION:
+        detail = np.zeros(2, dtype=np.int64)
+        _check_substream(_k.decode_tans_substream(buf, n, seg_len, W, M, words, detail), detail, where, dtype_name)
+        return
+    r = _Reader(buf, where)
     byte = int(r.take(1, "low-bit mode")[0])
     if byte == TRAILING_MODE and revision & TRAILING_REVISION:
         _decode_trailing(r, W, M, n, seg_len, words)

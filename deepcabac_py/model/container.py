@@ -21,7 +21,7 @@ import os
 import struct
 import zlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 from ..entropy import floatcoder
 from ..entropy.chunk_layout import (
@@ -382,18 +382,28 @@ def read_header(data, *, total_size: int | None = None, payload_known: bool = Tr
     tensors: list[TensorEntry] = []
     names: set[str] = set()
     next_offset = name_bytes = chunks = 0
+    # The entries' fields are read in place from the rest of the body, inflated at once (the
+    # bound above holds its size): a take per field cost about as much as the rest of an entry.
+    body, first = r.rest()
+    at = first
+    declared = first + r.remaining  # (the declared end; the inflated one may come before it)
+    got = min(len(body), declared)
     for i in range(count):
-        # (fields read together where one fixes the next one's size: a take costs a microsecond)
-        (name_len,) = _NAME_LENGTH.unpack(r.take(_NAME_LENGTH.size, "name length"))
+        if at + 2 > got:
+            r.missing(at - first, 2, "name length")
+        (name_len,) = _NAME_LENGTH.unpack_from(body, at)
+        at += 2
         name_bytes += name_len
         if name_bytes > MAX_NAME_BYTES:
             raise CorruptStreamError(f"tensor names of more than {MAX_NAME_BYTES:,} bytes in all")
-        head = r.take(name_len + _ENTRY_FIXED.size, (name_len, "name", "tensor type"))
+        if at + name_len + _ENTRY_FIXED.size > got:
+            r.missing(at - first, name_len + _ENTRY_FIXED.size, (name_len, "name", "tensor type"))
         try:
-            name = head[:name_len].decode("utf-8")
+            name = body[at:at + name_len].decode("utf-8")
         except UnicodeDecodeError:
             raise CorruptStreamError(f"tensor {i}: name is not UTF-8") from None
-        dtype, mode, coder, flags, ndim = _ENTRY_FIXED.unpack_from(head, name_len)
+        dtype, mode, coder, flags, ndim = _ENTRY_FIXED.unpack_from(body, at + name_len)
+        at += name_len + _ENTRY_FIXED.size
         where = f"tensor {i} ({name!r})"
         if name in names:
             raise CorruptStreamError(f"{where}: a second tensor of the same name")
@@ -409,15 +419,19 @@ def read_header(data, *, total_size: int | None = None, payload_known: bool = Tr
         if ndim > MAX_NDIM:
             raise CorruptStreamError(f"{where}: {ndim} dimensions")
         shaped = _SHAPE_AND_CODING[ndim]
-        *shape, t_qp, t_density, coder_param, alias_of, chunk_elements, chunk_count = shaped.unpack(
-            r.take(shaped.size, (8 * ndim, "shape", "coding parameters")))
+        if at + shaped.size > got:
+            r.missing(at - first, shaped.size, (8 * ndim, "shape", "coding parameters"))
+        *shape, t_qp, t_density, coder_param, alias_of, chunk_elements, chunk_count = shaped.unpack_from(body, at)
+        at += shaped.size
         chunks += chunk_count
-        if chunk_count > r.remaining // 4 or chunks > MAX_CHUNKS:
+        if chunk_count > (declared - at) // 4 or chunks > MAX_CHUNKS:
             raise CorruptStreamError(f"{where}: chunk count {chunk_count} does not fit in the header")
         sizes = 4 * chunk_count
-        tail = r.take(sizes + _ENTRY_TAIL.size, (sizes, "chunk sizes", "payload location"))
-        chunk_sizes = list(struct.unpack_from(f"<{chunk_count}I", tail))
-        offset, size, crc = _ENTRY_TAIL.unpack_from(tail, sizes)
+        if at + sizes + _ENTRY_TAIL.size > got:
+            r.missing(at - first, sizes + _ENTRY_TAIL.size, (sizes, "chunk sizes", "payload location"))
+        chunk_sizes = list(struct.unpack_from(f"<{chunk_count}I", body, at))
+        offset, size, crc = _ENTRY_TAIL.unpack_from(body, at + sizes)
+        at += sizes + _ENTRY_TAIL.size
         entry = TensorEntry(name, dtype, tuple(shape), mode, coder, flags, t_qp, t_density, alias_of,
                             coder_param, chunk_elements, chunk_sizes, offset, size, crc)
         if entry.min_version > version:
@@ -432,6 +446,7 @@ def read_header(data, *, total_size: int | None = None, payload_known: bool = Tr
         _validate_entry(entry, i, where, tensors, next_offset)
         next_offset += entry.size
         tensors.append(entry)
+    r.skip(at - first)
     r.finish()
     if payload_known and next_offset != payload_size:
         if next_offset > payload_size:
@@ -456,6 +471,7 @@ class _BodyReader:
         self._buf = b""
         self._pos = 0
         self.consumed = 0
+        self._failure: str | None = None
 
     @property
     def remaining(self) -> int:
@@ -480,6 +496,40 @@ class _BodyReader:
 
     def unpack(self, st: struct.Struct, what: str):
         return st.unpack(self.take(st.size, what))
+
+    def rest(self) -> tuple[bytes, int]:
+        """(the inflated body, where its unread part begins): as much of the declared rest as the
+        deflate stream gives, inflated at once (the caller has bounded its size). A field past
+        what it gave is :meth:`missing`; :meth:`skip` then moves past what was read in place."""
+        want = self.remaining
+        while len(self._buf) - self._pos < want and self._failure is None:
+            try:
+                more = self._inflater.decompress(self._input, want - (len(self._buf) - self._pos))
+            except zlib.error as exc:  # (raised where a field needs the bytes, as take raises it)
+                self._failure = f"header body does not inflate: {exc}"
+                break
+            self._input = self._inflater.unconsumed_tail
+            if not more:
+                self._failure = "header body size does not match its declared size"
+                break
+            self._buf = self._buf[self._pos:] + more
+            self._pos = 0
+        return self._buf, self._pos
+
+    def missing(self, offset: int, n: int, what: str | tuple[int, str, str]) -> NoReturn:
+        """The error of a field of ``n`` bytes at ``offset`` past :meth:`rest`'s start that its
+        bytes do not hold: the one :meth:`take` raises."""
+        if n > self.remaining - offset:
+            if not isinstance(what, str):
+                first, first_name, next_name = what
+                what = first_name if self.remaining - offset < first else next_name
+            raise CorruptStreamError(f"header field '{what}' runs past the end of the header")
+        raise CorruptStreamError(self._failure or "header body size does not match its declared size")
+
+    def skip(self, n: int) -> None:
+        """Move past ``n`` bytes read in place from :meth:`rest`'s buffer."""
+        self._pos += n
+        self.consumed += n
 
     def _inflate(self, need: int) -> None:
         try:

@@ -400,10 +400,16 @@ def _decode_in_order(stream, chosen: list[TensorEntry], coded: list[TensorEntry]
                     elements += t.entry.numel
                     ahead += 1
                 e, t, work = pending.popleft()
-                counts = (w.result() for w in work) if work is not None else (t.run(k) for k in range(len(t.views)))
-                for n in counts:
-                    if progress is not None:
-                        progress(n)
+                if work is not None:
+                    for w in work:
+                        n = w.result()
+                        if progress is not None:
+                            progress(n)
+                else:
+                    for k in range(len(t.views)):
+                        n = t.run(k)
+                        if progress is not None:
+                            progress(n)
                 elements -= t.entry.numel
                 c = t.entry
                 if want_levels:
