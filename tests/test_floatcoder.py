@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import fix_checksums
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from reference_float_coder import decode as ref_decode
@@ -402,6 +403,46 @@ def test_encode_model_keeps_exact_floats_losslessly_and_small():
     assert back["h"].view(torch.int16).equal(model["h"].view(torch.int16))
     assert back["tiny"].tobytes() == model["tiny"].tobytes()
     assert dc.encode_model(model, keep_exact=True, threads=1) == data
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_small_float_tensors_decode_together_and_damage_names_its_tensor(monkeypatch, threads):
+    # (runs of small float tensors decode in one kernel call; the runs break at a dtype, a large
+    # tensor and an integer one)
+    rng = np.random.default_rng(5)
+    model: dict = {}
+    for i in range(12):
+        values = _weights(rng, "float32", (int(rng.integers(150, 400)),))
+        model[f"s{i}"] = torch.from_numpy(values).to((torch.float32, torch.bfloat16, torch.float16)[i // 4])
+        if i == 5:
+            model["large"] = torch.from_numpy(_weights(rng, "float32", (80, 100)))
+        if i == 6:
+            model["ints"] = torch.arange(200, dtype=torch.int32)
+    data = dc.encode_model(model, keep_exact=True, threads=1)
+    modes = {e.name: e.mode for e in read_header(data).tensors}
+    assert all(modes[f"s{i}"] == Mode.FLOAT for i in range(12))
+    runs: list[int] = []
+    together = floatcoder.decode_tans_chunks
+    monkeypatch.setattr(floatcoder, "decode_tans_chunks", lambda *a: runs.append(len(a[2])) or together(*a))
+    back = dc.decode_model(data, threads=threads)
+    assert runs == [4, 2, 4]  # (s0-s3 | s4-s5 | large | s6 alone | ints | s7 alone | s8-s11)
+    for name, t in model.items():
+        wide = torch.int32 if t.element_size() == 4 else torch.int16
+        assert back[name].view(wide).equal(t.view(wide)), name
+    assert len({back[name].untyped_storage().data_ptr() for name in model}) == len(model)  # (none shares)
+    # damage inside one of them (checksums made to match) is reported as its own chunk's
+    header = read_header(data)
+    e = next(t for t in header.tensors if t.name == "s9")
+    damaged = bytearray(data)
+    damaged[header.header_size + e.offset + 1] = 0xFF  # (its low-bit count or class count: impossible)
+    damaged = fix_checksums(bytes(damaged))
+    substream = damaged[header.header_size + e.offset:][:e.size]
+    with pytest.raises(CorruptStreamError) as alone:
+        floatcoder.decode_chunk(substream, "float16", floatcoder.segment_length(e.shape),
+                                np.empty(e.numel, dtype=np.float16), "tensor 's9', chunk 0", e.coder_param)
+    with pytest.raises(CorruptStreamError) as together_exc:
+        dc.decode_model(damaged, threads=threads)
+    assert str(together_exc.value) == str(alone.value)
 
 
 def _flipped(data: bytes, rng) -> list[bytes]:

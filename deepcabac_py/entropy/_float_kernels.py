@@ -1514,6 +1514,23 @@ def decode_tans_substream(data, n, seg_len, W, M, out, detail):
                               table, out)
 
 
+@kernel
+def decode_tans_chunks(data, starts, counts, seg_lens, W, M, out, detail):
+    """Substreams of :func:`decode_tans_substream` one after another: substream j is
+    ``data[starts[j]:starts[j + 1]]``, its ``counts[j]`` floats go to ``out`` after the ones
+    before. Returns -1, or the first that fails, its error code in ``detail[2]`` (the others as
+    that kernel sets them). (``starts``, ``counts`` and ``seg_lens``: int64; the caller sizes ``out``.)"""
+    at = 0
+    for j in range(counts.shape[0]):
+        n = counts[j]
+        status = decode_tans_substream(data[starts[j]:starts[j + 1]], n, seg_lens[j], W, M, out[at:at + n], detail)
+        if status != OK:
+            detail[2] = status
+            return j
+        at += n
+    return -1
+
+
 @inline
 def put_u32(out, pos, v):
     for b in range(4):

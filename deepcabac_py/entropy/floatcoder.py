@@ -21,6 +21,7 @@ import math
 import struct
 import sys
 import threading
+from collections.abc import Callable
 
 import numpy as np
 
@@ -425,7 +426,7 @@ def decode_chunk(data, dtype_name: str, seg_len: int, out: np.ndarray, where: st
     byte = int(buf[0]) if buf.shape[0] else -1
     # (the whole-substream kernels read the bytes as they are: a chunk of a small tensor cost
     # twice its kernel's time in Python before them)
-    if byte in _TANS_BYTES and revision & TANS_REVISION or byte == TZ_BYTE and W == 32 and revision & TZ_REVISION:
+    if whole_tans(byte, revision, W):
         detail = np.zeros(2, dtype=np.int64)
         _check_substream(_k.decode_tans_substream(buf, n, seg_len, W, M, words, detail), detail, where, dtype_name)
         return
@@ -473,6 +474,27 @@ def decode_chunk(data, dtype_name: str, seg_len: int, out: np.ndarray, where: st
     classes, up, lut_step, lut_sym, rans = r.coder(n, seg_len, _alphabet(W, M))
     raw = r.raw(-(-_k.raw_bit_count(n, seg_len, M, zeros) // 32), padding=0)
     r.check(_k.decode_floats(rans, raw, seg_len, W, M, zeros, classes, up, lut_step, lut_sym, words))
+
+
+def whole_tans(byte: int, revision: int, W: int) -> bool:
+    """Whether a substream of mode byte ``byte`` in an entry of ``revision`` (floats of ``W`` bits)
+    is one :func:`decode_tans_chunks` decodes: low-bit mode 0, 1 or 3 by tANS."""
+    return (byte in _TANS_BYTES and bool(revision & TANS_REVISION)
+            or byte == TZ_BYTE and W == 32 and bool(revision & TZ_REVISION))
+
+
+def decode_tans_chunks(data: np.ndarray, starts: np.ndarray, counts: np.ndarray, seg_lens: np.ndarray,
+                       dtype_name: str, out: np.ndarray, where: Callable[[int], str]) -> None:
+    """Decode many substreams of :func:`whole_tans` in one call: substream j is
+    ``data[starts[j]:starts[j + 1]]`` (uint8), its ``counts[j]`` elements of segments of
+    ``seg_lens[j]`` go to ``out`` (the flat carrier) after those of the ones before it. The small
+    tensors of a model cost more in the Python around each call than in their kernels.
+    CorruptStreamError names the first damaged one by ``where(j)``."""
+    W, M = FORMATS[dtype_name]
+    detail = np.zeros(3, dtype=np.int64)
+    failed = _k.decode_tans_chunks(_read_only(data), starts, counts, seg_lens, W, M, out.view(_WORDS[W]), detail)
+    if failed >= 0:
+        _check_substream(int(detail[2]), detail, where(failed), dtype_name)
 
 
 # What the whole-substream kernels' errors say (tANS and mode 4), worded from their two details: a
