@@ -117,8 +117,9 @@ _COSTS = _k.cost_table()
 
 def _words(values: np.ndarray, dtype_name: str) -> np.ndarray:
     W, _ = FORMATS[dtype_name]
-    flat = np.ascontiguousarray(values).reshape(-1)
-    return flat.view(_WORDS[W])
+    if values.ndim == 1 and values.flags.c_contiguous:  # (a chunk's output: no call more than needed)
+        return values.view(_WORDS[W])
+    return np.ascontiguousarray(values).reshape(-1).view(_WORDS[W])
 
 
 class _Tables:
@@ -419,7 +420,7 @@ def decode_chunk(data, dtype_name: str, seg_len: int, out: np.ndarray, where: st
     elements: float16/32/64, or uint16 for bfloat16) of an entry of ``revision``. CorruptStreamError
     says what is wrong."""
     W, M = FORMATS[dtype_name]
-    words = out.view(_WORDS[W]) if out.ndim == 1 and out.flags.c_contiguous else _words(out, dtype_name)
+    words = _words(out, dtype_name)
     n = words.shape[0]
     nseg = -(-n // seg_len)
     buf = _read_only(np.frombuffer(data, dtype=np.uint8))
@@ -492,7 +493,7 @@ def decode_tans_chunks(data: np.ndarray, starts: np.ndarray, counts: np.ndarray,
     CorruptStreamError names the first damaged one by ``where(j)``."""
     W, M = FORMATS[dtype_name]
     detail = np.zeros(3, dtype=np.int64)
-    failed = _k.decode_tans_chunks(_read_only(data), starts, counts, seg_lens, W, M, out.view(_WORDS[W]), detail)
+    failed = _k.decode_tans_chunks(_read_only(data), starts, counts, seg_lens, W, M, _words(out, dtype_name), detail)
     if failed >= 0:
         _check_substream(int(detail[2]), detail, where(failed), dtype_name)
 

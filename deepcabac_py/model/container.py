@@ -456,6 +456,18 @@ def read_header(data, *, total_size: int | None = None, payload_known: bool = Tr
     return StreamHeader(version, qp, qp_1d, qp_density, metadata, tensors, end, next_offset)
 
 
+_SIZE_MISMATCH = "header body size does not match its declared size"
+
+
+def _past_end(what: str | tuple[int, str, str], left: int) -> CorruptStreamError:
+    """The error of field ``what`` (or fields ``(size of the first, its name, the next one's
+    name)`` read together) where only ``left`` bytes of the declared body remain."""
+    if not isinstance(what, str):
+        first, first_name, next_name = what
+        what = first_name if left < first else next_name
+    return CorruptStreamError(f"header field '{what}' runs past the end of the header")
+
+
 class _BodyReader:
     """The header body, inflated as it is read: a hostile header is refused at its first
     inconsistency, never after inflating (or allocating) what it merely declares."""
@@ -471,7 +483,7 @@ class _BodyReader:
         self._buf = b""
         self._pos = 0
         self.consumed = 0
-        self._failure: str | None = None
+        self._failure: CorruptStreamError | None = None  # (why rest() gave less than declared)
 
     @property
     def remaining(self) -> int:
@@ -481,11 +493,8 @@ class _BodyReader:
     def take(self, n: int, what: str | tuple[int, str, str]) -> bytes:
         """The next ``n`` bytes of the body: field ``what``, or fields ``(size of the first, its
         name, the next one's name)`` read together."""
-        if n < 0 or n > self.raw_size - self.consumed:
-            if not isinstance(what, str):
-                first, first_name, next_name = what
-                what = first_name if self.raw_size - self.consumed < first else next_name
-            raise CorruptStreamError(f"header field '{what}' runs past the end of the header")
+        if n < 0 or n > self.remaining:
+            raise _past_end(what, self.remaining)
         pos = self._pos
         while len(self._buf) - pos < n:
             self._inflate(n - (len(self._buf) - pos))
@@ -501,30 +510,19 @@ class _BodyReader:
         """(the inflated body, where its unread part begins): as much of the declared rest as the
         deflate stream gives, inflated at once (the caller has bounded its size). A field past
         what it gave is :meth:`missing`; :meth:`skip` then moves past what was read in place."""
-        want = self.remaining
-        while len(self._buf) - self._pos < want and self._failure is None:
-            try:
-                more = self._inflater.decompress(self._input, want - (len(self._buf) - self._pos))
-            except zlib.error as exc:  # (raised where a field needs the bytes, as take raises it)
-                self._failure = f"header body does not inflate: {exc}"
-                break
-            self._input = self._inflater.unconsumed_tail
-            if not more:
-                self._failure = "header body size does not match its declared size"
-                break
-            self._buf = self._buf[self._pos:] + more
-            self._pos = 0
+        try:
+            while len(self._buf) - self._pos < self.remaining:
+                self._inflate(self.remaining - (len(self._buf) - self._pos))
+        except CorruptStreamError as exc:  # (raised where a field needs the bytes, as take raises it)
+            self._failure = exc
         return self._buf, self._pos
 
     def missing(self, offset: int, n: int, what: str | tuple[int, str, str]) -> NoReturn:
         """The error of a field of ``n`` bytes at ``offset`` past :meth:`rest`'s start that its
         bytes do not hold: the one :meth:`take` raises."""
         if n > self.remaining - offset:
-            if not isinstance(what, str):
-                first, first_name, next_name = what
-                what = first_name if self.remaining - offset < first else next_name
-            raise CorruptStreamError(f"header field '{what}' runs past the end of the header")
-        raise CorruptStreamError(self._failure or "header body size does not match its declared size")
+            raise _past_end(what, self.remaining - offset)
+        raise self._failure or CorruptStreamError(_SIZE_MISMATCH)
 
     def skip(self, n: int) -> None:
         """Move past ``n`` bytes read in place from :meth:`rest`'s buffer."""
@@ -538,7 +536,7 @@ class _BodyReader:
             raise CorruptStreamError(f"header body does not inflate: {exc}") from None
         self._input = self._inflater.unconsumed_tail
         if not more:
-            raise CorruptStreamError("header body size does not match its declared size")
+            raise CorruptStreamError(_SIZE_MISMATCH)
         self._buf = self._buf[self._pos:] + more
         self._pos = 0
 
@@ -552,7 +550,7 @@ class _BodyReader:
             raise CorruptStreamError(f"header body does not inflate: {exc}") from None
         if extra or len(self._buf) > self._pos or self._inflater.unconsumed_tail or not self._inflater.eof \
                 or self._inflater.unused_data:
-            raise CorruptStreamError("header body size does not match its declared size")
+            raise CorruptStreamError(_SIZE_MISMATCH)
 
 
 def parse_metadata(raw: bytes, count: int) -> dict:

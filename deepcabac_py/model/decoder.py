@@ -388,7 +388,9 @@ def _run_small_together(pending: collections.deque) -> None:
     EfficientNet-Lite0 has 209 tensors below 4,096 elements: each cost more in the Python around
     its kernel than in the kernel."""
     first = pending[0][1].entry
-    W = floatcoder.FORMATS[first.dtype.dtype_name][0] if first.dtype.dtype_name in floatcoder.FORMATS else 0
+    if first.mode != Mode.FLOAT:
+        return
+    W = floatcoder.FORMATS[first.dtype.dtype_name][0]
     batch: list[_Tensor] = []
     for _, t, work in pending:
         e = t.entry
@@ -435,22 +437,13 @@ def _decode_in_order(stream, chosen: list[TensorEntry], coded: list[TensorEntry]
                     pending.append((chosen[ahead], t, work))
                     elements += t.entry.numel
                     ahead += 1
-                if pending[0][2] is None and not pending[0][1].ran:
-                    _run_small_together(pending)
+                _run_small_together(pending)
                 e, t, work = pending.popleft()
-                if work is not None:
-                    for w in work:
-                        n = w.result()
-                        if progress is not None:
-                            progress(n)
-                elif t.ran:
+                counts = ((t.entry.numel,) if t.ran else (w.result() for w in work) if work is not None
+                          else (t.run(k) for k in range(len(t.views))))
+                for n in counts:
                     if progress is not None:
-                        progress(t.entry.numel)
-                else:
-                    for k in range(len(t.views)):
-                        n = t.run(k)
-                        if progress is not None:
-                            progress(n)
+                        progress(n)
                 elements -= t.entry.numel
                 c = t.entry
                 if want_levels:
