@@ -1,10 +1,13 @@
 """Start-up of the command line, as a user meets it: the first encode of the demo model with an empty
-Numba cache (every kernel it needs compiled), then warm `encode`, `decode` and `info` of the same
-small .safetensors file, each command in a process of its own. Beside them: what importing numba
-and click (every command) and torch (what a safetensors round trip no longer needs) cost alone; with --vs REF, the same commands of another commit (a temporary git worktree)
-in the same run, and the ratio.
+Numba cache (every kernel it needs compiled), the first lossless encode and the first decode of its
+stream (an empty cache again), then warm `encode`, `decode` and `info` of the same small
+.safetensors file, each command in a process of its own. Beside them: what importing numba and
+click (every command) and torch (what a safetensors round trip no longer needs) cost alone; with
+--vs REF, the same commands of another commit (a temporary git worktree) in the same run, and the
+ratio.
 
-    .venv/bin/python benchmarks/bench_startup.py [--repeats 7] [--cold-repeats 3] [--vs 3eefbcb]
+    .venv/bin/python benchmarks/bench_startup.py [--repeats 7] [--cold-repeats 3] [--lossless-repeats 1]
+        [--vs 3eefbcb]
 
 Goals (the CLI issue): first encode <= 15 s, warm encode and decode <= 1.0 s each, no torch import
 for a safetensors round trip. Medians of the repeats (this machine is noisy).
@@ -66,6 +69,20 @@ class Checkout:
                                               str(self.work / f"cold{i}.dcb"), "-q", "-f"], env, self.work))
         return times
 
+    def cold_lossless(self, repeats: int) -> tuple[list[float], list[float]]:
+        """First ``encode --lossless`` and the first decode of its stream, each repeat in an empty cache
+        of its own (the decode compiles what the encode did not)."""
+        enc, dec = [], []
+        for i in range(repeats):
+            with tempfile.TemporaryDirectory(prefix="numba-cold-") as cache:
+                env = {**self.env, "NUMBA_CACHE_DIR": cache}
+                dcb = str(self.work / f"lossless{i}.dcb")
+                enc.append(wall(self.cli + ["encode", str(self.work / "m.safetensors"), "-o", dcb, "--lossless", "-q",
+                                            "-f"], env, self.work))
+                dec.append(wall(self.cli + ["decode", dcb, "-o", str(self.work / f"lossless{i}.safetensors"), "-q",
+                                            "-f"], env, self.work))
+        return enc, dec
+
     def warm(self, repeats: int) -> dict[str, list[float]]:
         env = {**self.env, "NUMBA_CACHE_DIR": str(self.work / "numba")}
         src, dcb, back = (str(self.work / n) for n in ("m.safetensors", "m.dcb", "back.safetensors"))
@@ -96,6 +113,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=7, help="warm runs of each command")
     ap.add_argument("--cold-repeats", type=int, default=3, help="first encodes, each with an empty cache")
+    ap.add_argument("--lossless-repeats", type=int, default=1,
+                    help="first lossless encodes and decodes, each pair with an empty cache (about a minute each)")
     ap.add_argument("--vs", default=None, help="a git commit to run side by side")
     args = ap.parse_args()
 
@@ -116,24 +135,28 @@ def main() -> None:
         rows = {}
         for c in checkouts:
             cold = c.cold_encode(args.cold_repeats)
+            lossless = c.cold_lossless(args.lossless_repeats)
             warm = c.warm(args.repeats)
             rows[c.label] = {"first encode": statistics.median(cold),
+                             "first encode --lossless": statistics.median(lossless[0]),
+                             "its first decode": statistics.median(lossless[1]),
                              **{k: statistics.median(v) for k, v in warm.items()}, "torch": c.imports_torch()}
     finally:
         if worktree is not None:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(worktree)], check=False)
         shutil.rmtree(base, ignore_errors=True)
 
-    goals = {"first encode": 15.0, "encode": 1.0, "decode": 1.0, "info": None}
+    goals = {"first encode": 15.0, "first encode --lossless": None, "its first decode": None, "encode": 1.0,
+             "decode": 1.0, "info": None}
     labels = list(rows)
     print(f"deepcabac start-up, demo model ({DEMO.name}, {DEMO.stat().st_size:,} bytes); medians of "
           f"{args.cold_repeats} cold / {args.repeats} warm runs, seconds of wall time")
-    head = f"{'command':<22}" + "".join(f"{lab:>14}" for lab in labels)
+    head = f"{'command':<24}" + "".join(f"{lab:>14}" for lab in labels)
     if len(labels) == 2:
         head += f"{'ratio':>9}"
     print(head + f"{'goal':>8}")
     for key in goals:
-        line = f"{(key if key == 'first encode' else 'warm ' + key):<22}" + "".join(
+        line = f"{(key if key.startswith(('first', 'its')) else 'warm ' + key):<24}" + "".join(
             f"{rows[lab][key]:>14.2f}" for lab in labels)
         if len(labels) == 2:
             line += f"{rows[labels[1]][key] / rows[labels[0]][key]:>8.2f}x"

@@ -4,9 +4,18 @@ Every kernel is compiled with ``cache=True`` (the CLI and the tests must not pay
 and ``nogil=True`` (independent substreams run on threads). ``fastmath`` is never used: the bytes
 depend on exact integer arithmetic.
 
-``inline`` is for the small helpers a kernel calls once per weight: they are inlined at the IR
-level, so no call remains, and in particular no reference counting of array arguments, which costs
-more than the arithmetic coding itself.
+``inline`` is for the small helpers over arrays that a kernel calls once per weight: they are
+inlined at the IR level, so no call remains, and in particular no reference counting of array
+arguments, which costs more than the arithmetic coding itself. It costs compilation: Numba types
+and copies the helper at every call site, and nested helpers multiply.
+
+``helper`` is for the other helpers, those of scalars above all (a bit length, a float's fields,
+a context's number): ordinary functions, compiled once per signature, which LLVM inlines where
+they are called. The tANS decoder's kernel, five specialised segment loops over the same helpers,
+expanded 558 inlined calls and took 198 s to compile (the lossless golden stream, one process, an
+empty cache); with its helpers of scalars and its one-word raw-bit reader as ``helper``, 63 s, and
+it decodes as fast. Its other array readers stay ``inline``: as calls, EfficientNet-Lite0 bf16
+decoded in 13.3 ms instead of 11.4.
 
 ``parallel_kernel`` is for the few kernels that split independent rows across threads with
 ``numba.prange`` (the entropy-bounded matrix formats). Launching a parallel region costs a few
@@ -85,6 +94,7 @@ def drop_stale_caches(root: str) -> None:
 drop_stale_caches(os.path.dirname(os.path.abspath(__file__)))
 kernel = _cached(nogil=True)
 inline = _cached(inline="always")
+helper = _cached()
 parallel_kernel = _cached(parallel=True, nogil=True)
 
 

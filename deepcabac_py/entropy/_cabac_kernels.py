@@ -25,7 +25,7 @@ Design, in short (the reasons are measured in ``benchmarks/bench_contexts.py``):
 
 import numpy as np
 
-from .._jit import inline, kernel
+from .._jit import helper, inline, kernel
 
 # --- arithmetic coder ---------------------------------------------------------------------------
 PROB_BITS = 15
@@ -94,7 +94,7 @@ MAX_STRIPPED = 4  # trailing zero bytes the encoder may drop (the decoder reads 
 MIN_BITS_PER_ELEMENT = -np.log2(1.0 - P_MIN / PROB_ONE + P_MIN / TOP)
 
 
-@inline
+@helper
 def _bitlen(x):
     # A plain loop: the lengths it measures (escapes, large scales) are rare, and the unrolled
     # binary search, inlined wherever a rate or a bucket is computed, made the trellis compile
@@ -124,7 +124,7 @@ BUCKET_AND_K_LUT = np.array([[(b << 8) | max(0, (b - 2 * SCALE_FRAC - k) >> 1) f
                              for k in range(K_OFFSETS)], dtype=np.int64)
 
 
-@inline
+@helper
 def _bucket_and_k(s, k_offset):
     if s < SMALL_SCALES:
         packed = BUCKET_LUT[s]

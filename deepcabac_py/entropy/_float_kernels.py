@@ -16,7 +16,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from .._jit import inline, kernel, load_le64, store_le64, trailing_zeros
+from .._jit import helper, inline, kernel, load_le64, store_le64, trailing_zeros
 from ._vector_kernels import GROUP, VECTOR_STEPS, split_step, window
 
 PROB_BITS = 14  # frequencies of a table sum to 2**PROB_BITS
@@ -35,7 +35,7 @@ ERR_BAD_TABLE = -3  # a frequency table does not sum to its scale, or names a sy
 ERR_TRAILING = -4  # bytes left after the last element
 
 
-@inline
+@helper
 def _segment_bits(M, z):
     """(mantissa bits in the symbol, mantissa bits left raw, raw bits with the sign) of an element
     of a segment that drops ``z`` low mantissa bits of ``M``."""
@@ -43,7 +43,7 @@ def _segment_bits(M, z):
     return t, M - z - t, M - z - t + 1
 
 
-@inline
+@helper
 def _parts(w, W, M, z):
     """(symbol, raw bits, raw bit count) of the float bits ``w`` (uint64) in a segment dropping ``z``."""
     t, low_bits, k = _segment_bits(M, z)
@@ -309,13 +309,13 @@ def encode_kernel(words, seg_len, W, M, zeros, symbols, raw_out, mean_exponent):
     return _last_raw_word(acc, nacc, nraw, raw_out)
 
 
-@inline
+@helper
 def _lane_state(lane, x0, x1, x2, x3):
     """The state of ``lane`` (element i uses lane i % LANES), for the elements outside whole groups."""
     return x0 if lane == 0 else (x1 if lane == 1 else (x2 if lane == 2 else x3))
 
 
-@inline
+@helper
 def _with_lane(lane, x, x0, x1, x2, x3):
     """The four states with ``lane``'s replaced by ``x``."""
     return (x if lane == 0 else x0, x if lane == 1 else x1, x if lane == 2 else x2, x if lane == 3 else x3)
@@ -435,7 +435,7 @@ def _initial_states(rans):
             np.int64(rans[4]) | (np.int64(rans[5]) << 16), np.int64(rans[6]) | (np.int64(rans[7]) << 16))
 
 
-@inline
+@helper
 def _final_status(x0, x1, x2, x3, p, end):
     if p > end:
         return ERR_OVERRUN
@@ -453,7 +453,7 @@ def _raw_near(raw, p, k):
     return np.int64(load_le64(raw, _U(p) >> _U(3)) >> _U(p & 7)) & ((np.int64(1) << k) - 1)
 
 
-@inline
+@helper
 def _raw_at(raw, p, k):
     """The ``k`` (<= 32) raw bits at bit position ``p`` (the word holding bit p must exist)."""
     # the next word is read whether or not the bits reach into it (no branch); past the last word
@@ -472,14 +472,14 @@ def _raw_at(raw, p, k):
 SYMBOLS, FAST, GENERAL, LOOKUP = 0, 1, 2, 3
 
 
-@inline
+@helper
 def _fast_placed(v, placed, W, M, z, low_bits):
     """The float bits of a FAST element: its raw bits ``v`` (sign above the low mantissa bits) and
     its symbol already in place (shifted up by M - TOP_BITS)."""
     return ((v >> low_bits) << (W - 1)) | placed | ((v & ((np.int64(1) << low_bits) - 1)) << z)
 
 
-@inline
+@helper
 def _fast_value(v, sym, W, M, z, low_bits):
     """:func:`_fast_placed` of the symbol itself."""
     return _fast_placed(v, np.int64(sym) << (M - TOP_BITS), W, M, z, low_bits)
@@ -775,7 +775,7 @@ def cost_table() -> np.ndarray:
     return np.round((PROB_BITS - np.log2(f)) * (1 << COST_FRACTION_BITS)).astype(np.int64)
 
 
-@inline
+@helper
 def _gamma_length(v):
     k = 0
     while (v >> (k + 1)) > 0:
@@ -996,7 +996,7 @@ TANS_MIN_BITS = 8
 _TANS_BASE_SHIFT = 19
 
 
-@inline
+@helper
 def _tans_symbol_shift(W, M):
     """Where a decoding entry holds its symbol: in place for 16-bit floats (their symbol's bits end
     at bit 14), else from bit 4 (float64's 13 bits end at 16)."""
@@ -1015,7 +1015,7 @@ def _tans_spread(freq_row, R, spread):
             pos = (pos + step) & (R - 1)
 
 
-@inline
+@helper
 def _floor_log2(v):
     k = 0
     while (v >> (k + 1)) > 0:
@@ -1160,19 +1160,19 @@ def _tans_entry(flat, base, x):
     return e, np.int64(e & np.uint32(15))
 
 
-@inline
+@helper
 def _tans_next(entry, bits):
     """The next state: the entry's base completed by its bits."""
     return np.int64(entry >> np.uint32(_TANS_BASE_SHIFT)) + bits
 
 
-@inline
+@helper
 def _tans_symbol(entry, W, M):
     """The entry's symbol."""
     return np.int64(entry >> np.uint32(_tans_symbol_shift(W, M))) & ((np.int64(1) << (W - 1 - M + TOP_BITS)) - 1)
 
 
-@inline
+@helper
 def _tans_placed(entry, W, M):
     """The entry's symbol where a FAST element's bits hold it (at M - TOP_BITS): for 16-bit floats
     the entry masked."""
@@ -1188,7 +1188,7 @@ def _peek64(words, pos):
     return load_le64(words, _U(pos) >> _U(3)) >> _U(pos & 7)
 
 
-@inline
+@helper
 def _groups_before_end(pos, total):
     """How many whole groups can be read from bit ``pos`` (``pos + 64 <= total``) before one could
     reach the last eight bytes: each reads at most 4 * TANS_MAX_BITS bits. The group loops check
@@ -1569,7 +1569,7 @@ def _used_histogram(symbols, seg_len, classes16, alphabet):
     return hist, used_syms
 
 
-@inline
+@helper
 def _tans_work_parts(n, seg_len, W, M):
     """The bytes of each array :func:`encode_tans_substream` carves from its work memory, in order:
     symbols, raw words (for no low bit dropped: the most), histograms, partial histograms, coded
@@ -1586,7 +1586,7 @@ def _tans_work_parts(n, seg_len, W, M):
     return 2 * n, 4 * raw_words, 8 * classes * alphabet, 32 * classes * alphabet, 4 * coded_words, out
 
 
-@inline
+@helper
 def _work_total(parts):
     """The bytes of work memory that holds ``parts``, each carved at an 8-byte boundary."""
     total = 0
@@ -1647,7 +1647,7 @@ def _tans_code(symbols, seg_len, classes16, klog, precision, used_syms, sent, al
     return classes, tables, table_bytes, begin, first_bit, (x0 - R, x1 - R, x2 - R, x3 - R), coded
 
 
-@inline
+@helper
 def _tans_fields_size(klog, nseg, table_bytes, count, nraw):
     """The bytes of a tANS substream after its head (see :func:`_put_tans_fields`)."""
     return 2 + (((nseg + 1) >> 1) if klog else 0) + 4 + table_bytes + 9 + 4 + 4 * count + 4 * nraw
@@ -1782,13 +1782,13 @@ def tans_substream(W, M, seg_len, zeros, classes16, symbols, raw, nraw, klog, pr
 
 TRAILING_CONTEXTS = 16
 
-@inline
+@helper
 def _ctz(x):
     """Trailing zero bits of the nonzero uint64 ``x``."""
     return np.int64(trailing_zeros(x))
 
 
-@inline
+@helper
 def _trailing_parts(w, W, M):
     """(symbol, trailing zeros t, raw bits, raw bit count) of the float bits ``w`` (uint64)."""
     L = M - TOP_BITS
@@ -1801,7 +1801,7 @@ def _trailing_parts(w, W, M):
     return sym, t, s | ((low >> np.uint64(t + 1)) << np.uint64(1)), max(L - t, 1)
 
 
-@inline
+@helper
 def _trailing_context(sym, e_top, shift):
     """The tz table of an element: its exponent's distance below ``e_top``, 0 to 15, >> shift."""
     return min(TRAILING_CONTEXTS - 1, max(0, e_top - (np.int64(sym) >> TOP_BITS))) >> shift
@@ -2049,7 +2049,7 @@ TZ_ALPHABET = 1 << (8 + TOP_BITS + TZ_BITS)
 _TZ_L = 23 - TOP_BITS  # (float32's low bits)
 
 
-@inline
+@helper
 def tz_layout(c):
     """The raw bits of an element of modes 3 and 5 whose capped trailing-zero count is ``c``: (their
     count with the sign, the shift of those above the sign, the implied lowest set bit). Below the
@@ -2059,7 +2059,7 @@ def tz_layout(c):
     return _TZ_L - c + 1 - some, c + some, some << c
 
 
-@inline
+@helper
 def tz_raw_words(size, raw_at, n):
     """The raw words of a mode 3 or 5 substream of ``n`` elements, ``size`` bytes, whose raw words
     start at byte ``raw_at``: all the words left (their count follows from the symbols, each read
@@ -2077,7 +2077,7 @@ def tz_raw_left(raw, at):
     return (at + 31) >> 5 != nw or ((at & 31) != 0 and (raw[nw - 1] >> np.uint32(at & 31)) != 0)
 
 
-@inline
+@helper
 def tz_value(top, v, shift, implied):
     """The float32 bits (uint64; bits past 31 to be dropped by the uint32 store) of an element of
     modes 3 and 5 from ``top``, its symbol's bits above the count, and its raw bits ``v`` laid out as
@@ -2100,7 +2100,7 @@ def _tz_tables():
     return count, shift, implied
 
 
-@inline
+@helper
 def _tz_count(entry):
     """The capped trailing-zero count of a mode 3 decoding entry (its symbol from bit 4, as
     _tans_symbol_shift places float32's)."""
@@ -2173,7 +2173,7 @@ def _tz_block(words, i0, m, symbols, rr, kk):
         kk[_U(j)] = np.uint32(count)
 
 
-@inline
+@helper
 def _tz_work_parts(n, seg_len):
     """The bytes of each array :func:`encode_tz_substream` carves from its work memory: symbols, raw
     words, coded words (at the largest precision) and the substream (bounded by the largest tables)."""
@@ -2316,7 +2316,7 @@ def decode_tz(words, first_bit, x0, x1, x2, x3, raw, seg_len, classes, precision
 ERR_BAD_INTEGER = -6  # a decoded integer outside its dtype, or a negative zero
 
 
-@inline
+@helper
 def _magnitude(v):
     """(bit length, |v| as uint64) of an int64."""
     m = np.uint64(v) if v >= 0 else np.uint64(-(v + 1)) + np.uint64(1)
@@ -2326,7 +2326,7 @@ def _magnitude(v):
     return b, m
 
 
-@inline
+@helper
 def _magnitude_parts(v):
     """(symbol, the bits of |v| below the symbol's, their count) of an int64."""
     b, m = _magnitude(v)

@@ -22,7 +22,7 @@ from llvmlite import ir
 from numba.core import types
 from numba.extending import intrinsic
 
-from .._jit import inline, kernel
+from .._jit import helper, inline, kernel
 from ._float_kernels import (
     _TZ_L,
     _U,
@@ -75,7 +75,7 @@ ERR_WIDE_STATE = -18  # detail[0]: an initial state below WIDE_L
 WIDE_BYTE = 0x84  # mode 4's mode byte
 TZ_WIDE_BYTE = 0x85  # mode 5's
 
-@inline
+@helper
 def _symbol_shifts(M):
     """Where mode 4 moves a symbol into place in the float (``M`` mantissa bits) from an 8-byte
     entry: (by the decoder's table, by the step). A 16-bit float's symbol fits the entry's 16 bits

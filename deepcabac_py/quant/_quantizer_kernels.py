@@ -24,7 +24,7 @@ the reconstruction index; the cost is distortion + ``lam`` * bits.
 
 import numpy as np
 
-from .._jit import inline, kernel
+from .._jit import helper, inline, kernel
 from ..entropy._cabac_kernels import (
     COL_SHIFT,
     CTX_PER_BUCKET,
@@ -68,7 +68,7 @@ A_MAX = 2.0**31
 BLOCK_MIN = 256
 
 
-@inline
+@helper
 def _zigzag(x):
     return 2 * x - 1 if x > 0 else -2 * x
 
@@ -87,7 +87,7 @@ def round_kernel(values, step, out):
 # --------------------------------------------------------------------------------------------------
 
 
-@inline
+@helper
 def _escape_bits(q):
     # Exp-Golomb order 0 of q - Q_MAX + 1 in bypass bins
     return 2 * _bitlen(q - Q_MAX + 1) - 1
@@ -391,7 +391,7 @@ def _pick(c_a, rs_a, packed_a, c_b, rs_b, packed_b):
     return min(c_a, c_b), rs_a ^ ((rs_a ^ rs_b) & m), packed_a ^ ((packed_a ^ packed_b) & m)
 
 
-@inline
+@helper
 def _rs_after(rs, u):
     return rs + (((u << SCALE_FRAC) - rs) >> ROW_SHIFT)
 

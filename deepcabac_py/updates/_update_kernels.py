@@ -44,7 +44,7 @@ import zlib
 
 import numpy as np
 
-from .._jit import inline, kernel
+from .._jit import helper, inline, kernel
 from ..entropy._cabac_kernels import (
     MAX_BYPASS_GROUP,
     OVERRUN_SLACK,
@@ -236,7 +236,7 @@ def rate_for(nnz: int, numel: int) -> int:
     return max(RATE_MIN, r)
 
 
-@inline
+@helper
 def _p15(state):
     p = state >> (EST_BITS - PROB_BITS)
     if p < P_FLOOR:
@@ -246,7 +246,7 @@ def _p15(state):
     return p
 
 
-@inline
+@helper
 def _bitlen_u(x):
     n = 0
     while x > 0:
@@ -462,7 +462,7 @@ def _wstep(ctx, k, err, x):
     ctx[2 * k] = w
 
 
-@inline
+@helper
 def _abs_max(smax, x):
     a = x if x >= 0 else -x
     return a if a > smax else smax
