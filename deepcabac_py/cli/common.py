@@ -149,7 +149,7 @@ def compile_notice(task: str, quantizer: str | None) -> None:
     if task != "decode":
         cold = cold or quantizers.first_call_compiles(quantizer or DEFAULT_QUANTIZER)
     if cold:
-        click.echo("deepcabac: compiling kernels (first run only, about 10 s)", err=True)
+        click.echo("deepcabac: compiling kernels (first run only, 10 s to a minute)", err=True)
 
 
 @contextmanager
