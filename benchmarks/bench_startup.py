@@ -60,28 +60,16 @@ class Checkout:
         self.work.mkdir(parents=True, exist_ok=True)
         shutil.copy(DEMO, self.work / "m.safetensors")
 
-    def cold_encode(self, repeats: int) -> list[float]:
-        times = []
-        for i in range(repeats):
+    def cold(self, commands: list[list[str]], repeats: int) -> list[list[float]]:
+        """Wall times of ``commands`` run in turn, each repeat in an empty Numba cache of its own (a
+        later command compiles what the earlier ones did not): one list per command."""
+        times: list[list[float]] = [[] for _ in commands]
+        for _ in range(repeats):
             with tempfile.TemporaryDirectory(prefix="numba-cold-") as cache:
                 env = {**self.env, "NUMBA_CACHE_DIR": cache}
-                times.append(wall(self.cli + ["encode", str(self.work / "m.safetensors"), "-o",
-                                              str(self.work / f"cold{i}.dcb"), "-q", "-f"], env, self.work))
+                for row, args in zip(times, commands):
+                    row.append(wall(self.cli + args, env, self.work))
         return times
-
-    def cold_lossless(self, repeats: int) -> tuple[list[float], list[float]]:
-        """First ``encode --lossless`` and the first decode of its stream, each repeat in an empty cache
-        of its own (the decode compiles what the encode did not)."""
-        enc, dec = [], []
-        for i in range(repeats):
-            with tempfile.TemporaryDirectory(prefix="numba-cold-") as cache:
-                env = {**self.env, "NUMBA_CACHE_DIR": cache}
-                dcb = str(self.work / f"lossless{i}.dcb")
-                enc.append(wall(self.cli + ["encode", str(self.work / "m.safetensors"), "-o", dcb, "--lossless", "-q",
-                                            "-f"], env, self.work))
-                dec.append(wall(self.cli + ["decode", dcb, "-o", str(self.work / f"lossless{i}.safetensors"), "-q",
-                                            "-f"], env, self.work))
-        return enc, dec
 
     def warm(self, repeats: int) -> dict[str, list[float]]:
         env = {**self.env, "NUMBA_CACHE_DIR": str(self.work / "numba")}
@@ -134,8 +122,11 @@ def main() -> None:
                                          for _ in range(args.repeats))
         rows = {}
         for c in checkouts:
-            cold = c.cold_encode(args.cold_repeats)
-            lossless = c.cold_lossless(args.lossless_repeats)
+            src, dcb = str(c.work / "m.safetensors"), str(c.work / "cold.dcb")
+            [cold] = c.cold([["encode", src, "-o", dcb, "-q", "-f"]], args.cold_repeats)
+            lossless = c.cold([["encode", src, "-o", dcb, "--lossless", "-q", "-f"],
+                               ["decode", dcb, "-o", str(c.work / "cold.safetensors"), "-q", "-f"]],
+                              args.lossless_repeats)
             warm = c.warm(args.repeats)
             rows[c.label] = {"first encode": statistics.median(cold),
                              "first encode --lossless": statistics.median(lossless[0]),
@@ -150,7 +141,8 @@ def main() -> None:
              "decode": 1.0, "info": None}
     labels = list(rows)
     print(f"deepcabac start-up, demo model ({DEMO.name}, {DEMO.stat().st_size:,} bytes); medians of "
-          f"{args.cold_repeats} cold / {args.repeats} warm runs, seconds of wall time")
+          f"{args.cold_repeats} cold ({args.lossless_repeats} lossless) / {args.repeats} warm runs, seconds of wall "
+          f"time")
     head = f"{'command':<24}" + "".join(f"{lab:>14}" for lab in labels)
     if len(labels) == 2:
         head += f"{'ratio':>9}"
