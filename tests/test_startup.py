@@ -18,7 +18,7 @@ from click.testing import CliRunner
 import deepcabac_py as dc
 from deepcabac_py.cli import common
 from deepcabac_py.cli.main import main
-from deepcabac_py.entropy import levelcoder
+from deepcabac_py.entropy import floatcoder, levelcoder
 from deepcabac_py.io.checkpoint import RawTensor, dtype_name_of, flatten, tensor_of_bits, tensor_to_numpy
 from deepcabac_py.io.files import load_checkpoint
 from deepcabac_py.quant import quantizers
@@ -98,12 +98,12 @@ def test_the_kernels_are_not_yet_compiled_until_their_first_call(tmp_path):
     code = textwrap.dedent("""
         import numpy as np
         import deepcabac_py as dc
-        from deepcabac_py.entropy import levelcoder
+        from deepcabac_py.entropy import floatcoder, levelcoder
         from deepcabac_py.quant import quantizers
 
         def cold():
             return [levelcoder.first_call_compiles(decoder=False), quantizers.first_call_compiles("trellis"),
-                    levelcoder.first_call_compiles(decoder=True)]
+                    levelcoder.first_call_compiles(decoder=True), floatcoder.first_call_compiles(decoder=False)]
 
         before = cold()
         dc.encode_model({"w": np.linspace(-1, 1, 64, dtype=np.float32).reshape(8, 8), "n": np.arange(9)})
@@ -114,25 +114,33 @@ def test_the_kernels_are_not_yet_compiled_until_their_first_call(tmp_path):
             for _ in range(2)]
     for r in runs:
         assert r.returncode == 0, r.stderr
-    # (decoding was never run: its kernel stays cold)
-    assert runs[0].stdout.strip() == "[True, True, True] [False, False, True]"
-    assert runs[1].stdout.strip() == "[False, False, True] [False, False, True]"
+    # (decoding was never run, nor the float coder of lossless tensors: their kernels stay cold)
+    assert runs[0].stdout.strip() == "[True, True, True, True] [False, False, True, True]"
+    assert runs[1].stdout.strip() == "[False, False, True, True] [False, False, True, True]"
 
 
-@pytest.mark.parametrize("cold_coder, cold_quantizer, task, shown", [
-    (False, False, "encode", False), (True, False, "encode", True), (False, True, "encode", True),
-    (False, True, "decode", False), (True, False, "decode", True)])
-def test_the_compile_notice_appears_only_when_something_will_compile(cold_coder, cold_quantizer, task, shown,
-                                                                      monkeypatch, capsys):
+@pytest.mark.parametrize("cold_coder, cold_quantizer, cold_floats, lossless, task, shown", [
+    (False, False, False, False, "encode", False), (True, False, False, False, "encode", True),
+    (False, True, False, False, "encode", True), (False, True, False, False, "decode", False),
+    (True, False, False, False, "decode", True), (False, False, True, False, "encode", False),
+    (False, False, True, True, "encode", True), (False, False, True, True, "decode", True),
+    (False, False, False, True, "decode", False)])
+def test_the_compile_notice_appears_only_when_something_will_compile(cold_coder, cold_quantizer, cold_floats,
+                                                                      lossless, task, shown, monkeypatch, capsys):
     asked = []
     monkeypatch.setattr(levelcoder, "first_call_compiles", lambda decoder: asked.append(decoder) or cold_coder)
     monkeypatch.setattr(quantizers, "first_call_compiles", lambda q: asked.append(q) or cold_quantizer)
-    common.compile_notice(task, "rdoq")
+    monkeypatch.setattr(floatcoder, "first_call_compiles", lambda decoder: asked.append(("floats", decoder))
+                        or cold_floats)
+    common.compile_notice(task, "rdoq", lossless)
     err = capsys.readouterr().err
     assert ("compiling kernels (first run only" in err) == shown
     assert asked[0] == (task != "encode")
     if task == "encode" and not cold_coder:
         assert asked[1] == "rdoq"
+    # (the float coder is asked about only for lossless tensors, and about the task's direction)
+    assert [a for a in asked if isinstance(a, tuple)] == ([("floats", task != "encode")]
+                                                          if lossless and not (cold_coder or cold_quantizer) else [])
 
 
 def test_a_changed_kernel_module_drops_every_cached_kernel(tmp_path):

@@ -138,30 +138,33 @@ class Input:
 _PIECE = 1 << 24
 
 
-def compile_notice(task: str, quantizer: str | None) -> None:
+def compile_notice(task: str, quantizer: str | None, lossless: bool = False) -> None:
     """One line on stderr before a first run waits for Numba to compile what ``task`` (encode,
-    decode, report) needs: without it the bar would sit at 0% with a wrong estimate."""
-    from deepcabac_py.entropy import levelcoder
+    decode, report) needs, the lossless float coder's kernels too with ``lossless``: without it the
+    bar would sit at 0% with a wrong estimate."""
+    from deepcabac_py.entropy import floatcoder, levelcoder
     from deepcabac_py.model.settings import DEFAULT_QUANTIZER
     from deepcabac_py.quant import quantizers
 
     cold = levelcoder.first_call_compiles(decoder=task != "encode")
     if task != "decode":
         cold = cold or quantizers.first_call_compiles(quantizer or DEFAULT_QUANTIZER)
+    if lossless:
+        cold = cold or floatcoder.first_call_compiles(decoder=task != "encode")
     if cold:
         click.echo("deepcabac: compiling kernels (first run only, 10 s to a minute)", err=True)
 
 
 @contextmanager
-def progress_bar(total: int | None, desc: str, enabled: bool, quantizer: str | None = None):
+def progress_bar(total: int | None, desc: str, enabled: bool, quantizer: str | None = None, lossless: bool = False):
     """A progress callback (None when not ``enabled``): a bar on stderr when it is a terminal (counts
     only when ``total`` is unknown), after a notice when the kernels are still to be compiled
-    (``quantizer``: the encoder's, None for the default)."""
+    (``quantizer``: the encoder's, None for the default; ``lossless``: floats are coded exactly)."""
     if not enabled:
         yield None
         return
     if sys.stderr.isatty():
-        compile_notice(desc, quantizer)
+        compile_notice(desc, quantizer, lossless)
     from tqdm import tqdm
 
     # disable=None: shown only when stderr is a terminal.

@@ -29,7 +29,7 @@ def encode_directory_command(src: str, dst: str, force: bool, threads, show_prog
         for shard in layout.shards:
             with SafetensorsSource(layout.full(shard)) as source:
                 total += source.numel
-    with progress_bar(total, "encode", show_progress) as update:
+    with progress_bar(total, "encode", show_progress, lossless=bool(settings.get("keep_exact"))) as update:
         result = encode_directory(src, dst, force=force, threads=threads, progress=update, **settings)
     for name, out, size_in, size_out in result.shards:
         echo_info(quiet, f"{os.path.join(src, name)}: {size_in:,} bytes -> {size_out:,} bytes "
@@ -44,15 +44,16 @@ def encode_directory_command(src: str, dst: str, force: bool, threads, show_prog
 
 def decode_directory_command(src: str, dst: str, force: bool, threads, max_elements, show_progress: bool,
                              quiet: bool, verbose: bool) -> None:
-    from deepcabac_py.model.container import read_header_file
+    from deepcabac_py.model.container import Mode, read_header_file
     from deepcabac_py.model.files import decode_directory, stream_directory
 
     streams, _ = stream_directory(src)
-    total = 0
+    total, lossless = 0, False
     for rel in streams:
         header = read_header_file(os.path.join(src, rel))
         total += sum(e.numel for e in header.tensors if not e.is_alias)
-    with progress_bar(total, "decode", show_progress) as update:
+        lossless = lossless or any(e.mode == Mode.FLOAT for e in header.tensors)
+    with progress_bar(total, "decode", show_progress, lossless=lossless) as update:
         result = decode_directory(src, dst, force=force, threads=threads, progress=update, max_elements=max_elements)
     for name, out, size_in, size_out in result.shards:
         echo_info(quiet, f"{os.path.join(src, name)}: {size_in:,} bytes -> {size_out:,} bytes"

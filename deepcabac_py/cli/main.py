@@ -18,7 +18,7 @@ import click
 from deepcabac_py import __version__
 from deepcabac_py.errors import DeepCabacError, InputError
 from deepcabac_py.io.kinds import KINDS
-from deepcabac_py.model.container import is_model_stream, read_header
+from deepcabac_py.model.container import Mode, is_model_stream, read_header
 from deepcabac_py.model.report import build_report, format_report
 from deepcabac_py.model.settings import DEFAULT_MOMENTS_QP, DEFAULT_QP, DEFAULT_QP_DENSITY, DEFAULT_QUANTIZER
 from deepcabac_py.quant.quantizers import QUANTIZERS
@@ -317,7 +317,7 @@ def encode(ctx, inputs, output, to_stdout, force, remove, keep, input_format, qp
                     written: list = []
                     with open_source(path, input_format) as source, \
                             progress_bar(source.numel, "encode", not (quiet or no_progress),
-                                         enc.quantizer) as update:
+                                         enc.quantizer, lossless=bool(enc.keep_exact)) as update:
                         write_output(output, stream_writer(source, enc, written, threads=threads, progress=update),
                                      force, input_mode(input))
                     header = written[0]
@@ -395,7 +395,8 @@ def decode(inputs, output, tensors, to_stdout, force, remove, keep, kind, max_el
                 raise click.UsageError(f"--tensor: {exc}") from None
             out_kind = output_kind(header, kind or suffix_kind)
             params = sum(e.numel for e in chosen if not e.is_alias)
-            with progress_bar(params, "decode", not (quiet or no_progress)) as update:
+            with progress_bar(params, "decode", not (quiet or no_progress),
+                              lossless=any(e.mode == Mode.FLOAT for e in chosen)) as update:
                 writer = decoded_writer(stream, out_kind, names=names, threads=threads, progress=update,
                                         max_elements=max_elements)
                 write_output(output, writer, force, input_mode(input))
@@ -504,7 +505,8 @@ def report(input, as_json, input_format, plot, show_formats, qp, qp_density, qp_
             with inp.checkpoint_path(input_format) as path:
                 original = load_checkpoint(path, input_format)
             params = original.numel
-            with progress_bar(2 * params, "report", not (quiet or no_progress)) as update:
+            with progress_bar(2 * params, "report", not (quiet or no_progress),
+                              lossless=bool(settings.get("keep_exact"))) as update:
                 try:
                     data = encode_model(original, threads=threads, progress=update, **settings)
                 except TypeError as exc:

@@ -504,7 +504,7 @@ def _emit(form, out, i, sym, raw, at, W, M, z, low_bits, k):
     out[_U(i)] = value
 
 
-@inline
+@helper
 def _decode_segment(form, x0, x1, x2, x3, p, end, lo, stop, base, step, sym, up, up_mask, rans, out, raw, bit0,
                     W, M, z, low_bits, k):
     """The elements [lo, stop) of one segment: (states, read position, OK or an error code). The
@@ -591,7 +591,7 @@ def decode_floats(rans, raw, seg_len, W, M, zeros, classes, up, lut_step, lut_sy
     x0, x1, x2, x3 = _initial_states(rans)
     p = _U(2 * LANES)
     end = _U(nr)
-    bit0 = 0
+    bit0 = np.int64(0)  # (a literal 0 would type the first call of the segment loop apart, and compile it twice)
     for j in range(classes.shape[0]):
         z = np.int64(zeros[j])
         t, low_bits, k = _segment_bits(M, z)
@@ -1229,11 +1229,11 @@ def _tans_one(form, i, x0, x1, x2, x3, pos, total, base, flat, words, out, raw, 
     return x0, x1, x2, x3, pos + nb, OK
 
 
-@inline
-def _tans_segment(form, x0, x1, x2, x3, pos, total, lo, stop, base, flat, words, out, raw, bit0, W, M, z, low_bits,
-                  k, lut):
+@helper
+def _tans_segment(form, x0, x1, x2, x3, pos, total, lo, stop, base, flat, words, out, raw, bit0, W, M, z, lut):
     """The elements [lo, stop) of one segment: (states, bit position, OK or an error code); ``lut``:
-    the float bits of each k raw bits, for form LOOKUP."""
+    the float bits of each element's raw bits, for form LOOKUP."""
+    t, low_bits, k = _segment_bits(M, z)
     one = FAST if form == LOOKUP else form  # (the elements outside whole groups)
     i = lo
     while i < stop and i & 3:  # (up to the first whole group)
@@ -1308,7 +1308,7 @@ def decode_floats_tans(words, first_bit, x0, x1, x2, x3, raw, seg_len, W, M, zer
         return err
     flat = table.ravel()
     pos = np.int64(first_bit)
-    bit0 = 0
+    bit0 = np.int64(0)  # (a literal 0 would type the first call of the segment loop apart, and compile it twice)
     # LOOKUP's table for 16-bit floats dropping no bit: the sign and low mantissa bits of each k raw bits
     lut = np.empty((np.int64(1) << (M - TOP_BITS + 1)) if W == 16 else 0, dtype=np.uint16)
     for v in range(lut.shape[0]):
@@ -1322,19 +1322,19 @@ def decode_floats_tans(words, first_bit, x0, x1, x2, x3, raw, seg_len, W, M, zer
         # (constant widths where they are common, as in encode_kernel: 10-15% faster)
         if z == 0 and W == 16 and M == 7:
             x0, x1, x2, x3, pos, err = _tans_segment(LOOKUP, x0, x1, x2, x3, pos, total, lo, stop, base, flat, words,
-                                                     out, raw, bit0, 16, 7, 0, 7 - TOP_BITS, 7 - TOP_BITS + 1, lut)
+                                                     out, raw, bit0, 16, 7, 0, lut)
         elif z == 0 and W == 16 and M == 10:
             x0, x1, x2, x3, pos, err = _tans_segment(LOOKUP, x0, x1, x2, x3, pos, total, lo, stop, base, flat, words,
-                                                     out, raw, bit0, 16, 10, 0, 10 - TOP_BITS, 10 - TOP_BITS + 1, lut)
+                                                     out, raw, bit0, 16, 10, 0, lut)
         elif z == 0 and W == 32 and M == 23:
             x0, x1, x2, x3, pos, err = _tans_segment(FAST, x0, x1, x2, x3, pos, total, lo, stop, base, flat, words,
-                                                     out, raw, bit0, 32, 23, 0, 23 - TOP_BITS, 23 - TOP_BITS + 1, lut)
+                                                     out, raw, bit0, 32, 23, 0, lut)
         elif t == TOP_BITS and k <= 32:  # (as in decode_floats)
             x0, x1, x2, x3, pos, err = _tans_segment(FAST, x0, x1, x2, x3, pos, total, lo, stop, base, flat, words,
-                                                     out, raw, bit0, W, M, z, low_bits, k, lut)
+                                                     out, raw, bit0, W, M, z, lut)
         else:
             x0, x1, x2, x3, pos, err = _tans_segment(GENERAL, x0, x1, x2, x3, pos, total, lo, stop, base, flat,
-                                                     words, out, raw, bit0, W, M, z, low_bits, k, lut)
+                                                     words, out, raw, bit0, W, M, z, lut)
         if err != OK:
             return err
         bit0 += (stop - lo) * k
@@ -1361,7 +1361,7 @@ TANS_FIELDS = ("low-bit count", "low-bit counts", "class count and table precisi
                "tables", "coder states", "coder size", "coder words", "raw bits")
 
 
-@inline
+@helper
 def class_tables_at(data, pos, alphabet, min_bits, max_bits, classes, detail):
     """A substream's class count and precision, its segments' classes (into ``classes``) and
     its tables from byte ``pos`` of ``data``, each field checked against the bytes before it is

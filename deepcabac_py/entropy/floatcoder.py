@@ -25,6 +25,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from .._jit import not_yet_compiled
 from ..errors import CorruptStreamError
 from . import _float_kernels as _k
 from . import _wide_kernels as _w
@@ -87,6 +88,12 @@ _ERRORS = {
 
 
 @functools.lru_cache(maxsize=1024)  # (asked for each entry and chunk, of a model's few dozen shapes)
+def first_call_compiles(decoder: bool) -> bool:
+    """Whether the first lossless decode (``decoder``) or encode of this process compiles the float
+    coder's kernels (those of small and mid-sized chunks: every model has some)."""
+    return not_yet_compiled(_k.decode_tans_substream if decoder else _k.encode_tans_substream)
+
+
 def segment_length(shape: tuple[int, ...]) -> int:
     """Elements per segment of a tensor of this shape (format: docs/format.md §4.4)."""
     numel = math.prod(shape)
