@@ -19,8 +19,10 @@ decoded in 13.3 ms instead of 11.4. The loops over a whole segment are ``helper`
 per segment: each constant form or width (literal arguments) is a specialisation compiled on its
 own, where the inlining pass had copied the whole loop, its nested helpers with it, into the kernel
 at every call site, at a cost that grows faster than the code. The lossless golden stream's decode
-then compiled in 46 s instead of 69, and decoded as fast. (Numba does not prune a branch on a
-literal argument: every branch of a specialisation is compiled.)
+then compiled in 46 s instead of 69, and decoded as fast. Numba does not prune a branch on a
+literal argument: every branch of a specialisation is compiled. Where the branches are loops of
+one float format each, an ``overload`` chooses them by the array's type as the kernel compiles
+(``_split_at_constant_widths``).
 
 ``parallel_kernel`` is for the few kernels that split independent rows across threads with
 ``numba.prange`` (the entropy-bounded matrix formats). Launching a parallel region costs a few
