@@ -261,8 +261,8 @@ def _encode_by_groups(words, lo, stop, W, M, symbols, raw_out, acc, nacc, nraw):
 
 def _split_at_constant_widths(words, lo, stop, M, symbols, raw_out, acc, nacc, nraw):
     """:func:`_encode_by_groups` of a bf16, fp16 or fp32 segment dropping no bit, its widths as
-    constants."""
-    raise NotImplementedError("compiled code only")
+    constants. (What runs with the JIT off: compiled, the overload below stands in for it.)"""
+    return _encode_by_groups(words, lo, stop, 8 * words.dtype.itemsize, M, symbols, raw_out, acc, nacc, nraw)
 
 
 @overload(_split_at_constant_widths)
