@@ -155,6 +155,14 @@ def compile_notice(task: str, quantizer: str | None, lossless: bool = False) -> 
         click.echo("deepcabac: compiling kernels (first run only, 10 s to a minute)", err=True)
 
 
+def holds_lossless_floats(entries) -> bool:
+    """Whether any of these stream entries is a float tensor coded bit-exactly (its decoder's
+    kernels are the float coder's)."""
+    from deepcabac_py.model.container import Mode
+
+    return any(e.mode == Mode.FLOAT for e in entries)
+
+
 @contextmanager
 def progress_bar(total: int | None, desc: str, enabled: bool, quantizer: str | None = None, lossless: bool = False):
     """A progress callback (None when not ``enabled``): a bar on stderr when it is a terminal (counts

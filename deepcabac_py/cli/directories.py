@@ -10,7 +10,7 @@ import click
 
 from deepcabac_py.model.report import build_report
 
-from .common import echo_info, progress_bar, ratio_words
+from .common import echo_info, holds_lossless_floats, progress_bar, ratio_words
 
 
 def encode_directory_command(src: str, dst: str, force: bool, threads, show_progress: bool, quiet: bool,
@@ -44,7 +44,7 @@ def encode_directory_command(src: str, dst: str, force: bool, threads, show_prog
 
 def decode_directory_command(src: str, dst: str, force: bool, threads, max_elements, show_progress: bool,
                              quiet: bool, verbose: bool) -> None:
-    from deepcabac_py.model.container import Mode, read_header_file
+    from deepcabac_py.model.container import read_header_file
     from deepcabac_py.model.files import decode_directory, stream_directory
 
     streams, _ = stream_directory(src)
@@ -52,7 +52,7 @@ def decode_directory_command(src: str, dst: str, force: bool, threads, max_eleme
     for rel in streams:
         header = read_header_file(os.path.join(src, rel))
         total += sum(e.numel for e in header.tensors if not e.is_alias)
-        lossless = lossless or any(e.mode == Mode.FLOAT for e in header.tensors)
+        lossless = lossless or holds_lossless_floats(header.tensors)
     with progress_bar(total, "decode", show_progress, lossless=lossless) as update:
         result = decode_directory(src, dst, force=force, threads=threads, progress=update, max_elements=max_elements)
     for name, out, size_in, size_out in result.shards:

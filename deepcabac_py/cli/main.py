@@ -18,7 +18,7 @@ import click
 from deepcabac_py import __version__
 from deepcabac_py.errors import DeepCabacError, InputError
 from deepcabac_py.io.kinds import KINDS
-from deepcabac_py.model.container import Mode, is_model_stream, read_header
+from deepcabac_py.model.container import is_model_stream, read_header
 from deepcabac_py.model.report import build_report, format_report
 from deepcabac_py.model.settings import DEFAULT_MOMENTS_QP, DEFAULT_QP, DEFAULT_QP_DENSITY, DEFAULT_QUANTIZER
 from deepcabac_py.quant.quantizers import QUANTIZERS
@@ -33,6 +33,7 @@ from .common import (
     check_output,
     each_input,
     echo_info,
+    holds_lossless_floats,
     input_mode,
     progress_bar,
     ratio_words,
@@ -396,7 +397,7 @@ def decode(inputs, output, tensors, to_stdout, force, remove, keep, kind, max_el
             out_kind = output_kind(header, kind or suffix_kind)
             params = sum(e.numel for e in chosen if not e.is_alias)
             with progress_bar(params, "decode", not (quiet or no_progress),
-                              lossless=any(e.mode == Mode.FLOAT for e in chosen)) as update:
+                              lossless=holds_lossless_floats(chosen)) as update:
                 writer = decoded_writer(stream, out_kind, names=names, threads=threads, progress=update,
                                         max_elements=max_elements)
                 write_output(output, writer, force, input_mode(input))

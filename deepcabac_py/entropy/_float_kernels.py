@@ -804,10 +804,7 @@ def cost_table() -> np.ndarray:
 
 @helper
 def _gamma_length(v):
-    k = 0
-    while (v >> (k + 1)) > 0:
-        k += 1
-    return 2 * k + 1
+    return 2 * _floor_log2(v) + 1
 
 
 # The gamma code's length of each frequency (1 to PROB_SCALE), looked up: the class choice prices

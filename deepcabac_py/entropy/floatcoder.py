@@ -87,13 +87,13 @@ _ERRORS = {
 }
 
 
-@functools.lru_cache(maxsize=1024)  # (asked for each entry and chunk, of a model's few dozen shapes)
 def first_call_compiles(decoder: bool) -> bool:
     """Whether the first lossless decode (``decoder``) or encode of this process compiles the float
     coder's kernels (those of small and mid-sized chunks: every model has some)."""
     return not_yet_compiled(_k.decode_tans_substream if decoder else _k.encode_tans_substream)
 
 
+@functools.lru_cache(maxsize=1024)  # (asked for each entry and chunk, of a model's few dozen shapes)
 def segment_length(shape: tuple[int, ...]) -> int:
     """Elements per segment of a tensor of this shape (format: docs/format.md §4.4)."""
     numel = math.prod(shape)
