@@ -21,8 +21,8 @@ from reference_float_coder import encode_tz as ref_encode_tz
 from reference_float_coder import encode_wide as ref_encode_wide
 
 import deepcabac_py as dc
+from deepcabac_py.entropy import _vector_kernels, floatcoder
 from deepcabac_py.entropy import _wide_kernels as _w
-from deepcabac_py.entropy import floatcoder
 from deepcabac_py.errors import CorruptStreamError
 from deepcabac_py.model.container import Mode, read_header
 
@@ -951,15 +951,22 @@ def test_mode_5_takes_large_float32_chunks_whose_trailing_zeros_pay_and_mode_3_t
     assert floatcoder.revision_of([wide, narrow], "float32") == floatcoder.TZ_WIDE_REVISION | floatcoder.TZ_REVISION
 
 
-def test_the_scalar_steps_give_the_vector_steps_bytes_and_values(tmp_path):
-    """Processors without AVX-512's VBMI and VBMI2 run modes 4 and 5 and the 16-bit split one
-    element at a time: their tests again (reference bytes, round trips, damage, golden substreams) with that
-    path forced, in a Numba cache of its own (a cached kernel keeps the steps it was compiled
-    with)."""
+# the vector tiers below this processor's: each forced in a subprocess (this process runs its own)
+_LOWER_TIERS = {"avx512": ["avx2", None], "avx2": [None], None: []}[_vector_kernels.VECTOR_LEVEL]
+
+
+@pytest.mark.parametrize("tier", _LOWER_TIERS or [pytest.param(None, marks=pytest.mark.skip(reason="no lower tier"))],
+                         ids=lambda tier: tier or "scalar")
+def test_the_lower_tiers_give_this_processors_bytes_and_values(tmp_path, tier):
+    """Processors without AVX-512's VBMI and VBMI2 run modes 4 and 5 and the 16-bit split with
+    AVX2's steps, and those without AVX2 one element at a time: their tests again (reference
+    bytes, round trips, damage, golden substreams) with each lower tier forced, in a Numba cache
+    of its own (a cached kernel keeps the steps it was compiled with)."""
     tests = Path(__file__).resolve().parent
-    env = dict(os.environ, DEEPCABAC_SCALAR_STEPS="1", NUMBA_CACHE_DIR=str(tmp_path))
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
+    env.update({"DEEPCABAC_AVX2_STEPS": "1"} if tier else {"DEEPCABAC_SCALAR_STEPS": "1"})
     env.pop("DEEPCABAC_REGEN_GOLDEN", None)
-    check = "from deepcabac_py.entropy import _vector_kernels as v; assert not v.VECTOR_STEPS"
+    check = f"from deepcabac_py.entropy import _vector_kernels as v; assert v.VECTOR_LEVEL == {tier!r}"
     subprocess.run([sys.executable, "-c", check], env=env, check=True, timeout=300)
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0",
                            "-k", "mode_4 or mode_5 or 16bit_split",

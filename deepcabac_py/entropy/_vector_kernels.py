@@ -2,10 +2,12 @@
 
 Numba does not vectorise a loop whose iterations share a position in a bit stream or a word
 stream, which is every loop of an entropy coder. The steps here take sixteen floats at a time in
-AVX-512 registers, with the instructions the scalar loops cannot reach (gathers, expanding
-loads, compresses, byte permutes); :data:`VECTOR_STEPS` says whether the processor the kernels are
-compiled for has them. Every step has a scalar twin in its kernel module that writes the same
-bytes (the tests run both).
+vector registers, with the instructions the scalar loops cannot reach (gathers, expanding loads,
+compresses, byte permutes). :data:`VECTOR_LEVEL` says which instructions the processor the kernels
+are compiled for has: AVX-512 with VBMI and VBMI2, where each of those is one instruction, or AVX2,
+where a step takes two halves of eight lanes, a gather is a load per lane, and the expanding load
+and the compress are a permute of eight lanes by a table of 256 rows. Every step has a scalar twin
+in its kernel module that writes the same bytes (the tests run every tier).
 """
 
 from __future__ import annotations
@@ -50,10 +52,131 @@ class Step:
         except KeyError:
             return ir.Function(self.b.module, ir.FunctionType(ret, args), name=name)
 
-    def at(self, k, index, t):
-        """A pointer to GROUP elements of type ``t`` from ``index`` of array argument ``k``."""
+    def at(self, k, index, t, n=GROUP):
+        """A pointer to ``n`` elements of type ``t`` from ``index`` of array argument ``k``."""
         data = self.context.make_array(self.types[k])(self.context, self.b, self.args[k]).data
-        return self.b.bitcast(self.b.gep(self.b.bitcast(data, t.as_pointer()), [index]), self.vec(t).as_pointer())
+        return self.b.bitcast(self.b.gep(self.b.bitcast(data, t.as_pointer()), [index]), self.vec(t, n).as_pointer())
+
+    def half(self, vector, h, n=GROUP // 2):
+        """Lanes ``h * n`` to ``h * n + n - 1`` of ``vector``."""
+        return self.b.shuffle_vector(vector, vector, self.const(I32, range(h * n, h * n + n)))
+
+    def joined(self, parts):
+        """The vectors ``parts`` (of equal lengths, a power of two of them) one after another."""
+        while len(parts) > 1:
+            n = 2 * parts[0].type.count
+            parts = [self.b.shuffle_vector(parts[j], parts[j + 1], self.const(I32, range(n)))
+                     for j in range(0, len(parts), 2)]
+        return parts[0]
+
+    def table(self, name, rows):
+        """A constant table of the module (rows of eight bytes, one i64 each), made once."""
+        try:
+            return self.b.module.get_global(name)
+        except KeyError:
+            kind = ir.ArrayType(I64, len(rows))
+            table = ir.GlobalVariable(self.b.module, kind, name=name)
+            table.initializer = ir.Constant(kind, [int.from_bytes(bytes(r), "little") for r in rows])
+            table.global_constant = True
+            table.linkage = "internal"
+            return table
+
+    def permute8(self, vector, mask, name, rows):
+        """``vector`` (eight i32 lanes) permuted by row ``mask`` (an i8 of lane bits) of the table
+        ``rows`` (256 rows of eight lane indices): AVX2's stand-in for a compress or an expand."""
+        b = self.b
+        row = b.load(b.gep(self.table(name, rows), [ir.Constant(I32, 0), b.zext(mask, I32)]), align=8)
+        index = b.zext(b.bitcast(row, self.vec(I8, 8)), self.vec(I32, 8))
+        permd = self.intrinsic("llvm.x86.avx2.permd", self.vec(I32, 8), [self.vec(I32, 8), self.vec(I32, 8)])
+        return b.call(permd, [vector, index])
+
+    def expanded_words(self, k, p, need):
+        """The next 16-bit words of array argument ``k`` from ``p``, one to each lane set in
+        ``need`` in lane order (zero-extended to i32; the other lanes undefined): (those lanes, the
+        index after the words taken). AVX2 loads eight words for each half: sixteen from ``p`` at
+        most, as the expanding load may read."""
+        b = self.b
+        if VECTOR_LEVEL == "avx512":
+            expand = self.intrinsic("llvm.masked.expandload.v16i16", self.vec(I16),
+                                    [I16.as_pointer(), self.vec(I1), self.vec(I16)])
+            w = b.call(expand, [b.bitcast(self.at(k, p, I16), I16.as_pointer()), need,
+                                ir.Constant(self.vec(I16), None)])
+            return b.zext(w, self.vec(I32)), b.add(p, self.count(need))
+        popcount = self.intrinsic("llvm.ctpop.i8", I8, [I8])
+        parts = []
+        for h in range(2):
+            mask = b.bitcast(self.half(need, h), I8)
+            words = b.zext(b.load(self.at(k, p, I16, 8), align=2), self.vec(I32, 8))
+            parts.append(self.permute8(words, mask, "deepcabac_expand8", EXPAND_ROWS))
+            p = b.add(p, b.zext(b.call(popcount, [mask]), I64))
+        return self.joined(parts), p
+
+    def stored_before(self, k, t, values, push):
+        """Store the low 16 bits of the lanes of ``values`` set in ``push``, in lane order, just
+        before index ``t`` of array argument ``k`` (a uint16 array), in stores that reach no lower
+        than ``t - 16`` (the lanes below the words are left for the next group to overwrite):
+        their count, an int64. (AVX-512 compresses in a register and rotates the words to the top
+        lanes: the compressing store to memory took 3.6 ns per element, a masked store of the low
+        lanes 0.3 more than this, scratch; AVX2 compresses each half to its top lanes by a table.)"""
+        b = self.b
+        count = self.count(push)
+        if VECTOR_LEVEL == "avx512":
+            compress = self.intrinsic("llvm.x86.avx512.mask.compress.v16i16", self.vec(I16),
+                                      [self.vec(I16), self.vec(I16), self.vec(I1)])
+            words = b.call(compress, [b.trunc(values, self.vec(I16)), ir.Constant(self.vec(I16), None), push])
+            permute = self.intrinsic("llvm.x86.avx512.permvar.hi.256", self.vec(I16), [self.vec(I16), self.vec(I16)])
+            words = b.call(permute, [words, b.add(self.const(I16, range(GROUP)), self.splat(b.trunc(count, I16), I16))])
+            b.store(words, self.at(k, b.sub(t, ir.Constant(I64, GROUP)), I16), align=2)
+            return count
+        popcount = self.intrinsic("llvm.ctpop.i8", I8, [I8])
+        for h in (1, 0):
+            mask = b.bitcast(self.half(push, h), I8)
+            words = self.permute8(self.half(values, h), mask, "deepcabac_compress8_top", COMPRESS_TOP_ROWS)
+            b.store(b.trunc(words, self.vec(I16, 8)), self.at(k, b.sub(t, ir.Constant(I64, 8)), I16, 8), align=2)
+            t = b.sub(t, b.zext(b.call(popcount, [mask]), I64))
+        return count
+
+    def lookup16(self, values, index):
+        """Lane j of the constant ``values`` (sixteen int32) for each lane's ``index`` (0 to 15):
+        one permute with AVX-512, two of eight and a select with AVX2."""
+        b = self.b
+        if VECTOR_LEVEL == "avx512":
+            permute = self.intrinsic("llvm.x86.avx512.permvar.si.512", self.vec(I32), [self.vec(I32), self.vec(I32)])
+            return b.call(permute, [self.const(I32, values), index])
+        permd = self.intrinsic("llvm.x86.avx2.permd", self.vec(I32, 8), [self.vec(I32, 8), self.vec(I32, 8)])
+        low, high = ([b.call(permd, [self.const(I32, values[h:h + 8]), self.half(index, j)]) for j in range(2)]
+                     for h in (0, 8))
+        return b.select(b.icmp_unsigned(">", index, self.const(I32, [7] * GROUP)), self.joined(high), self.joined(low))
+
+    def words_at(self, k, at, first):
+        """Each lane's four bytes of array argument ``k`` from byte ``at + first`` (``first``: an
+        int32 per lane, below 61): the lanes of one 64-byte window, picked by a byte permute with
+        AVX-512, loaded one by one with AVX2."""
+        b = self.b
+        data = b.bitcast(self.at(k, at, I8), I8.as_pointer())
+        if VECTOR_LEVEL == "avx512":
+            pick = b.add(b.mul(first, self.const(I32, [0x01010101] * GROUP)), self.const(I32, [0x03020100] * GROUP))
+            window = b.load(b.bitcast(data, self.vec(I8, 64).as_pointer()), align=1)
+            permute = self.intrinsic("llvm.x86.avx512.permvar.qi.512", self.vec(I8, 64),
+                                     [self.vec(I8, 64), self.vec(I8, 64)])
+            return b.bitcast(b.call(permute, [window, b.bitcast(pick, self.vec(I8, 64))]), self.vec(I32))
+        out = ir.Constant(self.vec(I32), ir.Undefined)
+        for lane in range(GROUP):
+            start = b.gep(data, [b.zext(b.extract_element(first, ir.Constant(I32, lane)), I64)])
+            out = b.insert_element(out, b.load(b.bitcast(start, I32.as_pointer()), align=1), ir.Constant(I32, lane))
+        return out
+
+    def loaded(self, base, index):
+        """The elements of the pointer ``base`` at each lane's int32 ``index`` (nonnegative), a load
+        each: AVX2's gather. (Zen 3's gather instruction took as long, scratch; on Intel's
+        processors the fix for Gather Data Sampling makes it slower.)"""
+        b = self.b
+        kind = base.type.pointee
+        out = ir.Constant(ir.VectorType(kind, index.type.count), ir.Undefined)
+        for lane in range(index.type.count):
+            at = b.zext(b.extract_element(index, ir.Constant(I32, lane)), I64)
+            out = b.insert_element(out, b.load(b.gep(base, [at]), align=kind.width // 8), ir.Constant(I32, lane))
+        return out
 
     def below(self, n):
         """The mask of the lanes below ``n`` (an int64)."""
@@ -65,9 +188,12 @@ class Step:
 
     def gather32(self, k, index):
         """The 4-byte elements of array argument ``k`` at the lanes' int32 ``index``: one gather of
-        32-bit indices (LLVM's generic gather takes 64-bit addresses, twice the instructions)."""
+        32-bit indices (LLVM's generic gather takes 64-bit addresses, twice the instructions); with
+        AVX2, :meth:`loaded`."""
         b = self.b
         data = self.context.make_array(self.types[k])(self.context, b, self.args[k]).data
+        if VECTOR_LEVEL != "avx512":
+            return self.loaded(b.bitcast(data, I32.as_pointer()), index)
         gather = self.intrinsic("llvm.x86.avx512.mask.gather.dpi.512", self.vec(I32),
                                 [self.vec(I32), I8.as_pointer(), self.vec(I32), self.vec(I1), I32])
         return b.call(gather, [ir.Constant(self.vec(I32), None), b.bitcast(data, I8.as_pointer()), index,
@@ -76,17 +202,21 @@ class Step:
     def rows(self, lo, hi, split, slot):
         """The table (argument 2, 8-byte entries) at int32 ``slot`` of row ``lo`` for the lanes below
         ``split``, of row ``hi`` for the others: (the entries' low halves, their high halves), from
-        two gathers of eight by 32-bit indices, parted by two permutes (a gather of sixteen 64-bit
-        addresses and lane-by-lane narrowing took a dozen more instructions)."""
+        two gathers of eight by 32-bit indices (AVX2: :meth:`loaded`), parted by two permutes (a
+        gather of sixteen 64-bit addresses and lane-by-lane narrowing took a dozen more
+        instructions)."""
         b = self.b
         index = b.add(self.lanes(b.trunc(lo, I32), b.trunc(hi, I32), split, I32), slot)
         data = self.context.make_array(self.types[2])(self.context, b, self.args[2]).data
-        gather = self.intrinsic("llvm.x86.avx512.mask.gather.dpq.512", self.vec(I64, 8),
-                                [self.vec(I64, 8), I8.as_pointer(), self.vec(I32, 8), self.vec(I1, 8), I32])
-        parts = [b.bitcast(b.call(gather, [ir.Constant(self.vec(I64, 8), None), b.bitcast(data, I8.as_pointer()),
-                                           b.shuffle_vector(index, index, self.const(I32, range(h, h + 8))),
-                                           self.const(I1, [1] * 8), ir.Constant(I32, 8)]), self.vec(I32))
-                 for h in (0, GROUP // 2)]
+        if VECTOR_LEVEL != "avx512":
+            entries = b.bitcast(self.loaded(b.bitcast(data, I64.as_pointer()), index), self.vec(I32, 2 * GROUP))
+            parts = [self.half(entries, h, GROUP) for h in range(2)]
+        else:
+            gather = self.intrinsic("llvm.x86.avx512.mask.gather.dpq.512", self.vec(I64, 8),
+                                    [self.vec(I64, 8), I8.as_pointer(), self.vec(I32, 8), self.vec(I1, 8), I32])
+            parts = [b.bitcast(b.call(gather, [ir.Constant(self.vec(I64, 8), None), b.bitcast(data, I8.as_pointer()),
+                                               self.half(index, h), self.const(I1, [1] * 8), ir.Constant(I32, 8)]),
+                               self.vec(I32)) for h in range(2)]
         return (b.shuffle_vector(parts[0], parts[1], self.const(I32, range(0, 2 * GROUP, 2))),
                 b.shuffle_vector(parts[0], parts[1], self.const(I32, range(1, 2 * GROUP, 2))))
 
@@ -96,24 +226,52 @@ class Step:
         return self.b.zext(self.b.call(popcount, [self.b.bitcast(mask, I16)]), I64)
 
 
-def _vector_steps() -> bool:
-    """Whether the kernels are compiled for a processor with AVX-512's 16-bit compress and expand
-    (VBMI2, with BW and VL) and byte permutes (VBMI): the steps' expanding load, register compress
-    and byte shuffles need them to be single instructions (elsewhere LLVM would load lane by lane,
-    or not compile the compress at all). Else, or with DEEPCABAC_SCALAR_STEPS=1 (the tests run
-    both), the kernels go one element at a time: the same bytes, slower."""
+def _vector_level() -> str | None:
+    """The vector steps' instructions on the processor the kernels are compiled for: "avx512"
+    (AVX-512 F, BW, VL, VBMI and VBMI2: the expanding load, register compress and byte permutes
+    are single instructions), "avx2" (permutes of eight 32-bit lanes and a load per lane for a
+    gather), or None: with neither, with a Numba cache for another processor, or with
+    DEEPCABAC_SCALAR_STEPS=1, the kernels go one element at a time: the same bytes, slower.
+    DEEPCABAC_AVX2_STEPS=1 takes the AVX2 steps on an AVX-512 processor (the tests run every tier
+    the processor has)."""
     if numba.config.DISABLE_JIT or os.environ.get("DEEPCABAC_SCALAR_STEPS") == "1":
-        return False
+        return None
     if numba.config.CPU_NAME not in (None, "host"):
-        return False  # (a portable cache for another processor: no vector instruction assumed)
+        return None  # (a portable cache for another processor: no vector instruction assumed)
     features = numba.config.CPU_FEATURES
     if features is None:
         features = llvm.get_host_cpu_features().flatten()
     have = set(features.split(","))
-    return {"+avx512f", "+avx512bw", "+avx512vl", "+avx512vbmi", "+avx512vbmi2"} <= have
+    avx512 = {"+avx512f", "+avx512bw", "+avx512vl", "+avx512vbmi", "+avx512vbmi2"} <= have
+    if avx512 and os.environ.get("DEEPCABAC_AVX2_STEPS") != "1":
+        return "avx512"
+    if {"+avx2", "+popcnt"} <= have:
+        return "avx2"
+    return None
 
 
-VECTOR_STEPS = _vector_steps()
+VECTOR_LEVEL = _vector_level()
+VECTOR_STEPS = VECTOR_LEVEL is not None
+
+
+def _expand_rows():
+    """Row m: for each of eight lanes, the rank of its bit among those set in m (an expanding
+    load's word for it); 0 for a lane whose bit is clear."""
+    return [[bin(m & ((1 << lane) - 1)).count("1") if m >> lane & 1 else 0 for lane in range(8)] for m in range(256)]
+
+
+def _compress_top_rows():
+    """Row m: for each of eight lanes, the lane whose bit set in m a compress to the top lanes
+    puts there (the last lane set to lane 7, the one before to lane 6, ...); 0 below those."""
+    rows = []
+    for m in range(256):
+        taken = [lane for lane in range(8) if m >> lane & 1]
+        rows.append([0] * (8 - len(taken)) + taken)
+    return rows
+
+
+EXPAND_ROWS = _expand_rows()
+COMPRESS_TOP_ROWS = _compress_top_rows()
 
 
 @inline

@@ -6,7 +6,9 @@ interleaved rANS states instead of four tANS states: the decoder then takes sixt
 time in vector registers, one gather of their table entries, one expanding load of the words the
 sixteen states renormalise with, their raw bits cut from one load. A scalar tANS step is bound by
 its instructions (about 1.3 ns per element on MiniLM's bf16 word embeddings, 1.5 on fp32,
-scratch); the sixteen-wide steps decode those chunks at about 0.9 ns per element.
+scratch, Zen 4); the sixteen-wide steps decode those chunks at about 0.9 ns per element with
+AVX-512. With AVX2 (Zen 3) the steps take 1.3 ns per element on that bf16 chunk against tANS's 1.65
+there, one element at a time 3.0 (:mod:`._vector_kernels` says how each tier does a step).
 
 Element i uses state ``16 * (g % 4) + i % 16`` of group ``g = i // 16``: four sets of sixteen
 states take turns, so that one group's gather latency overlaps the next three. A group decodes its
@@ -56,7 +58,7 @@ from ._float_kernels import (
     tz_raw_words,
     tz_value,
 )
-from ._vector_kernels import GROUP, I1, I8, I16, I32, I64, VECTOR_STEPS, Step, fields, window
+from ._vector_kernels import GROUP, I8, I16, I32, I64, VECTOR_STEPS, Step, fields, window
 
 WIDE_LANES = 64  # four sets of sixteen states
 WIDE_L = 1 << 16  # states stay in [WIDE_L, 2**32); renormalisation moves 16 bits
@@ -96,14 +98,13 @@ def _states(v, lane0, precision):
 
 def _renormalised(v, states_at, x, p):
     """Store the decoded states ``x``, those below WIDE_L first taking the next words (argument 6,
-    from ``p``) in lane order, by one expanding load; returns the next word's index."""
+    from ``p``) in lane order, by an expanding load (:meth:`Step.expanded_words`); returns the next
+    word's index."""
     b = v.b
     need = b.icmp_unsigned("<", x, v.const(I32, [WIDE_L] * GROUP))
-    expand = v.intrinsic("llvm.masked.expandload.v16i16", v.vec(I16), [I16.as_pointer(), v.vec(I1), v.vec(I16)])
-    w = b.call(expand, [b.bitcast(v.at(6, p, I16), I16.as_pointer()), need, ir.Constant(v.vec(I16), None)])
-    b.store(b.select(need, b.or_(b.shl(x, v.const(I32, [16] * GROUP)), b.zext(w, v.vec(I32))), x), states_at,
-            align=4)
-    return b.add(p, v.count(need))
+    w, p = v.expanded_words(6, p, need)
+    b.store(b.select(need, b.or_(b.shl(x, v.const(I32, [16] * GROUP)), w), x), states_at, align=4)
+    return p
 
 
 def _decode_step(W, M):
@@ -189,12 +190,11 @@ def _tz_step():
             # each lane's raw bit count, their mask, the shift of the bits above the sign and the
             # implied lowest set bit, by its capped count c (one permute each: TZ_CAP + 1 = 16 lanes)
             c = b.and_(symbol, v.const(I32, [TZ_CAP] * GROUP))
-            by_count = v.intrinsic("llvm.x86.avx512.permvar.si.512", v.vec(I32), [v.vec(I32), v.vec(I32)])
             layout = [tz_layout.py_func(j) for j in range(GROUP)]
-            k = b.call(by_count, [v.const(I32, [int(n) for n, _, _ in layout]), c])
-            ones = b.call(by_count, [v.const(I32, [(1 << int(n)) - 1 for n, _, _ in layout]), c])
-            shift = b.call(by_count, [v.const(I32, [int(s) for _, s, _ in layout]), c])
-            implied = b.call(by_count, [v.const(I32, [int(m) for _, _, m in layout]), c])
+            k = v.lookup16([int(n) for n, _, _ in layout], c)
+            ones = v.lookup16([(1 << int(n)) - 1 for n, _, _ in layout], c)
+            shift = v.lookup16([int(s) for _, s, _ in layout], c)
+            implied = v.lookup16([int(m) for _, _, m in layout], c)
             # their sums, eight lanes at a time in the bytes of a 64-bit word (at most 8 (TZ_L + 1) < 256):
             # a multiply by 0x0101010101010101 adds each byte to those above it
             pairs = b.bitcast(b.trunc(k, v.vec(I8)), v.vec(I64, 2))
@@ -205,11 +205,7 @@ def _tz_step():
             offset = b.add(b.sub(total, k), v.splat(b.trunc(b.and_(at_, ir.Constant(I64, 7)), I32), I32))
             # (a lane's bits start in its first byte at most 7 bits up: 7 + TZ_L + 1 bits fit its four bytes)
             first = b.lshr(offset, v.const(I32, [3] * GROUP))
-            pick = b.add(b.mul(first, v.const(I32, [0x01010101] * GROUP)), v.const(I32, [0x03020100] * GROUP))
-            raw_at = v.at(8, b.lshr(at_, ir.Constant(I64, 3)), I8)
-            raw_bytes = b.load(b.bitcast(raw_at, v.vec(I8, 64).as_pointer()), align=1)
-            permute = v.intrinsic("llvm.x86.avx512.permvar.qi.512", v.vec(I8, 64), [v.vec(I8, 64), v.vec(I8, 64)])
-            r = b.bitcast(b.call(permute, [raw_bytes, b.bitcast(pick, v.vec(I8, 64))]), v.vec(I32))
+            r = v.words_at(8, b.lshr(at_, ir.Constant(I64, 3)), first)
             r = b.lshr(r, b.and_(offset, v.const(I32, [7] * GROUP)))
             r = b.and_(r, ones)
             # the float: the sign (the raw bits' first), the symbol above the low bits, the rest of
@@ -233,8 +229,8 @@ def _vector_encode16(typingctx, states, lane0, table, base_lo, base_hi, split, s
     undoes), table rows as the decoder's; ``table`` holds each symbol's frequency | start << 16
     (4-byte entries: one gather of 32-bit indices). The words the group pushes go just before
     ``pushed[t]``, in lane order (the groups go from the last to the first, so the words come out
-    in the stream's order), in a store of sixteen words whose lanes below them the next group
-    overwrites; returns the next ``t``."""
+    in the stream's order), in stores that reach at most sixteen words below ``t``, the words
+    below the group's for the next group to overwrite; returns the next ``t``."""
     def codegen(context, builder, signature, args):
         v = Step(context, builder, signature, args)
         b = builder
@@ -248,17 +244,7 @@ def _vector_encode16(typingctx, states, lane0, table, base_lo, base_hi, split, s
         # (x >= f << (32 - precision), in 32 bits)
         push = b.icmp_unsigned(">=", b.lshr(x, v.splat(b.trunc(b.sub(ir.Constant(I64, 32), precision_), I32), I32)),
                                f)
-        # (compressed in a register and rotated to the top lanes, then stored whole: this machine's
-        # compressing store to memory took 3.6 ns per element, a masked store of the low lanes
-        # 0.3 more than this, scratch)
-        compress = v.intrinsic("llvm.x86.avx512.mask.compress.v16i16", v.vec(I16),
-                               [v.vec(I16), v.vec(I16), v.vec(I1)])
-        words = b.call(compress, [b.trunc(x, v.vec(I16)), ir.Constant(v.vec(I16), None), push])
-        count = v.count(push)
-        permute = v.intrinsic("llvm.x86.avx512.permvar.hi.256", v.vec(I16), [v.vec(I16), v.vec(I16)])
-        top = b.add(v.const(I16, range(GROUP)), v.splat(b.trunc(count, I16), I16))
-        words = b.call(permute, [words, top])
-        b.store(words, v.at(8, b.sub(t_, ir.Constant(I64, GROUP)), I16), align=2)
+        count = v.stored_before(8, t_, x, push)
         x = b.select(push, b.lshr(x, v.const(I32, [16] * GROUP)), x)
         # x div f exactly: x < 2**32 and f <= 2**13, so the double quotient never rounds up to the
         # next integer
