@@ -16,6 +16,7 @@ import numpy as np
 
 from ..errors import CorruptStreamError
 from ..io.dtypes import carrier
+from . import portable
 
 __all__ = ["LOG_DTYPES", "MAX_OFFSET", "log_levels", "log_values"]
 
@@ -34,7 +35,7 @@ def log_levels(values: np.ndarray, step: float) -> tuple[np.ndarray, int]:
     if not nonzero.any():
         return levels, 0
     mag = np.abs(flat[nonzero])
-    k = np.rint(np.log2(mag) / step).astype(np.int64)
+    k = np.rint(portable.log2(mag) / step).astype(np.int64)
     offset = int(k.min()) - 1
     span = int(k.max()) - offset
     if span >= 2**31 - 1 or abs(offset) > MAX_OFFSET:
@@ -57,7 +58,7 @@ def log_values(levels: np.ndarray, offset: int, step: float, dtype: str) -> np.n
     info = np.finfo(out_type)
     # ((|level| + offset) * step) is exact in float64: the step is dyadic with few significant bits
     with np.errstate(over="ignore", under="ignore"):
-        x = np.exp2((mag + offset).astype(np.float64) * step)
+        x = portable.exp2((mag + offset).astype(np.float64) * step)
     x = np.clip(x, float(info.smallest_subnormal), float(info.max)).astype(out_type)
     x[lv == 0] = 0
     np.negative(x, out=x, where=lv < 0)

@@ -40,6 +40,7 @@ from ..model.decoder import decode_checkpoint, read_stream_header
 from ..model.encoder import encode_model
 from ..model.optimizer_state import FIRST_MOMENT, SECOND_MOMENT, role_of
 from ..model.settings import DEFAULT_MOMENTS_QP, matches
+from ..quant import portable
 from .records import SeriesFile
 
 __all__ = ["CheckpointSeries", "SeriesEntry", "DEFAULT_KEY_EVERY", "DEFAULT_SERIES_QP"]
@@ -280,15 +281,17 @@ def _prediction(tensors: dict[str, Any], parent: dict[str, Any], moment: str, co
 
 
 def _fitted(change: np.ndarray, now: np.ndarray, before: np.ndarray) -> tuple[float, float] | None:
-    """Least-squares coefficients of ``change`` on two directions, None where they do not hold."""
+    """Least-squares coefficients of ``change`` on two directions, None where they do not hold. (The
+    sums and the 2 x 2 solve in an order no processor changes: the coefficients are written.)"""
     a, b, d = now.ravel(), before.ravel(), change.ravel()
-    g = np.array([[np.dot(a, a), np.dot(a, b)], [np.dot(a, b), np.dot(b, b)]])
-    r = np.array([np.dot(a, d), np.dot(b, d)])
+    aa, ab, bb = portable.dot(a, a), portable.dot(a, b), portable.dot(b, b)
+    ad, bd = portable.dot(a, d), portable.dot(b, d)
     with np.errstate(all="ignore"):
-        if not np.all(np.isfinite(g)) or abs(np.linalg.det(g)) <= 1e-12 * max(g[0, 0] * g[1, 1], 1e-300):
+        det = aa * bb - ab * ab
+        if not np.all(np.isfinite([aa, ab, bb, det])) or abs(det) <= 1e-12 * max(aa * bb, 1e-300):
             return None
-        c = np.linalg.solve(g, r)
-    return (float(c[0]), float(c[1])) if np.all(np.isfinite(c)) else None
+        c = ((ad * bb - ab * bd) / det, (aa * bd - ab * ad) / det)
+    return c if np.all(np.isfinite(c)) else None
 
 
 def _predictions(where: str, listed: Any, residuals: list[str],
@@ -332,7 +335,7 @@ def _applied(where: str, name: str, change: Any, parent: Any, kind: str, extra: 
     else:
         if kind == LOG_RATIO:
             with np.errstate(over="ignore", under="ignore"):
-                factor = np.exp2(factor)
+                factor = portable.exp2(factor)
         value = base * factor
     return numpy_to_tensor(_to_carrier(value, dtype), dtype, is_torch)
 
@@ -563,7 +566,8 @@ def _residual_checkpoint(ckpt: Checkpoint, parent: Checkpoint) -> tuple[Checkpoi
             if (not np.any((b == 0) & (x != 0)) and np.all(np.isfinite(x)) and np.all(np.isfinite(b))
                     and x.min() >= 0 and b.min() >= 0):
                 with np.errstate(divide="ignore", invalid="ignore"):
-                    log_ratio = np.where(b == 0, 0.0, np.log2(np.where(x == 0, 1.0, x) / np.where(b == 0, 1.0, b)))
+                    ratio = np.where(x == 0, 1.0, x) / np.where(b == 0, 1.0, b)
+                    log_ratio = np.where(b == 0, 0.0, portable.log2(ratio))
                 if np.all(np.isfinite(log_ratio)):
                     tensors[name + LOG_RATIO_SUFFIX] = numpy_to_tensor(log_ratio.astype(dtype), dtype, is_torch)
                     log_ratios.append(name)
