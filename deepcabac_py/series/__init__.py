@@ -1,6 +1,7 @@
 """Checkpoint series: the checkpoints of a training run in one file, each coded against the last.
 
-May import: ``model`` (the encoder and decoder of each entry), ``io``, ``errors``.
+May import: ``model`` (the encoder and decoder of each entry), ``quant`` (its processor-independent
+log2, exp2 and dot product), ``io``, ``errors``.
 
 * :mod:`.records`: the ``.dcs`` file: records appended atomically, one writer at a time.
 * :mod:`.checkpoint_series`: :class:`CheckpointSeries` (``append``, ``len``, ``[i]``): key entries
