@@ -81,11 +81,12 @@ class Step:
             table.linkage = "internal"
             return table
 
-    def permute8(self, vector, mask, name, rows):
-        """``vector`` (eight i32 lanes) permuted by row ``mask`` (an i8 of lane bits) of the table
-        ``rows`` (256 rows of eight lane indices): AVX2's stand-in for a compress or an expand."""
+    def permute8(self, vector, lanes, name, rows):
+        """``vector`` (eight i32 lanes) permuted by the row of the table ``rows`` (256 rows of eight
+        lane indices) that the eight i1 ``lanes`` number: AVX2's stand-in for a compress or an
+        expand."""
         b = self.b
-        row = b.load(b.gep(self.table(name, rows), [ir.Constant(I32, 0), b.zext(mask, I32)]), align=8)
+        row = b.load(b.gep(self.table(name, rows), [ir.Constant(I32, 0), b.zext(b.bitcast(lanes, I8), I32)]), align=8)
         index = b.zext(b.bitcast(row, self.vec(I8, 8)), self.vec(I32, 8))
         permd = self.intrinsic("llvm.x86.avx2.permd", self.vec(I32, 8), [self.vec(I32, 8), self.vec(I32, 8)])
         return b.call(permd, [vector, index])
@@ -102,13 +103,12 @@ class Step:
             w = b.call(expand, [b.bitcast(self.at(k, p, I16), I16.as_pointer()), need,
                                 ir.Constant(self.vec(I16), None)])
             return b.zext(w, self.vec(I32)), b.add(p, self.count(need))
-        popcount = self.intrinsic("llvm.ctpop.i8", I8, [I8])
         parts = []
         for h in range(2):
-            mask = b.bitcast(self.half(need, h), I8)
+            half = self.half(need, h)
             words = b.zext(b.load(self.at(k, p, I16, 8), align=2), self.vec(I32, 8))
-            parts.append(self.permute8(words, mask, "deepcabac_expand8", EXPAND_ROWS))
-            p = b.add(p, b.zext(b.call(popcount, [mask]), I64))
+            parts.append(self.permute8(words, half, "deepcabac_expand8", EXPAND_ROWS))
+            p = b.add(p, self.count(half))
         return self.joined(parts), p
 
     def stored_before(self, k, t, values, push):
@@ -128,12 +128,11 @@ class Step:
             words = b.call(permute, [words, b.add(self.const(I16, range(GROUP)), self.splat(b.trunc(count, I16), I16))])
             b.store(words, self.at(k, b.sub(t, ir.Constant(I64, GROUP)), I16), align=2)
             return count
-        popcount = self.intrinsic("llvm.ctpop.i8", I8, [I8])
         for h in (1, 0):
-            mask = b.bitcast(self.half(push, h), I8)
-            words = self.permute8(self.half(values, h), mask, "deepcabac_compress8_top", COMPRESS_TOP_ROWS)
+            half = self.half(push, h)
+            words = self.permute8(self.half(values, h), half, "deepcabac_compress8_top", COMPRESS_TOP_ROWS)
             b.store(b.trunc(words, self.vec(I16, 8)), self.at(k, b.sub(t, ir.Constant(I64, 8)), I16, 8), align=2)
-            t = b.sub(t, b.zext(b.call(popcount, [mask]), I64))
+            t = b.sub(t, self.count(half))
         return count
 
     def lookup16(self, values, index):
@@ -160,22 +159,20 @@ class Step:
             permute = self.intrinsic("llvm.x86.avx512.permvar.qi.512", self.vec(I8, 64),
                                      [self.vec(I8, 64), self.vec(I8, 64)])
             return b.bitcast(b.call(permute, [window, b.bitcast(pick, self.vec(I8, 64))]), self.vec(I32))
-        out = ir.Constant(self.vec(I32), ir.Undefined)
-        for lane in range(GROUP):
-            start = b.gep(data, [b.zext(b.extract_element(first, ir.Constant(I32, lane)), I64)])
-            out = b.insert_element(out, b.load(b.bitcast(start, I32.as_pointer()), align=1), ir.Constant(I32, lane))
-        return out
+        return self.loaded(data, first, I32)
 
-    def loaded(self, base, index):
+    def loaded(self, base, index, kind=None):
         """The elements of the pointer ``base`` at each lane's int32 ``index`` (nonnegative), a load
-        each: AVX2's gather. (Zen 3's gather instruction took as long, scratch; on Intel's
-        processors the fix for Gather Data Sampling makes it slower.)"""
+        each: AVX2's gather. With ``kind``, ``base`` is a byte pointer, ``index`` counts bytes and
+        each load is of ``kind``, unaligned. (On Zen 3 its gather instruction took as long, scratch;
+        Intel's fix for Gather Data Sampling is reported to slow it there, not measured here.)"""
         b = self.b
-        kind = base.type.pointee
+        align = 1 if kind else base.type.pointee.width // 8
+        kind = kind or base.type.pointee
         out = ir.Constant(ir.VectorType(kind, index.type.count), ir.Undefined)
         for lane in range(index.type.count):
-            at = b.zext(b.extract_element(index, ir.Constant(I32, lane)), I64)
-            out = b.insert_element(out, b.load(b.gep(base, [at]), align=kind.width // 8), ir.Constant(I32, lane))
+            at = b.gep(base, [b.zext(b.extract_element(index, ir.Constant(I32, lane)), I64)])
+            out = b.insert_element(out, b.load(b.bitcast(at, kind.as_pointer()), align=align), ir.Constant(I32, lane))
         return out
 
     def below(self, n):
@@ -221,9 +218,10 @@ class Step:
                 b.shuffle_vector(parts[0], parts[1], self.const(I32, range(1, 2 * GROUP, 2))))
 
     def count(self, mask):
-        """The lanes set in ``mask``, as an int64."""
-        popcount = self.intrinsic("llvm.ctpop.i16", I16, [I16])
-        return self.b.zext(self.b.call(popcount, [self.b.bitcast(mask, I16)]), I64)
+        """The lanes set in ``mask`` (of 8 or 16 lanes), as an int64."""
+        bits = ir.IntType(mask.type.count)
+        popcount = self.intrinsic(f"llvm.ctpop.i{bits.width}", bits, [bits])
+        return self.b.zext(self.b.call(popcount, [self.b.bitcast(mask, bits)]), I64)
 
 
 def _vector_level() -> str | None:

@@ -19,24 +19,21 @@ from . import _math_kernels as _k
 __all__ = ["dot", "exp2", "log2"]
 
 
-def _flat64(values) -> np.ndarray:
-    return np.ascontiguousarray(values, dtype=np.float64).reshape(-1)
+def _each(kernel, values) -> np.ndarray:
+    flat = np.ascontiguousarray(values, dtype=np.float64).reshape(-1)
+    out = np.empty_like(flat)
+    kernel(flat, out)
+    return out.reshape(np.shape(values))
 
 
 def log2(values) -> np.ndarray:
     """log2 of each element (float64, ``values``' shape)."""
-    flat = _flat64(values)
-    out = np.empty_like(flat)
-    _k.log2_into(flat, out)
-    return out.reshape(np.shape(values))
+    return _each(_k.log2_into, values)
 
 
 def exp2(values) -> np.ndarray:
     """2 to the power of each element (float64, ``values``' shape)."""
-    flat = _flat64(values)
-    out = np.empty_like(flat)
-    _k.exp2_into(flat, out)
-    return out.reshape(np.shape(values))
+    return _each(_k.exp2_into, values)
 
 
 def dot(a: np.ndarray, b: np.ndarray) -> float:

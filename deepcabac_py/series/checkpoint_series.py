@@ -26,6 +26,7 @@ itself (the lossless float coder) codes smallest.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -286,12 +287,11 @@ def _fitted(change: np.ndarray, now: np.ndarray, before: np.ndarray) -> tuple[fl
     a, b, d = now.ravel(), before.ravel(), change.ravel()
     aa, ab, bb = portable.dot(a, a), portable.dot(a, b), portable.dot(b, b)
     ad, bd = portable.dot(a, d), portable.dot(b, d)
-    with np.errstate(all="ignore"):
-        det = aa * bb - ab * ab
-        if not np.all(np.isfinite([aa, ab, bb, det])) or abs(det) <= 1e-12 * max(aa * bb, 1e-300):
-            return None
-        c = ((ad * bb - ab * bd) / det, (aa * bd - ab * ad) / det)
-    return c if np.all(np.isfinite(c)) else None
+    det = aa * bb - ab * ab  # (Python floats: an overflow is inf, never an exception)
+    if not all(math.isfinite(g) for g in (aa, ab, bb, det)) or abs(det) <= 1e-12 * max(aa * bb, 1e-300):
+        return None
+    c = ((ad * bb - ab * bd) / det, (aa * bd - ab * ad) / det)
+    return c if all(math.isfinite(x) for x in c) else None
 
 
 def _predictions(where: str, listed: Any, residuals: list[str],
@@ -334,8 +334,7 @@ def _applied(where: str, name: str, change: Any, parent: Any, kind: str, extra: 
             value += extra
     else:
         if kind == LOG_RATIO:
-            with np.errstate(over="ignore", under="ignore"):
-                factor = portable.exp2(factor)
+            factor = portable.exp2(factor)
         value = base * factor
     return numpy_to_tensor(_to_carrier(value, dtype), dtype, is_torch)
 
