@@ -8,12 +8,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numba
 import numpy as np
 import pytest
 import torch
 from helpers import fix_checksums
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from llvmlite import ir
 from reference_float_coder import decode as ref_decode
 from reference_float_coder import encode as ref_encode
 from reference_float_coder import encode_trailing as ref_encode_trailing
@@ -952,6 +954,63 @@ def test_mode_5_takes_large_float32_chunks_whose_trailing_zeros_pay_and_mode_3_t
 
 
 # the vector tiers below this processor's: each forced in a subprocess (this process runs its own)
+@numba.extending.intrinsic
+def _quotients16(typingctx, x, f, precision, q, r):
+    """The mode 4 encoder's quotient and remainder of sixteen x by sixteen f (uint32 arrays)."""
+    def codegen(context, builder, signature, args):
+        v = _vector_kernels.Step(context, builder, signature, args)
+        first = ir.Constant(_vector_kernels.I64, 0)
+        x_, f_ = (builder.load(v.at(k, first, _vector_kernels.I32), align=4) for k in (0, 1))
+        quotient, remainder = _w._quotient(v, x_, f_, args[2])
+        builder.store(quotient, v.at(3, first, _vector_kernels.I32), align=4)
+        builder.store(remainder, v.at(4, first, _vector_kernels.I32), align=4)
+        return context.get_dummy_value()
+
+    return numba.core.types.none(x, f, precision, q, r), codegen
+
+
+@numba.njit
+def _quotients(x, f, precision, q, r):
+    for i in range(0, x.shape[0], 16):
+        _quotients16(x[i:i + 16], f[i:i + 16], precision, q[i:i + 16], r[i:i + 16])
+
+
+@pytest.mark.parametrize("precision", range(1, _w.WIDE_MAX_BITS + 1))
+def test_the_encoders_vector_quotient_is_exact_at_every_precision(precision):
+    """The step's x div f (AVX2: in single precision from a precision of 10 on, corrected by one
+    step) against the integers', over the states the encoder divides: x below f << (32 -
+    precision), the largest of them, exact multiples and their neighbours, f of 1 and 2**precision."""
+    rng = np.random.default_rng(precision)
+    n = 1 << 16
+    f = rng.integers(1, (1 << precision) + 1, n, dtype=np.int64)
+    f[: n // 8] = 1
+    f[n // 8: n // 4] = 1 << precision
+    top = f << (32 - precision)
+    x = (rng.random(n) * top).astype(np.int64)
+    x[::5] = top[::5] - 1 - rng.integers(0, 2, x[::5].size)
+    multiple = rng.integers(1, top // f + 1) * f
+    x[1::5] = np.minimum(multiple[1::5] - rng.integers(0, 2, x[1::5].size), top[1::5] - 1)
+    q, r = np.empty(n, np.uint32), np.empty(n, np.uint32)
+    _quotients(x.astype(np.uint32), f.astype(np.uint32), precision, q, r)
+    np.testing.assert_array_equal(q, x // f)
+    np.testing.assert_array_equal(r, x % f)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.sampled_from([0.0, 0.5, 1.0, 7.25, 1e-300, 3e5]) | st.floats(0, 255), max_size=3000))
+def test_segment_classes_rank_the_means_as_a_stable_sort_does(means):
+    """The classes of 16 by the segments' mean exponents, ties to the earlier segment: by a radix
+    sort of the floats' bits against NumPy's merge sort."""
+    from deepcabac_py.entropy import _float_kernels
+
+    mean = np.array(means, dtype=np.float64)
+    classes = np.empty(mean.size, dtype=np.uint8)
+    _float_kernels.rank_classes(mean, classes)
+    expected = np.empty_like(classes)
+    expected[np.argsort(mean, kind="mergesort")] = np.arange(mean.size) * 16 // max(mean.size, 1)
+    np.testing.assert_array_equal(classes, expected)
+
+
 _LOWER_TIERS = {"avx512": ["avx2", None], "avx2": [None], None: []}[_vector_kernels.VECTOR_LEVEL]
 
 

@@ -5,8 +5,9 @@ stream, which is every loop of an entropy coder. The steps here take sixteen flo
 vector registers, with the instructions the scalar loops cannot reach (gathers, expanding loads,
 compresses, byte permutes). :data:`VECTOR_LEVEL` says which instructions the processor the kernels
 are compiled for has: AVX-512 with VBMI and VBMI2, where each of those is one instruction, or AVX2,
-where a step takes two halves of eight lanes, a gather is a load per lane, and the expanding load
-and the compress are a permute of eight lanes by a table of 256 rows. Every step has a scalar twin
+where a step takes two halves of eight lanes, a table lookup is a load per lane by a key read
+as a scalar, and the expanding load and the compress are a permute of eight lanes by a table of
+256 rows. Every step has a scalar twin
 in its kernel module that writes the same bytes (the tests run every tier).
 """
 
@@ -163,9 +164,8 @@ class Step:
 
     def loaded(self, base, index, kind=None):
         """The elements of the pointer ``base`` at each lane's int32 ``index`` (nonnegative), a load
-        each: AVX2's gather. With ``kind``, ``base`` is a byte pointer, ``index`` counts bytes and
-        each load is of ``kind``, unaligned. (On Zen 3 its gather instruction took as long, scratch;
-        Intel's fix for Gather Data Sampling is reported to slow it there, not measured here.)"""
+        each. With ``kind``, ``base`` is a byte pointer, ``index`` counts bytes and each load is of
+        ``kind``, unaligned."""
         b = self.b
         align = 1 if kind else base.type.pointee.width // 8
         kind = kind or base.type.pointee
@@ -183,37 +183,46 @@ class Step:
         """``lo`` (a scalar of type ``t``) in the lanes below ``split``, ``hi`` in the others."""
         return self.b.select(self.below(split), self.splat(lo, t), self.splat(hi, t))
 
-    def gather32(self, k, index):
-        """The 4-byte elements of array argument ``k`` at the lanes' int32 ``index``: one gather of
-        32-bit indices (LLVM's generic gather takes 64-bit addresses, twice the instructions); with
-        AVX2, :meth:`loaded`."""
+    def lookup(self, k, keys, mask, lo, hi, split, halves=False):
+        """The entries of the table, array argument ``k``, at row ``lo`` (the lanes below ``split``)
+        or ``hi``, plus each lane's key: the GROUP unsigned integers at the pointer ``keys`` (the
+        states as stored, or the symbols), less their bits from ``mask`` (an i32, or None) up. With
+        ``halves`` the entries are 8 bytes: (their low halves, their high halves). AVX-512 gathers
+        by 32-bit indices (a gather of sixteen 64-bit addresses and lane-by-lane narrowing took a
+        dozen more instructions), two gathers and two permutes for 8-byte entries. AVX2 reads each
+        key as a scalar and loads its entry (a load per 4 bytes): extracting the keys from a
+        vector register instead made a decode step 15% slower on Zen 3, scratch; its gather
+        instruction took as long as the loads."""
         b = self.b
         data = self.context.make_array(self.types[k])(self.context, b, self.args[k]).data
+        width = keys.type.pointee
         if VECTOR_LEVEL != "avx512":
-            return self.loaded(b.bitcast(data, I32.as_pointer()), index)
-        gather = self.intrinsic("llvm.x86.avx512.mask.gather.dpi.512", self.vec(I32),
-                                [self.vec(I32), I8.as_pointer(), self.vec(I32), self.vec(I1), I32])
-        return b.call(gather, [ir.Constant(self.vec(I32), None), b.bitcast(data, I8.as_pointer()), index,
-                               self.const(I1, [1] * GROUP), ir.Constant(I32, 4)])
-
-    def rows(self, lo, hi, split, slot):
-        """The table (argument 2, 8-byte entries) at int32 ``slot`` of row ``lo`` for the lanes below
-        ``split``, of row ``hi`` for the others: (the entries' low halves, their high halves), from
-        two gathers of eight by 32-bit indices (AVX2: :meth:`loaded`), parted by two permutes (a
-        gather of sixteen 64-bit addresses and lane-by-lane narrowing took a dozen more
-        instructions)."""
-        b = self.b
-        index = b.add(self.lanes(b.trunc(lo, I32), b.trunc(hi, I32), split, I32), slot)
-        data = self.context.make_array(self.types[2])(self.context, b, self.args[2]).data
-        if VECTOR_LEVEL != "avx512":
-            entries = b.bitcast(self.loaded(b.bitcast(data, I64.as_pointer()), index), self.vec(I32, 2 * GROUP))
-            parts = [self.half(entries, h, GROUP) for h in range(2)]
-        else:
-            gather = self.intrinsic("llvm.x86.avx512.mask.gather.dpq.512", self.vec(I64, 8),
-                                    [self.vec(I64, 8), I8.as_pointer(), self.vec(I32, 8), self.vec(I1, 8), I32])
-            parts = [b.bitcast(b.call(gather, [ir.Constant(self.vec(I64, 8), None), b.bitcast(data, I8.as_pointer()),
-                                               self.half(index, h), self.const(I1, [1] * 8), ir.Constant(I32, 8)]),
-                               self.vec(I32)) for h in range(2)]
+            words = b.bitcast(data, I32.as_pointer())
+            parts = [ir.Constant(self.vec(I32), ir.Undefined) for _ in range(2 if halves else 1)]
+            for lane in range(GROUP):
+                key = b.load(b.gep(keys, [ir.Constant(I32, lane)]), align=width.width // 8)
+                key = b.zext(b.and_(key, mask) if mask is not None else key, I64)
+                at = b.add(b.select(b.icmp_signed("<", ir.Constant(I64, lane), split), lo, hi), key)
+                at = b.shl(at, ir.Constant(I64, 1)) if halves else at
+                for h, part in enumerate(parts):
+                    entry = b.load(b.gep(words, [b.add(at, ir.Constant(I64, h))] if h else [at]), align=4)
+                    parts[h] = b.insert_element(part, entry, ir.Constant(I32, lane))
+            return tuple(parts) if halves else parts[0]
+        index = b.load(b.bitcast(keys, self.vec(width).as_pointer()), align=width.width // 8)
+        index = b.zext(index, self.vec(I32)) if width.width < 32 else index
+        index = b.and_(index, self.splat(mask, I32)) if mask is not None else index
+        index = b.add(self.lanes(b.trunc(lo, I32), b.trunc(hi, I32), split, I32), index)
+        data = b.bitcast(data, I8.as_pointer())
+        if not halves:
+            gather = self.intrinsic("llvm.x86.avx512.mask.gather.dpi.512", self.vec(I32),
+                                    [self.vec(I32), I8.as_pointer(), self.vec(I32), self.vec(I1), I32])
+            return b.call(gather, [ir.Constant(self.vec(I32), None), data, index, self.const(I1, [1] * GROUP),
+                                   ir.Constant(I32, 4)])
+        gather = self.intrinsic("llvm.x86.avx512.mask.gather.dpq.512", self.vec(I64, 8),
+                                [self.vec(I64, 8), I8.as_pointer(), self.vec(I32, 8), self.vec(I1, 8), I32])
+        parts = [b.bitcast(b.call(gather, [ir.Constant(self.vec(I64, 8), None), data, self.half(index, h),
+                                           self.const(I1, [1] * 8), ir.Constant(I32, 8)]), self.vec(I32))
+                 for h in range(2)]
         return (b.shuffle_vector(parts[0], parts[1], self.const(I32, range(0, 2 * GROUP, 2))),
                 b.shuffle_vector(parts[0], parts[1], self.const(I32, range(1, 2 * GROUP, 2))))
 
