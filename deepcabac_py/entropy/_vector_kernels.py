@@ -106,11 +106,15 @@ class Step:
             return b.zext(w, self.vec(I32)), b.add(p, self.count(need))
         parts = []
         for h in range(2):
-            half = self.half(need, h)
-            words = b.zext(b.load(self.at(k, p, I16, 8), align=2), self.vec(I32, 8))
-            parts.append(self.permute8(words, half, "deepcabac_expand8", EXPAND_ROWS))
-            p = b.add(p, self.count(half))
+            words, p = self.expanded_half(k, p, self.half(need, h))
+            parts.append(words)
         return self.joined(parts), p
+
+    def expanded_half(self, k, p, need):
+        """AVX2's :meth:`expanded_words` for eight lanes (``need``: eight i1)."""
+        b = self.b
+        words = b.zext(b.load(self.at(k, p, I16, 8), align=2), self.vec(I32, 8))
+        return self.permute8(words, need, "deepcabac_expand8", EXPAND_ROWS), b.add(p, self.count(need))
 
     def stored_before(self, k, t, values, push):
         """Store the low 16 bits of the lanes of ``values`` set in ``push``, in lane order, just

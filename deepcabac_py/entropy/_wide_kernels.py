@@ -105,11 +105,23 @@ def _entries(v, states_at, slots, lo, hi, split, halves=False):
 def _renormalised(v, states_at, x, p):
     """Store the decoded states ``x``, those below WIDE_L first taking the next words (argument 6,
     from ``p``) in lane order, by an expanding load (:meth:`Step.expanded_words`); returns the next
-    word's index."""
+    word's index. AVX2 compares each half on its own: the mask of a half then comes from its
+    compare in one instruction, where the mask of sixteen lanes took six and a split, on the path
+    from one group's states to the next's words (MiniLM's bf16 chunks decoded in 0.85 ns per element
+    instead of 0.93, scratch, Zen 3)."""
     b = v.b
-    need = b.icmp_unsigned("<", x, v.const(I32, [WIDE_L] * GROUP))
-    w, p = v.expanded_words(6, p, need)
-    b.store(b.select(need, b.or_(b.shl(x, v.const(I32, [16] * GROUP)), w), x), states_at, align=4)
+    if VECTOR_LEVEL == "avx512":
+        need = b.icmp_unsigned("<", x, v.const(I32, [WIDE_L] * GROUP))
+        w, p = v.expanded_words(6, p, need)
+        b.store(b.select(need, b.or_(b.shl(x, v.const(I32, [16] * GROUP)), w), x), states_at, align=4)
+        return p
+    parts = []
+    for h in range(2):
+        xh = v.half(x, h)
+        need = b.icmp_unsigned("<", xh, v.const(I32, [WIDE_L] * 8))
+        w, p = v.expanded_half(6, p, need)
+        parts.append(b.select(need, b.or_(b.shl(xh, v.const(I32, [16] * 8)), w), xh))
+    b.store(v.joined(parts), states_at, align=4)
     return p
 
 
