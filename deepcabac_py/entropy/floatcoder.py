@@ -21,7 +21,7 @@ import math
 import struct
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -30,6 +30,7 @@ from ..errors import CorruptStreamError
 from . import _float_kernels as _k
 from . import _wide_kernels as _w
 
+Buffer = bytes | memoryview  # a substream: bytes, or a view of the array a kernel wrote it into
 PROB_BITS = _k.PROB_BITS
 MIN_SEGMENT = 256  # a segment's class costs 4 bits: no segment is shorter than this
 MAX_SEGMENT = 1 << 16  # longer rows are split: the classes then follow the scale along the row
@@ -201,13 +202,14 @@ _WORK = _Work()
 
 
 def _tans_substream(words: np.ndarray, seg_len: int, W: int, M: int, zeros: np.ndarray,
-                    classes16: np.ndarray, wide: bool = False) -> bytes:
+                    classes16: np.ndarray, wide: bool = False) -> Buffer:
     """Low-bit mode 0 or 1 by tANS, or with ``wide`` mode 4 where no segment drops a low bit (16-bit
     floats find their segments' statistics as they split: ``zeros`` and ``classes16`` are empty
     then)."""
     work = _WORK.take(_k.tans_work_bytes(words.shape[0], seg_len, W, M))
     if W == 16 or wide:
-        return _w.encode_wide_substream(words, seg_len, W, M, zeros, classes16, _COSTS, wide, work).tobytes()
+        data = _w.encode_wide_substream(words, seg_len, W, M, zeros, classes16, _COSTS, wide, work)
+        return data.tobytes() if np.may_share_memory(data, work) else memoryview(data)
     return _k.encode_tans_substream(words, seg_len, W, M, zeros, classes16, _COSTS, work).tobytes()
 
 
@@ -217,6 +219,13 @@ def encode_chunk(values: np.ndarray, dtype_name: str, seg_len: int, wide: bool |
     fp16 and fp32 take low-bit mode 4 where no segment drops a low bit and ``wide`` says so (None:
     from :data:`WIDE_FROM` elements on, float32 unless a mode of trailing zeros saves more; True:
     float32 untried against those)."""
+    data = encode_chunk_buffer(values, dtype_name, seg_len, wide)
+    return data if isinstance(data, bytes) else data.tobytes()
+
+
+def encode_chunk_buffer(values: np.ndarray, dtype_name: str, seg_len: int, wide: bool | None = None) -> Buffer:
+    """:func:`encode_chunk`'s substream as bytes or as a view of the array of its own the kernel
+    wrote it into (the model's encoder keeps either as it is)."""
     if dtype_name not in FORMATS:
         raise ValueError(f"the lossless float coder takes {', '.join(FORMATS)}, not {dtype_name}")
     W, M = FORMATS[dtype_name]
@@ -298,10 +307,10 @@ def _encode_trailing(words: np.ndarray, W: int, M: int, seg_len: int, classes16:
                    nraw)
 
 
-def revision_of(substreams: list[bytes], dtype_name: str) -> int:
+def revision_of(substreams: Sequence[Buffer], dtype_name: str) -> int:
     """The coder parameter of a FLOAT entry of ``dtype_name`` with these substreams: what they use,
     bit by bit."""
-    modes = {data[0] for data in substreams if data}
+    modes = {int(data[0]) for data in substreams if len(data)}
     wide = WIDE32_REVISION if FORMATS[dtype_name][0] == 32 else WIDE_REVISION
     return ((TRAILING_REVISION if TRAILING_MODE in modes else 0)
             | (TANS_REVISION if modes & {TANS_FLAG, TANS_FLAG | 1} else 0)

@@ -20,6 +20,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from ..entropy import floatcoder, linear_prediction
+from ..entropy.floatcoder import Buffer
 from ..io.buffers import joined
 from ..io.checkpoint import Checkpoint
 from ..io.checksum import crc32
@@ -116,9 +117,9 @@ class _Pieces:
     instead of being copied into a growing buffer piece by piece."""
 
     def __init__(self):
-        self.pieces: list[bytes] = []
+        self.pieces: list[Buffer] = []
 
-    def write(self, b: bytes) -> int:
+    def write(self, b: Buffer) -> int:
         self.pieces.append(b)
         return len(b)
 
@@ -180,9 +181,9 @@ class _Payloads:
     been written: in memory, for a caller that returns the whole stream as bytes."""
 
     def __init__(self):
-        self.chunks: dict[str, list[bytes]] = {}
+        self.chunks: dict[str, list[Buffer]] = {}
 
-    def add(self, entry: TensorEntry, chunks: list[bytes]) -> None:
+    def add(self, entry: TensorEntry, chunks: list[Buffer]) -> None:
         """Store a tensor's chunks; its entry gets their sizes and checksum."""
         crc = 0
         for c in chunks:
@@ -192,7 +193,7 @@ class _Payloads:
         entry.crc32 = crc
         self._keep(entry.name, chunks)
 
-    def _keep(self, name: str, chunks: list[bytes]) -> None:
+    def _keep(self, name: str, chunks: list[Buffer]) -> None:
         self.chunks[name] = chunks
 
     def copy_to(self, out: BinaryIO | _Pieces, name: str) -> None:
@@ -209,7 +210,7 @@ class _SpooledPayloads(_Payloads):
         self.end = spool.seek(0, io.SEEK_END)
         self.where: dict[str, tuple[int, int]] = {}
 
-    def _keep(self, name: str, chunks: list[bytes]) -> None:
+    def _keep(self, name: str, chunks: list[Buffer]) -> None:
         self.spool.seek(self.end)
         start = self.end
         for c in chunks:
@@ -264,7 +265,7 @@ class _TensorCoder:
         while in_flight:
             self._finish(*in_flight.popleft())
 
-    def _run(self, job: tuple[TensorPlan, int, bool]) -> tuple[bytes, np.ndarray | None]:
+    def _run(self, job: tuple[TensorPlan, int, bool]) -> tuple[Buffer, np.ndarray | None]:
         p, k, keep = job
         data, levels = p.encode_chunk(k)
         if self.progress is not None:

@@ -215,7 +215,7 @@ class TensorPlan:
         layout = self.chunks
         return assembled(self.entry, [self.chunk_levels(*layout.bounds(k)) for k in range(layout.count)])
 
-    def encode_chunk(self, k: int) -> tuple[bytes, np.ndarray | None]:
+    def encode_chunk(self, k: int) -> tuple[floatcoder.Buffer, np.ndarray | None]:
         """Chunk ``k``'s substream and its levels (the transmitted levels of trellis chunks; None for
         Mode.FLOAT)."""
         e = self.entry
@@ -225,7 +225,7 @@ class TensorPlan:
             seg = floatcoder.segment_length(e.shape)
             if e.mode == Mode.MAGNITUDE:
                 return floatcoder.encode_magnitudes(part, seg), None
-            return floatcoder.encode_chunk(part, e.dtype.dtype_name, seg), None
+            return floatcoder.encode_chunk_buffer(part, e.dtype.dtype_name, seg), None
         layout = self.chunks
         start, stop = layout.bounds(k)
         if self.linear is not None and self.levels is not None:
