@@ -5,10 +5,10 @@ stream, which is every loop of an entropy coder. The steps here take sixteen flo
 vector registers, with the instructions the scalar loops cannot reach (gathers, expanding loads,
 compresses, byte permutes). :data:`VECTOR_LEVEL` says which instructions the processor the kernels
 are compiled for has: AVX-512 with VBMI and VBMI2, where each of those is one instruction, or AVX2,
-where a step takes two halves of eight lanes, a table lookup is a load per lane by a key read
-as a scalar, and the expanding load and the compress are a permute of eight lanes by a table of
-256 rows. Every step has a scalar twin
-in its kernel module that writes the same bytes (the tests run every tier).
+where a step takes two halves of eight lanes, a table lookup is a load per lane by a key read as a
+scalar, and the expanding load and the compress are a permute of eight lanes by a table of 256
+rows. Every step has a scalar twin in its kernel module that writes the same bytes (the tests run
+every tier).
 """
 
 from __future__ import annotations
