@@ -708,6 +708,32 @@ def test_histogram_counts_each_symbol_in_its_segments_class(n):
     np.testing.assert_array_equal(hist, expected)
 
 
+@pytest.mark.parametrize("M", [7, 10])
+@pytest.mark.parametrize("case", ["random", "largest exponents", "low bits zero"])
+def test_segment_statistics_of_16_bit_floats_match_numpys(M, case):
+    """Each segment's low bits zero in all its elements and mean exponent (read four elements to a
+    64-bit word), against NumPy's, over segments whose lengths are not multiples of four and whose
+    exponents' sums would overflow a 16-bit field without the blocks."""
+    from deepcabac_py.entropy import _float_kernels
+
+    rng = np.random.default_rng(M)
+    n, seg = 70_003, 2_051
+    words = rng.integers(0, 1 << 16, n, dtype=np.uint64).astype(np.uint16)
+    if case == "largest exponents":
+        words |= np.uint16(((1 << (15 - M)) - 1) << M)
+    if case == "low bits zero":
+        words &= np.uint16(~0b111 & 0xFFFF)
+        words[rng.random(n) < 0.001] |= np.uint16(0b100)
+    nseg = -(-n // seg)
+    zeros, mean = np.empty(nseg, dtype=np.uint8), np.empty(nseg)
+    _float_kernels.segment_stats(words, seg, 16, M, zeros, mean)
+    for j in range(nseg):
+        w = words[j * seg:(j + 1) * seg].astype(np.int64)
+        low = int(np.bitwise_or.reduce(w & ((1 << M) - 1)))
+        assert zeros[j] == (M if low == 0 else (low & -low).bit_length() - 1)
+        assert mean[j] == ((w >> M) & ((1 << (15 - M)) - 1)).sum() / w.size
+
+
 WIDE_DTYPES = ["bfloat16", "float16", "float32"]
 
 

@@ -66,7 +66,28 @@ def _segment_stat(words, start, stop, W, M):
     mmask = np.uint64((1 << M) - 1)
     acc = np.uint64(0)
     total = 0
-    for i in range(start, stop):
+    tail = start
+    if W == 16 and stop - start >= 4:
+        # four elements to a 64-bit word, their exponents summed in its four 16-bit fields (256
+        # words at most before a field could overflow): one element at a time, in Numba's 64-bit
+        # integers, took 0.175 ns per element of MiniLM bf16's chunks, this 0.12 (scratch)
+        rep = np.uint64(0x0001000100010001)
+        fields_mask = mmask * rep
+        exponents = np.uint64((1 << (W - 1 - M)) - 1) * rep
+        quads = (stop - start) >> 2
+        acc4 = np.uint64(0)
+        for block in range(0, quads, 256):
+            packed = np.uint64(0)
+            for j in range(block, min(quads, block + 256)):
+                w = load_le64(words, 2 * (start + 4 * j))
+                acc4 |= w & fields_mask
+                packed += (w >> np.uint64(M)) & exponents
+            for f in range(4):
+                total += np.int64((packed >> np.uint64(16 * f)) & np.uint64(0xFFFF))
+        for f in range(4):
+            acc |= (acc4 >> np.uint64(16 * f)) & mmask
+        tail = start + 4 * quads
+    for i in range(tail, stop):
         w = np.uint64(words[_U(i)])
         acc |= w & mmask
         total += np.int64(w >> np.uint64(M)) & ((1 << (W - 1 - M)) - 1)
