@@ -109,25 +109,26 @@ def segment_stats(words, seg_len, W, M, zeros, mean_exponent):
 def _stable_order(values):
     """``np.argsort(values, kind="mergesort")`` of nonnegative floats (no NaN, no -0.0): a radix
     sort of their bits, which order as the floats do, 11 bits a pass, least significant first,
-    a pass skipped where every value has the same digit (Numba's merge sort took 0.17 ns per
-    coded element of MiniLM's chunks, a tenth of their split; scratch)."""
+    a pass skipped where every value has the same digit (Numba's merge sort took 0.174 ns per
+    coded element of MiniLM bf16's chunks, this 0.066; scratch)."""
     n = values.shape[0]
     keys = values.view(np.uint64)
     order = np.arange(n)
     spare = np.empty(n, dtype=np.int64)
+    digits = np.uint64((1 << 11) - 1)
     count = np.zeros(1 << 11, dtype=np.int64)
     for shift in range(0, 64, 11):
         count[:] = 0
         for i in range(n):
-            count[(keys[i] >> np.uint64(shift)) & np.uint64((1 << 11) - 1)] += 1
-        if n == 0 or count[(keys[0] >> np.uint64(shift)) & np.uint64((1 << 11) - 1)] == n:
+            count[(keys[i] >> np.uint64(shift)) & digits] += 1
+        if n == 0 or count[(keys[0] >> np.uint64(shift)) & digits] == n:
             continue
         at = 0
         for d in range(1 << 11):
             at, count[d] = at + count[d], at
         for i in range(n):
             j = order[i]
-            d = (keys[j] >> np.uint64(shift)) & np.uint64((1 << 11) - 1)
+            d = (keys[j] >> np.uint64(shift)) & digits
             spare[count[d]] = j
             count[d] += 1
         order, spare = spare, order

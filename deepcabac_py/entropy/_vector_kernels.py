@@ -95,26 +95,20 @@ class Step:
     def expanded_words(self, k, p, need):
         """The next 16-bit words of array argument ``k`` from ``p``, one to each lane set in
         ``need`` in lane order (zero-extended to i32; the other lanes undefined): (those lanes, the
-        index after the words taken). AVX2 loads eight words for each half: sixteen from ``p`` at
-        most, as the expanding load may read."""
+        index after the words taken). AVX-512 takes sixteen lanes by an expanding load; AVX2 eight,
+        a load of eight words permuted by a table row: sixteen words or eight from ``p`` at most,
+        as the expanding load may read."""
         b = self.b
         if VECTOR_LEVEL == "avx512":
             expand = self.intrinsic("llvm.masked.expandload.v16i16", self.vec(I16),
                                     [I16.as_pointer(), self.vec(I1), self.vec(I16)])
             w = b.call(expand, [b.bitcast(self.at(k, p, I16), I16.as_pointer()), need,
                                 ir.Constant(self.vec(I16), None)])
-            return b.zext(w, self.vec(I32)), b.add(p, self.count(need))
-        parts = []
-        for h in range(2):
-            words, p = self.expanded_half(k, p, self.half(need, h))
-            parts.append(words)
-        return self.joined(parts), p
-
-    def expanded_half(self, k, p, need):
-        """AVX2's :meth:`expanded_words` for eight lanes (``need``: eight i1)."""
-        b = self.b
-        words = b.zext(b.load(self.at(k, p, I16, 8), align=2), self.vec(I32, 8))
-        return self.permute8(words, need, "deepcabac_expand8", EXPAND_ROWS), b.add(p, self.count(need))
+            w = b.zext(w, self.vec(I32))
+        else:
+            words = b.zext(b.load(self.at(k, p, I16, 8), align=2), self.vec(I32, 8))
+            w = self.permute8(words, need, "deepcabac_expand8", EXPAND_ROWS)
+        return w, b.add(p, self.count(need))
 
     def stored_before(self, k, t, values, push):
         """Store the low 16 bits of the lanes of ``values`` set in ``push``, in lane order, just
@@ -124,8 +118,8 @@ class Step:
         lanes: the compressing store to memory took 3.6 ns per element, a masked store of the low
         lanes 0.3 more than this, scratch; AVX2 compresses each half to its top lanes by a table.)"""
         b = self.b
-        count = self.count(push)
         if VECTOR_LEVEL == "avx512":
+            count = self.count(push)
             compress = self.intrinsic("llvm.x86.avx512.mask.compress.v16i16", self.vec(I16),
                                       [self.vec(I16), self.vec(I16), self.vec(I1)])
             words = b.call(compress, [b.trunc(values, self.vec(I16)), ir.Constant(self.vec(I16), None), push])
@@ -133,12 +127,13 @@ class Step:
             words = b.call(permute, [words, b.add(self.const(I16, range(GROUP)), self.splat(b.trunc(count, I16), I16))])
             b.store(words, self.at(k, b.sub(t, ir.Constant(I64, GROUP)), I16), align=2)
             return count
-        for h in (1, 0):
+        end = t
+        for h in (1, 0):  # (the count of each half's own mask: sixteen lanes' took a pack of six instructions)
             half = self.half(push, h)
             words = self.permute8(self.half(values, h), half, "deepcabac_compress8_top", COMPRESS_TOP_ROWS)
             b.store(b.trunc(words, self.vec(I16, 8)), self.at(k, b.sub(t, ir.Constant(I64, 8)), I16, 8), align=2)
             t = b.sub(t, self.count(half))
-        return count
+        return b.sub(end, t)
 
     def lookup16(self, values, index):
         """Lane j of the constant ``values`` (sixteen int32) for each lane's ``index`` (0 to 15):
@@ -164,19 +159,10 @@ class Step:
             permute = self.intrinsic("llvm.x86.avx512.permvar.qi.512", self.vec(I8, 64),
                                      [self.vec(I8, 64), self.vec(I8, 64)])
             return b.bitcast(b.call(permute, [window, b.bitcast(pick, self.vec(I8, 64))]), self.vec(I32))
-        return self.loaded(data, first, I32)
-
-    def loaded(self, base, index, kind=None):
-        """The elements of the pointer ``base`` at each lane's int32 ``index`` (nonnegative), a load
-        each. With ``kind``, ``base`` is a byte pointer, ``index`` counts bytes and each load is of
-        ``kind``, unaligned."""
-        b = self.b
-        align = 1 if kind else base.type.pointee.width // 8
-        kind = kind or base.type.pointee
-        out = ir.Constant(ir.VectorType(kind, index.type.count), ir.Undefined)
-        for lane in range(index.type.count):
-            at = b.gep(base, [b.zext(b.extract_element(index, ir.Constant(I32, lane)), I64)])
-            out = b.insert_element(out, b.load(b.bitcast(at, kind.as_pointer()), align=align), ir.Constant(I32, lane))
+        out = ir.Constant(self.vec(I32), ir.Undefined)
+        for lane in range(GROUP):
+            at = b.gep(data, [b.zext(b.extract_element(first, ir.Constant(I32, lane)), I64)])
+            out = b.insert_element(out, b.load(b.bitcast(at, I32.as_pointer()), align=1), ir.Constant(I32, lane))
         return out
 
     def below(self, n):
@@ -195,8 +181,8 @@ class Step:
         by 32-bit indices (a gather of sixteen 64-bit addresses and lane-by-lane narrowing took a
         dozen more instructions), two gathers and two permutes for 8-byte entries. AVX2 reads each
         key as a scalar and loads its entry (a load per 4 bytes): extracting the keys from a
-        vector register instead made a decode step 15% slower on Zen 3, scratch; its gather
-        instruction took as long as the loads."""
+        vector register instead made a decode step 15% slower on Zen 3, and its gather instruction
+        had taken as long as the loads by extracted keys (scratch)."""
         b = self.b
         data = self.context.make_array(self.types[k])(self.context, b, self.args[k]).data
         width = keys.type.pointee
