@@ -27,6 +27,7 @@ from helpers import (
 
 import deepcabac_py as dc
 from deepcabac_py.entropy import chunk_layout
+from deepcabac_py.entropy.levelcoder import max_elements_for_payload
 from deepcabac_py.errors import CorruptStreamError, DeepCabacError, FormatError, TruncatedStreamError
 from deepcabac_py.model.container import (
     FLAG_ALIAS,
@@ -36,6 +37,7 @@ from deepcabac_py.model.container import (
     Coder,
     DType,
     Mode,
+    raw_chunk_elements,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -279,8 +281,6 @@ def test_huge_shape_tiny_payload():
 
 
 def test_largest_allowed_claim_stays_proportional_to_the_payload():
-    from deepcabac_py.entropy.levelcoder import max_elements_for_payload
-
     n = max_elements_for_payload(40)
     payload = bytes(np.random.default_rng(1).integers(0, 256, 40, dtype=np.uint8))
     tracemalloc.start()
@@ -291,6 +291,21 @@ def test_largest_allowed_claim_stays_proportional_to_the_payload():
         tracemalloc.stop()
     assert peak < PEAK_LIMIT
     assert isinstance(outcome, CorruptStreamError) or outcome[1]["w"][2] == (n,)
+
+
+def test_an_entry_sharing_an_earlier_entrys_layout_has_its_own_payload_checked():
+    """The header checks a layout once: a later entry of the same layout must still have its own
+    chunk sizes checked against the elements they claim."""
+    n = 2 * max_elements_for_payload(10)
+    good, bad = uniform("a", shape=(n,), chunk_sizes=[40]), uniform("b", shape=(n,), chunk_sizes=[10], offset=40)
+    with pytest.raises(CorruptStreamError, match=r"tensor 1 \('b'\): chunk 0 claims \d+ levels in 10 bytes"):
+        dc.read_stream_header(craft([good, bad], bytes(50)))
+    a = uniform("a", dtype=DType.INT64, mode=Mode.RAW, coder=Coder.NONE, qp=0, qp_density=0, coder_param=0,
+                chunk_sizes=[128], chunk_elements=raw_chunk_elements(DType.INT64))
+    b = uniform("b", dtype=DType.INT64, mode=Mode.RAW, coder=Coder.NONE, qp=0, qp_density=0, coder_param=0,
+                chunk_sizes=[120], chunk_elements=raw_chunk_elements(DType.INT64), offset=128)
+    with pytest.raises(CorruptStreamError, match=r"tensor 1 \('b'\): raw payload of 120 bytes"):
+        dc.read_stream_header(craft([a, b], bytes(248)))
 
 
 def test_chunk_sizes_that_do_not_add_up():
