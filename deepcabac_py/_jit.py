@@ -43,6 +43,7 @@ import os
 import tempfile
 import warnings
 
+import llvmlite.binding as llvm
 import numba
 import numpy as np
 from llvmlite import ir
@@ -190,6 +191,21 @@ else:
     def store_le64(array, byte, value):
         """One store of eight bytes at any byte offset."""
         _unaligned_store_u64(array, byte, value)
+
+
+def host_features() -> frozenset[str]:
+    """The instruction set extensions (``"+avx2"``, ``"+vpclmulqdq"``, ...) of the processor the
+    kernels are compiled for, as LLVM names them: none with the JIT off, with a cache for another
+    processor (``NUMBA_CPU_NAME``: no instruction beyond the baseline assumed) or with
+    DEEPCABAC_SCALAR_STEPS=1 (the kernels' one-element-at-a-time paths, as the tests run them)."""
+    if numba.config.DISABLE_JIT or os.environ.get("DEEPCABAC_SCALAR_STEPS") == "1":
+        return frozenset()
+    if numba.config.CPU_NAME not in (None, "host"):
+        return frozenset()
+    features = numba.config.CPU_FEATURES
+    if features is None:
+        features = llvm.get_host_cpu_features().flatten()
+    return frozenset(features.split(","))
 
 
 def not_yet_compiled(*kernels) -> bool:

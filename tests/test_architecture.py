@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "deepcabac_py"
 ALLOWED = {
     "errors": set(),
     "_jit": {"errors"},
-    "io": {"errors"},
+    "io": {"errors", "_jit"},
     "entropy": {"errors", "_jit"},
     "quant": {"errors", "_jit", "io", "entropy"},
     "model": {"errors", "_jit", "io", "entropy", "quant"},

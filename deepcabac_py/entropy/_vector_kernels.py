@@ -15,13 +15,11 @@ from __future__ import annotations
 
 import os
 
-import llvmlite.binding as llvm
-import numba
 from llvmlite import ir
 from numba.core import types
 from numba.extending import intrinsic
 
-from .._jit import inline
+from .._jit import host_features, inline
 
 GROUP = 16  # elements a vector step takes
 
@@ -231,14 +229,7 @@ def _vector_level() -> str | None:
     DEEPCABAC_SCALAR_STEPS=1, the kernels go one element at a time: the same bytes, slower.
     DEEPCABAC_AVX2_STEPS=1 takes the AVX2 steps on an AVX-512 processor (the tests run every tier
     the processor has)."""
-    if numba.config.DISABLE_JIT or os.environ.get("DEEPCABAC_SCALAR_STEPS") == "1":
-        return None
-    if numba.config.CPU_NAME not in (None, "host"):
-        return None  # (a portable cache for another processor: no vector instruction assumed)
-    features = numba.config.CPU_FEATURES
-    if features is None:
-        features = llvm.get_host_cpu_features().flatten()
-    have = set(features.split(","))
+    have = host_features()
     avx512 = {"+avx512f", "+avx512bw", "+avx512vl", "+avx512vbmi", "+avx512vbmi2"} <= have
     if avx512 and os.environ.get("DEEPCABAC_AVX2_STEPS") != "1":
         return "avx512"

@@ -1,7 +1,7 @@
 """Checkpoints in and out: what a checkpoint is, its files, dtypes, and atomic output.
 
-May import: ``errors`` only (it is the bottom layer; torch is imported by ``checkpoint`` and
-``files``, never by ``dtypes``, ``atomic`` or ``inputs``).
+May import: ``errors`` and ``_jit`` (it is the bottom layer; torch is imported by ``checkpoint``
+and ``files``, never by ``dtypes``, ``atomic`` or ``inputs``).
 
 * :mod:`.checkpoint`: :class:`Checkpoint` (flat tensors plus the structure around them),
   ``flatten``/``unflatten``, tensor <-> numpy carrier arrays.
@@ -14,6 +14,7 @@ May import: ``errors`` only (it is the bottom layer; torch is imported by ``chec
 * :mod:`.dtypes`: dtype names, their frozen codes in the bitstreams, their numpy carriers.
 * :mod:`.atomic`: ``write_atomic`` and the wording of operating-system errors.
 * :mod:`.inputs`: one error and one wording for a file that cannot be read.
-* :mod:`.checksum`: the formats' CRC-32 (zlib's, at ISA-L's speed when installed).
+* :mod:`.checksum`: the formats' CRC-32 (zlib's; large buffers by carry-less multiplication in
+  a kernel of its own where the processor has VPCLMULQDQ, else ISA-L's when installed).
 * :mod:`.buffers`: large ``bytes`` joined in huge pages where the system gives them on request.
 """

@@ -1,0 +1,50 @@
+"""io.checksum: zlib's CRC-32 from every path (the folding kernel and the library's)."""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from deepcabac_py.io import _checksum_kernels as kernels
+from deepcabac_py.io import checksum
+
+folding = pytest.mark.skipif(not checksum.FOLDING, reason="the processor has no VPCLMULQDQ and AVX2")
+
+
+def _folded(data: bytes, value: int) -> int:
+    view = np.frombuffer(data, dtype=np.uint8)
+    return int(kernels.crc32_folded(view, value, kernels.fold_constants(), kernels.byte_table()))
+
+
+@folding
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=5 * kernels.BLOCK + 17), st.integers(0, 2**32 - 1))
+def test_the_folding_kernel_computes_zlibs_crc(data, value):
+    # (sizes below two blocks go byte by byte; from two on, whole blocks fold and a tail follows)
+    assert _folded(data, value) == zlib.crc32(data, value)
+
+
+@folding
+@pytest.mark.parametrize("size", [2 * kernels.BLOCK, 2 * kernels.BLOCK + 1, 3 * kernels.BLOCK - 1, 1 << 20])
+def test_the_folding_kernel_at_block_boundaries(size):
+    data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8).tobytes()
+    for value in (0, 1, 0xFFFFFFFF):
+        assert _folded(data, value) == zlib.crc32(data, value)
+
+
+@pytest.mark.parametrize("size", [0, 1, checksum.FOLD_FROM - 1, checksum.FOLD_FROM, 3 * checksum.FOLD_FROM + 5])
+def test_crc32_is_zlibs_for_every_buffer_type(size):
+    data = np.random.default_rng(size).integers(0, 256, size + 3, dtype=np.uint8).tobytes()
+    for buffer in (data, bytearray(data), memoryview(data)[3:], np.frombuffer(data, dtype=np.uint8)):
+        assert checksum.crc32(buffer) == zlib.crc32(buffer)
+    # (a checksum carried from one piece to the next, as the encoder's over its substreams)
+    half = len(data) // 2
+    assert checksum.crc32(data[half:], checksum.crc32(data[:half])) == zlib.crc32(data)
+
+
+def test_a_large_buffer_takes_the_kernel_where_the_processor_can():
+    assert checksum.FOLDING == ({"+avx2", "+vpclmulqdq"} <= checksum.host_features())
