@@ -284,3 +284,20 @@ def test_other_float_dtypes(dtype):
     q = dc.quantize_model({"emb": w}, qp=-32, quantizer="nearest")["emb"].dequantize()
     q = q if isinstance(q, torch.Tensor) else torch.from_numpy(q)  # numpy, except for bfloat16
     assert back.dtype == w.dtype and torch.equal(back, q)
+
+
+def test_the_blas_is_held_to_one_thread_only_where_a_predictor_may_run(monkeypatch):
+    # (held where a linear predictor may be fitted or rebuilt; not for exact tensors, nor for a
+    # stream without a predictor, where setting and restoring the limit cost a millisecond a call)
+    asked: list[bool] = []
+    limit = lp.blas_threads
+    monkeypatch.setattr(lp, "blas_threads", lambda active: asked.append(active) or limit(active))
+    m = model()
+    lossless = dc.encode_model(m, keep_exact=True, quantizer="nearest", threads=2)
+    dc.decode_model(lossless, threads=2)
+    assert asked == [False, False]
+    asked.clear()
+    predicted = dc.encode_model(m, qp=-32, quantizer="nearest", threads=2)
+    dc.decode_model(predicted, threads=2)
+    assert any(e.is_linear for e in read_header(predicted).tensors)
+    assert asked[0] and asked[-1] and all(asked)  # (the encoder's, its fit's, the decoder's)

@@ -263,18 +263,25 @@ def check_stream_file(path: str | os.PathLike) -> None:
     with StreamFile(path) as stream:
         for e in stream.header.tensors:
             if not e.is_alias:
-                _payload_views(stream, e)
+                _check_payload(e, _payload(stream, e))
 
 
-def _payload_views(stream, e: TensorEntry) -> list[memoryview]:
+def _payload(stream, e: TensorEntry) -> memoryview:
     view = stream.read(stream.header.header_size + e.offset, e.size)
     if len(view) != e.size:
         raise TruncatedStreamError(f"tensor {e.name!r}: payload truncated")
-    if crc32(view) != e.crc32:
+    return view
+
+
+def _check_payload(e: TensorEntry, payload: memoryview) -> None:
+    if crc32(payload) != e.crc32:
         raise CorruptStreamError(f"tensor {e.name!r}: payload checksum mismatch (the stream is damaged)")
+
+
+def _chunks(e: TensorEntry, payload: memoryview) -> list[memoryview]:
     views, pos = [], 0
     for size in e.chunk_sizes:
-        views.append(view[pos:pos + size])
+        views.append(payload[pos:pos + size])
         pos += size
     return views
 
@@ -306,7 +313,15 @@ class _Tensor:
         self.entry, self.want_levels = e, want_levels
         self.ran = False  # (decoded together with others: see _run_small_together)
         self.step = e.step if e.step is not None else 0.0  # (used by quantized tensors only)
-        views = _payload_views(stream, e)
+        payload = _payload(stream, e)
+        # A class-coded tensor's checksum waits for :meth:`check`, after its chunks have gone to the
+        # pool: its kernels read any bytes safely, and nothing they decode is handed out unchecked.
+        # (At two threads MiniLM's first chunk waited for the checksum of its 15 MB of word
+        # embeddings.) The others parse bytes here.
+        self.unchecked: memoryview | None = payload if e.mode.is_class_coded else None
+        if self.unchecked is None:
+            _check_payload(e, payload)
+        views = _chunks(e, payload)
         self.predictor = None
         self.log_offset = 0
         self.views: list[memoryview] = []
@@ -327,6 +342,12 @@ class _Tensor:
             views = views[1:]
         self.views = views
         self.out = np.empty(e.numel, dtype=np.int32 if want_levels else e.dtype.carrier)
+
+    def check(self) -> None:
+        """Check the payload against its checksum, where ``__init__`` left it to this."""
+        if self.unchecked is not None:
+            _check_payload(self.entry, self.unchecked)
+            self.unchecked = None
 
     def _levels_into(self, k: int, window: np.ndarray) -> None:
         if self.predictor is None:
@@ -433,13 +454,15 @@ def _decode_in_order(stream, chosen: list[TensorEntry], coded: list[TensorEntry]
     elements = 0
     ahead = 0  # the next of ``chosen`` to start
     try:
-        with linear_prediction.blas_threads(pool is not None):
+        # (no limit without a linear predictor: its setting and restoring cost a millisecond)
+        with linear_prediction.blas_threads(pool is not None and any(e.is_linear for e in coded)):
             while ahead < len(chosen) or pending:
                 while ahead < len(chosen) and (not pending or elements < budget):
                     t = _Tensor(stream, coded[ahead], want_levels)
                     runner = pool_for(pool, t.entry.numel)
                     work = [runner.submit(t.run, k) for k in range(len(t.views))] if runner is not None else None
                     pending.append((chosen[ahead], t, work))
+                    t.check()
                     elements += t.entry.numel
                     ahead += 1
                 _run_small_together(pending)

@@ -157,7 +157,9 @@ def _write(out: BinaryIO | _Pieces, model: Mapping[str, Any] | Checkpoint | Tens
         if pool is not None:  # (on an error or ^C, the chunks not started are dropped, not run)
             stack.callback(pool.shutdown, wait=True, cancel_futures=True)
         # the linear prediction's matrix products run in the codec's own threads: one BLAS thread each
-        stack.enter_context(linear_prediction.blas_threads(settings.quantizer in ("nearest", "rdoq")))
+        # (none when every tensor is kept exact: the limit's setting and restoring cost a millisecond)
+        stack.enter_context(linear_prediction.blas_threads(settings.quantizer in ("nearest", "rdoq")
+                                                           and settings.keep_exact is not True))
         coder = _TensorCoder(plan, pool, progress, payloads, max_elements_in_flight)
         targets = plan.shift_targets
         coder.code([n for n in plan.names if n not in targets])
