@@ -27,6 +27,7 @@ from deepcabac_py.entropy import _vector_kernels, floatcoder
 from deepcabac_py.entropy import _wide_kernels as _w
 from deepcabac_py.errors import CorruptStreamError
 from deepcabac_py.model.container import Mode, read_header
+from deepcabac_py.model.parallel import POOL_MIN_ELEMENTS
 
 DTYPES = {"bfloat16": np.uint16, "float16": np.float16, "float32": np.float32, "float64": np.float64}
 WORDS = {"bfloat16": np.uint16, "float16": np.uint16, "float32": np.uint32, "float64": np.uint64}
@@ -1059,3 +1060,19 @@ def test_the_lower_tiers_give_this_processors_bytes_and_values(tmp_path, tier):
                           env=env, cwd=tests.parent, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert " passed" in proc.stdout and "skipped" not in proc.stdout
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_damaged_payload_is_a_checksum_mismatch_though_its_chunks_run_first(threads):
+    # (at two threads a large float tensor's chunks go to the pool before its checksum is computed:
+    # the damage must still be reported as the checksum's, not as what the kernel made of it)
+    rng = np.random.default_rng(11)
+    model = {"w": torch.from_numpy(_weights(rng, "float32", (256, 300))).to(torch.bfloat16)}
+    data = dc.encode_model(model, keep_exact=True, threads=1)
+    header = read_header(data)
+    e = header.tensors[0]
+    assert e.numel >= POOL_MIN_ELEMENTS
+    damaged = bytearray(data)
+    damaged[header.header_size + e.offset + 5] ^= 0xFF  # (inside the chunk's tables)
+    with pytest.raises(CorruptStreamError, match="tensor 'w': payload checksum mismatch"):
+        dc.decode_model(bytes(damaged), threads=threads)
