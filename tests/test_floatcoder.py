@@ -1063,9 +1063,9 @@ def test_the_lower_tiers_give_this_processors_bytes_and_values(tmp_path, tier):
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_a_damaged_payload_is_a_checksum_mismatch_though_its_chunks_run_first(threads):
-    # (at two threads a large float tensor's chunks go to the pool before its checksum is computed:
-    # the damage must still be reported as the checksum's, not as what the kernel made of it)
+def test_a_damaged_payload_is_a_checksum_mismatch_at_any_thread_count(threads):
+    # (at two threads the large float tensor's chunks run on the pool: the damage must still be
+    # reported as the checksum's, not as what the kernel made of it)
     rng = np.random.default_rng(11)
     model = {"w": torch.from_numpy(_weights(rng, "float32", (256, 300))).to(torch.bfloat16)}
     data = dc.encode_model(model, keep_exact=True, threads=1)

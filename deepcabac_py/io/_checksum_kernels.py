@@ -53,24 +53,26 @@ def _product_mod(a: int, b: int) -> int:
     return out
 
 
-def _reflected64(v: int) -> int:
-    return int(f"{v:064b}"[::-1], 2)
+def _reflected(v: int, bits: int) -> int:
+    """The ``bits`` low bits of ``v`` in reverse order."""
+    return int(f"{v:0{bits}b}"[::-1], 2)
 
 
 def fold_constants() -> np.ndarray:
     """The multipliers of a lane's first and second 64-bit halves, for each of the two lanes of a
     256-bit register: they move a lane BLOCK bytes on."""
-    first, second = _reflected64(_power_mod(8 * BLOCK + 63)), _reflected64(_power_mod(8 * BLOCK - 1))
+    first, second = _reflected(_power_mod(8 * BLOCK + 63), 64), _reflected(_power_mod(8 * BLOCK - 1), 64)
     return np.array([first, second, first, second], dtype=np.uint64)
 
 
 def byte_table() -> np.ndarray:
     """The remainder of each byte value, reflected: the byte-at-a-time step's table."""
+    reflected = _reflected(POLYNOMIAL & 0xFFFFFFFF, 32)  # (x^32 left out)
     table = np.zeros(256, dtype=np.uint32)
     for i in range(256):
         c = i
         for _ in range(8):
-            c = (c >> 1) ^ (0xEDB88320 if c & 1 else 0)  # (0xEDB88320: POLYNOMIAL reflected, x^32 left out)
+            c = (c >> 1) ^ (reflected if c & 1 else 0)
         table[i] = c
     return table
 

@@ -637,7 +637,7 @@ def _validate_entry(e: TensorEntry, index: int, where: str, earlier: list[Tensor
     how its bytes fall into chunks) is checked once per distinct layout of the header, kept in
     ``layouts``: a model repeats a few layouts (MiniLM's 103 entries have 13), and checking each
     entry's in full took half of the header's parsing."""
-    if e.flags & FLAG_ALIAS:
+    if e.is_alias:
         _validate_alias(e, index, where, earlier)
         return
     key = (e.dtype, e.mode, e.coder, e.flags, e.shape, e.qp, e.qp_density, e.coder_param, e.alias_of,
@@ -673,12 +673,17 @@ def _validate_entry(e: TensorEntry, index: int, where: str, earlier: list[Tensor
                 raise CorruptStreamError(f"{where}: chunk {k} claims {count} {what} in {size} bytes")
 
 
-def _validate_alias(e: TensorEntry, index: int, where: str, earlier: list[TensorEntry]) -> None:
+def _validate_holdable(e: TensorEntry, where: str) -> None:
+    """What every entry, alias or not, must be: a shape numpy can hold, bfloat16 only for torch."""
     problem = shape_problem(e.shape)
     if problem is not None:
         raise CorruptStreamError(f"{where}: {problem}")
     if e.dtype == DType.BFLOAT16 and not e.flags & FLAG_TORCH:  # (numpy has no bfloat16)
         raise CorruptStreamError(f"{where}: a bfloat16 tensor that is not a torch tensor")
+
+
+def _validate_alias(e: TensorEntry, index: int, where: str, earlier: list[TensorEntry]) -> None:
+    _validate_holdable(e, where)
     if e.alias_of >= index:
         raise CorruptStreamError(f"{where}: aliases tensor {e.alias_of}, which does not precede it")
     target = earlier[e.alias_of]
@@ -693,12 +698,8 @@ def _validate_layout(e: TensorEntry, where: str) -> tuple[int, int, int]:
     """The checks of an entry that hold for every entry of its layout (not an alias); returns how
     its payload falls into chunks: (the index of the first substream of elements, elements per
     chunk, elements)."""
-    problem = shape_problem(e.shape)
-    if problem is not None:
-        raise CorruptStreamError(f"{where}: {problem}")
+    _validate_holdable(e, where)
     numel = e.numel
-    if e.dtype == DType.BFLOAT16 and not e.flags & FLAG_TORCH:  # (numpy has no bfloat16)
-        raise CorruptStreamError(f"{where}: a bfloat16 tensor that is not a torch tensor")
     if e.alias_of != NO_ALIAS:
         raise CorruptStreamError(f"{where}: alias index without the alias flag")
     if e.mode == Mode.RAW:

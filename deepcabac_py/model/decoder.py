@@ -263,25 +263,19 @@ def check_stream_file(path: str | os.PathLike) -> None:
     with StreamFile(path) as stream:
         for e in stream.header.tensors:
             if not e.is_alias:
-                _check_payload(e, _payload(stream, e))
+                _payload_views(stream, e)
 
 
-def _payload(stream, e: TensorEntry) -> memoryview:
+def _payload_views(stream, e: TensorEntry) -> list[memoryview]:
+    """The payload of ``e`` read, checked against its checksum and cut into its chunks."""
     view = stream.read(stream.header.header_size + e.offset, e.size)
     if len(view) != e.size:
         raise TruncatedStreamError(f"tensor {e.name!r}: payload truncated")
-    return view
-
-
-def _check_payload(e: TensorEntry, payload: memoryview) -> None:
-    if crc32(payload) != e.crc32:
+    if crc32(view) != e.crc32:
         raise CorruptStreamError(f"tensor {e.name!r}: payload checksum mismatch (the stream is damaged)")
-
-
-def _chunks(e: TensorEntry, payload: memoryview) -> list[memoryview]:
     views, pos = [], 0
     for size in e.chunk_sizes:
-        views.append(payload[pos:pos + size])
+        views.append(view[pos:pos + size])
         pos += size
     return views
 
@@ -313,15 +307,7 @@ class _Tensor:
         self.entry, self.want_levels = e, want_levels
         self.ran = False  # (decoded together with others: see _run_small_together)
         self.step = e.step if e.step is not None else 0.0  # (used by quantized tensors only)
-        payload = _payload(stream, e)
-        # A class-coded tensor's checksum waits for :meth:`check`, after its chunks have gone to the
-        # pool: its kernels read any bytes safely, and nothing they decode is handed out unchecked.
-        # (At two threads MiniLM's first chunk waited for the checksum of its 15 MB of word
-        # embeddings.) The others parse bytes here.
-        self.unchecked: memoryview | None = payload if e.mode.is_class_coded else None
-        if self.unchecked is None:
-            _check_payload(e, payload)
-        views = _chunks(e, payload)
+        views = _payload_views(stream, e)
         self.predictor = None
         self.log_offset = 0
         self.views: list[memoryview] = []
@@ -342,12 +328,6 @@ class _Tensor:
             views = views[1:]
         self.views = views
         self.out = np.empty(e.numel, dtype=np.int32 if want_levels else e.dtype.carrier)
-
-    def check(self) -> None:
-        """Check the payload against its checksum, where ``__init__`` left it to this."""
-        if self.unchecked is not None:
-            _check_payload(self.entry, self.unchecked)
-            self.unchecked = None
 
     def _levels_into(self, k: int, window: np.ndarray) -> None:
         if self.predictor is None:
@@ -403,36 +383,36 @@ class _Tensor:
 SMALL_TOGETHER = 1 << 12  # elements: float tensors this small decode with their neighbours in one call
 
 
+def _decodes_together(t: _Tensor, work, dtype: DType) -> bool:
+    """Whether ``t`` (``work``: its chunks' futures, None on this thread) is a small float tensor of
+    ``dtype`` whose one substream is whole by tANS: what :func:`_run_small_together` batches."""
+    e = t.entry
+    return (work is None and not t.ran and e.mode == Mode.FLOAT and e.numel <= SMALL_TOGETHER and e.dtype == dtype
+            and len(t.views) == 1 and bool(t.views[0])
+            and floatcoder.whole_tans(t.views[0][0], e.coder_param, floatcoder.FORMATS[dtype.dtype_name][0]))
+
+
 def _run_small_together(pending: collections.deque) -> None:
-    """Decode the small float tensors of ``pending`` (run on this thread, of the dtype of the one at
-    its front, their substreams whole by tANS) in one kernel call, each into its own output, when
-    the front is one of them. EfficientNet-Lite0 has 209 tensors below 4,096 elements: each cost
-    more in the Python around its kernel than in the kernel. Those of the whole pending window go
-    together, not only a run at its front: a model's biases and norms lie between its matrices
-    (MiniLM bf16 took 37 calls where it now takes one)."""
+    """Decode the small float tensors of ``pending`` (:func:`_decodes_together`, of the dtype of the
+    one at its front) in one kernel call, each into its own output, when the front is one of them.
+    EfficientNet-Lite0 has 209 tensors below 4,096 elements: each cost more in the Python around
+    its kernel than in the kernel. Those of the whole pending window go together, not only a run at
+    its front: a model's biases and norms lie between its matrices (MiniLM bf16 took 39 calls for
+    its 64, now one)."""
     _, front, work = pending[0]
-    first = front.entry
+    dtype = front.entry.dtype
     # (asked before each tensor is handed out: a large or decoded one answers at once)
-    if work is not None or front.ran or first.numel > SMALL_TOGETHER or first.mode != Mode.FLOAT:
+    if not _decodes_together(front, work, dtype):
         return
-    W = floatcoder.FORMATS[first.dtype.dtype_name][0]
-    batch: list[_Tensor] = []
-    for _, t, work in pending:
-        e = t.entry
-        if (work is None and not t.ran and e.mode == Mode.FLOAT and e.numel <= SMALL_TOGETHER and len(t.views) == 1
-                and e.dtype == first.dtype and t.views[0]
-                and floatcoder.whole_tans(t.views[0][0], e.coder_param, W)):
-            batch.append(t)
-        elif not batch:  # (the front's substream is not one of them)
-            return
+    batch = [t for _, t, work in pending if _decodes_together(t, work, dtype)]
     if len(batch) < 2:
         return
     counts = np.array([t.entry.numel for t in batch], dtype=np.int64)
     starts = np.zeros(len(batch) + 1, dtype=np.int64)
     np.cumsum([len(t.views[0]) for t in batch], out=starts[1:])
-    out = np.empty(int(counts.sum()), dtype=first.dtype.carrier)
+    out = np.empty(int(counts.sum()), dtype=dtype.carrier)
     floatcoder.decode_tans_chunks(np.frombuffer(b"".join(t.views[0] for t in batch), dtype=np.uint8), starts, counts,
-                                  np.array([t.seg_len for t in batch], dtype=np.int64), first.dtype.dtype_name, out,
+                                  np.array([t.seg_len for t in batch], dtype=np.int64), dtype.dtype_name, out,
                                   lambda j: f"tensor {batch[j].entry.name!r}, chunk 0")
     at = 0
     for t in batch:  # (copies: tensors sharing one buffer would share their storage)
@@ -462,7 +442,6 @@ def _decode_in_order(stream, chosen: list[TensorEntry], coded: list[TensorEntry]
                     runner = pool_for(pool, t.entry.numel)
                     work = [runner.submit(t.run, k) for k in range(len(t.views))] if runner is not None else None
                     pending.append((chosen[ahead], t, work))
-                    t.check()
                     elements += t.entry.numel
                     ahead += 1
                 _run_small_together(pending)
