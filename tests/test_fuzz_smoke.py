@@ -10,11 +10,13 @@ The long coverage-guided runs are ``fuzz/run.py`` (atheris); see docs/reliabilit
 from __future__ import annotations
 
 import random
+import time
 from pathlib import Path
 
 import fuzz_targets
 import pytest
 from helpers import no_hang
+from numba.core.compiler_lock import global_compiler_lock
 
 FUZZ = Path(__file__).resolve().parent.parent / "fuzz"
 
@@ -84,3 +86,13 @@ def test_fuzz_smoke(target):
             fn(seed)
         for _ in range(CASES[target]):
             fn(mutate(rng, rng.choice(seeds), rng.choice(seeds)))
+
+
+def test_the_hang_guard_counts_running_but_not_compiling():
+    with no_hang(0.3):
+        with global_compiler_lock:  # as Numba holds it while compiling a kernel
+            time.sleep(0.6)
+        time.sleep(0.1)
+    with pytest.raises(TimeoutError, match="within 0.3 s"), no_hang(0.3):
+        while True:
+            time.sleep(0.01)
