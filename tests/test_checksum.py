@@ -46,5 +46,20 @@ def test_crc32_is_zlibs_for_every_buffer_type(size):
     assert checksum.crc32(data[half:], checksum.crc32(data[:half])) == zlib.crc32(data)
 
 
-def test_a_large_buffer_takes_the_kernel_where_the_processor_can():
-    assert checksum.FOLDING == ({"+avx2", "+vpclmulqdq"} <= checksum.host_features())
+@pytest.mark.parametrize("folding", [pytest.param(True, marks=folding), False])
+def test_only_large_buffers_go_to_the_kernel_and_only_where_it_can_run(monkeypatch, folding):
+    calls = []
+
+    def counted(path, fn):
+        def call(*args):
+            calls.append(path)
+            return fn(*args)
+        return call
+
+    monkeypatch.setattr(checksum, "FOLDING", folding)
+    monkeypatch.setattr(checksum._k, "crc32_folded", counted("kernel", kernels.crc32_folded))
+    monkeypatch.setattr(checksum, "_library_crc32", counted("library", checksum._library_crc32))
+    data = bytes(range(256)) * (checksum.FOLD_FROM // 256 + 1)
+    for size in (checksum.FOLD_FROM - 1, checksum.FOLD_FROM):
+        assert checksum.crc32(data[:size], 7) == zlib.crc32(data[:size], 7)
+    assert calls == (["library", "kernel"] if folding else ["library", "library"])
