@@ -5,6 +5,7 @@ inputs. Python integers throughout, one element at a time."""
 from __future__ import annotations
 
 import struct
+from itertools import accumulate
 
 import numpy as np
 
@@ -111,9 +112,14 @@ def _rans(steps: list[tuple[int, int, int]]) -> list[int]:
     return pushed[::-1]
 
 
+def _starts(row: list[int]) -> list[int]:
+    """Each symbol's start: the sum of the frequencies before it."""
+    return list(accumulate(row[:-1], initial=0)) if row else []
+
+
 def _scaled(sent: list[list[int]], precision: int) -> tuple[list[list[int]], list[list[int]]]:
     freq = [[f << (PROB_BITS - precision) for f in row] for row in sent]
-    return freq, [[sum(row[:s]) for s in range(len(row))] for row in freq]
+    return freq, [_starts(row) for row in freq]
 
 
 def _tables(klog: int, precision: int, sent: list[list[int]], classes: list[int]) -> bytes:
@@ -589,7 +595,7 @@ def encode_wide(words: list[int], dtype_name: str, seg: int) -> bytes | None:
 def _wide(mode_byte: int, symbols: list[int], seg: int, klog: int, precision: int, sent: list[list[int]],
           classes: list[int], raw: list[int]) -> bytes:
     """A mode 4 or 5 substream: the symbols by 64 rANS states, element i on state i % 64."""
-    starts = [[sum(row[:s]) for s in range(len(row))] for row in sent]
+    starts = [_starts(row) for row in sent]
     x = [WIDE_L] * WIDE_LANES
     pushed = []
     for i in reversed(range(len(symbols))):
