@@ -33,6 +33,7 @@ def test_an_unaligned_load_is_the_eight_bytes_little_endian(raw, data, dtype):
     assert int(_compiled_load(array, byte)) == int.from_bytes(raw[byte:byte + 8], "little")
 
 
+@settings(deadline=None)  # (its first example compiles the helper)
 @given(st.integers(1, 2**64 - 1))
 def test_trailing_zeros_counts_the_low_zero_bits(x):
     expected = (x & -x).bit_length() - 1
