@@ -18,7 +18,8 @@ has not used before costs up to 7 ms per MB, so the first rounds of a case (whos
 while the previous round's output is still held) timed page faults more than coding (MiniLM float32
 decoded at 190-340 MB/s in its first two rounds, 810-920 after).
 
-ZipNN runs in its own venv (``$ZIPNN_VENV``, default /work/zipnn-venv) through peer_zipnn.py.
+ZipNN runs in its own venv (``$ZIPNN_VENV``, default /work/zipnn-venv) through peer_zipnn.py, one
+process per case for every thread count.
 """
 from __future__ import annotations
 
@@ -89,11 +90,11 @@ def ours_round(tensors: dict[str, torch.Tensor], threads: int) -> tuple[bytes, d
 class ZipNNPeer:
     """peer_zipnn.py in the ZipNN venv, kept running for one case so its rounds can alternate with ours."""
 
-    def __init__(self, arrays: dict[str, np.ndarray], dtype: str, threads: int) -> None:
+    def __init__(self, arrays: dict[str, np.ndarray], dtype: str) -> None:
         self._tmp = tempfile.TemporaryDirectory()
         path = Path(self._tmp.name) / "t.npz"
         np.savez(path, **{f"t{i}": a for i, a in enumerate(arrays.values())})
-        self._proc = subprocess.Popen([str(ZIPNN_PY), str(HERE / "peer_zipnn.py"), str(path), dtype, str(threads)],
+        self._proc = subprocess.Popen([str(ZIPNN_PY), str(HERE / "peer_zipnn.py"), str(path), dtype],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
     def ask(self, command: str) -> dict:
@@ -112,34 +113,28 @@ class ZipNNPeer:
         self._tmp.cleanup()
 
 
-def timed_rounds(tensors: dict[str, torch.Tensor], arrays: dict[str, np.ndarray], dtype: str, threads: int,
-                 repeats: int, warmup: int, peer: bool) -> dict:
+def timed_rounds(tensors: dict[str, torch.Tensor], threads: int, repeats: int, warmup: int,
+                 zipnn: ZipNNPeer | None) -> dict:
     """Medians over `repeats` rounds after `warmup`, ours and ZipNN's taken in turn (who goes first
     alternates), so that a slow stretch of this shared machine falls on both sides alike."""
-    zipnn = ZipNNPeer(arrays, dtype, threads) if peer else None
     times: dict[str, list[float]] = {"encode_s": [], "decode_s": [], "zipnn_encode_s": [], "zipnn_decode_s": []}
+    sides = ("ours", "zipnn") if zipnn is not None else ("ours",)
     data, back = b"", {}
-    try:
-        for r in range(warmup + repeats):
-            for side in (("ours", "zipnn") if r % 2 == 0 else ("zipnn", "ours")):
-                if side == "ours":
-                    data, back, enc, dec = ours_round(tensors, threads)
-                    got = {"encode_s": enc, "decode_s": dec}
-                elif zipnn is not None:
-                    got = {f"zipnn_{k}": v for k, v in zipnn.ask("round").items()}
-                else:
-                    continue
-                if r >= warmup:
-                    for k, v in got.items():
-                        times[k].append(v)
-        sizes = zipnn.ask("sizes") if zipnn is not None else {}
-    finally:
-        if zipnn is not None:
-            zipnn.close()
+    for r in range(warmup + repeats):
+        for side in sides if r % 2 == 0 else sides[::-1]:
+            if side == "ours":
+                data, back, enc, dec = ours_round(tensors, threads)
+                got = {"encode_s": enc, "decode_s": dec}
+            else:
+                assert zipnn is not None
+                got = {f"zipnn_{k}": v for k, v in zipnn.ask(f"round {threads}").items()}
+            if r >= warmup:
+                for k, v in got.items():
+                    times[k].append(v)
     for k, v in tensors.items():
         if not np.array_equal(_bits(back[k]).view(np.uint8), _bits(v).view(np.uint8)):
             raise SystemExit(f"{k}: not restored bit for bit")
-    return {"bytes": len(data), **sizes, **{k: statistics.median(v) for k, v in times.items() if v}}
+    return {"bytes": len(data), **{k: statistics.median(v) for k, v in times.items() if v}}
 
 
 def main() -> None:
@@ -171,16 +166,22 @@ def main() -> None:
         row: dict = {"model": model, "dtype": label, "input_bytes": raw,
                      "order0": raw / order0_bytes(list(arrays.values())),
                      "xz": raw / sum(len(lzma.compress(a.tobytes())) for a in arrays.values())}
-        for t in threads:
-            r = timed_rounds(tensors, arrays, dtype, t, args.repeats, args.warmup, peer)
-            row["ours"] = raw / r["bytes"]
-            row[f"ours_enc_MBps_{t}t"] = raw / r["encode_s"] / 1e6
-            row[f"ours_dec_MBps_{t}t"] = raw / r["decode_s"] / 1e6
-            if peer:
-                row["zipnn"] = raw / r["zipnn"]
-                row["zstd-3"], row["zstd-19"] = raw / r["zstd-3"], raw / r["zstd-19"]
-                row[f"zipnn_enc_MBps_{t}t"] = raw / r["zipnn_encode_s"] / 1e6
-                row[f"zipnn_dec_MBps_{t}t"] = raw / r["zipnn_decode_s"] / 1e6
+        zipnn = ZipNNPeer(arrays, dtype) if peer else None
+        try:
+            for t in threads:
+                r = timed_rounds(tensors, t, args.repeats, args.warmup, zipnn)
+                row["ours"] = raw / r["bytes"]
+                row[f"ours_enc_MBps_{t}t"] = raw / r["encode_s"] / 1e6
+                row[f"ours_dec_MBps_{t}t"] = raw / r["decode_s"] / 1e6
+                if zipnn is not None:
+                    row[f"zipnn_enc_MBps_{t}t"] = raw / r["zipnn_encode_s"] / 1e6
+                    row[f"zipnn_dec_MBps_{t}t"] = raw / r["zipnn_decode_s"] / 1e6
+            if zipnn is not None:
+                sizes = zipnn.ask("sizes")
+                row["zipnn"], row["zstd-3"], row["zstd-19"] = (raw / sizes[k] for k in ("zipnn", "zstd-3", "zstd-19"))
+        finally:
+            if zipnn is not None:
+                zipnn.close()
         rows.append(row)
         if label == "float32 (bf16 values)":
             goals.append((f"{model} {label}: ratio >= {GOAL_BF16_IN_FP32}", row["ours"], row["ours"] >= GOAL_BF16_IN_FP32))

@@ -448,24 +448,21 @@ def decode_chunk(data, dtype_name: str, seg_len: int, out: np.ndarray, where: st
         _check_substream(_k.decode_tans_substream(buf, n, seg_len, W, M, words, detail), detail, where, dtype_name)
         return
     # (modes 4 and 5, most of a large model's elements, read their mode byte in the kernel)
-    if byte == WIDE_BYTE and revision & (WIDE32_REVISION if W == 32 else WIDE_REVISION):
-        if W == 64:
+    wide = byte == WIDE_BYTE and bool(revision & (WIDE32_REVISION if W == 32 else WIDE_REVISION))
+    tz_wide = byte == TZ_WIDE_BYTE and bool(revision & TZ_WIDE_REVISION)
+    if wide or tz_wide:
+        if wide and W == 64:
             raise CorruptStreamError(f"{where}: low-bit mode 4 (64 rANS states) in a {dtype_name} tensor, which only "
                                      f"bf16, fp16 and fp32 take")
-        detail = np.zeros(2, dtype=np.int64)
-        _check_substream(_w.decode_wide_substream(buf, n, seg_len, M, words, detail, False), detail, where,
-                         dtype_name)
-        return
-    if byte == TZ_WIDE_BYTE and revision & TZ_WIDE_REVISION:
-        if W != 32:
+        if tz_wide and W != 32:
             raise CorruptStreamError(f"{where}: low-bit mode 5 (trailing zeros on 64 rANS states) in a {dtype_name} "
                                      f"tensor, which only float32 takes")
         detail = np.zeros(2, dtype=np.int64)
-        _check_substream(_w.decode_wide_substream(buf, n, seg_len, M, words, detail, True), detail, where,
+        _check_substream(_w.decode_wide_substream(buf, n, seg_len, M, words, detail, tz_wide), detail, where,
                          dtype_name)
         return
     r = _Reader(buf, where)
-    byte = int(r.take(1, "low-bit mode")[0])
+    r.take(1, "low-bit mode")  # (``byte``: an empty substream is refused here)
     if byte == TRAILING_MODE and revision & TRAILING_REVISION:
         _decode_trailing(r, W, M, n, seg_len, words)
         return
