@@ -23,7 +23,7 @@ from reference_float_coder import encode_tz as ref_encode_tz
 from reference_float_coder import encode_wide as ref_encode_wide
 
 import deepcabac_py as dc
-from deepcabac_py.entropy import _vector_kernels, floatcoder
+from deepcabac_py.entropy import _float_kernels, _vector_kernels, floatcoder
 from deepcabac_py.entropy import _wide_kernels as _w
 from deepcabac_py.errors import CorruptStreamError
 from deepcabac_py.model.container import Mode, read_header
@@ -364,6 +364,80 @@ def test_the_trailing_mode_is_taken_where_it_pays(dtype_name):
             floatcoder.decode_chunk(chosen, dtype_name, seg, out, revision=revision)
     with pytest.raises(CorruptStreamError, match="symbols by tANS"):  # (nor tANS without its own)
         floatcoder.decode_chunk(segments, dtype_name, seg, out, revision=others & ~floatcoder.TANS_REVISION)
+
+
+@settings(max_examples=40, deadline=None)
+@given(dtype_name=st.sampled_from(["bfloat16", "float16", "float32"]),
+       sizes=st.lists(st.integers(1, floatcoder.SMALL_TOGETHER), min_size=1, max_size=10),
+       seed=st.integers(0, 2**32 - 1))
+def test_small_chunks_coded_together_are_the_bytes_each_would_be_alone(dtype_name, sizes, seed):
+    rng = np.random.default_rng(seed)
+    W, M = floatcoder.FORMATS[dtype_name]
+    # (any bits, low bits zero per chunk or per element, values on a grid: every mode a small chunk can take)
+    chunks = []
+    for n in sizes:
+        kind = rng.integers(3)
+        if kind == 2:
+            chunks.append(_grid_weights(rng, dtype_name, (n,)))
+        else:
+            low = rng.integers(0, M + 1) if kind == 0 else rng.integers(0, M + 1, size=n)
+            chunks.append(_random_floats(rng, dtype_name, n, low))
+    segs = [int(rng.integers(1, 700)) for _ in sizes]
+    together = floatcoder.encode_small_chunks(chunks, dtype_name, segs)
+    assert [bytes(b) for b in together] == [floatcoder.encode_chunk(c, dtype_name, s) for c, s in zip(chunks, segs)]
+
+
+def test_small_float32_chunks_choose_their_mode_as_each_would_alone():
+    """Grid values, more and more of them replaced by plain ones: the trailing zeros' promise falls
+    through the share that takes mode 3 untried and the share that codes a chunk both ways."""
+    rng = np.random.default_rng(11)
+    chunks = []
+    for f in np.linspace(0.0, 1.0, 121):
+        x = np.ldexp(np.round(rng.standard_normal(2048) * 2.0 ** 14), -40).astype(np.float32)
+        plain = rng.random(2048) < (0.92 + 0.05 * f if f > 0.2 else f)
+        x[plain] = (rng.standard_normal(int(plain.sum())) * 2.0 ** -26).astype(np.float32)
+        chunks.append(x)
+    promises = [_float_kernels.trailing_promise(c.view(np.uint32), 32, 23, 256,
+                                                np.zeros(8, dtype=np.uint8)) for c in chunks]
+    gain = floatcoder.TRAILING_GAIN
+    assert any(p >= floatcoder.TRAILING_SURE * gain for p in promises)
+    assert any(gain <= p < floatcoder.TRAILING_SURE * gain for p in promises)
+    assert any(p < gain for p in promises)
+    together = [bytes(b) for b in floatcoder.encode_small_chunks(chunks, "float32", [256] * len(chunks))]
+    alone = [floatcoder.encode_chunk(c, "float32", 256) for c in chunks]
+    assert together == alone
+    assert {b[0] for b in alone} >= {floatcoder.TZ_BYTE, floatcoder.TANS_FLAG}
+
+
+def test_only_small_chunks_are_coded_together():
+    big = np.zeros(floatcoder.SMALL_TOGETHER + 1, dtype=np.float32)
+    with pytest.raises(ValueError, match="at most"):
+        floatcoder.encode_small_chunks([big], "float32", [256])
+    with pytest.raises(ValueError, match="at most"):
+        floatcoder.encode_small_chunks([np.zeros(8)], "float64", [256])
+    with pytest.raises(ValueError, match="one segment length each"):
+        floatcoder.encode_small_chunks([np.zeros(8, dtype=np.float32)], "float32", [])
+    assert floatcoder.encode_small_chunks([], "float16", []) == []
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_a_model_of_small_tensors_codes_them_together_in_the_bytes_of_one_by_one(dtype, monkeypatch):
+    rng = np.random.default_rng(4)
+    model = {f"layer{i}.{kind}": torch.from_numpy(rng.standard_normal(shape).astype(np.float32) * 0.1).to(dtype)
+             for i in range(30) for kind, shape in (("weight", (int(rng.integers(1, 40)), 24)), ("bias", (24,)))}
+    model["big"] = torch.from_numpy(rng.standard_normal((64, 100)).astype(np.float32)).to(dtype)  # (alone, between)
+    model.update({f"tail{i}": torch.from_numpy(rng.standard_normal(300).astype(np.float32)).to(dtype)
+                  for i in range(5)})
+    calls = []
+    together = floatcoder.encode_small_chunks
+    monkeypatch.setattr(floatcoder, "encode_small_chunks", lambda *a: calls.append(len(a[0])) or together(*a))
+    data = dc.encode_model(model, keep_exact=True, threads=1)
+    assert sum(calls) == len(model) - 1 and len(calls) <= 2
+    monkeypatch.setattr(floatcoder, "codes_together", lambda dtype_name, numel: False)
+    assert dc.encode_model(model, keep_exact=True, threads=1) == data
+    assert dc.encode_model(model, keep_exact=True, threads=2) == data
+    out = dc.decode_model(data)
+    assert all(torch.equal(out[k].view(torch.int8), v.view(torch.int8)) for k, v in model.items())
 
 
 def test_mode_3_is_for_float32_only():

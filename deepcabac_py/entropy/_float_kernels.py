@@ -1824,6 +1824,35 @@ def encode_tans_substream(words, seg_len, W, M, zeros, classes16, costs, work):
 
 
 @inline
+def _appended(out, pos, sub):
+    """``sub`` written into ``out`` at ``pos`` (grown if it must be): (out, the next place)."""
+    end = pos + sub.shape[0]
+    if end > out.shape[0]:  # (the tables of a chunk of a few elements outweigh its values)
+        grown = np.empty(max(end, 2 * out.shape[0]), dtype=np.uint8)
+        grown[:pos] = out[:pos]
+        out = grown
+    out[pos:end] = sub
+    return out, end
+
+
+@kernel
+def encode_tans_chunks(words, starts, seg_lens, W, M, costs, work, ends):
+    """:func:`encode_tans_substream` of many chunks of 16-bit floats (their segments' statistics
+    found as they split) in one call: chunk j is ``words[starts[j]:starts[j + 1]]``, of segments of
+    ``seg_lens[j]``, and its substream ends at ``ends[j]`` of the bytes returned, after the one
+    before it. ``work`` holds the largest chunk's :func:`tans_work_bytes`. (A model's small tensors
+    cost more in the Python around each call than in their kernels.)"""
+    none = np.empty(0, dtype=np.uint8)
+    out = np.empty(max(np.int64(64), 3 * (starts[-1] - starts[0])), dtype=np.uint8)
+    pos = 0
+    for j in range(seg_lens.shape[0]):
+        sub = encode_tans_substream(words[starts[j]:starts[j + 1]], seg_lens[j], W, M, none, none, costs, work)
+        out, pos = _appended(out, pos, sub)
+        ends[j] = pos
+    return out[:pos]
+
+
+@inline
 def tans_substream(W, M, seg_len, zeros, classes16, symbols, raw, nraw, klog, precision, used_syms, sent, coded_bytes,
                    at, work):
     """The substream of modes 0 and 1 from what :func:`split_and_choose` returns, carved from
@@ -2303,6 +2332,37 @@ def encode_tz_substream(words, seg_len, classes16, costs, work):
     out[0] = 0x80 | TZ_MODE
     _put_tans_fields(out, 1, klog, precision, classes, tables, table_bytes, first_bit, xs, coded, begin, raw, nraw)
     return out
+
+
+@kernel
+def encode_float32_chunks(words, starts, seg_lens, costs, work, ends, sure, gain):
+    """Many chunks of float32 bits in one call, as :func:`encode_tans_chunks` takes 16-bit ones
+    (``work``: the largest of :func:`tans_work_bytes` and :func:`tz_work_bytes` of the largest
+    chunk), each coded as the writer codes a chunk below mode 5's size: low-bit mode 3 where the
+    sampled :func:`trailing_promise` is at least ``sure``; else modes 0 and 1 by tANS, and mode 3
+    in its place where the promise is at least ``gain`` and mode 3 is at least that share
+    smaller."""
+    out = np.empty(max(np.int64(64), 5 * (starts[-1] - starts[0])), dtype=np.uint8)
+    pos = 0
+    for j in range(seg_lens.shape[0]):
+        w = words[starts[j]:starts[j + 1]]
+        seg_len = seg_lens[j]
+        nseg = (w.shape[0] + seg_len - 1) // seg_len
+        zeros = np.empty(nseg, dtype=np.uint8)
+        classes16 = np.empty(nseg, dtype=np.uint8)
+        segment_classes(w, seg_len, 32, 23, zeros, classes16)
+        promise = trailing_promise(w, 32, 23, seg_len, zeros)
+        at = pos
+        if promise >= sure:
+            out, pos = _appended(out, at, encode_tz_substream(w, seg_len, classes16, costs, work))
+        else:
+            out, pos = _appended(out, at, encode_tans_substream(w, seg_len, 32, 23, zeros, classes16, costs, work))
+            if promise >= gain:
+                other = encode_tz_substream(w, seg_len, classes16, costs, work)
+                if other.shape[0] <= (1 - gain) * (pos - at):
+                    out, pos = _appended(out, at, other)
+        ends[j] = pos
+    return out[:pos]
 
 
 @inline

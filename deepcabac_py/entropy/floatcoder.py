@@ -56,6 +56,7 @@ TZ_BYTE = TANS_FLAG | _k.TZ_MODE  # low-bit mode 3's byte: the trailing zeros in
 WIDE_BYTE = _w.WIDE_BYTE  # low-bit mode 4's byte: bf16, fp16 or fp32 dropping no bit, 64 rANS states
 TZ_WIDE_BYTE = _w.TZ_WIDE_BYTE  # low-bit mode 5's: float32's trailing zeros in the symbol, 64 rANS states
 _TANS_BYTES = (TANS_FLAG, TANS_FLAG | 1)  # low-bit modes 0 and 1 by tANS
+SMALL_TOGETHER = 1 << 12  # elements: float tensors this small are coded and decoded with their neighbours
 # Mode 4 for chunks from this many elements: its 64 states cost about 128 bytes more than tANS's
 # four (0.07% of a chunk of 2**17 bf16 elements), and its tables twice the cache
 WIDE_FROM = 1 << 17
@@ -209,7 +210,8 @@ def _tans_substream(words: np.ndarray, seg_len: int, W: int, M: int, zeros: np.n
     work = _WORK.take(_k.tans_work_bytes(words.shape[0], seg_len, W, M))
     if W == 16 or wide:
         data = _w.encode_wide_substream(words, seg_len, W, M, zeros, classes16, _COSTS, wide, work)
-        return data.tobytes() if np.may_share_memory(data, work) else memoryview(data)
+        # (mode 4 comes in an array of its own, kept as it is; modes 0 and 1 in the work memory)
+        return memoryview(data) if data[0] == WIDE_BYTE else data.tobytes()
     return _k.encode_tans_substream(words, seg_len, W, M, zeros, classes16, _COSTS, work).tobytes()
 
 
@@ -249,6 +251,46 @@ def encode_chunk_buffer(values: np.ndarray, dtype_name: str, seg_len: int, wide:
         if len(other) <= (1 - TRAILING_GAIN) * len(data):
             return other
     return data
+
+
+def codes_together(dtype_name: str, numel: int) -> bool:
+    """Whether a one-chunk tensor of ``numel`` elements of ``dtype_name`` is small enough to be
+    coded with its neighbours in one call (:func:`encode_small_chunks`): a bfloat16, float16 or
+    float32 one of at most :data:`SMALL_TOGETHER` elements."""
+    return numel <= SMALL_TOGETHER and dtype_name in _TOGETHER
+
+
+_TOGETHER = ("bfloat16", "float16", "float32")
+
+
+def encode_small_chunks(chunks: Sequence[np.ndarray], dtype_name: str, seg_lens: Sequence[int]) -> list[Buffer]:
+    """:func:`encode_chunk_buffer` of each of ``chunks`` (flat, of ``dtype_name``, as
+    :func:`codes_together` takes them; chunk j's segments ``seg_lens[j]`` long) in one kernel call:
+    the same bytes, as views of one array. EfficientNet-Lite0 has 203 tensors of at most 2,048
+    elements: each cost more in the Python and the cold start around its kernel than in it."""
+    if len(chunks) != len(seg_lens) or not all(codes_together(dtype_name, c.size) for c in chunks):
+        raise ValueError("encode_small_chunks takes chunks of bfloat16, float16 or float32 of at most "
+                         f"{SMALL_TOGETHER} elements, one segment length each")
+    W, M = FORMATS[dtype_name]
+    words = [_words(c, dtype_name) for c in chunks]
+    starts = np.zeros(len(words) + 1, dtype=np.int64)
+    np.cumsum([w.shape[0] for w in words], out=starts[1:])
+    lens = np.array(seg_lens, dtype=np.int64)
+    flat = np.concatenate(words) if words else np.empty(0, _WORDS[W])
+    ends = np.empty(len(words), dtype=np.int64)
+    # (work memory grows with the elements and the segments: the most and the shortest bound every chunk's)
+    shortest = min(seg_lens, default=MIN_SEGMENT)
+    if W == 16:
+        work = _WORK.take(_k.tans_work_bytes(SMALL_TOGETHER, shortest, W, M))
+        out = _k.encode_tans_chunks(flat, starts, lens, W, M, _COSTS, work, ends)
+    else:
+        work = _WORK.take(max(_k.tans_work_bytes(SMALL_TOGETHER, shortest, W, M),
+                              _k.tz_work_bytes(SMALL_TOGETHER, shortest)))
+        out = _k.encode_float32_chunks(flat, starts, lens, _COSTS, work, ends, TRAILING_SURE * TRAILING_GAIN,
+                                       TRAILING_GAIN)
+    view = memoryview(out)
+    begins = [0, *ends[:-1].tolist()]
+    return [view[a:b] for a, b in zip(begins, ends.tolist())]
 
 
 def _trailing_substream(words: np.ndarray, W: int, M: int, seg_len: int, classes16: np.ndarray,

@@ -30,6 +30,7 @@ traversal order keeps the plain name). Tensors may not appear as dict keys or se
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import math
 from collections import Counter, OrderedDict
@@ -88,7 +89,9 @@ _MAX_JSON_INT = 2**53
 # dtype tables
 # --------------------------------------------------------------------------------------------------
 
-# (a library dtype name is the name of the torch dtype: "bfloat16" is torch.bfloat16)
+# (a library dtype name is the name of the torch dtype: "bfloat16" is torch.bfloat16; remembered per
+# dtype, as it is asked for every tensor)
+@functools.cache
 def _name_of_torch_dtype(dtype: Any) -> str | None:
     name = str(dtype).removeprefix("torch.")
     return name if name in DTYPE_NAMES else None
@@ -150,20 +153,23 @@ def tensor_to_numpy(t: TensorLike) -> tuple[np.ndarray, str, bool]:
             raise TypeError(f"unsupported tensor dtype torch.{t.dtype_name}; supported: {', '.join(DTYPE_NAMES)}")
         return t.bits, t.dtype_name, True
     if is_torch_tensor(t):
+        # (the fewest calls into torch on the common path, a dense tensor in memory: each costs
+        # about a microsecond, more between two kernels, and a model has hundreds of tensors)
         torch = torch_module()
         if t.layout != torch.strided or t.is_quantized or t.is_nested:
             raise TypeError(f"unsupported tensor layout {t.layout} (only dense, non-quantized tensors are supported)")
-        if t.device.type == "meta":
+        if t.is_meta:
             raise TypeError("meta tensors have no data")
-        name = dtype_name_of(t)
+        name = _name_of_torch_dtype(t.dtype)
         if name is None:
             raise TypeError(
                 f"unsupported tensor dtype {t.dtype}; supported: {', '.join(DTYPE_NAMES)}"
             )
-        x = t.detach()
-        if x.device.type != "cpu":
+        x = t.detach() if t.requires_grad else t
+        if not x.is_cpu:
             x = x.cpu()
-        x = x.resolve_conj().resolve_neg()
+        if x.is_conj() or x.is_neg():
+            x = x.resolve_conj().resolve_neg()
         if not x.is_contiguous():
             x = x.contiguous()
         if name == "bfloat16":

@@ -147,10 +147,13 @@ class TensorEntry:
     offset: int = 0  # payload offset, relative to the first payload byte
     size: int = 0
     crc32: int = 0
+    # (the shape's product, asked for many times per entry; an entry's shape is never reassigned:
+    # dataclasses.replace makes a new one. Not a cached_property: before Python 3.12 its first read
+    # takes a lock, which cost more than the product)
+    numel: int = field(init=False, repr=False, compare=False)
 
-    @functools.cached_property
-    def numel(self) -> int:  # (an entry's shape is never reassigned: dataclasses.replace makes a new one)
-        return math.prod(self.shape)
+    def __post_init__(self) -> None:
+        self.numel = math.prod(self.shape)
 
     @property
     def is_alias(self) -> bool:

@@ -380,15 +380,12 @@ class _Tensor:
         return self.out.reshape(self.entry.shape)
 
 
-SMALL_TOGETHER = 1 << 12  # elements: float tensors this small decode with their neighbours in one call
-
-
 def _decodes_together(t: _Tensor, work, dtype: DType) -> bool:
     """Whether ``t`` (``work``: its chunks' futures, None on this thread) is a small float tensor of
     ``dtype`` whose one substream is whole by tANS: what :func:`_run_small_together` batches."""
     e = t.entry
-    return (work is None and not t.ran and e.mode == Mode.FLOAT and e.numel <= SMALL_TOGETHER and e.dtype == dtype
-            and len(t.views) == 1 and bool(t.views[0])
+    return (work is None and not t.ran and e.mode == Mode.FLOAT and e.numel <= floatcoder.SMALL_TOGETHER
+            and e.dtype == dtype and len(t.views) == 1 and bool(t.views[0])
             and floatcoder.whole_tans(t.views[0][0], e.coder_param, floatcoder.FORMATS[dtype.dtype_name][0]))
 
 

@@ -232,6 +232,7 @@ class _SpooledPayloads(_Payloads):
 
 
 COPY_PIECE = 1 << 24
+SMALL_BATCH = 1 << 16  # elements of small tensors coded in one call at most
 
 
 class _TensorCoder:
@@ -243,10 +244,13 @@ class _TensorCoder:
         self.plan, self.pool, self.progress, self.payloads, self.budget = plan, pool, progress, payloads, budget
         self.entries: dict[str, TensorEntry] = {}
         self.deltas: dict[str, Any] = {}  # shift target -> the sum of its layers' shifts
+        self.shift_layers = plan.shift_layers  # (a set built from the shifts: once, not per tensor)
 
     def code(self, names: list[str], shifted: bool = False) -> None:
         in_flight: collections.deque = collections.deque()
         elements = 0
+        small: list[TensorPlan] = []  # small 16-bit floats kept exact, waiting to be coded in one call
+        small_elements = 0
         for name in names:
             if shifted and name in self.deltas:
                 p = self.plan.with_shifts(name, self.deltas[name])
@@ -256,7 +260,18 @@ class _TensorCoder:
             if not p.is_chunked:
                 self._store_raw(p)
                 continue
-            keep = p.name in self.plan.shift_layers
+            keep = p.name in self.shift_layers
+            e = p.entry
+            if e.mode == Mode.FLOAT and not keep and floatcoder.codes_together(e.dtype.dtype_name, e.numel):
+                if small and small[0].entry.dtype != e.dtype:
+                    self._finish_small(small)
+                    small, small_elements = [], 0
+                small.append(p)
+                small_elements += e.numel
+                if small_elements >= SMALL_BATCH:
+                    self._finish_small(small)
+                    small, small_elements = [], 0
+                continue
             jobs = [(p, k, keep) for k in range(p.chunk_count)]
             runner = pool_for(self.pool, p.entry.numel)
             work: list = [runner.submit(self._run, job) for job in jobs] if runner is not None else jobs
@@ -266,6 +281,17 @@ class _TensorCoder:
                 elements -= self._finish(*in_flight.popleft())
         while in_flight:
             self._finish(*in_flight.popleft())
+        if small:
+            self._finish_small(small)
+
+    def _finish_small(self, plans: list[TensorPlan]) -> None:
+        """Code the small float tensors ``plans`` (one dtype, one chunk each) in one call and store them."""
+        chunks = floatcoder.encode_small_chunks([p.values.reshape(-1) for p in plans], plans[0].entry.dtype.dtype_name,
+                                                [floatcoder.segment_length(p.entry.shape) for p in plans])
+        for p, data in zip(plans, chunks):
+            if self.progress is not None:
+                self.progress(p.entry.numel)
+            self._store(p, [(data, None)])
 
     def _run(self, job: tuple[TensorPlan, int, bool]) -> tuple[Buffer, np.ndarray | None]:
         p, k, keep = job
@@ -275,7 +301,10 @@ class _TensorCoder:
         return data, levels if keep else None
 
     def _finish(self, p: TensorPlan, work: list) -> int:
-        done = [w.result() if isinstance(w, Future) else self._run(w) for w in work]
+        return self._store(p, [w.result() if isinstance(w, Future) else self._run(w) for w in work])
+
+    def _store(self, p: TensorPlan, done: list[tuple[Buffer, np.ndarray | None]]) -> int:
+        """Store tensor ``p``'s coded chunks ``done`` (substream, levels kept or None); its element count."""
         chunks = [data for data, _ in done]
         raw_size = p.entry.numel * p.entry.dtype.itemsize
         if p.entry.mode.is_class_coded and sum(map(len, chunks)) >= raw_size:
@@ -289,7 +318,7 @@ class _TensorCoder:
             chunks.insert(0, p.linear.to_bytes())
         if p.log_offset is not None:
             chunks.insert(0, p.log_offset.to_bytes(LOG_OFFSET_BYTES, "little", signed=True))
-        if p.name in self.plan.shift_layers:
+        if p.name in self.shift_layers:
             decoded = assembled(p.entry, [levels for _, levels in done if levels is not None]).decoded64()
             for target, delta in self.plan.shift_deltas(p, decoded):
                 self.deltas[target] = self.deltas.get(target, 0.0) + delta

@@ -287,15 +287,17 @@ class TensorPlanner:
         s = self.settings
         arr, dtype_name, is_torch = tensor_to_numpy(tensor)
         dtype = DType.from_name(dtype_name)
-        entry = TensorEntry(name=name, dtype=dtype, shape=tuple(int(d) for d in arr.shape), mode=Mode.RAW,
+        entry = TensorEntry(name=name, dtype=dtype, shape=tuple(map(int, arr.shape)), mode=Mode.RAW,
                             flags=FLAG_TORCH if is_torch else 0)
         if arr.size == 0:
             return TensorPlan(entry, arr)
-        role = optimizer_state.role_of(name)
-        if dtype.is_float and not s.is_exact(name) and role != optimizer_state.STEP:
-            if role is not None:  # a moment: in the log domain, or exact in half precision
+        if dtype.is_float and not s.is_exact(name):
+            role = optimizer_state.role_of(name)
+            if role is not None and role != optimizer_state.STEP:
+                # a moment: in the log domain, or exact in half precision
                 return self._plan_log(entry, arr) if dtype_name in LOG_DTYPES else TensorPlan(entry, arr)
-            return self._plan_float(entry, arr)
+            if role is None:
+                return self._plan_float(entry, arr)
         if dtype.is_float or dtype.is_complex:
             return TensorPlan(entry, arr)
         if dtype == DType.UINT64 and int(arr.max()) > LEVEL_MAX:
