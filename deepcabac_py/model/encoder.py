@@ -249,7 +249,7 @@ class _TensorCoder:
     def code(self, names: list[str], shifted: bool = False) -> None:
         in_flight: collections.deque = collections.deque()
         elements = 0
-        small: list[TensorPlan] = []  # small 16-bit floats kept exact, waiting to be coded in one call
+        small: list[TensorPlan] = []  # small floats kept exact, waiting to be coded in one call
         small_elements = 0
         for name in names:
             if shifted and name in self.deltas:
