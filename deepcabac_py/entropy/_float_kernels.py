@@ -2341,7 +2341,9 @@ def encode_float32_chunks(words, starts, seg_lens, costs, work, ends, sure, gain
     chunk), each coded as the writer codes a chunk below mode 5's size: low-bit mode 3 where the
     sampled :func:`trailing_promise` is at least ``sure``; else modes 0 and 1 by tANS, and mode 3
     in its place where the promise is at least ``gain`` and mode 3 is at least that share
-    smaller."""
+    smaller. (floatcoder.encode_chunk_buffer makes the same choice for every size, in Python,
+    where the large chunks' modes 4 and 5 come in arrays of their own and float64's mode 2 is put
+    together; the tests hold the two to the same bytes.)"""
     out = np.empty(max(np.int64(64), 5 * (starts[-1] - starts[0])), dtype=np.uint8)
     pos = 0
     for j in range(seg_lens.shape[0]):

@@ -263,14 +263,11 @@ class _TensorCoder:
             keep = p.name in self.shift_layers
             e = p.entry
             if e.mode == Mode.FLOAT and not keep and floatcoder.codes_together(e.dtype.dtype_name, e.numel):
-                if small and small[0].entry.dtype != e.dtype:
+                if small and (small[0].entry.dtype != e.dtype or small_elements + e.numel > SMALL_BATCH):
                     self._finish_small(small)
                     small, small_elements = [], 0
                 small.append(p)
                 small_elements += e.numel
-                if small_elements >= SMALL_BATCH:
-                    self._finish_small(small)
-                    small, small_elements = [], 0
                 continue
             jobs = [(p, k, keep) for k in range(p.chunk_count)]
             runner = pool_for(self.pool, p.entry.numel)

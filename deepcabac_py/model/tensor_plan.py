@@ -293,11 +293,10 @@ class TensorPlanner:
             return TensorPlan(entry, arr)
         if dtype.is_float and not s.is_exact(name):
             role = optimizer_state.role_of(name)
-            if role is not None and role != optimizer_state.STEP:
-                # a moment: in the log domain, or exact in half precision
-                return self._plan_log(entry, arr) if dtype_name in LOG_DTYPES else TensorPlan(entry, arr)
             if role is None:
                 return self._plan_float(entry, arr)
+            if role != optimizer_state.STEP:  # a moment: in the log domain, or exact in half precision
+                return self._plan_log(entry, arr) if dtype_name in LOG_DTYPES else TensorPlan(entry, arr)
         if dtype.is_float or dtype.is_complex:
             return TensorPlan(entry, arr)
         if dtype == DType.UINT64 and int(arr.max()) > LEVEL_MAX:
