@@ -31,14 +31,17 @@ microseconds, so callers keep a serial path (a plain ``kernel``) for small input
 Where Numba finds no writable place for its cache (a read-only install, an unwritable home), the
 kernels are cached in a temporary directory for this process instead, with one warning.
 
-Numba keys a kernel's cache on the kernel's own source file only: a kernel that calls kernels of
-another module (the trellis codes through the level coder's ``_encode_span``) would go on running
-their old machine code after that module alone changed, as a checkout's files do. So the package
-keeps a stamp of its kernel modules beside its own ``__pycache__`` and drops every cached kernel when
-any of them changes.
+Numba keys a kernel's cache on the kernel's own source file only (on its contents, since Numba
+0.60): a kernel that calls kernels of another module (the trellis codes through the level coder's
+``_encode_span``, the float coder's mode 4 through its fronts) would go on running their old machine
+code after that module alone changed, as a checkout's files do, and as an upgrade's do where some
+kernel files are left as they were. So the package keeps a stamp of its kernel modules in each place
+Numba may cache them (beside the modules, under ``NUMBA_CACHE_DIR``, in the user-wide cache) and drops
+every cached kernel there when any of them changes.
 """
 
 import glob
+import hashlib
 import os
 import tempfile
 import warnings
@@ -70,33 +73,75 @@ def _cached(**options):
     return decorate
 
 
-def drop_stale_caches(root: str) -> None:
-    """Remove the Numba caches of the package at ``root`` unless its kernel modules are those the
-    stamp in ``root/__pycache__`` names; then stamp them."""
+STAMP_NAME = "kernel-sources.stamp"
+
+
+def _cache_subpath(directory: str) -> str:
+    """The directory Numba gives the kernels of the modules in ``directory`` under a cache root of
+    its own (``NUMBA_CACHE_DIR``, the user-wide cache): its name and the SHA-1 of its path, as
+    ``numba.core.caching`` names it (a test holds the two together)."""
+    path = os.path.abspath(directory)
+    return f"{os.path.basename(path)}_{hashlib.sha1(path.encode()).hexdigest()}"
+
+
+def _user_wide_cache() -> str | None:
+    """Numba's user-wide cache root, where it caches the kernels of a read-only install."""
     try:
-        # (and this module: its intrinsics are compiled into the kernels that call them)
-        sources = sorted(glob.glob(os.path.join(root, "*", "_*kernels.py")) + glob.glob(os.path.join(root, "_jit.py")))
-        stamp = "\n".join(f"{os.path.relpath(p, root)} {st.st_mtime_ns} {st.st_size}"
-                          for p in sources for st in [os.stat(p)])
-        marker = os.path.join(root, "__pycache__", "kernel-sources.stamp")
+        from numba.misc.appdirs import AppDirs
+        return AppDirs(appname="numba", appauthor=False).user_cache_dir
+    except (ImportError, AttributeError):  # pragma: no cover (another Numba)
+        return None
+
+
+def _refresh(stamp: str, places: list[str], marker: str, create: bool) -> bool:
+    """Drop the Numba caches in ``places`` unless ``marker`` holds ``stamp``, then write it (with
+    ``create`` False, only where one of the places exists already). False where it cannot write."""
+    try:
+        if not create and not any(os.path.isdir(p) for p in places):
+            return True
         try:
             with open(marker, encoding="utf-8") as f:
                 if f.read() == stamp:
-                    return
+                    return True
         except OSError:
             pass
-        for cached in glob.glob(os.path.join(root, "*", "__pycache__", "*.nb[ic]")):
-            try:
-                os.remove(cached)
-            except FileNotFoundError:  # (another process dropped it first)
-                pass
+        for place in places:
+            for cached in glob.glob(os.path.join(place, "*.nb[ic]")):
+                try:
+                    os.remove(cached)
+                except FileNotFoundError:  # (another process dropped it first)
+                    pass
         os.makedirs(os.path.dirname(marker), exist_ok=True)
         partial = f"{marker}.{os.getpid()}"
         with open(partial, "w", encoding="utf-8") as f:
             f.write(stamp)
         os.replace(partial, marker)
+        return True
     except OSError:
-        pass  # a read-only install: its files are replaced together, and Numba's own keys suffice
+        return False
+
+
+def drop_stale_caches(root: str) -> None:
+    """Remove the Numba caches of the package at ``root`` unless its kernel modules are those the
+    stamp of each cache place names; then stamp them. The places: beside the modules
+    (``__pycache__``), under ``NUMBA_CACHE_DIR`` when it is set, and in the user-wide cache where the
+    package's own directories cannot be written (Numba's own order of choice)."""
+    try:
+        # (and this module: its intrinsics are compiled into the kernels that call them)
+        sources = sorted(glob.glob(os.path.join(root, "*", "_*kernels.py")) + glob.glob(os.path.join(root, "_jit.py")))
+        stamp = "\n".join(f"{os.path.relpath(p, root)} {st.st_mtime_ns} {st.st_size}"
+                          for p in sources for st in [os.stat(p)])
+    except OSError:
+        return
+    # (every subpackage's kernels, as Numba files them by directory: not only the kernel modules')
+    directories = [root, *sorted(os.path.normpath(d) for d in glob.glob(os.path.join(root, "*", ""))
+                                 if os.path.basename(os.path.normpath(d)) != "__pycache__")]
+    in_tree = _refresh(stamp, [os.path.join(d, "__pycache__") for d in directories],
+                       os.path.join(root, "__pycache__", STAMP_NAME), create=True)
+    for base, active in ((numba.config.CACHE_DIR, True), (_user_wide_cache(), not in_tree)):
+        if base:
+            _refresh(stamp, [os.path.join(base, _cache_subpath(d)) for d in directories],
+                     os.path.join(base, _cache_subpath(root), STAMP_NAME), create=active)
 
 
 drop_stale_caches(os.path.dirname(os.path.abspath(__file__)))

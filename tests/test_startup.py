@@ -143,10 +143,16 @@ def test_the_compile_notice_appears_only_when_something_will_compile(cold_coder,
                                                           if lossless and not (cold_coder or cold_quantizer) else [])
 
 
-def test_a_changed_kernel_module_drops_every_cached_kernel(tmp_path):
+def test_a_changed_kernel_module_drops_every_cached_kernel(tmp_path, monkeypatch):
     # Numba keys a kernel's cache on its own file: one calling into a changed module would keep the
     # old machine code, so any kernel module's change drops the whole package's caches
+    import numba
+
+    from deepcabac_py import _jit
     from deepcabac_py._jit import drop_stale_caches
+
+    monkeypatch.setattr(numba.config, "CACHE_DIR", "")  # (the caches beside the modules alone)
+    monkeypatch.setattr(_jit, "_user_wide_cache", lambda: None)
 
     root = tmp_path / "pkg"
     for sub in ("entropy", "quant"):
@@ -176,3 +182,64 @@ def test_a_changed_kernel_module_drops_every_cached_kernel(tmp_path):
     fill()
     drop_stale_caches(str(root))
     assert all(f.exists() for f in cached)
+
+
+def _kernel_package(tmp_path):
+    root = tmp_path / "pkg"
+    for sub in ("entropy", "quant"):
+        (root / sub).mkdir(parents=True)
+        (root / sub / f"_{sub}_kernels.py").write_text("x = 1\n")
+    return root
+
+
+@pytest.mark.parametrize("place", ["NUMBA_CACHE_DIR", "user-wide"])
+def test_stale_kernels_are_dropped_where_numba_caches_them_outside_the_package(tmp_path, monkeypatch, place):
+    # Numba 0.60 and later stamp a cached kernel with its own file's contents: under NUMBA_CACHE_DIR,
+    # or in the user-wide cache of a read-only install, a kernel whose file an upgrade left as it was
+    # would keep the machine code of the modules it calls; the stamp guards those places too
+    import numba
+
+    from deepcabac_py import _jit
+    from deepcabac_py._jit import _cache_subpath, drop_stale_caches
+
+    root = _kernel_package(tmp_path)
+    base = tmp_path / "cache"
+    if place == "NUMBA_CACHE_DIR":
+        monkeypatch.setattr(numba.config, "CACHE_DIR", str(base))
+    else:  # (a package whose directories cannot be written: its caches go to the user-wide place)
+        monkeypatch.setattr(numba.config, "CACHE_DIR", "")
+        monkeypatch.setattr(_jit, "_user_wide_cache", lambda: str(base))
+        real_refresh = _jit._refresh
+        monkeypatch.setattr(_jit, "_refresh", lambda stamp, places, marker, create: False
+                            if str(root) in marker else real_refresh(stamp, places, marker, create))
+    cached = [base / _cache_subpath(str(root / sub)) / f"{sub}.f-3.py311.nbi" for sub in ("entropy", "quant")]
+
+    def fill():
+        for f in cached:
+            f.parent.mkdir(parents=True, exist_ok=True)
+            f.write_bytes(b"x")
+
+    drop_stale_caches(str(root))
+    fill()
+    drop_stale_caches(str(root))
+    assert all(f.exists() for f in cached)  # nothing changed: kept
+    (root / "quant" / "_quant_kernels.py").write_text("x = 22\n")  # (one module alone, as a checkout changes it)
+    drop_stale_caches(str(root))
+    assert not any(f.exists() for f in cached)
+    fill()
+    drop_stale_caches(str(root))
+    assert all(f.exists() for f in cached)
+
+
+def test_the_cache_places_are_where_numba_puts_a_kernel(tmp_path, monkeypatch):
+    # the guard names Numba's directories as numba.core.caching does: held together here
+    import numba
+    from numba.core.caching import UserProvidedCacheLocator
+
+    from deepcabac_py._jit import _cache_subpath
+    from deepcabac_py.entropy import _float_kernels
+
+    monkeypatch.setattr(numba.config, "CACHE_DIR", str(tmp_path))
+    kernel = _float_kernels.rank_classes
+    locator = UserProvidedCacheLocator.from_function(kernel.py_func, _float_kernels.__file__)
+    assert locator.get_cache_path() == str(tmp_path / _cache_subpath(os.path.dirname(_float_kernels.__file__)))
