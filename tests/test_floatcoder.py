@@ -282,7 +282,7 @@ def test_the_classes_and_frequencies_match_the_python_reference():
         assert out.tolist() == _normalized(counts.tolist(), bits)
         means = rng.integers(0, 6, size=int(rng.integers(1, 100))).astype(np.float64)  # (ties)
         classes16 = np.empty(means.size, dtype=np.uint8)
-        _float_kernels.rank_classes(means, classes16)
+        _float_kernels.rank_classes(means, classes16, 1, means.size)  # (segments of one element)
         assert classes16.tolist() == _classes16(means.tolist())
 
 
@@ -1097,21 +1097,6 @@ def test_the_encoders_vector_quotient_is_exact_at_every_precision(precision):
     np.testing.assert_array_equal(r, x % f)
 
 
-@settings(max_examples=60, deadline=None)
-@given(st.lists(st.sampled_from([0.0, 0.5, 1.0, 7.25, 1e-300, 3e5]) | st.floats(0, 255), max_size=3000))
-def test_segment_classes_rank_the_means_as_a_stable_sort_does(means):
-    """The classes of 16 by the segments' mean exponents, ties to the earlier segment: by a radix
-    sort of the floats' bits against NumPy's merge sort."""
-    from deepcabac_py.entropy import _float_kernels
-
-    mean = np.array(means, dtype=np.float64)
-    classes = np.empty(mean.size, dtype=np.uint8)
-    _float_kernels.rank_classes(mean, classes)
-    expected = np.empty_like(classes)
-    expected[np.argsort(mean, kind="mergesort")] = np.arange(mean.size) * 16 // max(mean.size, 1)
-    np.testing.assert_array_equal(classes, expected)
-
-
 _LOWER_TIERS = {"avx512": ["avx2", None], "avx2": [None], None: []}[_vector_kernels.VECTOR_LEVEL]
 
 
@@ -1150,3 +1135,26 @@ def test_a_damaged_payload_is_a_checksum_mismatch_at_any_thread_count(threads):
     damaged[header.header_size + e.offset + 5] ^= 0xFF  # (inside the chunk's tables)
     with pytest.raises(CorruptStreamError, match="tensor 'w': payload checksum mismatch"):
         dc.decode_model(bytes(damaged), threads=threads)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_segments_are_ranked_as_a_stable_sort_of_their_means(data):
+    # the kernel ranks full segments by their integer totals and slots a shorter last one in by its
+    # mean: the classes of a stable sort of the means themselves, ties and all
+    seg_len = data.draw(st.one_of(st.integers(1, 400), st.just(65536)), label="seg_len")
+    nseg = data.draw(st.integers(0, 70), label="segments")
+    last = data.draw(st.integers(1, seg_len), label="last segment's length")
+    top = data.draw(st.sampled_from([1, 3, 64, 255, 2047]), label="largest statistic")  # (2047: float64's exponent)
+    lengths = [seg_len] * nseg
+    if nseg:
+        lengths[-1] = last
+    few = data.draw(st.booleans(), label="few distinct totals")
+    totals = [data.draw(st.integers(0, top * length if not few else min(3, top * length))) for length in lengths]
+    mean = np.array([t / length for t, length in zip(totals, lengths)], dtype=np.float64)
+    n = sum(lengths)
+    classes = np.full(nseg, 99, dtype=np.uint8)
+    _float_kernels.rank_classes(mean, classes, seg_len, n)
+    expect = np.empty(nseg, dtype=np.uint8)
+    expect[np.argsort(mean, kind="stable")] = np.arange(nseg) * 16 // max(nseg, 1)
+    assert np.array_equal(classes, expect)

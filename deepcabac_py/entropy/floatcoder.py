@@ -620,7 +620,7 @@ def encode_magnitudes(values: np.ndarray, seg_len: int) -> bytes:
     mean = np.empty(nseg, dtype=np.float64)
     _k.int_stats(values, seg_len, mean)
     classes16 = np.empty(nseg, dtype=np.uint8)
-    _k.rank_classes(mean, classes16)
+    _k.rank_classes(mean, classes16, seg_len, n)
     symbols = np.empty(n, dtype=np.uint16)
     raw = np.empty(2 * n + 2, dtype=np.uint32)
     nraw = _k.int_encode_kernel(values, symbols, raw)
