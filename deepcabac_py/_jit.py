@@ -31,8 +31,8 @@ microseconds, so callers keep a serial path (a plain ``kernel``) for small input
 Where Numba finds no writable place for its cache (a read-only install, an unwritable home), the
 kernels are cached in a temporary directory for this process instead, with one warning.
 
-Numba keys a kernel's cache on the kernel's own source file only (on its contents, since Numba
-0.60): a kernel that calls kernels of another module (the trellis codes through the level coder's
+Numba keys a kernel's cache on the kernel's own source file only (recent releases on its
+contents): a kernel that calls kernels of another module (the trellis codes through the level coder's
 ``_encode_span``, the float coder's mode 4 through its fronts) would go on running their old machine
 code after that module alone changed, as a checkout's files do, and as an upgrade's do where some
 kernel files are left as they were. So the package keeps a stamp of its kernel modules in each place
@@ -41,7 +41,6 @@ every cached kernel there when any of them changes.
 """
 
 import glob
-import hashlib
 import os
 import tempfile
 import warnings
@@ -78,10 +77,10 @@ STAMP_NAME = "kernel-sources.stamp"
 
 def _cache_subpath(directory: str) -> str:
     """The directory Numba gives the kernels of the modules in ``directory`` under a cache root of
-    its own (``NUMBA_CACHE_DIR``, the user-wide cache): its name and the SHA-1 of its path, as
-    ``numba.core.caching`` names it (a test holds the two together)."""
-    path = os.path.abspath(directory)
-    return f"{os.path.basename(path)}_{hashlib.sha1(path.encode()).hexdigest()}"
+    its own (``NUMBA_CACHE_DIR``, the user-wide cache), as Numba's own locators name it (from a
+    module's path: only its directory counts)."""
+    from numba.core.caching import _CacheLocator
+    return _CacheLocator.get_suitable_cache_subpath(os.path.join(os.path.abspath(directory), "__init__.py"))
 
 
 def _user_wide_cache() -> str | None:

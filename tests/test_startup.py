@@ -154,10 +154,9 @@ def test_a_changed_kernel_module_drops_every_cached_kernel(tmp_path, monkeypatch
     monkeypatch.setattr(numba.config, "CACHE_DIR", "")  # (the caches beside the modules alone)
     monkeypatch.setattr(_jit, "_user_wide_cache", lambda: None)
 
-    root = tmp_path / "pkg"
+    root = _kernel_package(tmp_path)
     for sub in ("entropy", "quant"):
-        (root / sub / "__pycache__").mkdir(parents=True)
-        (root / sub / f"_{sub}_kernels.py").write_text("x = 1\n")
+        (root / sub / "__pycache__").mkdir()
     cached = [root / "entropy" / "__pycache__" / "a.nbi", root / "quant" / "__pycache__" / "b.1.nbc"]
     other = root / "quant" / "__pycache__" / "plain.cpython-311.pyc"
 
@@ -194,7 +193,7 @@ def _kernel_package(tmp_path):
 
 @pytest.mark.parametrize("place", ["NUMBA_CACHE_DIR", "user-wide"])
 def test_stale_kernels_are_dropped_where_numba_caches_them_outside_the_package(tmp_path, monkeypatch, place):
-    # Numba 0.60 and later stamp a cached kernel with its own file's contents: under NUMBA_CACHE_DIR,
+    # Numba stamps a cached kernel with its own file (recent releases with its contents): under NUMBA_CACHE_DIR,
     # or in the user-wide cache of a read-only install, a kernel whose file an upgrade left as it was
     # would keep the machine code of the modules it calls; the stamp guards those places too
     import numba
@@ -234,12 +233,14 @@ def test_stale_kernels_are_dropped_where_numba_caches_them_outside_the_package(t
 def test_the_cache_places_are_where_numba_puts_a_kernel(tmp_path, monkeypatch):
     # the guard names Numba's directories as numba.core.caching does: held together here
     import numba
-    from numba.core.caching import UserProvidedCacheLocator
+    from numba.core import caching
 
     from deepcabac_py._jit import _cache_subpath
     from deepcabac_py.entropy import _float_kernels
 
     monkeypatch.setattr(numba.config, "CACHE_DIR", str(tmp_path))
     kernel = _float_kernels.rank_classes
+    # (a private name, _UserProvidedCacheLocator, in older Numba releases)
+    UserProvidedCacheLocator = getattr(caching, "UserProvidedCacheLocator", None) or caching._UserProvidedCacheLocator
     locator = UserProvidedCacheLocator.from_function(kernel.py_func, _float_kernels.__file__)
     assert locator.get_cache_path() == str(tmp_path / _cache_subpath(os.path.dirname(_float_kernels.__file__)))

@@ -162,11 +162,7 @@ def rank_classes(mean, classes16, seg_len, n):
         for j in range(full):
             at += mean[j] <= last
         # (the full segments at or below the last one's mean are the first ``at`` in the order)
-        ranked = np.empty(nseg, dtype=np.int64)
-        ranked[:at] = order[:at]
-        ranked[at] = nseg - 1
-        ranked[at + 1:] = order[at:]
-        order = ranked
+        order = np.concatenate((order[:at], np.full(1, nseg - 1), order[at:]))
     for r in range(nseg):
         classes16[order[r]] = r * (1 << MAX_CLASSES_LOG2) // nseg
 
