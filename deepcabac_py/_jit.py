@@ -49,7 +49,7 @@ import llvmlite.binding as llvm
 import numba
 import numpy as np
 from llvmlite import ir
-from numba.core import types
+from numba.core import cgutils, types
 from numba.cpython.unsafe.numbers import trailing_zeros as _hardware_trailing_zeros
 from numba.extending import intrinsic
 
@@ -194,6 +194,28 @@ def _unaligned_store_u64(typingctx, array, byte, value):
     return types.none(array, byte, value), codegen
 
 
+@intrinsic
+def _raw_copy(typingctx, dst, dst_byte, src, src_byte, nbytes):
+    """``nbytes`` bytes of a contiguous array's data from byte ``src_byte`` on into another's from
+    byte ``dst_byte`` on, by the C library's memcpy, unchecked (the two ranges must not overlap)."""
+    for a in (dst, src):
+        if not (isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C"):
+            return None
+    if not all(isinstance(v, types.Integer) for v in (dst_byte, src_byte, nbytes)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        def at(array_type, array, byte):
+            data = context.make_array(array_type)(context, builder, array).data
+            return builder.gep(builder.bitcast(data, ir.IntType(8).as_pointer()), [byte])
+
+        cgutils.raw_memcpy(builder, at(signature.args[0], args[0], args[1]), at(signature.args[2], args[2], args[3]),
+                           args[4], context.get_constant(types.intp, 1), align=1)
+        return context.get_dummy_value()
+
+    return types.none(dst, dst_byte, src, src_byte, nbytes), codegen
+
+
 if numba.config.DISABLE_JIT:
     def load_le64(array, byte):
         """The eight bytes of ``array`` (contiguous, 1-d) from byte ``byte`` on, as a little-endian
@@ -212,6 +234,16 @@ if numba.config.DISABLE_JIT:
         if byte < 0 or byte + 8 > data.shape[0]:
             raise IndexError(f"eight bytes from byte {byte} of a {data.shape[0]}-byte array")
         data[byte:byte + 8] = np.frombuffer(int(value).to_bytes(8, "little"), dtype=np.uint8)
+
+    def copy_bytes(dst, dst_byte, src, src_byte, nbytes):
+        """Copy ``nbytes`` bytes of ``src`` (contiguous, 1-d) from byte ``src_byte`` on into ``dst``
+        (the same) from byte ``dst_byte`` on; both ranges must lie inside their arrays and not
+        overlap."""
+        d, s = dst.view(np.uint8), src.view(np.uint8)
+        dst_byte, src_byte, nbytes = int(dst_byte), int(src_byte), int(nbytes)
+        if nbytes < 0 or min(dst_byte, src_byte) < 0 or dst_byte + nbytes > d.size or src_byte + nbytes > s.size:
+            raise IndexError(f"a copy of {nbytes} bytes outside its arrays")
+        d[dst_byte:dst_byte + nbytes] = s[src_byte:src_byte + nbytes]
 elif numba.config.BOUNDSCHECK:
     # (the fuzz targets run with bounds checks: an unchecked read would hide what they look for)
     @inline
@@ -225,6 +257,13 @@ elif numba.config.BOUNDSCHECK:
         if byte < 0 or byte + 8 > array.shape[0] * array.itemsize:
             raise IndexError("an unaligned write outside its array")
         _unaligned_store_u64(array, byte, value)
+
+    @inline
+    def copy_bytes(dst, dst_byte, src, src_byte, nbytes):
+        if (nbytes < 0 or dst_byte < 0 or src_byte < 0 or dst_byte + nbytes > dst.shape[0] * dst.itemsize
+                or src_byte + nbytes > src.shape[0] * src.itemsize):
+            raise IndexError("a copy outside its arrays")
+        _raw_copy(dst, dst_byte, src, src_byte, nbytes)
 else:
     @inline
     def load_le64(array, byte):
@@ -235,6 +274,12 @@ else:
     def store_le64(array, byte, value):
         """One store of eight bytes at any byte offset."""
         _unaligned_store_u64(array, byte, value)
+
+    @inline
+    def copy_bytes(dst, dst_byte, src, src_byte, nbytes):
+        """One memcpy in place of Numba's slice assignment (MiniLM's lossless encoding at one thread,
+        scratch: bf16 60.8-62.2 -> 58.2-59.0 ms, fp16 62.3-64.0 -> 59.9-61.2)."""
+        _raw_copy(dst, dst_byte, src, src_byte, nbytes)
 
 
 def host_features() -> frozenset[str]:

@@ -11,12 +11,17 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deepcabac_py._jit import load_le64, trailing_zeros
+from deepcabac_py._jit import copy_bytes, load_le64, trailing_zeros
 
 
 @numba.njit
 def _compiled_load(array, byte):
     return load_le64(array, byte)
+
+
+@numba.njit
+def _compiled_copy(dst, dst_byte, src, src_byte, nbytes):
+    copy_bytes(dst, dst_byte, src, src_byte, nbytes)
 
 
 @numba.njit
@@ -54,6 +59,43 @@ def test_an_unaligned_load_past_the_end_is_refused_under_bounds_checks(tmp_path)
             "    except IndexError:\n"
             "        continue\n"
             "    raise SystemExit(f'byte {bad} was read')\n")
+    env = dict(os.environ, NUMBA_BOUNDSCHECK="1", NUMBA_CACHE_DIR=str(tmp_path))
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr + run.stdout
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(min_size=0, max_size=80), st.binary(min_size=0, max_size=80), st.data(),
+       st.sampled_from([np.uint8, np.uint16, np.uint32]))
+def test_a_byte_copy_moves_exactly_the_bytes_asked_for(src_raw, dst_raw, data, dtype):
+    size = np.dtype(dtype).itemsize
+    src = np.frombuffer(src_raw[:len(src_raw) // size * size], dtype=dtype).copy()
+    dst = np.frombuffer(dst_raw[:len(dst_raw) // size * size], dtype=dtype).copy()
+    src_bytes, dst_bytes = src.tobytes(), dst.tobytes()
+    nbytes = data.draw(st.integers(0, min(len(src_bytes), len(dst_bytes))))
+    src_byte = data.draw(st.integers(0, len(src_bytes) - nbytes))
+    dst_byte = data.draw(st.integers(0, len(dst_bytes) - nbytes))
+    expected = dst_bytes[:dst_byte] + src_bytes[src_byte:src_byte + nbytes] + dst_bytes[dst_byte + nbytes:]
+    for copy in (_compiled_copy, copy_bytes):  # (inlined into a kernel, and called as it is)
+        out = dst.copy()
+        copy(out, dst_byte, src, src_byte, nbytes)
+        assert out.tobytes() == expected
+        assert src.tobytes() == src_bytes
+
+
+def test_a_byte_copy_outside_its_arrays_is_refused_under_bounds_checks(tmp_path):
+    code = ("import numba, numpy as np\n"
+            "from deepcabac_py._jit import copy_bytes\n"
+            "f = numba.njit(lambda d, i, s, j, n: copy_bytes(d, i, s, j, n))\n"
+            "d = np.zeros(4, dtype=np.uint32); s = np.arange(8, dtype=np.uint8)\n"
+            "f(d, 8, s, 0, 8)\n"
+            "assert d[2] == 0x03020100 and d[3] == 0x07060504 and d[0] == 0\n"
+            "for bad in ((9, 0, 8), (0, 1, 8), (-1, 0, 1), (0, -1, 1), (0, 0, -1), (16, 0, 1)):\n"
+            "    try:\n"
+            "        f(d, bad[0], s, bad[1], bad[2])\n"
+            "    except IndexError:\n"
+            "        continue\n"
+            "    raise SystemExit(f'the copy {bad} was made')\n")
     env = dict(os.environ, NUMBA_BOUNDSCHECK="1", NUMBA_CACHE_DIR=str(tmp_path))
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr + run.stdout

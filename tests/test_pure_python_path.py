@@ -24,3 +24,13 @@ def test_pure_python_kernels_reproduce_the_golden_streams():
                           env=env, cwd=TESTS.parent, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert " passed" in proc.stdout and "skipped" not in proc.stdout
+
+
+def test_the_pure_python_byte_copy_moves_the_same_bytes():
+    # (the compiled kernels copy by memcpy; with the JIT off, by a slice of bytes)
+    env = dict(os.environ, NUMBA_DISABLE_JIT="1")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(TESTS / "test_jit.py"),
+                           "-k", "byte_copy_moves"], env=env, cwd=TESTS.parent, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert "1 passed" in proc.stdout

@@ -17,7 +17,7 @@ import numba
 import numpy as np
 from numba.extending import overload
 
-from .._jit import helper, inline, kernel, load_le64, store_le64, trailing_zeros
+from .._jit import copy_bytes, helper, inline, kernel, load_le64, store_le64, trailing_zeros
 from ._vector_kernels import GROUP, VECTOR_STEPS, split_step, window
 
 PROB_BITS = 14  # frequencies of a table sum to 2**PROB_BITS
@@ -1783,9 +1783,9 @@ def _put_tans_fields(out, pos, klog, precision, classes, tables, table_bytes, fi
     count = coded.shape[0] - begin
     pos = put_u32(out, pos, count)
     # (the words little-endian as they are in memory: Numba runs on little-endian machines only)
-    out[pos:pos + 4 * count].view(np.uint32)[:] = coded[begin:]
+    copy_bytes(out, pos, coded, 4 * begin, 4 * count)
     pos += 4 * count
-    out[pos:pos + 4 * nraw].view(np.uint32)[:] = raw[:nraw]
+    copy_bytes(out, pos, raw, 0, 4 * nraw)
 
 
 @inline
@@ -1851,9 +1851,9 @@ def _appended(out, pos, sub):
     end = pos + sub.shape[0]
     if end > out.shape[0]:  # (the tables of a chunk of a few elements outweigh its values)
         grown = np.empty(max(end, 2 * out.shape[0]), dtype=np.uint8)
-        grown[:pos] = out[:pos]
+        copy_bytes(grown, 0, out, 0, pos)
         out = grown
-    out[pos:end] = sub
+    copy_bytes(out, pos, sub, 0, sub.shape[0])
     return out, end
 
 

@@ -24,7 +24,7 @@ from llvmlite import ir
 from numba.core import types
 from numba.extending import intrinsic
 
-from .._jit import helper, inline, kernel
+from .._jit import copy_bytes, helper, inline, kernel
 from ._float_kernels import (
     _TZ_L,
     _U,
@@ -806,7 +806,7 @@ def _wide_substream(mode_byte, symbols, seg_len, classes16, klog, precision, use
         pos = put_u32(out, pos, xs[lane])
     pos = put_u32(out, pos, count)
     # (the words little-endian as they are in memory: Numba runs on little-endian machines only)
-    out[pos:pos + 2 * count].view(np.uint16)[:] = coded[begin:]
+    copy_bytes(out, pos, coded, 2 * begin, 2 * count)
     pos += 2 * count
-    out[pos:pos + 4 * nraw].view(np.uint32)[:] = raw[:nraw]
+    copy_bytes(out, pos, raw, 0, 4 * nraw)
     return out
