@@ -45,23 +45,29 @@ def test_trailing_zeros_counts_the_low_zero_bits(x):
     assert _compiled_trailing_zeros(np.uint64(x)) == expected
 
 
-def test_an_unaligned_load_past_the_end_is_refused_under_bounds_checks(tmp_path):
-    # the fuzz targets run with NUMBA_BOUNDSCHECK=1: there the load must check its bytes as an
-    # array index would
-    code = ("import numba, numpy as np\n"
-            "from deepcabac_py._jit import load_le64\n"
-            "f = numba.njit(lambda a, i: load_le64(a, i))\n"
-            "a = np.arange(4, dtype=np.uint32)\n"
-            "assert int(f(a, 8)) == 2 | 3 << 32\n"
-            "for bad in (9, 12, -1):\n"
+def _refused_under_bounds_checks(tmp_path, setup: str, bad_calls: str) -> None:
+    """Run ``setup`` (it defines ``f``), then ``f(*bad)`` for each of ``bad_calls`` (a Python tuple
+    expression) in a process with NUMBA_BOUNDSCHECK=1: each call must raise IndexError."""
+    code = (setup + f"for bad in {bad_calls}:\n"
             "    try:\n"
-            "        f(a, bad)\n"
+            "        f(*bad)\n"
             "    except IndexError:\n"
             "        continue\n"
-            "    raise SystemExit(f'byte {bad} was read')\n")
+            "    raise SystemExit(f'f{bad[1:]} went through')\n")
     env = dict(os.environ, NUMBA_BOUNDSCHECK="1", NUMBA_CACHE_DIR=str(tmp_path))
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr + run.stdout
+
+
+def test_an_unaligned_load_past_the_end_is_refused_under_bounds_checks(tmp_path):
+    # the fuzz targets run with NUMBA_BOUNDSCHECK=1: there the load must check its bytes as an
+    # array index would
+    _refused_under_bounds_checks(tmp_path, "import numba, numpy as np\n"
+                                           "from deepcabac_py._jit import load_le64\n"
+                                           "f = numba.njit(lambda a, i: load_le64(a, i))\n"
+                                           "a = np.arange(4, dtype=np.uint32)\n"
+                                           "assert int(f(a, 8)) == 2 | 3 << 32\n",
+                                 "((a, 9), (a, 12), (a, -1))")
 
 
 @settings(max_examples=200, deadline=None)
@@ -84,18 +90,12 @@ def test_a_byte_copy_moves_exactly_the_bytes_asked_for(src_raw, dst_raw, data, d
 
 
 def test_a_byte_copy_outside_its_arrays_is_refused_under_bounds_checks(tmp_path):
-    code = ("import numba, numpy as np\n"
-            "from deepcabac_py._jit import copy_bytes\n"
-            "f = numba.njit(lambda d, i, s, j, n: copy_bytes(d, i, s, j, n))\n"
-            "d = np.zeros(4, dtype=np.uint32); s = np.arange(8, dtype=np.uint8)\n"
-            "f(d, 8, s, 0, 8)\n"
-            "assert d[2] == 0x03020100 and d[3] == 0x07060504 and d[0] == 0\n"
-            "for bad in ((9, 0, 8), (0, 1, 8), (-1, 0, 1), (0, -1, 1), (0, 0, -1), (16, 0, 1)):\n"
-            "    try:\n"
-            "        f(d, bad[0], s, bad[1], bad[2])\n"
-            "    except IndexError:\n"
-            "        continue\n"
-            "    raise SystemExit(f'the copy {bad} was made')\n")
-    env = dict(os.environ, NUMBA_BOUNDSCHECK="1", NUMBA_CACHE_DIR=str(tmp_path))
-    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr + run.stdout
+    _refused_under_bounds_checks(tmp_path, "import numba, numpy as np\n"
+                                           "from deepcabac_py._jit import copy_bytes\n"
+                                           "f = numba.njit(lambda d, i, s, j, n: copy_bytes(d, i, s, j, n))\n"
+                                           "d = np.zeros(4, dtype=np.uint32)\n"
+                                           "s = np.arange(8, dtype=np.uint8)\n"
+                                           "f(d, 8, s, 0, 8)\n"
+                                           "assert d[2] == 0x03020100 and d[3] == 0x07060504 and d[0] == 0\n",
+                                 "((d, 9, s, 0, 8), (d, 0, s, 1, 8), (d, -1, s, 0, 1), (d, 0, s, -1, 1), "
+                                 "(d, 0, s, 0, -1), (d, 16, s, 0, 1))")
