@@ -205,12 +205,14 @@ def _raw_copy(typingctx, dst, dst_byte, src, src_byte, nbytes):
         return None
 
     def codegen(context, builder, signature, args):
-        def at(array_type, array, byte):
-            data = context.make_array(array_type)(context, builder, array).data
-            return builder.gep(builder.bitcast(data, ir.IntType(8).as_pointer()), [byte])
+        def intp(k):  # (any integer type of the offsets and the count, as the machine's word)
+            return context.cast(builder, args[k], signature.args[k], types.intp)
 
-        cgutils.raw_memcpy(builder, at(signature.args[0], args[0], args[1]), at(signature.args[2], args[2], args[3]),
-                           args[4], context.get_constant(types.intp, 1), align=1)
+        def at(k):
+            data = context.make_array(signature.args[k])(context, builder, args[k]).data
+            return builder.gep(builder.bitcast(data, ir.IntType(8).as_pointer()), [intp(k + 1)])
+
+        cgutils.raw_memcpy(builder, at(0), at(2), intp(4), context.get_constant(types.intp, 1), align=1)
         return context.get_dummy_value()
 
     return types.none(dst, dst_byte, src, src_byte, nbytes), codegen

@@ -82,9 +82,10 @@ def test_a_byte_copy_moves_exactly_the_bytes_asked_for(src_raw, dst_raw, data, d
     src_byte = data.draw(st.integers(0, len(src_bytes) - nbytes))
     dst_byte = data.draw(st.integers(0, len(dst_bytes) - nbytes))
     expected = dst_bytes[:dst_byte] + src_bytes[src_byte:src_byte + nbytes] + dst_bytes[dst_byte + nbytes:]
-    for copy in (_compiled_copy, copy_bytes):  # (inlined into a kernel, and called as it is)
+    # (inlined into a kernel, and called as it is; the offsets and the count of any integer type)
+    for copy, as_int in ((_compiled_copy, int), (copy_bytes, np.int32), (copy_bytes, np.uint64)):
         out = dst.copy()
-        copy(out, dst_byte, src, src_byte, nbytes)
+        copy(out, as_int(dst_byte), src, as_int(src_byte), as_int(nbytes))
         assert out.tobytes() == expected
         assert src.tobytes() == src_bytes
 
