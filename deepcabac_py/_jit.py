@@ -218,6 +218,14 @@ def _raw_copy(typingctx, dst, dst_byte, src, src_byte, nbytes):
     return types.none(dst, dst_byte, src, src_byte, nbytes), codegen
 
 
+@helper
+def _copy_fits(dst, dst_byte, src, src_byte, nbytes):
+    """Whether a copy of ``nbytes`` bytes from byte ``src_byte`` of ``src`` to byte ``dst_byte`` of
+    ``dst`` (contiguous, 1-d) lies inside both arrays."""
+    return (nbytes >= 0 and dst_byte >= 0 and src_byte >= 0 and dst_byte + nbytes <= dst.shape[0] * dst.itemsize
+            and src_byte + nbytes <= src.shape[0] * src.itemsize)
+
+
 if numba.config.DISABLE_JIT:
     def load_le64(array, byte):
         """The eight bytes of ``array`` (contiguous, 1-d) from byte ``byte`` on, as a little-endian
@@ -241,11 +249,10 @@ if numba.config.DISABLE_JIT:
         """Copy ``nbytes`` bytes of ``src`` (contiguous, 1-d) from byte ``src_byte`` on into ``dst``
         (the same) from byte ``dst_byte`` on; both ranges must lie inside their arrays and not
         overlap."""
-        d, s = dst.view(np.uint8), src.view(np.uint8)
         dst_byte, src_byte, nbytes = int(dst_byte), int(src_byte), int(nbytes)
-        if nbytes < 0 or min(dst_byte, src_byte) < 0 or dst_byte + nbytes > d.size or src_byte + nbytes > s.size:
+        if not _copy_fits(dst, dst_byte, src, src_byte, nbytes):
             raise IndexError(f"a copy of {nbytes} bytes outside its arrays")
-        d[dst_byte:dst_byte + nbytes] = s[src_byte:src_byte + nbytes]
+        dst.view(np.uint8)[dst_byte:dst_byte + nbytes] = src.view(np.uint8)[src_byte:src_byte + nbytes]
 elif numba.config.BOUNDSCHECK:
     # (the fuzz targets run with bounds checks: an unchecked read would hide what they look for)
     @inline
@@ -262,8 +269,7 @@ elif numba.config.BOUNDSCHECK:
 
     @inline
     def copy_bytes(dst, dst_byte, src, src_byte, nbytes):
-        if (nbytes < 0 or dst_byte < 0 or src_byte < 0 or dst_byte + nbytes > dst.shape[0] * dst.itemsize
-                or src_byte + nbytes > src.shape[0] * src.itemsize):
+        if not _copy_fits(dst, dst_byte, src, src_byte, nbytes):
             raise IndexError("a copy outside its arrays")
         _raw_copy(dst, dst_byte, src, src_byte, nbytes)
 else:

@@ -16,21 +16,21 @@ from pathlib import Path
 TESTS = Path(__file__).resolve().parent
 
 
-def test_pure_python_kernels_reproduce_the_golden_streams():
+def _pytest_without_jit(*args: str) -> str:
+    """Run pytest on ``args`` with NUMBA_DISABLE_JIT=1; its output, once it has passed."""
     env = dict(os.environ, NUMBA_DISABLE_JIT="1")
     env.pop("DEEPCABAC_REGEN_GOLDEN", None)
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           str(TESTS / "test_golden.py"), str(TESTS / "test_golden_updates.py")],
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
                           env=env, cwd=TESTS.parent, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
-    assert " passed" in proc.stdout and "skipped" not in proc.stdout
+    return proc.stdout
+
+
+def test_pure_python_kernels_reproduce_the_golden_streams():
+    out = _pytest_without_jit(str(TESTS / "test_golden.py"), str(TESTS / "test_golden_updates.py"))
+    assert " passed" in out and "skipped" not in out
 
 
 def test_the_pure_python_byte_copy_moves_the_same_bytes():
     # (the compiled kernels copy by memcpy; with the JIT off, by a slice of bytes)
-    env = dict(os.environ, NUMBA_DISABLE_JIT="1")
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(TESTS / "test_jit.py"),
-                           "-k", "byte_copy_moves"], env=env, cwd=TESTS.parent, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
-    assert "1 passed" in proc.stdout
+    assert "1 passed" in _pytest_without_jit(str(TESTS / "test_jit.py"), "-k", "byte_copy_moves")
