@@ -180,14 +180,16 @@ def segment_classes(words, seg_len, W, M, zeros, classes16):
 def histogram(symbols, seg_len, classes, hist):
     """hist[class, symbol] += 1 for every symbol (``classes``: the class of each segment)."""
     part = np.zeros(4 * hist.shape[0] * hist.shape[1] if symbols.shape[0] >= PARTIAL_HISTOGRAMS_FROM else 0,
-                    dtype=np.int64)
+                    dtype=np.uint32)
     _histogram_into(symbols, seg_len, classes, hist, part)
 
 
 @inline
 def _histogram_into(symbols, seg_len, classes, hist, part):
-    """:func:`histogram` with its partial histograms in ``part`` (4 * hist.size zeros, or empty
-    below PARTIAL_HISTOGRAMS_FROM elements)."""
+    """:func:`histogram` with its partial histograms in ``part`` (uint32, 4 * hist.size zeros, or
+    empty below PARTIAL_HISTOGRAMS_FROM elements). The partials are 32-bit (a chunk holds a few
+    million elements at most) so that the counters a chunk's classes use stay in the L1 cache: with
+    64-bit ones, bf16's 147,456-element chunks took 82 us to count against 67."""
     n = symbols.shape[0]
     alphabet = hist.shape[1]
     flat = hist.ravel()
@@ -204,7 +206,7 @@ def _histogram_into(symbols, seg_len, classes, hist, part):
         lo = j * seg_len
         stop = min(n, lo + seg_len)
         for i in range(lo, stop):
-            part[base + _U((i & 3) * alphabet) + _U(symbols[_U(i)])] += 1
+            part[base + _U((i & 3) * alphabet) + _U(symbols[_U(i)])] += np.uint32(1)
     for c in range(hist.shape[0]):
         for q in range(4):
             for s in range(alphabet):
@@ -1680,7 +1682,7 @@ def _tans_work_parts(n, seg_len, W, M):
     coded_words = max(n * TANS_MAX_BITS // 32 + 3, n + 16)
     tables = 8 + 4 * classes + 7 * classes * alphabet  # (as encode_tans_substream bounds them)
     out = 1 + nseg + 2 + ((nseg + 1) >> 1) + 4 + tables + 4 * 64 + 4 + 4 * coded_words + 4 * raw_words  # (64 states)
-    return 2 * n, 4 * raw_words, 8 * classes * alphabet, 32 * classes * alphabet, 4 * coded_words, out
+    return 2 * n, 4 * raw_words, 8 * classes * alphabet, 16 * classes * alphabet, 4 * coded_words, out
 
 
 @helper
@@ -1817,7 +1819,7 @@ def split_and_choose(words, seg_len, W, M, zeros, classes16, costs, max_bits, wo
     b, at = _carve(work, at, parts[2])
     hist16 = b.view(np.int64).reshape((nclasses, alphabet))
     b, at = _carve(work, at, parts[3])
-    part = b.view(np.int64)
+    part = b.view(np.uint32)
     if n < PARTIAL_HISTOGRAMS_FROM:
         hist, used_syms = _used_histogram(symbols, seg_len, classes16, alphabet)
     else:
