@@ -274,7 +274,9 @@ class _TensorCoder:
             work: list = [runner.submit(self._run, job) for job in jobs] if runner is not None else jobs
             in_flight.append((p, work))
             elements += p.entry.numel
-            while in_flight and (elements > self.budget or self.pool is None):
+            # (on one thread too, tensors are planned ahead up to the budget and then coded: Python
+            # planning between two kernels ran at half the speed of planning in a loop of its own)
+            while in_flight and elements > self.budget:
                 elements -= self._finish(*in_flight.popleft())
         while in_flight:
             self._finish(*in_flight.popleft())
