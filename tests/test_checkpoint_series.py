@@ -18,7 +18,7 @@ from deepcabac_py.errors import CorruptStreamError, FormatError, InputError, Out
 from deepcabac_py.model.settings import DEFAULT_MOMENTS_QP
 from deepcabac_py.quant.steps import step_from_qp
 from deepcabac_py.series.checkpoint_series import DEFAULT_SERIES_QP as SERIES_QP
-from deepcabac_py.series.checkpoint_series import LOG_RATIO_QP_OFFSET
+from deepcabac_py.series.checkpoint_series import LOG_RATIO_QP_OFFSET, RESIDUAL_SCALE_FLOOR, _residual_scale
 from deepcabac_py.series.records import SeriesFile
 
 
@@ -52,6 +52,18 @@ def _max_weight_error(a: dict, b: dict) -> float:
     return max((a["model"][k].double() - b["model"][k].double()).abs().max().item() for k in a["model"])
 
 
+def _max_scaled_weight_error(got: dict, original: dict) -> float:
+    """The largest error of a residual entry's weights in the units they are coded in: each
+    weight's error times its residual's scale, from the entry's decoded second moment (the run's
+    model numbers its parameters as the optimizer does)."""
+    errors = []
+    for i, k in enumerate(got["model"]):
+        v = got["optimizer"]["state"][i]["exp_avg_sq"].double().numpy()
+        error = (got["model"][k].double() - original["model"][k].double()).abs().numpy()
+        errors.append(float((error * _residual_scale(v, float(np.mean(np.abs(v))))).max()))
+    return max(errors)
+
+
 def test_keys_and_residuals_without_error_along_the_chain(run, tmp_path):
     series = dc.CheckpointSeries(tmp_path / "run.dcs", key_every=4)
     assert [series.append(c) for c in run] == list(range(6))
@@ -59,8 +71,8 @@ def test_keys_and_residuals_without_error_along_the_chain(run, tmp_path):
     kinds = [(e.kind, e.parent, e.step) for e in series.entries()]
     assert kinds == [("key", None, 15), ("residual", 0, 30), ("residual", 1, 45), ("residual", 2, 60),
                      ("key", None, 75), ("residual", 4, 90)]
-    # every entry is as close to its checkpoint as a key would be: the trellis's step bound, and no
-    # growth along the chain
+    # every entry is as close to its checkpoint as a key would be: the trellis's step bound (for a
+    # residual's weights, in the units of its second moment's scale), and no growth along the chain
     bound = 2 * step_from_qp(SERIES_QP - 24)  # (qp_1d is 6 octaves finer)
     errors = []
     for i, original in enumerate(run):
@@ -69,7 +81,12 @@ def test_keys_and_residuals_without_error_along_the_chain(run, tmp_path):
         assert got["optimizer"]["param_groups"] == original["optimizer"]["param_groups"]
         for index, state in original["optimizer"]["state"].items():
             assert torch.equal(got["optimizer"]["state"][index]["step"], state["step"])
-        errors.append(_max_weight_error(got, original))
+        if kinds[i][0] == "key":
+            errors.append(_max_weight_error(got, original))
+        else:
+            errors.append(_max_scaled_weight_error(got, original))
+            # (unscaled, at most the step over the scale's floor)
+            assert _max_weight_error(got, original) <= 2 * step_from_qp(SERIES_QP) / RESIDUAL_SCALE_FLOOR
     assert max(errors) <= 2 * step_from_qp(SERIES_QP)
     assert errors[3] <= 1.5 * max(errors[0], errors[4]) + bound
     # the same entries from a fresh object (the chain decoded from its key), and negative indices
@@ -184,7 +201,7 @@ def test_the_cli(run, tmp_path):
     assert out.exit_code == 0, out.output
     back = torch.load(dst, weights_only=True)
     assert back["step"] == 45
-    assert _max_weight_error(back, run[2]) <= 2 * step_from_qp(SERIES_QP)
+    assert _max_scaled_weight_error(back, run[2]) <= 2 * step_from_qp(SERIES_QP)
     out = r.invoke(main, ["series", "extract", str(tmp_path / "run.dcs"), "2", "-o", str(dst)])
     assert out.exit_code == 1 and "exists" in out.output  # never overwritten without -f
     out = r.invoke(main, ["series", "extract", str(tmp_path / "run.dcs"), "7", "-o", str(tmp_path / "x.pt")])
@@ -395,11 +412,11 @@ def test_a_version_1_series_still_reads_and_takes_appends(run, tmp_path, monkeyp
         for k, state in written[i]["optimizer"]["state"].items():
             assert torch.equal(series[i]["optimizer"]["state"][k]["exp_avg"], state["exp_avg"])
     series.append(run[2])
-    assert int.from_bytes(path.read_bytes()[8:10], "little") == 2
+    assert int.from_bytes(path.read_bytes()[8:10], "little") == 3
     fresh = dc.CheckpointSeries(path)
     assert [e.kind for e in fresh.entries()] == ["key", "residual", "residual"]
     assert _max_weight_error(fresh[1], written[1]) == 0.0
-    assert _max_weight_error(fresh[2], run[2]) <= 2 * step_from_qp(SERIES_QP)
+    assert _max_scaled_weight_error(fresh[2], run[2]) <= 2 * step_from_qp(SERIES_QP)
 
 
 def test_settings_that_name_weights_reach_only_the_weights(run, tmp_path):
@@ -413,7 +430,9 @@ def test_settings_that_name_weights_reach_only_the_weights(run, tmp_path):
         series.append(c)
     got = series[1]
     assert torch.equal(got["model"]["2.bias"], run[1]["model"]["2.bias"])
-    assert (got["model"]["0.weight"] - run[1]["model"]["0.weight"]).abs().max() <= 2 * step_from_qp(-50)
+    v = got["optimizer"]["state"][0]["exp_avg_sq"].double().numpy()  # (0.weight's: in its scale)
+    error = (got["model"]["0.weight"] - run[1]["model"]["0.weight"]).abs().double().numpy()
+    assert (error * _residual_scale(v, float(np.mean(v)))).max() <= 2 * step_from_qp(-50)
 
 
 def test_residuals_are_predicted_from_the_adam_direction(run, tmp_path):
@@ -432,10 +451,15 @@ def test_residuals_are_predicted_from_the_adam_direction(run, tmp_path):
         m, v = tensors[moment].double().numpy(), tensors[moment + "_sq"].double().numpy()
         return m / (np.sqrt(v) + ADAM_EPS)
 
+    assert sorted(meta["v_scaled"]) == sorted(meta["predicted"])
     for name, (moment, c, c_parent) in meta["predicted"].items():
         assert name in meta["residuals"] and moment.endswith(".exp_avg")
-        # what docs/format.md says: parent + residual + c m / (sqrt(v) + eps) + the parent's such term
-        want = (parent[name].double().numpy() + coded[name].double().numpy()
+        # what docs/format.md says: parent + residual / max(sqrt(v / mean), 1/16) + c m / (sqrt(v) + eps)
+        # + the parent's such term
+        second, mean = meta["v_scaled"][name]
+        assert second == moment + "_sq"
+        scale = np.maximum(np.sqrt(got[second].double().numpy() / mean), 1 / 16)
+        want = (parent[name].double().numpy() + coded[name].double().numpy() / scale
                 + (c * direction(got, moment) + c_parent * direction(parent, moment)))
         assert np.array_equal(got[name].numpy(), want.astype(np.float32))
     # a prediction the entry cannot follow is refused
@@ -453,3 +477,47 @@ def test_residuals_are_predicted_from_the_adam_direction(run, tmp_path):
         dc.CheckpointSeries(other)[1]
         with pytest.raises(CorruptStreamError, match="prediction"):
             dc.CheckpointSeries(other)[2]
+
+
+def test_malformed_residual_scales_are_refused(run, tmp_path):
+    series = dc.CheckpointSeries(tmp_path / "run.dcs")
+    for c in run[:2]:
+        series.append(c)
+    with SeriesFile(tmp_path / "run.dcs") as f:
+        records = [(r.meta, f.payload(r)) for r in f.records]
+    name, (second, mean) = next(iter(records[1][0]["v_scaled"].items()))
+    other = tmp_path / "bad.dcs"
+    for bad in ({name: [second, -mean]}, {name: [second, "1"]}, {name: [second, float("inf")]}, {name: [second]},
+                {name: ["optimizer.state.9.exp_avg_sq", mean]}, {name: [second.replace("_sq", ""), mean]},
+                {"model.nothing": [second, mean]}, [1]):
+        other.unlink(missing_ok=True)
+        with SeriesFile(other, writer=True) as f:
+            f.append(*records[0])
+            f.append({**records[1][0], "v_scaled": bad}, records[1][1])
+        dc.CheckpointSeries(other)[0]
+        with pytest.raises(CorruptStreamError, match="residual scale"):
+            dc.CheckpointSeries(other)[1]
+    # a scale whose second moment has another shape
+    wrong = next(n for n in records[1][0]["v_scaled"] if n != name
+                 and records[1][0]["v_scaled"][n][0] != second)
+    other.unlink(missing_ok=True)
+    with SeriesFile(other, writer=True) as f:
+        f.append(*records[0])
+        f.append({**records[1][0], "v_scaled": {name: records[1][0]["v_scaled"][wrong]}}, records[1][1])
+    with pytest.raises(CorruptStreamError, match="does not match its second moment"):
+        dc.CheckpointSeries(other)[1]
+
+
+def test_residuals_in_their_second_moments_scale_take_fewer_bytes(run, tmp_path, monkeypatch):
+    from deepcabac_py.series import checkpoint_series
+
+    scaled = dc.CheckpointSeries(tmp_path / "scaled.dcs", key_every=100)
+    for c in run:
+        scaled.append(c)
+    monkeypatch.setattr(checkpoint_series, "_residual_scale", lambda second, mean: np.ones(second.shape))
+    plain = dc.CheckpointSeries(tmp_path / "plain.dcs", key_every=100)
+    for c in run:
+        plain.append(c)
+    sizes = [(a.bytes, b.bytes) for a, b in zip(scaled.entries(), plain.entries())]
+    assert sizes[0][0] == sizes[0][1]  # (the key is coded alike)
+    assert sum(a for a, _ in sizes[1:]) < sum(b for _, b in sizes[1:])
