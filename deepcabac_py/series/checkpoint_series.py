@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -303,37 +303,37 @@ def _fitted(change: np.ndarray, now: np.ndarray, before: np.ndarray) -> tuple[fl
 def _predictions(where: str, listed: Any, residuals: list[str],
                  tensors: dict[str, Any]) -> dict[str, tuple[str, tuple[float, float]]]:
     """The meta's ``predicted``, checked: residual name -> (first moment, coefficients)."""
-    if not isinstance(listed, dict):
-        raise CorruptStreamError(f"{where}: malformed predictions")
-    out = {}
-    for name, value in listed.items():
-        if (not isinstance(value, list) or len(value) != 3 or not isinstance(value[0], str)
-                or not all(type(c) is float and np.isfinite(c) for c in value[1:])):
-            raise CorruptStreamError(f"{where}: malformed prediction of {name!r}")
-        moment = value[0]
-        if name not in residuals or role_of(moment) != FIRST_MOMENT or moment not in tensors:
-            raise CorruptStreamError(f"{where}: prediction of {name!r} names what the entry does not hold")
-        if tensor_to_numpy(tensors[moment])[0].shape != tensor_to_numpy(tensors[name])[0].shape:
-            raise CorruptStreamError(f"{where}: prediction of {name!r} does not match its first moment")
-        out[name] = (moment, (value[1], value[2]))
-    return out
+    refs = _moment_references(where, listed, residuals, tensors, role=FIRST_MOMENT, what="prediction",
+                              numbers=lambda xs: len(xs) == 2 and all(type(c) is float and np.isfinite(c) for c in xs))
+    return {name: (moment, (xs[0], xs[1])) for name, (moment, xs) in refs.items()}
 
 
 def _scalings(where: str, listed: Any, predicted: list[str], tensors: dict[str, Any]) -> dict[str, tuple[str, float]]:
     """The meta's ``v_scaled``, checked: predicted residual name -> (second moment, its mean)."""
+    refs = _moment_references(where, listed, predicted, tensors, role=SECOND_MOMENT, what="residual scale",
+                              numbers=lambda xs: len(xs) == 1 and type(xs[0]) is float and np.isfinite(xs[0])
+                              and xs[0] > 0)
+    return {name: (moment, xs[0]) for name, (moment, xs) in refs.items()}
+
+
+def _moment_references(where: str, listed: Any, names: list[str], tensors: dict[str, Any], *, role: str, what: str,
+                       numbers: Callable[[list], bool]) -> dict[str, tuple[str, list]]:
+    """A meta object from tensor names in ``names`` to ``[moment, numbers...]``, checked: each
+    moment of ``role`` held by the entry with its tensor's shape, the numbers as ``numbers`` takes
+    them (``what`` names one in the errors); name -> (moment, numbers)."""
     if not isinstance(listed, dict):
-        raise CorruptStreamError(f"{where}: malformed residual scales")
+        raise CorruptStreamError(f"{where}: malformed {what}s")
     out = {}
     for name, value in listed.items():
-        if (not isinstance(value, list) or len(value) != 2 or not isinstance(value[0], str)
-                or type(value[1]) is not float or not (np.isfinite(value[1]) and value[1] > 0)):
-            raise CorruptStreamError(f"{where}: malformed residual scale of {name!r}")
-        second = value[0]
-        if name not in predicted or role_of(second) != SECOND_MOMENT or second not in tensors:
-            raise CorruptStreamError(f"{where}: residual scale of {name!r} names what the entry does not hold")
-        if tensor_to_numpy(tensors[second])[0].shape != tensor_to_numpy(tensors[name])[0].shape:
-            raise CorruptStreamError(f"{where}: residual scale of {name!r} does not match its second moment")
-        out[name] = (second, value[1])
+        if not isinstance(value, list) or not value or not isinstance(value[0], str) or not numbers(value[1:]):
+            raise CorruptStreamError(f"{where}: malformed {what} of {name!r}")
+        moment = value[0]
+        if name not in names or role_of(moment) != role or moment not in tensors:
+            raise CorruptStreamError(f"{where}: {what} of {name!r} names what the entry does not hold")
+        if tensor_to_numpy(tensors[moment])[0].shape != tensor_to_numpy(tensors[name])[0].shape:
+            kind = "first" if role == FIRST_MOMENT else "second"
+            raise CorruptStreamError(f"{where}: {what} of {name!r} does not match its {kind} moment")
+        out[name] = (moment, value[1:])
     return out
 
 
