@@ -15,6 +15,7 @@ from click.testing import CliRunner
 import deepcabac_py as dc
 from deepcabac_py.cli.main import main
 from deepcabac_py.errors import CorruptStreamError, FormatError, InputError, OutputError
+from deepcabac_py.model.decoder import read_stream_header
 from deepcabac_py.model.settings import DEFAULT_MOMENTS_QP
 from deepcabac_py.quant.steps import step_from_qp
 from deepcabac_py.series.checkpoint_series import DEFAULT_SERIES_QP as SERIES_QP
@@ -48,20 +49,31 @@ def run() -> list[dict]:
     return _run(6)
 
 
-def _max_weight_error(a: dict, b: dict) -> float:
-    return max((a["model"][k].double() - b["model"][k].double()).abs().max().item() for k in a["model"])
+def _max_weight_error(a: dict, b: dict, only: str | None = None) -> float:
+    return max((a["model"][k].double() - b["model"][k].double()).abs().max().item() for k in a["model"]
+               if only in (None, k))
 
 
-def _max_scaled_weight_error(got: dict, original: dict) -> float:
+def _max_scaled_weight_error(got: dict, original: dict, only: str | None = None) -> float:
     """The largest error of a residual entry's weights in the units they are coded in: each
     weight's error times its residual's scale, from the entry's decoded second moment (the run's
     model numbers its parameters as the optimizer does)."""
     errors = []
     for i, k in enumerate(got["model"]):
+        if only not in (None, k):
+            continue
         v = got["optimizer"]["state"][i]["exp_avg_sq"].double().numpy()
         error = (got["model"][k].double() - original["model"][k].double()).abs().numpy()
         errors.append(float((error * _residual_scale(v, float(np.mean(np.abs(v))))).max()))
     return max(errors)
+
+
+def _coded_steps(path, index: int) -> dict[str, float]:
+    """The step each weight of entry ``index`` was quantized at, from its stream's header."""
+    with SeriesFile(path) as f:
+        header = read_stream_header(f.payload(f.records[index]))
+    return {e.name[len("model."):]: step_from_qp(e.qp, e.qp_density) for e in header.tensors
+            if e.name.startswith("model.") and e.mode.is_quantized}
 
 
 def test_keys_and_residuals_without_error_along_the_chain(run, tmp_path):
@@ -71,24 +83,24 @@ def test_keys_and_residuals_without_error_along_the_chain(run, tmp_path):
     kinds = [(e.kind, e.parent, e.step) for e in series.entries()]
     assert kinds == [("key", None, 15), ("residual", 0, 30), ("residual", 1, 45), ("residual", 2, 60),
                      ("key", None, 75), ("residual", 4, 90)]
-    # every entry is as close to its checkpoint as a key would be: the trellis's step bound (for a
-    # residual's weights, in the units of its second moment's scale), and no growth along the chain
-    bound = 2 * step_from_qp(SERIES_QP - 24)  # (qp_1d is 6 octaves finer)
-    errors = []
+    # every entry is as close to its checkpoint as a key would be: within the trellis's bound of
+    # twice the step its stream names (for a residual's weights, in the units of its second
+    # moment's scale), and so no growth along the chain
     for i, original in enumerate(run):
         got = series[i]
         assert got["step"] == original["step"]
         assert got["optimizer"]["param_groups"] == original["optimizer"]["param_groups"]
         for index, state in original["optimizer"]["state"].items():
             assert torch.equal(got["optimizer"]["state"][index]["step"], state["step"])
-        if kinds[i][0] == "key":
-            errors.append(_max_weight_error(got, original))
-        else:
-            errors.append(_max_scaled_weight_error(got, original))
-            # (unscaled, at most the step over the scale's floor)
-            assert _max_weight_error(got, original) <= 2 * step_from_qp(SERIES_QP) / RESIDUAL_SCALE_FLOOR
-    assert max(errors) <= 2 * step_from_qp(SERIES_QP)
-    assert errors[3] <= 1.5 * max(errors[0], errors[4]) + bound
+        steps = _coded_steps(tmp_path / "run.dcs", i)
+        assert sorted(steps) == sorted(original["model"])
+        for k, step in steps.items():
+            if kinds[i][0] == "key":
+                assert _max_weight_error(got, original, k) <= 2 * step, (i, k)
+            else:
+                assert _max_scaled_weight_error(got, original, k) <= 2 * step, (i, k)
+                # (unscaled, at most the step over the scale's floor)
+                assert _max_weight_error(got, original, k) <= 2 * step / RESIDUAL_SCALE_FLOOR, (i, k)
     # the same entries from a fresh object (the chain decoded from its key), and negative indices
     again = dc.CheckpointSeries(tmp_path / "run.dcs")
     assert _max_weight_error(again[3], series[3]) == 0.0
@@ -201,7 +213,8 @@ def test_the_cli(run, tmp_path):
     assert out.exit_code == 0, out.output
     back = torch.load(dst, weights_only=True)
     assert back["step"] == 45
-    assert _max_scaled_weight_error(back, run[2]) <= 2 * step_from_qp(SERIES_QP)
+    for k, step in _coded_steps(tmp_path / "run.dcs", 2).items():
+        assert _max_scaled_weight_error(back, run[2], k) <= 2 * step
     out = r.invoke(main, ["series", "extract", str(tmp_path / "run.dcs"), "2", "-o", str(dst)])
     assert out.exit_code == 1 and "exists" in out.output  # never overwritten without -f
     out = r.invoke(main, ["series", "extract", str(tmp_path / "run.dcs"), "7", "-o", str(tmp_path / "x.pt")])
@@ -416,7 +429,8 @@ def test_a_version_1_series_still_reads_and_takes_appends(run, tmp_path, monkeyp
     fresh = dc.CheckpointSeries(path)
     assert [e.kind for e in fresh.entries()] == ["key", "residual", "residual"]
     assert _max_weight_error(fresh[1], written[1]) == 0.0
-    assert _max_scaled_weight_error(fresh[2], run[2]) <= 2 * step_from_qp(SERIES_QP)
+    for k, step in _coded_steps(path, 2).items():
+        assert _max_scaled_weight_error(fresh[2], run[2], k) <= 2 * step
 
 
 def test_settings_that_name_weights_reach_only_the_weights(run, tmp_path):
@@ -521,3 +535,61 @@ def test_residuals_in_their_second_moments_scale_take_fewer_bytes(run, tmp_path,
     sizes = [(a.bytes, b.bytes) for a, b in zip(scaled.entries(), plain.entries())]
     assert sizes[0][0] == sizes[0][1]  # (the key is coded alike)
     assert sum(a for a, _ in sizes[1:]) < sum(b for _, b in sizes[1:])
+
+
+def test_the_adam_step_size_is_the_size_of_adams_last_step():
+    from deepcabac_py.io.checkpoint import flatten
+    from deepcabac_py.model.optimizer_state import adam_groups
+    from deepcabac_py.series.checkpoint_series import _adam_step_size
+
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+    opt = torch.optim.Adam(model.parameters(), lr=5e-3, betas=(0.85, 0.995))
+    x, y = torch.randn(64, 8), torch.randint(0, 2, (64,))
+    for step in range(7):
+        before = [p.detach().clone() for p in model.parameters()]
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x[8 * step:8 * step + 8]), y[8 * step:8 * step + 8]).backward()
+        opt.step()
+    ckpt = flatten({"optimizer": opt.state_dict()})
+    groups = adam_groups(ckpt.skeleton)
+    for i, (p, b) in enumerate(zip(model.parameters(), before)):
+        moment = f"optimizer.state.{i}.exp_avg"
+        taken = (p.detach() - b).double().pow(2).mean().sqrt().item()
+        assert _adam_step_size(ckpt.tensors, moment, groups[moment]) == pytest.approx(taken, rel=1e-5)
+
+
+def test_weights_with_adam_state_take_adams_step_size_where_coarser(run, tmp_path):
+    from deepcabac_py.io.checkpoint import flatten
+    from deepcabac_py.model.optimizer_state import adam_groups
+    from deepcabac_py.quant.steps import qp_at_most
+    from deepcabac_py.series.checkpoint_series import ADAM_STEP_FRACTION, _adam_step_size
+
+    series = dc.CheckpointSeries(tmp_path / "run.dcs", key_every=3)
+    for c in run[:4]:
+        series.append(c)
+    assert [e.kind for e in series.entries()] == ["key", "residual", "residual", "key"]
+    coarser = 0
+    for i, c in enumerate(run[:4]):
+        ckpt = flatten(c)
+        groups = adam_groups(ckpt.skeleton)
+        with SeriesFile(tmp_path / "run.dcs") as f:
+            qps = {e.name: e.qp for e in read_stream_header(f.payload(f.records[i])).tensors}
+        for k, (name, t) in enumerate(c["model"].items()):
+            moment = f"optimizer.state.{k}.exp_avg"
+            adam = qp_at_most(ADAM_STEP_FRACTION * _adam_step_size(ckpt.tensors, moment, groups[moment]))
+            series_qp = SERIES_QP if t.dim() >= 2 else SERIES_QP - 24
+            if adam > series_qp:
+                assert qps[f"model.{name}"] == adam, (i, name)
+                coarser += 1
+            else:
+                assert qps[f"model.{name}"] <= series_qp, (i, name)
+    assert coarser >= 8  # (this run's Adam steps are far above the series' qp)
+    # a qp given is every weight's
+    given = dc.CheckpointSeries(tmp_path / "given.dcs", key_every=3, qp=SERIES_QP)
+    for c in run[:2]:
+        given.append(c)
+    for i in range(2):
+        with SeriesFile(tmp_path / "given.dcs") as f:
+            header = read_stream_header(f.payload(f.records[i]))
+        assert {e.qp for e in header.tensors if e.name.endswith(".0.weight")} == {SERIES_QP}

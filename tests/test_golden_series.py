@@ -4,11 +4,15 @@ values they were written with, and today's writer reproduces today's file byte f
 ``golden/series/v1.dcs`` was written by the version-1 writer (first moments in the log domain,
 second moments as ratios), ``v2.dcs`` by the version-2 writer (first moments in the update domain,
 second moments as log2 ratios, weights predicted from Adam's direction); neither is regenerated.
-``v3.dcs`` is today's (the weights' predicted residuals in their second moment's scale), and
-``v3_lossless.dcs`` the same checkpoints bit for bit (``v2_lossless.dcs``, ``v2_lossless_rans.dcs`` and
-``v2_lossless_v8.dcs`` too, from the version-2 writer, before the float symbols went by tANS and before
-float32's trailing zeros went into the symbol: never regenerated). Each ``.npz`` holds every entry's extracted tensors
-as ``"<entry>/<name>"``. Regenerate ``v3`` only for an intended format change:
+``v3.dcs`` is today's format (the weights' predicted residuals in their second moment's scale)
+with every weight at the series' qp, as the writer codes a series whose qp is given;
+``v3_adam.dcs`` the same checkpoints at the writer's defaults (a weight with Adam state at Adam's
+step size where that is coarser); ``v3_lossless.dcs`` the same checkpoints bit for bit
+(``v2_lossless.dcs``, ``v2_lossless_rans.dcs`` and ``v2_lossless_v8.dcs`` too, from the version-2
+writer, before the float symbols went by tANS and before float32's trailing zeros went into the
+symbol: never regenerated). Each ``.npz`` holds every entry's extracted tensors
+as ``"<entry>/<name>"``. Regenerate the ``v3`` files only for an intended change of the format or of
+the writer's choices:
 
     DEEPCABAC_REGEN_GOLDEN=1 .venv/bin/python -m pytest -n 0 tests/test_golden_series.py
 """
@@ -24,6 +28,10 @@ import torch
 from helpers import golden_floats
 
 import deepcabac_py as dc
+from deepcabac_py.model.decoder import read_stream_header
+from deepcabac_py.quant.steps import step_from_qp
+from deepcabac_py.series.checkpoint_series import DEFAULT_SERIES_QP
+from deepcabac_py.series.records import SeriesFile
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "series"
 REGEN = os.environ.get("DEEPCABAC_REGEN_GOLDEN") == "1"
@@ -70,21 +78,23 @@ def write(path: Path, **settings) -> None:
 def golden_files():
     if REGEN:
         GOLDEN.mkdir(parents=True, exist_ok=True)
-        write(GOLDEN / "v3.dcs")
+        write(GOLDEN / "v3.dcs", qp=DEFAULT_SERIES_QP)
         np.savez_compressed(GOLDEN / "v3.npz", **extracted(GOLDEN / "v3.dcs"))
+        write(GOLDEN / "v3_adam.dcs")
+        np.savez_compressed(GOLDEN / "v3_adam.npz", **extracted(GOLDEN / "v3_adam.dcs"))
         write(GOLDEN / "v3_lossless.dcs", keep_exact=True)
-    names = ("v1.dcs", "v1.npz", "v2.dcs", "v2.npz", "v3.dcs", "v3.npz", "v2_lossless.dcs", "v2_lossless_rans.dcs",
-             "v2_lossless_v8.dcs", "v3_lossless.dcs")
+    names = ("v1.dcs", "v1.npz", "v2.dcs", "v2.npz", "v3.dcs", "v3.npz", "v3_adam.dcs", "v3_adam.npz",
+             "v2_lossless.dcs", "v2_lossless_rans.dcs", "v2_lossless_v8.dcs", "v3_lossless.dcs")
     missing = [n for n in names if not (GOLDEN / n).exists()]
     if missing:
         pytest.fail(f"golden series files missing: {missing}")
 
 
-@pytest.mark.parametrize("version", [1, 2, 3])
-def test_a_golden_series_extracts_to_its_values(version):
-    path = GOLDEN / f"v{version}.dcs"
-    assert int.from_bytes(path.read_bytes()[8:10], "little") == version
-    with np.load(GOLDEN / f"v{version}.npz", allow_pickle=False) as want:
+@pytest.mark.parametrize("name", ["v1", "v2", "v3", "v3_adam"])
+def test_a_golden_series_extracts_to_its_values(name):
+    path = GOLDEN / f"{name}.dcs"
+    assert int.from_bytes(path.read_bytes()[8:10], "little") == int(name[1])
+    with np.load(GOLDEN / f"{name}.npz", allow_pickle=False) as want:
         got = extracted(path)
         assert sorted(got) == sorted(want.files)
         for key in want.files:
@@ -92,22 +102,30 @@ def test_a_golden_series_extracts_to_its_values(version):
             assert got[key].tobytes() == want[key].tobytes(), key  # (bit for bit)
 
 
-def test_todays_writer_reproduces_the_golden_series(tmp_path):
-    write(tmp_path / "again.dcs")
-    assert (tmp_path / "again.dcs").read_bytes() == (GOLDEN / "v3.dcs").read_bytes()
+@pytest.mark.parametrize("name, settings", [("v3", {"qp": DEFAULT_SERIES_QP}), ("v3_adam", {})])
+def test_todays_writer_reproduces_the_golden_series(tmp_path, name, settings):
+    write(tmp_path / "again.dcs", **settings)
+    assert (tmp_path / "again.dcs").read_bytes() == (GOLDEN / f"{name}.dcs").read_bytes()
 
 
-def test_the_golden_series_stays_close_to_its_checkpoints():
-    # (the values are what the writer meant: the weights within the trellis's step of the originals;
-    # the golden second moments vary less than twofold, so their scale keeps the residuals within it)
-    from deepcabac_py.quant.steps import step_from_qp
-    from deepcabac_py.series.checkpoint_series import DEFAULT_SERIES_QP
-
-    series = dc.CheckpointSeries(GOLDEN / "v3.dcs")
+@pytest.mark.parametrize("name", ["v3", "v3_adam"])
+def test_the_golden_series_stays_close_to_its_checkpoints(name):
+    # (the values are what the writer meant: the weights within the trellis's bound of twice the
+    # step their stream names; the golden second moments vary less than twofold, so their scale
+    # keeps the residuals within it)
+    series = dc.CheckpointSeries(GOLDEN / f"{name}.dcs")
+    with SeriesFile(GOLDEN / f"{name}.dcs") as f:
+        steps = [{e.name: step_from_qp(e.qp, e.qp_density) for e in read_stream_header(f.payload(r)).tensors
+                  if e.mode.is_quantized} for r in f.records]
+    if name == "v3":  # (a qp given: every weight at it)
+        assert all(steps[i][f"model.{k}"] == step_from_qp(DEFAULT_SERIES_QP) for i in range(3) for k in ("0.weight",))
+    else:  # (these golden moments make Adam's steps far coarser than the series' qp)
+        assert all(steps[i][f"model.{k}"] > step_from_qp(DEFAULT_SERIES_QP) for i in range(3)
+                   for k in ("0.weight", "0.bias"))
     for i, original in enumerate(series_checkpoints()):
         got = series[i]
         for name, t in original["model"].items():
-            assert (got["model"][name].double() - t.double()).abs().max() <= 2 * step_from_qp(DEFAULT_SERIES_QP)
+            assert (got["model"][name].double() - t.double()).abs().max() <= 2 * steps[i][f"model.{name}"]
         for k, state in original["optimizer"]["state"].items():
             v, w = state["exp_avg_sq"].double(), got["optimizer"]["state"][k]["exp_avg_sq"].double()
             assert ((w - v).abs() / v).max() <= 0.2

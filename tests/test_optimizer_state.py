@@ -4,6 +4,7 @@ checkpoint that resumes training as the original would (the next Adam step)."""
 from __future__ import annotations
 
 import copy
+import json
 import math
 import os
 import subprocess
@@ -19,8 +20,9 @@ from hypothesis.extra import numpy as hnp
 
 import deepcabac_py as dc
 from deepcabac_py.errors import CorruptStreamError
+from deepcabac_py.io.checkpoint import flatten
 from deepcabac_py.model.container import LOG_OFFSET_BYTES, Mode
-from deepcabac_py.model.optimizer_state import FIRST_MOMENT, SECOND_MOMENT, STEP, role_of
+from deepcabac_py.model.optimizer_state import FIRST_MOMENT, SECOND_MOMENT, STEP, AdamGroup, adam_groups, role_of
 from deepcabac_py.model.settings import DEFAULT_MOMENTS_QP
 from deepcabac_py.quant.log_domain import log_levels, log_values
 from deepcabac_py.quant.steps import step_from_qp
@@ -162,6 +164,46 @@ def test_an_optimizer_checkpoint_through_the_cli(tmp_path):
     ("optimizer.param_groups.0.lr", None), ("layer.state.0.weight", None)])
 def test_roles_by_name(name, role):
     assert role_of(name) == role
+
+
+def test_adam_groups_name_each_first_moments_param_group():
+    net = _net()
+    opt = torch.optim.AdamW([{"params": net[0].parameters(), "lr": 3e-4},
+                             {"params": net[2].parameters(), "betas": (0.8, 0.99), "eps": 1e-6}], lr=1e-3)
+    x, y = _data()
+    torch.nn.functional.cross_entropy(net(x), y).backward()
+    opt.step()
+    # (Lightning keeps its optimizers' states in a list, beside other entries)
+    ckpt = flatten({"model": net.state_dict(), "optimizer_states": [opt.state_dict()], "epoch": 1})
+    groups = adam_groups(ckpt.skeleton)
+    assert sorted(groups) == [f"optimizer_states.0.state.{i}.exp_avg" for i in range(4)]
+    assert groups["optimizer_states.0.state.1.exp_avg"] == AdamGroup(3e-4, 0.9, 0.999, 1e-8,
+                                                                     "optimizer_states.0.state.1.step")
+    assert groups["optimizer_states.0.state.3.exp_avg"] == AdamGroup(1e-3, 0.8, 0.99, 1e-6,
+                                                                     "optimizer_states.0.state.3.step")
+
+
+def test_adam_groups_leave_out_what_is_not_adam():
+    net = _net()
+    sgd = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    x, y = _data()
+    torch.nn.functional.cross_entropy(net(x), y).backward()
+    sgd.step()
+    assert adam_groups(flatten({"optimizer": sgd.state_dict()}).skeleton) == {}
+    adam = torch.optim.Adam(net.parameters(), lr=torch.tensor(0.01))  # (an lr held as a tensor)
+    adam.step()
+    assert adam_groups(flatten({"optimizer": adam.state_dict()}).skeleton) == {}
+    state = torch.optim.Adam(net.parameters(), lr=0.01)
+    state.step()
+    good = flatten({"optimizer": state.state_dict()}).skeleton
+    assert len(adam_groups(good)) == 4
+    # malformed skeletons and groups: nothing found, nothing raised
+    text = json.dumps(good)
+    for bad in (None, [], {"root": 5}, {"root": {"$dict": "x"}},
+                json.loads(text.replace('["betas", {"$tuple": [0.9, 0.999]}]', '["betas", {"$tuple": [0.9, 1.5]}]')),
+                json.loads(text.replace('["lr", 0.01]', '["lr", -0.01]')),
+                json.loads(text.replace('["params", [0, 1, 2, 3]]', '["params", ["0", true, 7.0]]'))):
+        assert adam_groups(bad) == {}
 
 
 def _reference_levels(values, step):

@@ -23,8 +23,8 @@ numcodecs = pytest.importorskip("numcodecs")
 from numcodecs.registry import get_codec  # noqa: E402
 
 from deepcabac_py.errors import DeepCabacError, FormatError  # noqa: E402
-from deepcabac_py.integrations.zarr_codec import DeepCabac, qp_at_most  # noqa: E402
-from deepcabac_py.quant.steps import step_from_qp  # noqa: E402
+from deepcabac_py.integrations.zarr_codec import DeepCabac  # noqa: E402
+from deepcabac_py.quant.steps import qp_at_most, step_from_qp  # noqa: E402
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 REGEN = os.environ.get("DEEPCABAC_REGEN_GOLDEN") == "1"

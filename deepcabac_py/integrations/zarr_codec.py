@@ -21,7 +21,6 @@ take :class:`DeepCabac` as their ``compressor``.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
@@ -31,37 +30,12 @@ from numcodecs.compat import ensure_contiguous_ndarray, ensure_ndarray, ndarray_
 from ..errors import FormatError
 from ..model.decoder import decode_checkpoint, read_stream_header
 from ..model.encoder import encode_model
-from ..quant.steps import QP_DENSITY_MAX, QP_MAX, QP_MIN, qp_for_range, step_from_qp
+from ..quant.steps import QP_DENSITY_MAX, qp_at_most, qp_for_range, step_from_qp
 
 __all__ = ["DeepCabac", "DeepCabacZarr3"]  # noqa: F822 (DeepCabacZarr3 comes from __getattr__, with zarr)
 
 _TENSOR = "data"  # the one tensor of a chunk's stream
 _KINDS = "fiubc"  # numeric dtypes; datetimes are coded as their int64 ticks
-
-
-def qp_at_most(step: float, qp_density: int = 2) -> int:
-    """The largest qp whose NNC step (at ``qp_density``) is not larger than ``step``."""
-    if isinstance(step, bool) or not isinstance(step, (int, float)) or not (0.0 < float(step) < math.inf):
-        raise ValueError(f"step must be a positive finite number, got {step!r}")
-    k = 1 << qp_density
-    # step(qp) = (1 + (qp mod k) / k) * 2**floor(qp / k): log2(step) lies in [qp / k, qp / k + 1).
-    qp = max(QP_MIN, min(QP_MAX, int(math.floor(k * math.log2(float(step))))))
-
-    def step_of(q: int) -> float:
-        try:
-            return step_from_qp(q, qp_density)
-        except ValueError:  # outside the normal float64 range: 0 below, infinity above
-            return 0.0 if q < 0 else math.inf
-
-    while qp < QP_MAX and step_of(qp + 1) <= step:
-        qp += 1
-    while step_of(qp) > step:
-        if qp == QP_MIN:
-            raise ValueError(f"step {step!r} is smaller than any step at qp_density {qp_density}")
-        qp -= 1
-    if step_of(qp) == 0.0:
-        raise ValueError(f"step {step!r} is smaller than any step at qp_density {qp_density}")
-    return qp
 
 
 class DeepCabac(Codec):

@@ -18,9 +18,12 @@ Their roles decide how they are coded (:mod:`.tensor_plan`):
 
 from __future__ import annotations
 
+import math
 import re
+from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["FIRST_MOMENT", "SECOND_MOMENT", "STEP", "role_of"]
+__all__ = ["AdamGroup", "FIRST_MOMENT", "SECOND_MOMENT", "STEP", "adam_groups", "role_of"]
 
 FIRST_MOMENT = "first moment"
 SECOND_MOMENT = "second moment"
@@ -36,3 +39,79 @@ def role_of(name: str) -> str | None:
     ``STEP``), or None for anything else."""
     m = _STATE_ENTRY.search(name)
     return _ROLES[m.group(1)] if m else None
+
+
+@dataclass(frozen=True)
+class AdamGroup:
+    """What an Adam (or AdamW) param group sets for one parameter, and the name of its step tensor."""
+
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    step: str | None
+
+
+def adam_groups(skeleton: Any) -> dict[str, AdamGroup]:
+    """First moment (``exp_avg``) tensor name -> its param group, for every torch optimizer state
+    dict in a checkpoint's skeleton (:mod:`deepcabac_py.io.checkpoint`) whose groups carry a
+    positive ``lr``, ``betas`` in [0, 1) and an ``eps`` >= 0 as plain numbers. Anything else (another
+    optimizer, an lr held as a tensor, a malformed skeleton) is left out, never an error."""
+    out: dict[str, AdamGroup] = {}
+    stack = [skeleton.get("root") if isinstance(skeleton, dict) else None]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+            continue
+        if not isinstance(node, dict) or "$tensor" in node:
+            continue
+        entries = _entries(node)
+        if entries is None:
+            stack.extend(node.values())
+            continue
+        stack.extend(entries.values())
+        state, groups = _entries(entries.get("state")), entries.get("param_groups")
+        if state is None or not isinstance(groups, list):
+            continue
+        for group in groups:
+            g = _entries(group) or {}
+            hyper, params = _adam_hyper(g), g.get("params")
+            if hyper is None or not isinstance(params, list):
+                continue
+            for index in params:
+                moments = (_entries(state.get(index)) if type(index) is int else None) or {}
+                first, step = _tensor_name(moments.get("exp_avg")), _tensor_name(moments.get("step"))
+                if first is not None:
+                    out[first] = AdamGroup(*hyper, step)
+    return out
+
+
+def _tensor_name(node: Any) -> str | None:
+    name = node.get("$tensor") if isinstance(node, dict) else None
+    return name if isinstance(name, str) else None
+
+
+def _entries(node: Any) -> dict | None:
+    """The entries of a skeleton's dict node (keys that are plain numbers or strings), or None."""
+    if not isinstance(node, dict) or len(node) != 1:
+        return None
+    tag, pairs = next(iter(node.items()))
+    if tag not in ("$dict", "$odict") or not isinstance(pairs, list):
+        return None
+    return {p[0]: p[1] for p in pairs
+            if isinstance(p, list) and len(p) == 2 and type(p[0]) in (str, int)}
+
+
+def _adam_hyper(group: dict) -> tuple[float, float, float, float] | None:
+    betas = group.get("betas")
+    if isinstance(betas, dict) and set(betas) == {"$tuple"}:
+        betas = betas["$tuple"]
+    numbers = [group.get("lr"), *(betas if isinstance(betas, list) and len(betas) == 2 else [None, None]),
+               group.get("eps")]
+    if not all(type(x) in (int, float) and math.isfinite(x) for x in numbers):
+        return None
+    lr, beta1, beta2, eps = (float(x) for x in numbers)
+    if lr <= 0 or not (0 <= beta1 < 1 and 0 <= beta2 < 1) or eps < 0:
+        return None
+    return lr, beta1, beta2, eps

@@ -76,6 +76,31 @@ def qp_for_range(max_abs: float, qp: int, qp_density: int = 2) -> int:
     return qp
 
 
+def qp_at_most(step: float, qp_density: int = 2) -> int:
+    """The largest qp whose NNC step (at ``qp_density``) is not larger than ``step``."""
+    if isinstance(step, bool) or not isinstance(step, (int, float)) or not (0.0 < float(step) < math.inf):
+        raise ValueError(f"step must be a positive finite number, got {step!r}")
+    k = 1 << qp_density
+    # step(qp) = (1 + (qp mod k) / k) * 2**floor(qp / k): log2(step) lies in [qp / k, qp / k + 1).
+    qp = max(QP_MIN, min(QP_MAX, int(math.floor(k * math.log2(float(step))))))
+
+    def step_of(q: int) -> float:
+        try:
+            return step_from_qp(q, qp_density)
+        except ValueError:  # outside the normal float64 range: 0 below, infinity above
+            return 0.0 if q < 0 else math.inf
+
+    while qp < QP_MAX and step_of(qp + 1) <= step:
+        qp += 1
+    while step_of(qp) > step:
+        if qp == QP_MIN:
+            raise ValueError(f"step {step!r} is smaller than any step at qp_density {qp_density}")
+        qp -= 1
+    if step_of(qp) == 0.0:
+        raise ValueError(f"step {step!r} is smaller than any step at qp_density {qp_density}")
+    return qp
+
+
 def qp_range(qp_density: int) -> tuple[int, int]:
     """The qps whose step is a normal float64 at ``qp_density``: at density 0 they are fewer than the
     format's qp field holds (one octave per qp)."""

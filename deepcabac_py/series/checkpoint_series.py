@@ -39,16 +39,17 @@ from ..io.checkpoint import Checkpoint, flatten, numpy_to_tensor, plain_skeleton
 from ..io.dtypes import bfloat16_to_float32, float64_to_bfloat16
 from ..model.decoder import decode_checkpoint, read_stream_header
 from ..model.encoder import encode_model
-from ..model.optimizer_state import FIRST_MOMENT, SECOND_MOMENT, role_of
-from ..model.settings import DEFAULT_MOMENTS_QP, matches
+from ..model.optimizer_state import FIRST_MOMENT, SECOND_MOMENT, AdamGroup, adam_groups, role_of
+from ..model.settings import DEFAULT_MOMENTS_QP, DEFAULT_QP_DENSITY, EncodeSettings, lookup_qp, matches
 from ..quant import portable
+from ..quant.steps import qp_at_most
 from .records import SeriesFile
 
 __all__ = ["CheckpointSeries", "SeriesEntry", "DEFAULT_KEY_EVERY", "DEFAULT_SERIES_QP"]
 
 DEFAULT_KEY_EVERY = 10
-# The weights' qp of a lossy series unless one is given: an entry is kept to be resumed from, so its
-# weights stay about as close as a bfloat16 copy of them (a step of 2**-13). On the runs of
+# The weights' finest qp in a lossy series unless one is given: an entry is kept to be resumed from,
+# so its weights stay about as close as a bfloat16 copy of them (a step of 2**-13). On the runs of
 # benchmarks/bench_series.py, encode's default (-32) moves the digits CNN's held-out loss by up to
 # 12% and turns its next Adam step by a cosine of 0.91; -52 moves it by 0.2% at a cosine of 0.995.
 DEFAULT_SERIES_QP = -52
@@ -87,8 +88,10 @@ class CheckpointSeries:
     key_every : int
         Every this-many-th entry is coded on its own (a chain of residuals is never longer).
     **settings
-        Settings of :func:`~deepcabac_py.model.encoder.encode_model` for every entry (``qp`` the
-        step of the weights and of their residuals: ``DEFAULT_SERIES_QP`` unless given).
+        Settings of :func:`~deepcabac_py.model.encoder.encode_model` for every entry. ``qp`` given
+        is the step of every weight and residual; by default a weight with Adam state is coded at
+        the size of Adam's last step on its tensor, at most ``DEFAULT_SERIES_QP``
+        (:data:`ADAM_STEP_FRACTION`).
     """
 
     def __init__(self, path: str | os.PathLike, *, key_every: int = DEFAULT_KEY_EVERY, **settings: Any):
@@ -97,6 +100,7 @@ class CheckpointSeries:
         self.path = os.fspath(path)
         self.key_every = key_every
         self.settings = settings if settings.get("keep_exact") is True else {"qp": DEFAULT_SERIES_QP, **settings}
+        self._steps_from_adam = "qp" not in settings  # (a qp given is the step of every weight)
         self._last: tuple[int, Checkpoint] | None = None  # the newest entry as decoded
         self._key: tuple[int, dict[str, int]] | None = None  # the newest key's index and qps
 
@@ -129,7 +133,9 @@ class CheckpointSeries:
                 settings = dict(self.settings)
                 coded = ckpt
                 if self.settings.get("keep_exact") is not True:
-                    coded, meta["update_domain"], overrides, _ = _in_update_domain(ckpt, settings, {}, [], None)
+                    adam = _adam_step_qps(ckpt, settings) if self._steps_from_adam else {}
+                    coarser = {n: qp for n, (qp, base) in adam.items() if qp > base}
+                    coded, meta["update_domain"], overrides, _ = _in_update_domain(ckpt, settings, coarser, [], None)
                     settings["qp_overrides"] = {**overrides, **(self.settings.get("qp_overrides") or {})}
                 payload = encode_model(coded, **settings)
                 self._key = (index, _quantized_qps(payload))
@@ -148,7 +154,12 @@ class CheckpointSeries:
                 key_qps = self._key_qps(f, index)
                 settings = {"importance": None, "bias_correction": False, **self.settings}
                 log_ratio_qp = settings.get("moments_qp", DEFAULT_MOMENTS_QP) + LOG_RATIO_QP_OFFSET
+                # (a weight whose key took Adam's step size takes its own now, or the series' qp:
+                # training may have slowed since the key)
+                adam = _adam_step_qps(ckpt, self.settings) if self._steps_from_adam else {}
                 overrides = {**{n: key_qps[n] for n in residuals if n in key_qps},
+                             **{n: qp if qp > base else min(key_qps.get(n, base), base)
+                                for n, (qp, base) in adam.items() if n in residuals},
                              **{n + LOG_RATIO_SUFFIX: log_ratio_qp for n in log_ratios}}
                 coded, meta["update_domain"], overrides, seconds = _in_update_domain(coded, settings, overrides,
                                                                                      log_ratios, parent)
@@ -502,6 +513,64 @@ def _predicted_residuals(coded: Checkpoint, residuals: list[str], settings: dict
         tensors[name] = numpy_to_tensor(rest.astype(dtype), dtype, is_torch)
         predicted[name] = [moment, *coefs]
     return _with_tensors(coded, tensors), predicted, v_scaled
+
+
+# A weight's error is judged against the steps its training takes: Adam moves every weight by about
+# lr * m-hat / sqrt(v-hat) at each step (its root mean square over a tensor is the tensor's step
+# size), and an error of that size is what one more step of noisy training does. So a weight with
+# Adam state is coded at ADAM_STEP_FRACTION times that size where this is coarser than the series'
+# qp: coarse where training still moves fast, at the series' qp where it has settled. On the
+# checkpoints of bench_series.py: the char-LSTM series 15% smaller at the same next-step cosine,
+# the digits CNN's 1.6%; at twice the size the char-LSTM's 22%, but the digits CNN's held-out loss
+# then moved by 0.77% at one checkpoint (0.26% at once the size; the fidelity goal is 0.5%).
+ADAM_STEP_FRACTION = 1.0
+
+
+def _adam_step_qps(ckpt: Checkpoint, settings: dict[str, Any]) -> dict[str, tuple[int, int]]:
+    """Weight -> (its qp by the size of Adam's last step on it, ``settings``' qp for it: ``qp``, or
+    ``qp_1d`` for at most one dimension), for the weights of ``ckpt`` whose Adam state (moments and
+    param group) it holds and no qp override of ``settings`` names (those win)."""
+    groups = adam_groups(ckpt.skeleton)
+    given = settings.get("qp_overrides") or {}
+    firsts = _in_optimizer_order(n for n in ckpt.tensors if n in groups and _partner_of(n, ckpt.tensors))
+    weights = [n for n, t in ckpt.tensors.items() if role_of(n) is None and tensor_to_numpy(t)[1] in _FLOATS]
+    density = settings.get("qp_density", DEFAULT_QP_DENSITY)
+    qps = {}
+    for name, moment in _paired(weights, ckpt.tensors, firsts, ckpt.tensors).items():
+        size = _adam_step_size(ckpt.tensors, moment, groups[moment])
+        if size is None or lookup_qp(name, given) is not None:
+            continue
+        try:
+            qp = qp_at_most(ADAM_STEP_FRACTION * size, density)
+        except ValueError:
+            continue
+        base = settings["qp"] if tensor_to_numpy(ckpt.tensors[name])[0].ndim >= 2 else \
+            EncodeSettings(qp=settings["qp"], qp_density=density, qp_1d=settings.get("qp_1d")).qp_1d_resolved
+        qps[name] = (qp, base)
+    return qps
+
+
+def _adam_step_size(tensors: dict[str, Any], moment: str, group: AdamGroup) -> float | None:
+    """The root mean square of Adam's last step on the weight of first moment ``moment``, None if
+    it cannot be told."""
+    t = None
+    if group.step is not None and group.step in tensors:
+        arr = tensor_to_numpy(tensors[group.step])[0]
+        t = float(arr.reshape(-1)[0]) if arr.size == 1 else None
+    if t is not None and math.isfinite(t) and t >= 1:  # Adam's bias corrections at step t
+        first, second = 1 - group.beta1**t, 1 - group.beta2**t
+    else:  # (none where the step count is missing or not a count)
+        first = second = 1.0
+    partner = _partner_of(moment, tensors)
+    if partner is None or first <= 0 or second <= 0:
+        return None
+    m = tensor_to_numpy(tensors[moment])[0].astype(np.float64) / first
+    v = np.abs(tensor_to_numpy(tensors[partner])[0].astype(np.float64)) / second
+    if m.shape != v.shape or not m.size:
+        return None
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        size = group.lr * float(np.sqrt(np.mean(np.square(m / (np.sqrt(v) + group.eps)))))
+    return size if math.isfinite(size) and size > 0 else None
 
 
 def _paired(weights: list[str], tensors: dict[str, Any], firsts: list[str], moments: dict[str, Any]) -> dict[str, str]:
