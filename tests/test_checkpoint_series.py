@@ -593,3 +593,22 @@ def test_weights_with_adam_state_take_adams_step_size_where_coarser(run, tmp_pat
         with SeriesFile(tmp_path / "given.dcs") as f:
             header = read_stream_header(f.payload(f.records[i]))
         assert {e.qp for e in header.tensors if e.name.endswith(".0.weight")} == {SERIES_QP}
+
+
+def test_a_weight_whose_group_is_not_adams_keeps_the_series_qp(tmp_path):
+    # two layers of one shape, the first in a group whose lr is a tensor (not read): its weights
+    # keep the series' qp, and the second layer's Adam state is not taken for the first's
+    torch.manual_seed(5)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8))
+    opt = torch.optim.Adam([{"params": model[0].parameters(), "lr": torch.tensor(0.05)},
+                            {"params": model[2].parameters(), "lr": 0.05}])
+    for _ in range(5):
+        opt.zero_grad()
+        model(torch.randn(16, 8)).pow(2).mean().backward()
+        opt.step()
+    series = dc.CheckpointSeries(tmp_path / "run.dcs")
+    series.append({"model": model.state_dict(), "optimizer": opt.state_dict()})
+    with SeriesFile(tmp_path / "run.dcs") as f:
+        qps = {e.name: e.qp for e in read_stream_header(f.payload(f.records[0])).tensors}
+    assert qps["model.0.weight"] <= SERIES_QP and qps["model.0.bias"] <= SERIES_QP - 24
+    assert qps["model.2.weight"] > SERIES_QP + 20 and qps["model.2.bias"] > SERIES_QP + 20

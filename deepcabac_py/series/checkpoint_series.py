@@ -532,21 +532,21 @@ def _adam_step_qps(ckpt: Checkpoint, settings: dict[str, Any]) -> dict[str, tupl
     param group) it holds and no qp override of ``settings`` names (those win)."""
     groups = adam_groups(ckpt.skeleton)
     given = settings.get("qp_overrides") or {}
-    firsts = _in_optimizer_order(n for n in ckpt.tensors if n in groups and _partner_of(n, ckpt.tensors))
+    # (paired as the predictions pair them: every first moment takes part, with a group or not)
+    firsts = _in_optimizer_order(_update_partners(ckpt.tensors))
     weights = [n for n, t in ckpt.tensors.items() if role_of(n) is None and tensor_to_numpy(t)[1] in _FLOATS]
     density = settings.get("qp_density", DEFAULT_QP_DENSITY)
+    series = EncodeSettings(qp=settings["qp"], qp_density=density, qp_1d=settings.get("qp_1d"))
     qps = {}
     for name, moment in _paired(weights, ckpt.tensors, firsts, ckpt.tensors).items():
-        size = _adam_step_size(ckpt.tensors, moment, groups[moment])
+        size = _adam_step_size(ckpt.tensors, moment, groups[moment]) if moment in groups else None
         if size is None or lookup_qp(name, given) is not None:
             continue
         try:
             qp = qp_at_most(ADAM_STEP_FRACTION * size, density)
         except ValueError:
             continue
-        base = settings["qp"] if tensor_to_numpy(ckpt.tensors[name])[0].ndim >= 2 else \
-            EncodeSettings(qp=settings["qp"], qp_density=density, qp_1d=settings.get("qp_1d")).qp_1d_resolved
-        qps[name] = (qp, base)
+        qps[name] = (qp, series.qp if tensor_to_numpy(ckpt.tensors[name])[0].ndim >= 2 else series.qp_1d_resolved)
     return qps
 
 
