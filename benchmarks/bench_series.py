@@ -7,8 +7,8 @@ LZMA here, as 7-Zip uses), with the fidelity of each for resumption.
 Two real runs on data at hand: the project's DigitsCNN on scikit-learn's digits, and a character-level
 LSTM on the source of a few standard-library modules. For each stored checkpoint: the decoded weights' held-out
 loss against the original's, the next Adam step on a fixed batch (cosine and norm against the
-original's), and training resumed from the middle checkpoint (mean final loss over three batch
-orders, against resuming from the original).
+original's), and training resumed from the middle checkpoint (the held-out loss every 20 steps,
+each the mean over three batch orders: the resumed-loss curve, against resuming from the original).
 
     .venv/bin/python benchmarks/bench_series.py [--checkpoints 12] [--every 40] [--key-every 10]
     .venv/bin/python benchmarks/bench_series.py --sweep-key-every 1,5,10,20 [--checkpoints 20]
@@ -59,6 +59,9 @@ class CharLSTM(torch.nn.Module):
 
     def forward(self, x):
         return self.out(self.lstm(self.emb(x))[0])
+
+
+RESUMED_EVERY = 20  # steps between the points of a resumed-loss curve
 
 
 class Run:
@@ -146,21 +149,28 @@ class Run:
         opt.step()
         return torch.cat([p.detach().reshape(-1) for p in model.parameters()]) - before
 
-    def resumed(self, ckpt, steps: int, orders: int = 3) -> float:
-        """Mean held-out loss after ``steps`` more steps, over ``orders`` batch orders."""
-        losses = []
+    def resumed(self, ckpt, steps: int, orders: int = 3, every: int = RESUMED_EVERY) -> list[float]:
+        """The held-out loss along ``steps`` more steps (at 0, ``every``, 2 * ``every``... and
+        ``steps``), each the mean over ``orders`` batch orders: the resumed-loss curve."""
+        marks = sorted({*range(0, steps, every), steps})
+        curves = []
         for order in range(1, orders + 1):
             model, opt = self.restored(ckpt)
-            model.train()
-            for i in range(steps):
+            curve = []
+            for i in range(steps + 1):
+                if i in marks:
+                    model.eval()
+                    with torch.no_grad():
+                        curve.append(self.loss(model, self.hx, self.hy).item())
+                if i == steps:
+                    break
+                model.train()
                 x, y = self.batch(i, order)
                 opt.zero_grad()
                 self.loss(model, x, y).backward()
                 opt.step()
-            model.eval()
-            with torch.no_grad():
-                losses.append(self.loss(model, self.hx, self.hy).item())
-        return float(np.mean(losses))
+            curves.append(curve)
+        return [float(v) for v in np.mean(curves, axis=0)]
 
 
 # --- ExCP, reproduced -----------------------------------------------------------------------------
@@ -375,12 +385,21 @@ def main() -> None:
                 "resumed loss"]
         print(f"{'':<24}" + "".join(f"{c[:18]:>20}" for c in cols))
         reference = run.resumed(cks[middle], args.resume_steps)
+        curves = {}
         for label, (size, decoded) in rows.items():
             f = fidelity(run, cks, decoded, middle, args.resume_steps) if decoded is not None else \
                 {"held-out loss, max rel. diff": 0.0, "next step cosine, min": 1.0, "next step norm, max diff": 0.0,
                  "resumed loss": reference}
+            if decoded is not None or label == "original":
+                curves[label] = f["resumed loss"]
+            f["resumed loss"] = f["resumed loss"][-1]
             print(f"{label:<24}{size:>20,}{raw / size:>19.1f}x" + "".join(
                 f"{f[c]:>20.4f}" for c in cols[2:]))
+        marks = sorted({*range(0, args.resume_steps, RESUMED_EVERY), args.resume_steps})
+        print(f"resumed from checkpoint {middle}: held-out loss after this many steps (mean of 3 batch orders)")
+        print(f"{'':<24}" + "".join(f"{m:>10}" for m in marks))
+        for label, curve in curves.items():
+            print(f"{label:<24}" + "".join(f"{v:>10.4f}" for v in curve))
         print(f"series / ExCP bytes: {series_bytes / sum(excp_sizes):.2f}x; series vs raw: {raw / series_bytes:.1f}x "
               f"(goals: >= 50x, <= 0.5x ExCP)")
         print(f"lossless series (--lossless): {lossless_bytes:,} bytes, {raw / lossless_bytes:.3f}x the raw files "
