@@ -203,6 +203,8 @@ def test_the_cli(run, tmp_path):
     out = r.invoke(main, ["series", "add", str(tmp_path / "run.dcs"), *map(str, paths)])
     assert out.exit_code == 0, out.output
     assert out.output.count("entry") == 3 and "(residual)" in out.output
+    size, coded = paths[1].stat().st_size, dc.CheckpointSeries(tmp_path / "run.dcs").entries()[1].bytes
+    assert f"<- {paths[1]} ({size:,} bytes, {size / coded:.1f}x)" in out.output
     out = r.invoke(main, ["series", "list", str(tmp_path / "run.dcs")])
     assert out.exit_code == 0
     lines = out.output.splitlines()

@@ -30,7 +30,8 @@ def series_group():
 @click.option("--lossless", is_flag=True, help="Keep every tensor bit for bit (residuals on the float bits).")
 @click.option("-q", "--quiet", is_flag=True, help="Print nothing but errors.")
 def add_cmd(series, checkpoints, key_every, qp, input_format, lossless, quiet):
-    """Append each CKPT to RUN.dcs (created on first use); a line per entry."""
+    """Append each CKPT to RUN.dcs (created on first use); a line per entry, with its ratio to the
+    checkpoint's file."""
     from deepcabac_py.io.files import load_checkpoint
     from deepcabac_py.series.checkpoint_series import DEFAULT_KEY_EVERY, CheckpointSeries
 
@@ -43,8 +44,9 @@ def add_cmd(series, checkpoints, key_every, qp, input_format, lossless, quiet):
     for path in checkpoints:
         index = s.append(load_checkpoint(path, input_format))
         if not quiet:
-            e = s.entries()[index]
-            click.echo(f"{series}: entry {index} ({e.kind}) {e.bytes:,} bytes <- {path}")
+            e, size = s.entries()[index], os.path.getsize(path)
+            click.echo(f"{series}: entry {index} ({e.kind}) {e.bytes:,} bytes <- {path} "
+                       f"({size:,} bytes, {size / max(e.bytes, 1):.1f}x)")
 
 
 @series_group.command("list")
