@@ -90,7 +90,7 @@ class CheckpointSeries:
     **settings
         Settings of :func:`~deepcabac_py.model.encoder.encode_model` for every entry. ``qp`` given
         is the step of every weight and residual; by default a weight with Adam state is coded at
-        the size of Adam's last step on its tensor, at most ``DEFAULT_SERIES_QP``
+        the size of Adam's last step on its tensor, never finer than ``DEFAULT_SERIES_QP``
         (:data:`ADAM_STEP_FRACTION`).
     """
 
