@@ -162,13 +162,12 @@ class Run:
                     model.eval()
                     with torch.no_grad():
                         curve.append(self.loss(model, self.hx, self.hy).item())
-                if i == steps:
-                    break
-                model.train()
-                x, y = self.batch(i, order)
-                opt.zero_grad()
-                self.loss(model, x, y).backward()
-                opt.step()
+                if i < steps:
+                    model.train()
+                    x, y = self.batch(i, order)
+                    opt.zero_grad()
+                    self.loss(model, x, y).backward()
+                    opt.step()
             curves.append(curve)
         return [float(v) for v in np.mean(curves, axis=0)]
 

@@ -26,6 +26,9 @@ from deepcabac_py.model.container import (
     pack_header,
     read_header,
 )
+from deepcabac_py.model.decoder import read_stream_header
+from deepcabac_py.quant.steps import step_from_qp
+from deepcabac_py.series.records import SeriesFile
 
 # --- guards ----------------------------------------------------------------------------------------
 
@@ -95,6 +98,18 @@ def laplace_weights(seed: int, shape, scale: float = 0.05, sparse: float = 0.0) 
 # Offsets into the *raw* body:
 BODY_COUNT = 0  # tensor_count:u32, then qp, qp_1d (i16), qp_density, reserved (u8)
 BODY_META_LEN = 10  # u32, then the metadata JSON
+
+
+def series_header(path, index: int):
+    """The stream header of entry ``index`` of the checkpoint series at ``path``."""
+    with SeriesFile(path) as f:
+        return read_stream_header(f.payload(f.records[index]))
+
+
+def coded_steps(path, index: int) -> dict[str, float]:
+    """The step each quantized tensor of series entry ``index`` was coded at, by its name."""
+    return {e.name: step_from_qp(e.qp, e.qp_density) for e in series_header(path, index).tensors
+            if e.mode.is_quantized}
 
 
 def fingerprint(obj):

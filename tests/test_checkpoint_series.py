@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
+from helpers import coded_steps, series_header
 
 import deepcabac_py as dc
 from deepcabac_py.cli.main import main
@@ -70,10 +71,7 @@ def _max_scaled_weight_error(got: dict, original: dict, only: str | None = None)
 
 def _coded_steps(path, index: int) -> dict[str, float]:
     """The step each weight of entry ``index`` was quantized at, from its stream's header."""
-    with SeriesFile(path) as f:
-        header = read_stream_header(f.payload(f.records[index]))
-    return {e.name[len("model."):]: step_from_qp(e.qp, e.qp_density) for e in header.tensors
-            if e.name.startswith("model.") and e.mode.is_quantized}
+    return {k[len("model."):]: step for k, step in coded_steps(path, index).items() if k.startswith("model.")}
 
 
 def test_keys_and_residuals_without_error_along_the_chain(run, tmp_path):
@@ -368,7 +366,7 @@ def test_the_cli_adds_losslessly(run, tmp_path):
 
 
 def test_first_moments_are_coded_in_the_update_domain(run, tmp_path):
-    from deepcabac_py.model.decoder import decode_checkpoint, read_stream_header
+    from deepcabac_py.model.decoder import decode_checkpoint
     from deepcabac_py.series.checkpoint_series import ADAM_EPS, UPDATE_QP, UPDATE_SUFFIX
 
     series = dc.CheckpointSeries(tmp_path / "run.dcs", key_every=3)
@@ -575,8 +573,7 @@ def test_weights_with_adam_state_take_adams_step_size_where_coarser(run, tmp_pat
     for i, c in enumerate(run[:4]):
         ckpt = flatten(c)
         groups = adam_groups(ckpt.skeleton)
-        with SeriesFile(tmp_path / "run.dcs") as f:
-            qps = {e.name: e.qp for e in read_stream_header(f.payload(f.records[i])).tensors}
+        qps = {e.name: e.qp for e in series_header(tmp_path / "run.dcs", i).tensors}
         for k, (name, t) in enumerate(c["model"].items()):
             moment = f"optimizer.state.{k}.exp_avg"
             adam = qp_at_most(ADAM_STEP_FRACTION * _adam_step_size(ckpt.tensors, moment, groups[moment]))
@@ -592,8 +589,7 @@ def test_weights_with_adam_state_take_adams_step_size_where_coarser(run, tmp_pat
     for c in run[:2]:
         given.append(c)
     for i in range(2):
-        with SeriesFile(tmp_path / "given.dcs") as f:
-            header = read_stream_header(f.payload(f.records[i]))
+        header = series_header(tmp_path / "given.dcs", i)
         assert {e.qp for e in header.tensors if e.name.endswith(".0.weight")} == {SERIES_QP}
 
 
@@ -610,7 +606,6 @@ def test_a_weight_whose_group_is_not_adams_keeps_the_series_qp(tmp_path):
         opt.step()
     series = dc.CheckpointSeries(tmp_path / "run.dcs")
     series.append({"model": model.state_dict(), "optimizer": opt.state_dict()})
-    with SeriesFile(tmp_path / "run.dcs") as f:
-        qps = {e.name: e.qp for e in read_stream_header(f.payload(f.records[0])).tensors}
+    qps = {e.name: e.qp for e in series_header(tmp_path / "run.dcs", 0).tensors}
     assert qps["model.0.weight"] <= SERIES_QP and qps["model.0.bias"] <= SERIES_QP - 24
     assert qps["model.2.weight"] > SERIES_QP + 20 and qps["model.2.bias"] > SERIES_QP + 20

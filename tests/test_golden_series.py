@@ -25,13 +25,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import golden_floats
+from helpers import coded_steps, golden_floats
 
 import deepcabac_py as dc
-from deepcabac_py.model.decoder import read_stream_header
 from deepcabac_py.quant.steps import step_from_qp
 from deepcabac_py.series.checkpoint_series import DEFAULT_SERIES_QP
-from deepcabac_py.series.records import SeriesFile
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "series"
 REGEN = os.environ.get("DEEPCABAC_REGEN_GOLDEN") == "1"
@@ -114,9 +112,7 @@ def test_the_golden_series_stays_close_to_its_checkpoints(name):
     # step their stream names; the golden second moments vary less than twofold, so their scale
     # keeps the residuals within it)
     series = dc.CheckpointSeries(GOLDEN / f"{name}.dcs")
-    with SeriesFile(GOLDEN / f"{name}.dcs") as f:
-        steps = [{e.name: step_from_qp(e.qp, e.qp_density) for e in read_stream_header(f.payload(r)).tensors
-                  if e.mode.is_quantized} for r in f.records]
+    steps = [coded_steps(GOLDEN / f"{name}.dcs", i) for i in range(len(series))]
     if name == "v3":  # (a qp given: every weight at it)
         assert all(steps[i][f"model.{k}"] == step_from_qp(DEFAULT_SERIES_QP) for i in range(3) for k in ("0.weight",))
     else:  # (these golden moments make Adam's steps far coarser than the series' qp)

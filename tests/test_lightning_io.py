@@ -7,14 +7,13 @@ import json
 
 import pytest
 import torch
+from helpers import coded_steps
 
 pl = pytest.importorskip("lightning.pytorch")
 
 import deepcabac_py as dc  # noqa: E402
 from deepcabac_py.errors import CheckpointError  # noqa: E402
 from deepcabac_py.integrations.lightning_io import SERIES_NAME, SeriesCheckpointIO  # noqa: E402
-from deepcabac_py.model.decoder import read_stream_header  # noqa: E402
-from deepcabac_py.series.records import SeriesFile  # noqa: E402
 
 
 class Tiny(pl.LightningModule):
@@ -60,9 +59,7 @@ def test_checkpoints_go_into_one_series_and_resume(tmp_path):
     assert last["epoch"] == 3 and last["global_step"] == 32
     state = last["optimizer_states"][0]["state"]
     assert all(torch.equal(s["step"], torch.tensor(32.0)) for s in state.values())
-    with SeriesFile(tmp_path / "ckpt" / SERIES_NAME) as f:  # (the steps the last entry's weights took)
-        steps = {e.name: dc.step_from_qp(e.qp, e.qp_density)
-                 for e in read_stream_header(f.payload(f.records[3])).tensors if e.mode.is_quantized}
+    steps = coded_steps(tmp_path / "ckpt" / SERIES_NAME, 3)  # (the steps the last entry's weights took)
     for name, w in model.state_dict().items():
         assert torch.allclose(last["state_dict"][name], w, atol=2 * steps[f"state_dict.{name}"])
     # resume from the second checkpoint and train on: Lightning reads it through the plugin

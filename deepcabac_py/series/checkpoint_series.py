@@ -40,7 +40,7 @@ from ..io.dtypes import bfloat16_to_float32, float64_to_bfloat16
 from ..model.decoder import decode_checkpoint, read_stream_header
 from ..model.encoder import encode_model
 from ..model.optimizer_state import FIRST_MOMENT, SECOND_MOMENT, AdamGroup, adam_groups, role_of
-from ..model.settings import DEFAULT_MOMENTS_QP, DEFAULT_QP_DENSITY, EncodeSettings, lookup_qp, matches
+from ..model.settings import DEFAULT_MOMENTS_QP, EncodeSettings, lookup_qp, matches
 from ..quant import portable
 from ..quant.steps import qp_at_most
 from .records import SeriesFile
@@ -133,7 +133,7 @@ class CheckpointSeries:
                 settings = dict(self.settings)
                 coded = ckpt
                 if self.settings.get("keep_exact") is not True:
-                    adam = _adam_step_qps(ckpt, settings) if self._steps_from_adam else {}
+                    adam = _adam_step_qps(ckpt, self.settings) if self._steps_from_adam else {}
                     coarser = {n: qp for n, (qp, base) in adam.items() if qp > base}
                     coded, meta["update_domain"], overrides, _ = _in_update_domain(ckpt, settings, coarser, [], None)
                     settings["qp_overrides"] = {**overrides, **(self.settings.get("qp_overrides") or {})}
@@ -532,18 +532,15 @@ def _adam_step_qps(ckpt: Checkpoint, settings: dict[str, Any]) -> dict[str, tupl
     param group) it holds and no qp override of ``settings`` names (those win)."""
     groups = adam_groups(ckpt.skeleton)
     given = settings.get("qp_overrides") or {}
-    # (paired as the predictions pair them: every first moment takes part, with a group or not)
-    firsts = _in_optimizer_order(_update_partners(ckpt.tensors))
-    weights = [n for n, t in ckpt.tensors.items() if role_of(n) is None and tensor_to_numpy(t)[1] in _FLOATS]
-    density = settings.get("qp_density", DEFAULT_QP_DENSITY)
-    series = EncodeSettings(qp=settings["qp"], qp_density=density, qp_1d=settings.get("qp_1d"))
+    series = EncodeSettings(**{k: settings[k] for k in ("qp", "qp_density", "qp_1d") if k in settings})
     qps = {}
-    for name, moment in _paired(weights, ckpt.tensors, firsts, ckpt.tensors).items():
+    # (paired as the predictions pair them: every first moment takes part, with a group or not)
+    for name, moment in _weight_pairs(ckpt, _in_optimizer_order(_update_partners(ckpt.tensors))).items():
         size = _adam_step_size(ckpt.tensors, moment, groups[moment]) if moment in groups else None
         if size is None or lookup_qp(name, given) is not None:
             continue
         try:
-            qp = qp_at_most(ADAM_STEP_FRACTION * size, density)
+            qp = qp_at_most(ADAM_STEP_FRACTION * size, series.qp_density)
         except ValueError:
             continue
         qps[name] = (qp, series.qp if tensor_to_numpy(ckpt.tensors[name])[0].ndim >= 2 else series.qp_1d_resolved)
@@ -564,13 +561,19 @@ def _adam_step_size(tensors: dict[str, Any], moment: str, group: AdamGroup) -> f
     partner = _partner_of(moment, tensors)
     if partner is None or first <= 0 or second <= 0:
         return None
+    # (an empty tensor's mean is NaN: no size)
     m = tensor_to_numpy(tensors[moment])[0].astype(np.float64) / first
     v = np.abs(tensor_to_numpy(tensors[partner])[0].astype(np.float64)) / second
-    if m.shape != v.shape or not m.size:
-        return None
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         size = group.lr * float(np.sqrt(np.mean(np.square(m / (np.sqrt(v) + group.eps)))))
     return size if math.isfinite(size) and size > 0 else None
+
+
+def _weight_pairs(ckpt: Checkpoint, firsts: list[str]) -> dict[str, str]:
+    """Each float weight of ``ckpt`` (a tensor with no optimizer role) -> its first moment among
+    ``firsts`` (in the optimizer's order), as :func:`_paired` pairs them."""
+    weights = [n for n, t in ckpt.tensors.items() if role_of(n) is None and tensor_to_numpy(t)[1] in _FLOATS]
+    return _paired(weights, ckpt.tensors, firsts, ckpt.tensors)
 
 
 def _paired(weights: list[str], tensors: dict[str, Any], firsts: list[str], moments: dict[str, Any]) -> dict[str, str]:
@@ -736,8 +739,7 @@ def _bit_residual_checkpoint(ckpt: Checkpoint,
     predicted: dict[str, list] = {}
     firsts = _in_optimizer_order(n for n in ckpt.tensors if role_of(n) == FIRST_MOMENT and n.endswith("exp_avg")
                                  and _partner_of(n, ckpt.tensors) is not None)
-    weights = [n for n, t in ckpt.tensors.items() if role_of(n) is None and tensor_to_numpy(t)[1] in _FLOATS]
-    pairs = _paired(weights, ckpt.tensors, firsts, ckpt.tensors)
+    pairs = _weight_pairs(ckpt, firsts)
     for name, t in ckpt.tensors.items():
         arr, dtype, is_torch = tensor_to_numpy(t)
         words = _WORDS.get(dtype)
