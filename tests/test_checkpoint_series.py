@@ -24,11 +24,12 @@ from deepcabac_py.series.checkpoint_series import LOG_RATIO_QP_OFFSET, RESIDUAL_
 from deepcabac_py.series.records import SeriesFile
 
 
-def _run(n: int, every: int = 15, seed: int = 0) -> list[dict]:
-    """``n`` checkpoints of a small Adam run, ``every`` steps apart."""
+def _run(n: int, every: int = 15, seed: int = 0, sgd: bool = False) -> list[dict]:
+    """``n`` checkpoints of a small Adam run (or SGD with momentum), ``every`` steps apart."""
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(32, 96), torch.nn.ReLU(), torch.nn.Linear(96, 4))
-    opt = torch.optim.Adam(model.parameters(), lr=2e-3)
+    opt = (torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9) if sgd
+           else torch.optim.Adam(model.parameters(), lr=2e-3))
     g = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(512, 32, generator=g)
     y = (x @ torch.randn(32, 4, generator=g)).argmax(1)
@@ -48,6 +49,11 @@ def _run(n: int, every: int = 15, seed: int = 0) -> list[dict]:
 @pytest.fixture(scope="module")
 def run() -> list[dict]:
     return _run(6)
+
+
+@pytest.fixture(scope="module")
+def sgd_run() -> list[dict]:
+    return _run(4, sgd=True)
 
 
 def _max_weight_error(a: dict, b: dict, only: str | None = None) -> float:
@@ -243,7 +249,9 @@ def _next_step(ckpt: dict) -> torch.Tensor:
     ckpt = copy.deepcopy(ckpt)  # (the optimizer adopts the state's tensors and steps them in place)
     model = torch.nn.Sequential(torch.nn.Linear(32, 96), torch.nn.ReLU(), torch.nn.Linear(96, 4))
     model.load_state_dict(ckpt["model"])
-    opt = torch.optim.Adam(model.parameters(), lr=2e-3)
+    # (lr, momentum and betas come from the state's param groups)
+    sgd = "momentum_buffer" in ckpt["optimizer"]["state"][0]
+    opt = torch.optim.SGD(model.parameters(), lr=1.0, momentum=0.5) if sgd else torch.optim.Adam(model.parameters())
     opt.load_state_dict(ckpt["optimizer"])
     before = torch.cat([p.detach().clone().reshape(-1) for p in model.parameters()])
     g = torch.Generator().manual_seed(99)
@@ -425,7 +433,7 @@ def test_a_version_1_series_still_reads_and_takes_appends(run, tmp_path, monkeyp
         for k, state in written[i]["optimizer"]["state"].items():
             assert torch.equal(series[i]["optimizer"]["state"][k]["exp_avg"], state["exp_avg"])
     series.append(run[2])
-    assert int.from_bytes(path.read_bytes()[8:10], "little") == 3
+    assert int.from_bytes(path.read_bytes()[8:10], "little") == records.SERIES_VERSION
     fresh = dc.CheckpointSeries(path)
     assert [e.kind for e in fresh.entries()] == ["key", "residual", "residual"]
     assert _max_weight_error(fresh[1], written[1]) == 0.0
@@ -537,14 +545,16 @@ def test_residuals_in_their_second_moments_scale_take_fewer_bytes(run, tmp_path,
     assert sum(a for a, _ in sizes[1:]) < sum(b for _, b in sizes[1:])
 
 
-def test_the_adam_step_size_is_the_size_of_adams_last_step():
+@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+def test_the_step_size_is_the_size_of_the_optimizers_last_step(optimizer):
     from deepcabac_py.io.checkpoint import flatten
-    from deepcabac_py.model.optimizer_state import adam_groups
-    from deepcabac_py.series.checkpoint_series import _adam_step_size
+    from deepcabac_py.model.optimizer_state import adam_groups, sgd_groups
+    from deepcabac_py.series.checkpoint_series import _step_size
 
     torch.manual_seed(3)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
-    opt = torch.optim.Adam(model.parameters(), lr=5e-3, betas=(0.85, 0.995))
+    opt = (torch.optim.Adam(model.parameters(), lr=5e-3, betas=(0.85, 0.995)) if optimizer == "adam"
+           else torch.optim.SGD(model.parameters(), lr=0.07, momentum=0.8, dampening=0.1, weight_decay=1e-3))
     x, y = torch.randn(64, 8), torch.randint(0, 2, (64,))
     for step in range(7):
         before = [p.detach().clone() for p in model.parameters()]
@@ -552,18 +562,19 @@ def test_the_adam_step_size_is_the_size_of_adams_last_step():
         torch.nn.functional.cross_entropy(model(x[8 * step:8 * step + 8]), y[8 * step:8 * step + 8]).backward()
         opt.step()
     ckpt = flatten({"optimizer": opt.state_dict()})
-    groups = adam_groups(ckpt.skeleton)
+    groups = {**adam_groups(ckpt.skeleton), **sgd_groups(ckpt.skeleton)}
+    assert len(groups) == 4
     for i, (p, b) in enumerate(zip(model.parameters(), before)):
-        moment = f"optimizer.state.{i}.exp_avg"
+        moment = f"optimizer.state.{i}.{'exp_avg' if optimizer == 'adam' else 'momentum_buffer'}"
         taken = (p.detach() - b).double().pow(2).mean().sqrt().item()
-        assert _adam_step_size(ckpt.tensors, moment, groups[moment]) == pytest.approx(taken, rel=1e-5)
+        assert _step_size(ckpt.tensors, moment, groups[moment]) == pytest.approx(taken, rel=1e-5)
 
 
 def test_weights_with_adam_state_take_adams_step_size_where_coarser(run, tmp_path):
     from deepcabac_py.io.checkpoint import flatten
     from deepcabac_py.model.optimizer_state import adam_groups
     from deepcabac_py.quant.steps import qp_at_most
-    from deepcabac_py.series.checkpoint_series import ADAM_STEP_FRACTION, _adam_step_size
+    from deepcabac_py.series.checkpoint_series import STEP_FRACTION, _step_size
 
     series = dc.CheckpointSeries(tmp_path / "run.dcs", key_every=3)
     for c in run[:4]:
@@ -576,7 +587,7 @@ def test_weights_with_adam_state_take_adams_step_size_where_coarser(run, tmp_pat
         qps = {e.name: e.qp for e in series_header(tmp_path / "run.dcs", i).tensors}
         for k, (name, t) in enumerate(c["model"].items()):
             moment = f"optimizer.state.{k}.exp_avg"
-            adam = qp_at_most(ADAM_STEP_FRACTION * _adam_step_size(ckpt.tensors, moment, groups[moment]))
+            adam = qp_at_most(STEP_FRACTION * _step_size(ckpt.tensors, moment, groups[moment]))
             series_qp = SERIES_QP if t.dim() >= 2 else SERIES_QP - 24
             if adam > series_qp:
                 assert qps[f"model.{name}"] == adam, (i, name)
@@ -609,3 +620,62 @@ def test_a_weight_whose_group_is_not_adams_keeps_the_series_qp(tmp_path):
     qps = {e.name: e.qp for e in series_header(tmp_path / "run.dcs", 0).tensors}
     assert qps["model.0.weight"] <= SERIES_QP and qps["model.0.bias"] <= SERIES_QP - 24
     assert qps["model.2.weight"] > SERIES_QP + 20 and qps["model.2.bias"] > SERIES_QP + 20
+
+
+def test_an_sgd_series_codes_by_the_size_and_direction_of_sgds_step(sgd_run, tmp_path):
+    # SGD's step is lr times its momentum buffer: each buffer is coded in the update domain as
+    # buffer / r, each weight at the size of its last step where that is coarser than the series'
+    # qp, and each weight's residual predicted from its buffers (docs/format.md)
+    from deepcabac_py.model.decoder import decode_checkpoint
+    from deepcabac_py.quant.steps import qp_at_most
+    from deepcabac_py.series.checkpoint_series import UPDATE_QP, UPDATE_SUFFIX
+
+    path = tmp_path / "run.dcs"
+    series = dc.CheckpointSeries(path, key_every=3)
+    for c in sgd_run:
+        series.append(c)
+    with SeriesFile(path) as f:
+        records = [(r.meta, f.payload(r)) for r in f.records]
+    assert [meta["kind"] for meta, _ in records] == ["key", "residual", "residual", "key"]
+    for i, (meta, payload) in enumerate(records):
+        got, original = series[i], sgd_run[i]
+        states = original["optimizer"]["state"]
+        assert sorted(meta["update_domain"]) == sorted(f"optimizer.state.{k}.momentum_buffer" for k in states)
+        entries = {e.name: e for e in read_stream_header(payload).tensors}
+        coded = decode_checkpoint(payload).tensors
+        for name, r in meta["update_domain"].items():
+            k = int(name.split(".")[-2])
+            buffer, decoded = states[k]["momentum_buffer"].double(), got["optimizer"]["state"][k]["momentum_buffer"]
+            assert entries[name + UPDATE_SUFFIX].qp == UPDATE_QP
+            assert r == pytest.approx(buffer.pow(2).mean().sqrt().item(), rel=1e-6)
+            want = (coded[name + UPDATE_SUFFIX].double().numpy() * r).astype(np.float32)
+            assert np.array_equal(decoded.numpy(), want)
+            assert (decoded.double() - buffer).abs().max().item() <= 2 * step_from_qp(UPDATE_QP) * r
+        for k, name in enumerate(original["model"]):  # (this run's steps are far above the series' qp)
+            size = 0.1 * states[k]["momentum_buffer"].double().pow(2).mean().sqrt().item()
+            assert entries[f"model.{name}"].qp == qp_at_most(size) > SERIES_QP, (i, name)
+        if meta["kind"] == "residual":
+            assert meta["predicted"] and not meta["v_scaled"]
+            parent = series[i - 1]
+            for weight, (moment, c, c_parent) in meta["predicted"].items():
+                k, name = int(moment.split(".")[-2]), weight[len("model."):]
+                assert moment.endswith(".momentum_buffer") and list(original["model"]).index(name) == k
+                now = got["optimizer"]["state"][k]["momentum_buffer"].double().numpy()
+                before = parent["optimizer"]["state"][k]["momentum_buffer"].double().numpy()
+                want = (parent["model"][name].double().numpy() + coded[weight].double().numpy()
+                        + (c * now + c_parent * before))
+                assert np.array_equal(got["model"][name].numpy(), want.astype(np.float32))
+        a, b = _next_step(original), _next_step(got)
+        assert torch.nn.functional.cosine_similarity(a, b, dim=0).item() >= 0.99
+        assert abs(b.norm().item() / a.norm().item() - 1) <= 0.05
+
+
+def test_a_lossless_sgd_series_is_bit_exact_and_predicted_from_the_buffers(sgd_run, tmp_path):
+    series = dc.CheckpointSeries(tmp_path / "ll.dcs", keep_exact=True)
+    for c in sgd_run:
+        series.append(c)
+    fresh = dc.CheckpointSeries(tmp_path / "ll.dcs")
+    assert all(_bits_equal(fresh[i], c) for i, c in enumerate(sgd_run))
+    with SeriesFile(tmp_path / "ll.dcs") as f:
+        predicted = [r.meta.get("bit_predicted", {}) for r in f.records]
+    assert any(predicted[1:]) and all(m.endswith(".momentum_buffer") for p in predicted for m, _, _ in p.values())

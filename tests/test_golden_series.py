@@ -3,16 +3,18 @@ values they were written with, and today's writer reproduces today's file byte f
 
 ``golden/series/v1.dcs`` was written by the version-1 writer (first moments in the log domain,
 second moments as ratios), ``v2.dcs`` by the version-2 writer (first moments in the update domain,
-second moments as log2 ratios, weights predicted from Adam's direction); neither is regenerated.
-``v3.dcs`` is today's format (the weights' predicted residuals in their second moment's scale)
-with every weight at the series' qp, as the writer codes a series whose qp is given;
-``v3_adam.dcs`` the same checkpoints at the writer's defaults (a weight with Adam state at Adam's
-step size where that is coarser); ``v3_lossless.dcs`` the same checkpoints bit for bit
-(``v2_lossless.dcs``, ``v2_lossless_rans.dcs`` and ``v2_lossless_v8.dcs`` too, from the version-2
-writer, before the float symbols went by tANS and before float32's trailing zeros went into the
-symbol: never regenerated). Each ``.npz`` holds every entry's extracted tensors
-as ``"<entry>/<name>"``. Regenerate the ``v3`` files only for an intended change of the format or of
-the writer's choices:
+second moments as log2 ratios, weights predicted from Adam's direction), ``v3.dcs`` and
+``v3_adam.dcs`` by the version-3 writer (the weights' predicted residuals in their second moment's
+scale); none is regenerated. ``v4.dcs`` is today's format (SGD's momentum buffers in the update
+domain as well) with every weight at the series' qp, as the writer codes a series whose qp is
+given; ``v4_adam.dcs`` the same checkpoints at the writer's defaults (a weight with Adam state at
+Adam's step size where that is coarser); ``v4_sgd.dcs`` checkpoints of SGD with momentum at the
+defaults; ``v4_lossless.dcs`` the Adam checkpoints bit for bit (``v3_lossless.dcs``,
+``v2_lossless.dcs``, ``v2_lossless_rans.dcs`` and ``v2_lossless_v8.dcs`` too, from earlier
+writers, the ``v2`` ones from before the float symbols went by tANS and before float32's trailing
+zeros went into the symbol: never regenerated). Each ``.npz`` holds every entry's extracted
+tensors as ``"<entry>/<name>"``. Regenerate the ``v4`` files only for an intended change of the
+format or of the writer's choices:
 
     DEEPCABAC_REGEN_GOLDEN=1 .venv/bin/python -m pytest -n 0 tests/test_golden_series.py
 """
@@ -29,16 +31,19 @@ from helpers import coded_steps, golden_floats
 
 import deepcabac_py as dc
 from deepcabac_py.quant.steps import step_from_qp
-from deepcabac_py.series.checkpoint_series import DEFAULT_SERIES_QP
+from deepcabac_py.series.checkpoint_series import DEFAULT_SERIES_QP, UPDATE_QP
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "series"
 REGEN = os.environ.get("DEEPCABAC_REGEN_GOLDEN") == "1"
 SETTINGS = {"key_every": 2}  # a key, a residual, a key
+# today's writer's golden files and how it writes them
+TODAYS: dict[str, dict] = {"v4": {"qp": DEFAULT_SERIES_QP}, "v4_adam": {}, "v4_sgd": {"sgd": True},
+                           "v4_lossless": {"keep_exact": True}}
 
 
-def series_checkpoints() -> list[dict]:
-    """Three checkpoints of a two-parameter model with Adam's state, every value dyadic (the same
-    bits on every machine): weights drifting, first moments fresh, second moments scaled."""
+def series_checkpoints(sgd: bool = False) -> list[dict]:
+    """Three checkpoints of a two-parameter model with Adam's state (or SGD's), every value dyadic
+    (the same bits on every machine): weights drifting, first moments fresh, second moments scaled."""
     out = []
     for i in range(3):
         w = golden_floats(40, (12, 10), -3) + golden_floats(41 + i, (12, 10), -9)
@@ -47,11 +52,13 @@ def series_checkpoints() -> list[dict]:
         for k, shape in enumerate(((12, 10), (12,))):
             m = golden_floats(60 + 10 * k + i, shape, -12)
             v = np.ldexp(np.abs(golden_floats(70 + 10 * k, shape, 0)) + 1.0, -30 + 2 * i)
-            state[k] = {"step": torch.tensor(float(40 * (i + 1))), "exp_avg": torch.from_numpy(m).float(),
-                        "exp_avg_sq": torch.from_numpy(v).float()}
+            state[k] = ({"momentum_buffer": torch.from_numpy(np.ldexp(m, 6)).float()} if sgd else
+                        {"step": torch.tensor(float(40 * (i + 1))), "exp_avg": torch.from_numpy(m).float(),
+                         "exp_avg_sq": torch.from_numpy(v).float()})
+        group = ({"lr": 0.05, "momentum": 0.9, "dampening": 0, "nesterov": False} if sgd
+                 else {"lr": 0.002, "betas": (0.9, 0.999), "eps": 1e-8})
         out.append({"model": {"0.weight": torch.from_numpy(w).float(), "0.bias": torch.from_numpy(b).float()},
-                    "optimizer": {"state": state, "param_groups": [{"lr": 0.002, "betas": (0.9, 0.999), "eps": 1e-8,
-                                                                    "weight_decay": 0, "params": [0, 1]}]},
+                    "optimizer": {"state": state, "param_groups": [{**group, "weight_decay": 0, "params": [0, 1]}]},
                     "step": 40 * (i + 1)})
     return out
 
@@ -65,10 +72,10 @@ def extracted(path: Path) -> dict[str, np.ndarray]:
     return arrays
 
 
-def write(path: Path, **settings) -> None:
+def write(path: Path, sgd: bool = False, **settings) -> None:
     path.unlink(missing_ok=True)
     series = dc.CheckpointSeries(path, **SETTINGS, **settings)
-    for c in series_checkpoints():
+    for c in series_checkpoints(sgd):
         series.append(c)
 
 
@@ -76,19 +83,19 @@ def write(path: Path, **settings) -> None:
 def golden_files():
     if REGEN:
         GOLDEN.mkdir(parents=True, exist_ok=True)
-        write(GOLDEN / "v3.dcs", qp=DEFAULT_SERIES_QP)
-        np.savez_compressed(GOLDEN / "v3.npz", **extracted(GOLDEN / "v3.dcs"))
-        write(GOLDEN / "v3_adam.dcs")
-        np.savez_compressed(GOLDEN / "v3_adam.npz", **extracted(GOLDEN / "v3_adam.dcs"))
-        write(GOLDEN / "v3_lossless.dcs", keep_exact=True)
+        for name, settings in TODAYS.items():
+            write(GOLDEN / f"{name}.dcs", **settings)
+            if name != "v4_lossless":
+                np.savez_compressed(GOLDEN / f"{name}.npz", **extracted(GOLDEN / f"{name}.dcs"))
     names = ("v1.dcs", "v1.npz", "v2.dcs", "v2.npz", "v3.dcs", "v3.npz", "v3_adam.dcs", "v3_adam.npz",
-             "v2_lossless.dcs", "v2_lossless_rans.dcs", "v2_lossless_v8.dcs", "v3_lossless.dcs")
+             "v4.dcs", "v4.npz", "v4_adam.dcs", "v4_adam.npz", "v4_sgd.dcs", "v4_sgd.npz",
+             "v2_lossless.dcs", "v2_lossless_rans.dcs", "v2_lossless_v8.dcs", "v3_lossless.dcs", "v4_lossless.dcs")
     missing = [n for n in names if not (GOLDEN / n).exists()]
     if missing:
         pytest.fail(f"golden series files missing: {missing}")
 
 
-@pytest.mark.parametrize("name", ["v1", "v2", "v3", "v3_adam"])
+@pytest.mark.parametrize("name", ["v1", "v2", "v3", "v3_adam", "v4", "v4_adam", "v4_sgd"])
 def test_a_golden_series_extracts_to_its_values(name):
     path = GOLDEN / f"{name}.dcs"
     assert int.from_bytes(path.read_bytes()[8:10], "little") == int(name[1])
@@ -100,35 +107,39 @@ def test_a_golden_series_extracts_to_its_values(name):
             assert got[key].tobytes() == want[key].tobytes(), key  # (bit for bit)
 
 
-@pytest.mark.parametrize("name, settings", [("v3", {"qp": DEFAULT_SERIES_QP}), ("v3_adam", {})])
-def test_todays_writer_reproduces_the_golden_series(tmp_path, name, settings):
-    write(tmp_path / "again.dcs", **settings)
+@pytest.mark.parametrize("name", list(TODAYS))
+def test_todays_writer_reproduces_the_golden_series(tmp_path, name):
+    write(tmp_path / "again.dcs", **TODAYS[name])
     assert (tmp_path / "again.dcs").read_bytes() == (GOLDEN / f"{name}.dcs").read_bytes()
 
 
-@pytest.mark.parametrize("name", ["v3", "v3_adam"])
+@pytest.mark.parametrize("name", ["v3", "v3_adam", "v4", "v4_adam", "v4_sgd"])
 def test_the_golden_series_stays_close_to_its_checkpoints(name):
     # (the values are what the writer meant: the weights within the trellis's bound of twice the
     # step their stream names; the golden second moments vary less than twofold, so their scale
     # keeps the residuals within it)
     series = dc.CheckpointSeries(GOLDEN / f"{name}.dcs")
     steps = [coded_steps(GOLDEN / f"{name}.dcs", i) for i in range(len(series))]
-    if name == "v3":  # (a qp given: every weight at it)
+    if name in ("v3", "v4"):  # (a qp given: every weight at it)
         assert all(steps[i][f"model.{k}"] == step_from_qp(DEFAULT_SERIES_QP) for i in range(3) for k in ("0.weight",))
-    else:  # (these golden moments make Adam's steps far coarser than the series' qp)
+    else:  # (these golden moments make the optimizer's steps far coarser than the series' qp)
         assert all(steps[i][f"model.{k}"] > step_from_qp(DEFAULT_SERIES_QP) for i in range(3)
                    for k in ("0.weight", "0.bias"))
-    for i, original in enumerate(series_checkpoints()):
+    for i, original in enumerate(series_checkpoints(sgd=name == "v4_sgd")):
         got = series[i]
         for name, t in original["model"].items():
             assert (got["model"][name].double() - t.double()).abs().max() <= 2 * steps[i][f"model.{name}"]
         for k, state in original["optimizer"]["state"].items():
+            if "momentum_buffer" in state:  # (in the update domain: within twice its step times the rms)
+                m, w = state["momentum_buffer"].double(), got["optimizer"]["state"][k]["momentum_buffer"].double()
+                assert (w - m).abs().max() <= 2 * step_from_qp(UPDATE_QP) * m.pow(2).mean().sqrt()
+                continue
             v, w = state["exp_avg_sq"].double(), got["optimizer"]["state"][k]["exp_avg_sq"].double()
             assert ((w - v).abs() / v).max() <= 0.2
 
 
 @pytest.mark.parametrize("name", ["v2_lossless_rans.dcs", "v2_lossless_v8.dcs", "v2_lossless.dcs",
-                                  "v3_lossless.dcs"])
+                                  "v3_lossless.dcs", "v4_lossless.dcs"])
 def test_a_golden_lossless_series_is_its_checkpoints_bit_for_bit(name):
     series = dc.CheckpointSeries(GOLDEN / name)
     for i, original in enumerate(series_checkpoints()):
@@ -139,7 +150,3 @@ def test_a_golden_lossless_series_is_its_checkpoints_bit_for_bit(name):
             for key, t in state.items():
                 assert got["optimizer"]["state"][k][key].numpy().tobytes() == t.numpy().tobytes()
 
-
-def test_todays_writer_reproduces_the_golden_lossless_series(tmp_path):
-    write(tmp_path / "again.dcs", keep_exact=True)
-    assert (tmp_path / "again.dcs").read_bytes() == (GOLDEN / "v3_lossless.dcs").read_bytes()

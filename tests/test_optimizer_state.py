@@ -22,7 +22,16 @@ import deepcabac_py as dc
 from deepcabac_py.errors import CorruptStreamError
 from deepcabac_py.io.checkpoint import flatten
 from deepcabac_py.model.container import LOG_OFFSET_BYTES, Mode
-from deepcabac_py.model.optimizer_state import FIRST_MOMENT, SECOND_MOMENT, STEP, AdamGroup, adam_groups, role_of
+from deepcabac_py.model.optimizer_state import (
+    FIRST_MOMENT,
+    SECOND_MOMENT,
+    STEP,
+    AdamGroup,
+    SgdGroup,
+    adam_groups,
+    role_of,
+    sgd_groups,
+)
 from deepcabac_py.model.settings import DEFAULT_MOMENTS_QP
 from deepcabac_py.quant.log_domain import log_levels, log_values
 from deepcabac_py.quant.steps import step_from_qp
@@ -204,6 +213,26 @@ def test_adam_groups_leave_out_what_is_not_adam():
                 json.loads(text.replace('["lr", 0.01]', '["lr", -0.01]')),
                 json.loads(text.replace('["params", [0, 1, 2, 3]]', '["params", ["0", true, 7.0]]'))):
         assert adam_groups(bad) == {}
+
+
+def test_sgd_groups_name_each_momentum_buffers_param_group():
+    net = _net()
+    sgd = torch.optim.SGD([{"params": net[0].parameters(), "lr": 0.3},
+                           {"params": net[2].parameters(), "momentum": 0.0}], lr=0.1, momentum=0.9)
+    x, y = _data()
+    torch.nn.functional.cross_entropy(net(x), y).backward()
+    sgd.step()
+    # (without momentum a group keeps no buffer: nothing of it is found)
+    ckpt = flatten({"optimizer_states": [sgd.state_dict()]})
+    assert sgd_groups(ckpt.skeleton) == {f"optimizer_states.0.state.{i}.momentum_buffer": SgdGroup(0.3)
+                                         for i in (0, 1)}
+    adam = torch.optim.Adam(net.parameters())
+    adam.step()
+    assert sgd_groups(flatten({"optimizer": adam.state_dict()}).skeleton) == {}
+    text = json.dumps(flatten({"optimizer": sgd.state_dict()}).skeleton)
+    for bad in (None, {"root": 5}, json.loads(text.replace('["momentum", 0.9]', '["momentum", 1.0]')),
+                json.loads(text.replace('["lr", 0.3]', '["lr", "0.3"]'))):
+        assert not any(n.endswith((".0.momentum_buffer", ".1.momentum_buffer")) for n in sgd_groups(bad))
 
 
 def _reference_levels(values, step):

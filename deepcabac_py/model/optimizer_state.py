@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["AdamGroup", "FIRST_MOMENT", "SECOND_MOMENT", "STEP", "adam_groups", "role_of"]
+__all__ = ["AdamGroup", "FIRST_MOMENT", "SECOND_MOMENT", "STEP", "SgdGroup", "adam_groups", "role_of", "sgd_groups"]
 
 FIRST_MOMENT = "first moment"
 SECOND_MOMENT = "second moment"
@@ -58,6 +59,41 @@ def adam_groups(skeleton: Any) -> dict[str, AdamGroup]:
     positive ``lr``, ``betas`` in [0, 1) and an ``eps`` >= 0 as plain numbers. Anything else (another
     optimizer, an lr held as a tensor, a malformed skeleton) is left out, never an error."""
     out: dict[str, AdamGroup] = {}
+    for group, moments in _parameter_states(skeleton):
+        hyper, first = _adam_hyper(group), _tensor_name(moments.get("exp_avg"))
+        if hyper is not None and first is not None:
+            out[first] = AdamGroup(*hyper, _tensor_name(moments.get("step")))
+    return out
+
+
+@dataclass(frozen=True)
+class SgdGroup:
+    """What an SGD param group with momentum sets for one parameter: its step is ``lr`` times its
+    momentum buffer (with Nesterov's momentum, about that)."""
+
+    lr: float
+
+
+def sgd_groups(skeleton: Any) -> dict[str, SgdGroup]:
+    """Momentum buffer (``momentum_buffer``) tensor name -> its param group, as :func:`adam_groups`
+    finds them, for groups with a positive ``lr`` and a ``momentum`` in (0, 1) as plain numbers."""
+    out: dict[str, SgdGroup] = {}
+    for group, moments in _parameter_states(skeleton):
+        lr, momentum = _number(group.get("lr")), _number(group.get("momentum"))
+        buffer = _tensor_name(moments.get("momentum_buffer"))
+        if buffer is not None and lr is not None and momentum is not None and lr > 0 and 0 < momentum < 1:
+            out[buffer] = SgdGroup(lr)
+    return out
+
+
+def _number(x: Any) -> float | None:
+    """A plain finite number of a skeleton as a float, else None."""
+    return float(x) if type(x) in (int, float) and math.isfinite(x) else None
+
+
+def _parameter_states(skeleton: Any) -> Iterator[tuple[dict, dict]]:
+    """(param group, the state entries of one of its parameters) for every parameter of every torch
+    optimizer state dict in a checkpoint's skeleton, nested anywhere (Lightning nests them)."""
     stack = [skeleton.get("root") if isinstance(skeleton, dict) else None]
     while stack:
         node = stack.pop()
@@ -76,15 +112,9 @@ def adam_groups(skeleton: Any) -> dict[str, AdamGroup]:
             continue
         for group in groups:
             g = _entries(group) or {}
-            hyper, params = _adam_hyper(g), g.get("params")
-            if hyper is None or not isinstance(params, list):
-                continue
-            for index in params:
-                moments = (_entries(state.get(index)) if type(index) is int else None) or {}
-                first, step = _tensor_name(moments.get("exp_avg")), _tensor_name(moments.get("step"))
-                if first is not None:
-                    out[first] = AdamGroup(*hyper, step)
-    return out
+            params = g.get("params")
+            for index in params if isinstance(params, list) else []:
+                yield g, (_entries(state.get(index)) if type(index) is int else None) or {}
 
 
 def _tensor_name(node: Any) -> str | None:

@@ -2,7 +2,8 @@
 
 The first entry and every ``key_every``-th are coded on their own (:func:`encode_model`); the
 others as residuals: every float tensor that is not an optimizer moment or step is coded as its
-difference from the previous entry *as decoded* (less what Adam's directions predict of it), and
+difference from the previous entry *as decoded* (less what the optimizer's step directions predict
+of it), and
 every second moment (Adam's ``exp_avg_sq``, which moves slowly: 0.999 per step) as log2 of its
 ratio to the previous one as decoded; so the error of an entry is that of its own quantization and
 does not accumulate along the chain.
@@ -16,6 +17,7 @@ in the entry's meta), quantized like a weight at ``UPDATE_QP``. Every element th
 share of the step it makes; the log domain a plain encode uses spends as many bits on the moments
 that barely move the step as on those that make it (the char-LSTM series of
 ``benchmarks/bench_series.py``: 7.1x -> 10.8x the raw files at the same next-step cosine, 0.995).
+SGD's step is lr times its momentum buffer: the buffer is coded as ``u = m / r`` alike.
 
 A lossless series (``keep_exact=True``) is bit-exact: there a float tensor's residual is taken on
 its bits, as the difference of their order-preserving integer keys modulo 2**width (close values,
@@ -39,7 +41,7 @@ from ..io.checkpoint import Checkpoint, flatten, numpy_to_tensor, plain_skeleton
 from ..io.dtypes import bfloat16_to_float32, float64_to_bfloat16
 from ..model.decoder import decode_checkpoint, read_stream_header
 from ..model.encoder import encode_model
-from ..model.optimizer_state import FIRST_MOMENT, SECOND_MOMENT, AdamGroup, adam_groups, role_of
+from ..model.optimizer_state import FIRST_MOMENT, SECOND_MOMENT, AdamGroup, SgdGroup, adam_groups, role_of, sgd_groups
 from ..model.settings import DEFAULT_MOMENTS_QP, EncodeSettings, lookup_qp, matches
 from ..quant import portable
 from ..quant.steps import qp_at_most
@@ -89,9 +91,9 @@ class CheckpointSeries:
         Every this-many-th entry is coded on its own (a chain of residuals is never longer).
     **settings
         Settings of :func:`~deepcabac_py.model.encoder.encode_model` for every entry. ``qp`` given
-        is the step of every weight and residual; by default a weight with Adam state is coded at
-        the size of Adam's last step on its tensor, never finer than ``DEFAULT_SERIES_QP``
-        (:data:`ADAM_STEP_FRACTION`).
+        is the step of every weight and residual; by default a weight with Adam or SGD state is
+        coded at the size of its optimizer's last step on its tensor, never finer than
+        ``DEFAULT_SERIES_QP`` (:data:`STEP_FRACTION`).
     """
 
     def __init__(self, path: str | os.PathLike, *, key_every: int = DEFAULT_KEY_EVERY, **settings: Any):
@@ -100,7 +102,7 @@ class CheckpointSeries:
         self.path = os.fspath(path)
         self.key_every = key_every
         self.settings = settings if settings.get("keep_exact") is True else {"qp": DEFAULT_SERIES_QP, **settings}
-        self._steps_from_adam = "qp" not in settings  # (a qp given is the step of every weight)
+        self._steps_from_optimizer = "qp" not in settings  # (a qp given is the step of every weight)
         self._last: tuple[int, Checkpoint] | None = None  # the newest entry as decoded
         self._key: tuple[int, dict[str, int]] | None = None  # the newest key's index and qps
 
@@ -133,8 +135,8 @@ class CheckpointSeries:
                 settings = dict(self.settings)
                 coded = ckpt
                 if self.settings.get("keep_exact") is not True:
-                    adam = _adam_step_qps(ckpt, self.settings) if self._steps_from_adam else {}
-                    coarser = {n: qp for n, (qp, base) in adam.items() if qp > base}
+                    stepped = _step_qps(ckpt, self.settings) if self._steps_from_optimizer else {}
+                    coarser = {n: qp for n, (qp, base) in stepped.items() if qp > base}
                     coded, meta["update_domain"], overrides, _ = _in_update_domain(ckpt, settings, coarser, [], None)
                     settings["qp_overrides"] = {**overrides, **(self.settings.get("qp_overrides") or {})}
                 payload = encode_model(coded, **settings)
@@ -154,12 +156,12 @@ class CheckpointSeries:
                 key_qps = self._key_qps(f, index)
                 settings = {"importance": None, "bias_correction": False, **self.settings}
                 log_ratio_qp = settings.get("moments_qp", DEFAULT_MOMENTS_QP) + LOG_RATIO_QP_OFFSET
-                # (a weight whose key took Adam's step size takes its own now, or the series' qp:
+                # (a weight whose key took its optimizer's step size takes its own now, or the series' qp:
                 # training may have slowed since the key)
-                adam = _adam_step_qps(ckpt, self.settings) if self._steps_from_adam else {}
+                stepped = _step_qps(ckpt, self.settings) if self._steps_from_optimizer else {}
                 overrides = {**{n: key_qps[n] for n in residuals if n in key_qps},
                              **{n: qp if qp > base else min(key_qps.get(n, base), base)
-                                for n, (qp, base) in adam.items() if n in residuals},
+                                for n, (qp, base) in stepped.items() if n in residuals},
                              **{n + LOG_RATIO_SUFFIX: log_ratio_qp for n in log_ratios}}
                 coded, meta["update_domain"], overrides, seconds = _in_update_domain(coded, settings, overrides,
                                                                                      log_ratios, parent)
@@ -277,8 +279,11 @@ def _reconstruct(path: str, index: int, payload: bytes, meta: dict, parent: Chec
     return _with_tensors(decoded, tensors)
 
 
-def _adam_direction(tensors: dict[str, Any], moment: str) -> np.ndarray:
-    """m / (sqrt(v) + eps) of an entry's decoded first moment ``moment`` (float64)."""
+def _direction(tensors: dict[str, Any], moment: str) -> np.ndarray:
+    """The direction of the optimizer's step of an entry's decoded first moment ``moment``
+    (float64): m / (sqrt(v) + eps) for Adam's, SGD's momentum buffer itself."""
+    if _is_momentum_buffer(moment):
+        return tensor_to_numpy(tensors[moment])[0].astype(np.float64)
     partner = _partner_of(moment, tensors)
     if partner is None:
         raise CorruptStreamError(f"first moment {moment!r} has no second moment")
@@ -289,11 +294,11 @@ def _adam_direction(tensors: dict[str, Any], moment: str) -> np.ndarray:
 
 
 def _prediction(tensors: dict[str, Any], parent: dict[str, Any], moment: str, coefs: tuple[float, float]) -> np.ndarray:
-    """A weight's change since the parent as its entry's and its parent's Adam directions of first
-    moment ``moment`` predict it (Adam's steps in between went from the one to the other)."""
+    """A weight's change since the parent as its entry's and its parent's step directions of first
+    moment ``moment`` predict it (the optimizer's steps in between went from the one to the other)."""
     if moment not in parent:
         raise CorruptStreamError(f"prediction from {moment!r}, which the parent does not hold")
-    return coefs[0] * _adam_direction(tensors, moment) + coefs[1] * _adam_direction(parent, moment)
+    return coefs[0] * _direction(tensors, moment) + coefs[1] * _direction(parent, moment)
 
 
 def _fitted(change: np.ndarray, now: np.ndarray, before: np.ndarray) -> tuple[float, float] | None:
@@ -384,24 +389,37 @@ def _from_log_ratios(where: str, tensors: dict[str, Any], names: list[str], pare
             for k, t in tensors.items()}
 
 
-def _update_partners(tensors: dict[str, Any]) -> dict[str, str]:
+def _update_partners(tensors: dict[str, Any]) -> dict[str, str | None]:
     """First moment -> the second moment its Adam step divides it by (``max_exp_avg_sq`` under
-    amsgrad, else ``exp_avg_sq``), for the pairs the update domain takes: float32/float64, one shape."""
-    pairs = {}
+    amsgrad, else ``exp_avg_sq``), or None for SGD's momentum buffer (its step is lr times the
+    buffer), for the first moments the update domain takes: float32/float64, one shape."""
+    pairs: dict[str, str | None] = {}
     for name, t in tensors.items():
-        if role_of(name) != FIRST_MOMENT or not name.endswith("exp_avg"):
+        if role_of(name) != FIRST_MOMENT:
+            continue
+        m, dm, _ = tensor_to_numpy(t)
+        if dm not in ("float32", "float64") or not m.size:
+            continue
+        if _is_momentum_buffer(name):
+            pairs[name] = None
             continue
         partner = _partner_of(name, tensors)
         if partner is None:
             continue
-        m, dm, _ = tensor_to_numpy(t)
         v, dv, _ = tensor_to_numpy(tensors[partner])
-        if dm in ("float32", "float64") and dv in ("float32", "float64") and m.shape == v.shape and m.size:
+        if dv in ("float32", "float64") and m.shape == v.shape:
             pairs[name] = partner
     return pairs
 
 
+def _is_momentum_buffer(name: str) -> bool:
+    return name.endswith("momentum_buffer") and role_of(name) == FIRST_MOMENT
+
+
 def _partner_of(name: str, tensors: dict[str, Any]) -> str | None:
+    """The second moment of Adam's first moment ``name`` among ``tensors`` (None for anything else)."""
+    if not name.endswith("exp_avg"):
+        return None
     stem = name[:-len("exp_avg")]
     return next((stem + p for p in ("max_exp_avg_sq", "exp_avg_sq") if stem + p in tensors), None)
 
@@ -420,9 +438,9 @@ def _in_update_domain(coded: Checkpoint, settings: dict[str, Any], overrides: di
     partners = _update_partners({**coded.tensors, **{n: coded.tensors[n + LOG_RATIO_SUFFIX] for n in log_ratios}})
     if not partners:
         return coded, {}, overrides, {}
-    names = sorted(set(partners.values()))
+    names = sorted({p for p in partners.values() if p is not None})
     sources = sorted(n + LOG_RATIO_SUFFIX if n in log_ratios else n for n in names)
-    decoded = _decoded_alone(coded, sources, settings, overrides)
+    decoded = _decoded_alone(coded, sources, settings, overrides) if sources else {}
     if log_ratios:
         if parent is None:
             raise RuntimeError("internal error: log2 ratios without a parent")
@@ -435,8 +453,9 @@ def _in_update_domain(coded: Checkpoint, settings: dict[str, Any], overrides: di
     for name, t in coded.tensors.items():
         if name in partners:
             m, dtype, is_torch = tensor_to_numpy(t)
+            partner = partners[name]
             with np.errstate(over="ignore", invalid="ignore"):
-                u = m.astype(np.float64) / _update_scale(second[partners[name]])
+                u = m.astype(np.float64) / (1.0 if partner is None else _update_scale(second[partner]))
                 r = float(np.sqrt(np.mean(u * u)))
             if np.isfinite(r) and r > 0 and np.all(np.isfinite(u / r)):
                 tensors[name + UPDATE_SUFFIX] = numpy_to_tensor((u / r).astype(dtype), dtype, is_torch)
@@ -463,7 +482,7 @@ def _residual_scale(second: np.ndarray, mean: float) -> np.ndarray:
     return np.maximum(np.sqrt(np.abs(second.astype(np.float64)) / mean), RESIDUAL_SCALE_FLOOR)
 
 
-# A weight's residual is predicted from its Adam direction m / (sqrt(v) + eps) only where that takes
+# A weight's residual is predicted from its step direction (:func:`_direction`) only where that takes
 # this share of its energy at least (a pairing that does not hold costs a number and nothing more)
 MIN_PREDICTION_GAIN = 0.05
 
@@ -471,11 +490,11 @@ MIN_PREDICTION_GAIN = 0.05
 def _predicted_residuals(coded: Checkpoint, residuals: list[str], settings: dict[str, Any], overrides: dict[str, int],
                          scales: dict[str, float], seconds: dict[str, Any],
                          parent: Checkpoint) -> tuple[Checkpoint, dict[str, list], dict[str, list]]:
-    """``coded`` with each weight's residual less its prediction from the Adam directions of its
-    first moment, as the entry decodes it and as the parent did (Adam's steps since the parent
-    follow the moments: for the char-LSTM of bench_series their correlation is 0.7-0.9), the two
-    coefficients fitted by least squares, and then in its second moment's scale
-    (:func:`_residual_scale`); the meta's ``predicted``: weight -> [first moment, c_entry,
+    """``coded`` with each weight's residual less its prediction from the step directions of its
+    first moment (:func:`_direction`), as the entry decodes it and as the parent did (the steps
+    since the parent follow the moments: for the char-LSTM of bench_series their correlation is
+    0.7-0.9), the two coefficients fitted by least squares, and then in its second moment's scale
+    (:func:`_residual_scale`; Adam's only); the meta's ``predicted``: weight -> [first moment, c_entry,
     c_parent], and ``v_scaled``: weight -> [second moment, its mean]. ``scales`` are the first
     moments' in the update domain and ``seconds`` the second moments as :func:`_in_update_domain`
     decoded them. Weights and first moments are paired in order by shape, as torch numbers an
@@ -496,7 +515,7 @@ def _predicted_residuals(coded: Checkpoint, residuals: list[str], settings: dict
         if matches(name, exact):  # (kept as its residual is: a prediction would round it)
             continue
         d = delta.astype(np.float64)
-        coefs = _fitted(d, _adam_direction(decoded, moment), _adam_direction(parent.tensors, moment))
+        coefs = _fitted(d, _direction(decoded, moment), _direction(parent.tensors, moment))
         if coefs is None:
             continue
         rest = d - _prediction(decoded, parent.tensors, moment, coefs)
@@ -516,40 +535,46 @@ def _predicted_residuals(coded: Checkpoint, residuals: list[str], settings: dict
 
 
 # A weight's error is judged against the steps its training takes: Adam moves every weight by about
-# lr * m-hat / sqrt(v-hat) at each step (its root mean square over a tensor is the tensor's step
-# size), and an error of that size is what one more step of noisy training does. So a weight with
-# Adam state is coded at ADAM_STEP_FRACTION times that size where this is coarser than the series'
-# qp: coarse where training still moves fast, at the series' qp where it has settled. On the
-# checkpoints of bench_series.py: the char-LSTM series 15% smaller at the same next-step cosine,
-# the digits CNN's 1.6%; at twice the size the char-LSTM's 22%, but the digits CNN's held-out loss
-# then moved by 0.77% at one checkpoint (0.26% at once the size; the fidelity goal is 0.5%).
-ADAM_STEP_FRACTION = 1.0
+# lr * m-hat / sqrt(v-hat) at each step, SGD with momentum by lr times its buffer (the root mean
+# square of either over a tensor is the tensor's step size), and an error of that size is what one
+# more step of noisy training does. So a weight with an optimizer's state is coded at STEP_FRACTION
+# times that size where this is coarser than the series' qp: coarse where training still moves
+# fast, at the series' qp where it has settled. On the checkpoints of bench_series.py: the
+# char-LSTM series 15% smaller at the same next-step cosine, the digits CNN's 1.6%; at twice the
+# size the char-LSTM's 22%, but the digits CNN's held-out loss then moved by 0.77% at one
+# checkpoint (0.26% at once the size; the fidelity goal is 0.5%).
+STEP_FRACTION = 1.0
 
 
-def _adam_step_qps(ckpt: Checkpoint, settings: dict[str, Any]) -> dict[str, tuple[int, int]]:
-    """Weight -> (its qp by the size of Adam's last step on it, ``settings``' qp for it: ``qp``, or
-    ``qp_1d`` for at most one dimension), for the weights of ``ckpt`` whose Adam state (moments and
-    param group) it holds and no qp override of ``settings`` names (those win)."""
-    groups = adam_groups(ckpt.skeleton)
+def _step_qps(ckpt: Checkpoint, settings: dict[str, Any]) -> dict[str, tuple[int, int]]:
+    """Weight -> (its qp by the size of the optimizer's last step on it, ``settings``' qp for it:
+    ``qp``, or ``qp_1d`` for at most one dimension), for the weights of ``ckpt`` whose Adam or SGD
+    state (moments and param group) it holds and no qp override of ``settings`` names (those win)."""
+    groups: dict[str, AdamGroup | SgdGroup] = {**adam_groups(ckpt.skeleton), **sgd_groups(ckpt.skeleton)}
     given = settings.get("qp_overrides") or {}
     series = EncodeSettings(**{k: settings[k] for k in ("qp", "qp_density", "qp_1d") if k in settings})
     qps = {}
     # (paired as the predictions pair them: every first moment takes part, with a group or not)
     for name, moment in _weight_pairs(ckpt, _in_optimizer_order(_update_partners(ckpt.tensors))).items():
-        size = _adam_step_size(ckpt.tensors, moment, groups[moment]) if moment in groups else None
+        size = _step_size(ckpt.tensors, moment, groups[moment]) if moment in groups else None
         if size is None or lookup_qp(name, given) is not None:
             continue
         try:
-            qp = qp_at_most(ADAM_STEP_FRACTION * size, series.qp_density)
+            qp = qp_at_most(STEP_FRACTION * size, series.qp_density)
         except ValueError:
             continue
         qps[name] = (qp, series.qp if tensor_to_numpy(ckpt.tensors[name])[0].ndim >= 2 else series.qp_1d_resolved)
     return qps
 
 
-def _adam_step_size(tensors: dict[str, Any], moment: str, group: AdamGroup) -> float | None:
-    """The root mean square of Adam's last step on the weight of first moment ``moment``, None if
-    it cannot be told."""
+def _step_size(tensors: dict[str, Any], moment: str, group: AdamGroup | SgdGroup) -> float | None:
+    """The root mean square of the optimizer's last step on the weight of first moment ``moment``,
+    None if it cannot be told."""
+    if isinstance(group, SgdGroup):
+        buffer = tensor_to_numpy(tensors[moment])[0].astype(np.float64)
+        with np.errstate(over="ignore", invalid="ignore"):
+            size = group.lr * float(np.sqrt(np.mean(np.square(buffer))))
+        return size if math.isfinite(size) and size > 0 else None
     t = None
     if group.step is not None and group.step in tensors:
         arr = tensor_to_numpy(tensors[group.step])[0]
@@ -641,9 +666,14 @@ def _from_update_domain(where: str, tensors: dict[str, Any], scales: Any) -> dic
             out[coded_name] = t
             continue
         partner = _partner_of(name, tensors)
-        if name not in scales or partner is None:
+        if name not in scales or (partner is None and not _is_momentum_buffer(name)):
             raise CorruptStreamError(f"{where}: first moment {name!r} has no second moment or scale")
         u, dtype, is_torch = tensor_to_numpy(t)
+        if partner is None:  # (SGD's momentum buffer: its own update domain)
+            with np.errstate(over="ignore", invalid="ignore"):
+                m = u.astype(np.float64) * scales[name]
+            out[name] = numpy_to_tensor(_to_carrier(m, dtype), dtype, is_torch)
+            continue
         v, _, _ = tensor_to_numpy(tensors[partner])
         if u.shape != v.shape:
             raise CorruptStreamError(f"{where}: first moment {name!r} does not match its second moment")
@@ -737,9 +767,7 @@ def _bit_residual_checkpoint(ckpt: Checkpoint,
     keyed: list[str] = []
     xored: list[str] = []
     predicted: dict[str, list] = {}
-    firsts = _in_optimizer_order(n for n in ckpt.tensors if role_of(n) == FIRST_MOMENT and n.endswith("exp_avg")
-                                 and _partner_of(n, ckpt.tensors) is not None)
-    pairs = _weight_pairs(ckpt, firsts)
+    pairs = _weight_pairs(ckpt, _in_optimizer_order(_update_partners(ckpt.tensors)))
     for name, t in ckpt.tensors.items():
         arr, dtype, is_torch = tensor_to_numpy(t)
         words = _WORDS.get(dtype)
@@ -755,8 +783,8 @@ def _bit_residual_checkpoint(ckpt: Checkpoint,
                                           (numpy_to_tensor(delta, _DELTAS[dtype], is_torch), keyed)]
         if name in pairs:
             moment = pairs[name]
-            coefs = _fitted(_floats(arr, dtype) - _floats(base, dtype), _adam_direction(ckpt.tensors, moment),
-                            _adam_direction(parent.tensors, moment))
+            coefs = _fitted(_floats(arr, dtype) - _floats(base, dtype), _direction(ckpt.tensors, moment),
+                            _direction(parent.tensors, moment))
             if coefs is not None:
                 guess = _predicted_bits(base, dtype, _prediction(ckpt.tensors, parent.tensors, moment, coefs))
                 guess = np.require(guess, requirements="C").view(words)

@@ -25,9 +25,10 @@ from ..io.inputs import unreadable
 __all__ = ["SERIES_MAGIC", "SERIES_VERSION", "Record", "SeriesFile"]
 
 SERIES_MAGIC = b"\x89DCS\r\n\x1a\n"
-SERIES_VERSION = 3  # 2: first moments in the update domain (``update_domain`` in a record's meta);
-# 3: weights' predicted residuals in their second moment's scale (``v_scaled``)
-_READABLE = (1, 2, 3)
+SERIES_VERSION = 4  # 2: first moments in the update domain (``update_domain`` in a record's meta);
+# 3: weights' predicted residuals in their second moment's scale (``v_scaled``); 4: SGD's momentum
+# buffers in the update domain and predicting their weights' residuals
+_READABLE = (1, 2, 3, 4)
 _PREAMBLE = struct.Struct("<8sHH")  # magic, version, flags (0)
 _RECORD = struct.Struct("<4sIIQI")  # tag, index, meta length, payload length, crc32
 _TAG = b"DCSR"
