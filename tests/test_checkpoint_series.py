@@ -679,3 +679,33 @@ def test_a_lossless_sgd_series_is_bit_exact_and_predicted_from_the_buffers(sgd_r
     with SeriesFile(tmp_path / "ll.dcs") as f:
         predicted = [r.meta.get("bit_predicted", {}) for r in f.records]
     assert any(predicted[1:]) and all(m.endswith(".momentum_buffer") for p in predicted for m, _, _ in p.values())
+
+
+def test_two_optimizers_pair_each_weight_with_its_own_state(tmp_path):
+    # a GAN's checkpoint (Lightning's layout): two models of one architecture, each with its own
+    # Adam, at learning rates 1000 times apart; each weight takes its own optimizer's step size
+    from deepcabac_py.io.checkpoint import flatten
+    from deepcabac_py.model.optimizer_state import adam_groups
+    from deepcabac_py.quant.steps import qp_at_most
+    from deepcabac_py.series.checkpoint_series import STEP_FRACTION, _step_size
+
+    torch.manual_seed(7)
+    nets = [torch.nn.Sequential(torch.nn.Linear(16, 24), torch.nn.Tanh(), torch.nn.Linear(24, 16)) for _ in range(2)]
+    opts = [torch.optim.Adam(nets[0].parameters(), lr=1e-2), torch.optim.Adam(nets[1].parameters(), lr=1e-5)]
+    for _ in range(5):
+        for net, opt in zip(nets, opts):
+            opt.zero_grad()
+            net(torch.randn(32, 16)).pow(2).mean().backward()
+            opt.step()
+    ckpt = {"state_dict": {f"{p}.{k}": v for p, net in zip("gd", nets) for k, v in net.state_dict().items()},
+            "optimizer_states": [opt.state_dict() for opt in opts]}
+    dc.CheckpointSeries(tmp_path / "gan.dcs").append(ckpt)
+    qps = {e.name: e.qp for e in series_header(tmp_path / "gan.dcs", 0).tensors}
+    flat = flatten(ckpt)
+    groups = adam_groups(flat.skeleton)
+    for j, prefix in enumerate("gd"):
+        for i, (name, t) in enumerate(nets[j].state_dict().items()):
+            moment = f"optimizer_states.{j}.state.{i}.exp_avg"
+            own = qp_at_most(STEP_FRACTION * _step_size(flat.tensors, moment, groups[moment]))
+            base = SERIES_QP if t.dim() >= 2 else SERIES_QP - 24
+            assert qps[f"state_dict.{prefix}.{name}"] == max(own, base), (prefix, name)

@@ -647,8 +647,14 @@ def _exact_patterns(settings: dict[str, Any]) -> list[str]:
 
 
 def _in_optimizer_order(firsts) -> list[str]:
-    """First-moment names by their optimizer state index (``...state.<i>.exp_avg``)."""
-    return sorted(firsts, key=lambda n: int(n.split(".")[-2]))
+    """First-moment names (``<optimizer>.state.<i>.exp_avg``) by optimizer, in the order the
+    optimizers come (a GAN's checkpoint holds two: each numbers its own parameters from 0), then
+    by state index."""
+    firsts = list(firsts)
+    optimizers: dict[str, int] = {}
+    for n in firsts:
+        optimizers.setdefault(n.rsplit(".", 2)[0], len(optimizers))
+    return sorted(firsts, key=lambda n: (optimizers[n.rsplit(".", 2)[0]], int(n.split(".")[-2])))
 
 
 def _from_update_domain(where: str, tensors: dict[str, Any], scales: Any) -> dict[str, Any]:
