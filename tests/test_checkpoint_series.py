@@ -548,7 +548,7 @@ def test_residuals_in_their_second_moments_scale_take_fewer_bytes(run, tmp_path,
 @pytest.mark.parametrize("optimizer", ["adam", "sgd"])
 def test_the_step_size_is_the_size_of_the_optimizers_last_step(optimizer):
     from deepcabac_py.io.checkpoint import flatten
-    from deepcabac_py.model.optimizer_state import adam_groups, sgd_groups
+    from deepcabac_py.model.optimizer_state import adam_groups, momentum_groups
     from deepcabac_py.series.checkpoint_series import _step_size
 
     torch.manual_seed(3)
@@ -562,7 +562,7 @@ def test_the_step_size_is_the_size_of_the_optimizers_last_step(optimizer):
         torch.nn.functional.cross_entropy(model(x[8 * step:8 * step + 8]), y[8 * step:8 * step + 8]).backward()
         opt.step()
     ckpt = flatten({"optimizer": opt.state_dict()})
-    groups = {**adam_groups(ckpt.skeleton), **sgd_groups(ckpt.skeleton)}
+    groups = {**adam_groups(ckpt.skeleton), **momentum_groups(ckpt.skeleton)}
     assert len(groups) == 4
     for i, (p, b) in enumerate(zip(model.parameters(), before)):
         moment = f"optimizer.state.{i}.{'exp_avg' if optimizer == 'adam' else 'momentum_buffer'}"
@@ -709,3 +709,28 @@ def test_two_optimizers_pair_each_weight_with_its_own_state(tmp_path):
             own = qp_at_most(STEP_FRACTION * _step_size(flat.tensors, moment, groups[moment]))
             base = SERIES_QP if t.dim() >= 2 else SERIES_QP - 24
             assert qps[f"state_dict.{prefix}.{name}"] == max(own, base), (prefix, name)
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_a_zero_dimensional_parameter_with_adam_state(tmp_path, exact):
+    # (CLIP's logit_scale: a 0-d weight, its 0-d moments, residuals of 0-d arrays)
+    torch.manual_seed(2)
+    lin, scale = torch.nn.Linear(8, 4), torch.nn.Parameter(torch.tensor(2.6))
+    opt = torch.optim.Adam([*lin.parameters(), scale], lr=1e-2)
+    written = []
+    for _ in range(3):
+        for _ in range(5):
+            opt.zero_grad()
+            (lin(torch.randn(16, 8)) * scale.exp()).pow(2).mean().backward()
+            opt.step()
+        written.append(copy.deepcopy({"model": {**lin.state_dict(), "logit_scale": scale.detach()},
+                                      "optimizer": opt.state_dict()}))
+    series = dc.CheckpointSeries(tmp_path / "run.dcs", keep_exact=exact)
+    for c in written:
+        series.append(c)
+    assert [e.kind for e in series.entries()] == ["key", "residual", "residual"]
+    for i, c in enumerate(written):
+        got = series[i]
+        assert got["model"]["logit_scale"].shape == () and got["optimizer"]["state"][2]["exp_avg"].shape == ()
+        error = (got["model"]["logit_scale"] - c["model"]["logit_scale"]).abs().item()
+        assert error == 0.0 if exact else error <= 2 * _coded_steps(tmp_path / "run.dcs", i)["logit_scale"]

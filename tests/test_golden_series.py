@@ -56,7 +56,7 @@ def series_checkpoints(sgd: bool = False) -> list[dict]:
                         {"step": torch.tensor(float(40 * (i + 1))), "exp_avg": torch.from_numpy(m).float(),
                          "exp_avg_sq": torch.from_numpy(v).float()})
         group = ({"lr": 0.05, "momentum": 0.9, "dampening": 0, "nesterov": False} if sgd
-                 else {"lr": 0.002, "betas": (0.9, 0.999), "eps": 1e-8})
+                 else {"lr": 0.002, "betas": (0.9, 0.999), "eps": 1e-8, "amsgrad": False})
         out.append({"model": {"0.weight": torch.from_numpy(w).float(), "0.bias": torch.from_numpy(b).float()},
                     "optimizer": {"state": state, "param_groups": [{**group, "weight_decay": 0, "params": [0, 1]}]},
                     "step": 40 * (i + 1)})

@@ -23,14 +23,15 @@ from deepcabac_py.errors import CorruptStreamError
 from deepcabac_py.io.checkpoint import flatten
 from deepcabac_py.model.container import LOG_OFFSET_BYTES, Mode
 from deepcabac_py.model.optimizer_state import (
+    EXACT,
     FIRST_MOMENT,
     SECOND_MOMENT,
-    STEP,
     AdamGroup,
-    SgdGroup,
+    MomentumGroup,
     adam_groups,
+    momentum_groups,
     role_of,
-    sgd_groups,
+    roles,
 )
 from deepcabac_py.model.settings import DEFAULT_MOMENTS_QP
 from deepcabac_py.quant.log_domain import log_levels, log_values
@@ -56,15 +57,24 @@ def _batch(i: int):
 
 
 def _trained(make_opt, steps: int = 60) -> dict:
+    return _checkpoints(make_opt, 1, steps)[0]
+
+
+def _checkpoints(make_opt, count: int, every: int) -> list[dict]:
+    """``count`` checkpoints of one run, ``every`` steps apart."""
     torch.manual_seed(0)
     model = _net()
     opt = make_opt(model.parameters())
-    for i in range(steps):
+    out = []
+    for i in range(count * every):
         x, y = _batch(i)
         opt.zero_grad()
         torch.nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
-    return {"model": model.state_dict(), "optimizer": opt.state_dict(), "epoch": 3, "step": steps}
+        if (i + 1) % every == 0:
+            out.append(copy.deepcopy({"model": model.state_dict(), "optimizer": opt.state_dict(), "epoch": 3,
+                                      "step": i + 1}))
+    return out
 
 
 def _next_step(ckpt: dict, make_opt) -> torch.Tensor:
@@ -86,6 +96,17 @@ OPTIMIZERS = {
     "adam": lambda p: torch.optim.Adam(p, lr=1e-3),
     "adamw_amsgrad": lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=0.01, amsgrad=True),
     "sgd_momentum": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
+    "sgd_nesterov": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True),
+    "rmsprop": lambda p: torch.optim.RMSprop(p, lr=1e-3),
+    "rmsprop_centered_momentum": lambda p: torch.optim.RMSprop(p, lr=1e-3, momentum=0.9, centered=True),
+    "adagrad": lambda p: torch.optim.Adagrad(p, lr=1e-2),
+    "adamax": lambda p: torch.optim.Adamax(p, lr=2e-3),
+    "nadam": lambda p: torch.optim.NAdam(p, lr=2e-3),
+    "radam": lambda p: torch.optim.RAdam(p, lr=2e-3),
+    "adadelta": lambda p: torch.optim.Adadelta(p),
+    "asgd": lambda p: torch.optim.ASGD(p, lr=1e-2, t0=10),
+    "rprop": lambda p: torch.optim.Rprop(p, lr=1e-3),
+    "adafactor": lambda p: torch.optim.Adafactor(p, lr=1e-2),
 }
 
 
@@ -95,6 +116,7 @@ def test_a_decoded_checkpoint_resumes_as_the_original(which):
     ckpt = _trained(make)
     data = dc.encode_model(ckpt)
     back = dc.decode_model(data)
+    kinds = roles(e.name for e in dc.read_stream_header(data).tensors)
     # everything that is not a moment comes back exactly
     assert back["optimizer"]["param_groups"] == ckpt["optimizer"]["param_groups"]
     assert back["epoch"] == 3 and back["step"] == 60
@@ -102,8 +124,11 @@ def test_a_decoded_checkpoint_resumes_as_the_original(which):
         got = back["optimizer"]["state"][index]
         assert set(got) == set(state)
         for key, value in state.items():
-            if key == "step":
+            role = kinds.get(f"optimizer.state.{index}.{key}")
+            if role == EXACT:
                 assert torch.equal(got[key], value) and got[key].dtype == value.dtype
+                continue
+            if role is None:  # (coded as a weight: ASGD's averaged weights)
                 continue
             # the log domain: zeros stay zeros, nothing positive becomes 0, the relative error is
             # within half a step (a quarter octave) plus float32 rounding
@@ -115,15 +140,35 @@ def test_a_decoded_checkpoint_resumes_as_the_original(which):
             assert rel <= 2 ** (step_from_qp(DEFAULT_MOMENTS_QP) / 2) - 1 + 1e-6
     modes = {e.name: e.mode for e in dc.read_stream_header(data).tensors}
     for name, mode in modes.items():
-        role = role_of(name)
+        role = kinds.get(name)
         if role in (FIRST_MOMENT, SECOND_MOMENT):
             assert mode == Mode.LOG, name
-        elif role == STEP:
-            assert mode == Mode.RAW, name
+        elif role == EXACT:  # (0-d tensors stored as they are, others by the lossless float coder)
+            assert mode in (Mode.RAW, Mode.FLOAT), name
     # resumption: the next step from the decoded checkpoint is the original's, to within the goals
     a, b = _next_step(ckpt, make), _next_step(back, make)
     assert torch.nn.functional.cosine_similarity(a, b, dim=0).item() >= 0.99
     assert abs(b.norm().item() / a.norm().item() - 1) <= 0.05
+
+
+@pytest.mark.parametrize("which", sorted(OPTIMIZERS))
+def test_a_series_of_checkpoints_resumes_as_the_original(which, tmp_path):
+    # a key and two residuals: second moments as log2 ratios to their parent's, 0-d state (NAdam's
+    # mu_product) and what is kept exact as itself
+    make = OPTIMIZERS[which]
+    originals = _checkpoints(make, 3, 20)
+    series = dc.CheckpointSeries(tmp_path / "run.dcs")
+    for c in originals:
+        series.append(c)
+    assert [e.kind for e in series.entries()] == ["key", "residual", "residual"]
+    for original, got in zip(originals, series):
+        for index, state in original["optimizer"]["state"].items():
+            for key, value in state.items():
+                if roles([f"o.state.{index}.{k}" for k in state]).get(f"o.state.{index}.{key}") == EXACT:
+                    assert torch.equal(got["optimizer"]["state"][index][key], value), key
+        a, b = _next_step(original, make), _next_step(got, make)
+        assert torch.nn.functional.cosine_similarity(a, b, dim=0).item() >= 0.99
+        assert abs(b.norm().item() / a.norm().item() - 1) <= 0.05
 
 
 def test_moments_take_their_qp_from_overrides_and_moments_qp():
@@ -169,10 +214,21 @@ def test_an_optimizer_checkpoint_through_the_cli(tmp_path):
 @pytest.mark.parametrize("name, role", [
     ("optimizer.state.0.exp_avg", FIRST_MOMENT), ("opt.state.12.exp_avg_sq", SECOND_MOMENT),
     ("state.3.max_exp_avg_sq", SECOND_MOMENT), ("optimizer.state.1.momentum_buffer", FIRST_MOMENT),
-    ("optimizer.state.0.step", STEP), ("model.exp_avg", None), ("optimizer.state.x.exp_avg", None),
-    ("optimizer.param_groups.0.lr", None), ("layer.state.0.weight", None)])
+    ("optimizer.state.0.step", EXACT), ("model.exp_avg", None), ("optimizer.state.x.exp_avg", None),
+    ("optimizer.param_groups.0.lr", None), ("layer.state.0.weight", None), ("o.state.2.sum", SECOND_MOMENT),
+    ("o.state.2.square_avg", SECOND_MOMENT), ("o.state.0.exp_inf", SECOND_MOMENT), ("o.state.0.row_var", EXACT),
+    ("o.state.0.step_size", EXACT), ("o.state.0.prev", FIRST_MOMENT), ("o.state.0.mu_product", EXACT),
+    ("o.state.0.grad_avg", EXACT), ("o.state.0.old_dirs.3", EXACT), ("o.state.0.ax", None),
+    ("o.state.0.exp_avg.x", None)])
 def test_roles_by_name(name, role):
     assert role_of(name) == role
+
+
+def test_centered_rmsprops_square_avg_is_kept_exact():
+    # (its step divides by sqrt(square_avg - grad_avg**2): a rounded square_avg can make it negative)
+    names = ["o.state.0.square_avg", "o.state.0.grad_avg", "o.state.1.square_avg", "model.w"]
+    assert roles(names) == {"o.state.0.square_avg": EXACT, "o.state.0.grad_avg": EXACT,
+                            "o.state.1.square_avg": SECOND_MOMENT}
 
 
 def test_adam_groups_name_each_first_moments_param_group():
@@ -199,6 +255,10 @@ def test_adam_groups_leave_out_what_is_not_adam():
     torch.nn.functional.cross_entropy(net(x), y).backward()
     sgd.step()
     assert adam_groups(flatten({"optimizer": sgd.state_dict()}).skeleton) == {}
+    for other in (torch.optim.RAdam, torch.optim.NAdam, torch.optim.Adamax):  # (their steps are not Adam's)
+        opt = other(net.parameters(), lr=0.01)
+        opt.step()
+        assert adam_groups(flatten({"optimizer": opt.state_dict()}).skeleton) == {}
     adam = torch.optim.Adam(net.parameters(), lr=torch.tensor(0.01))  # (an lr held as a tensor)
     adam.step()
     assert adam_groups(flatten({"optimizer": adam.state_dict()}).skeleton) == {}
@@ -215,7 +275,7 @@ def test_adam_groups_leave_out_what_is_not_adam():
         assert adam_groups(bad) == {}
 
 
-def test_sgd_groups_name_each_momentum_buffers_param_group():
+def test_momentum_groups_name_each_momentum_buffers_param_group():
     net = _net()
     sgd = torch.optim.SGD([{"params": net[0].parameters(), "lr": 0.3},
                            {"params": net[2].parameters(), "momentum": 0.0}], lr=0.1, momentum=0.9)
@@ -224,15 +284,21 @@ def test_sgd_groups_name_each_momentum_buffers_param_group():
     sgd.step()
     # (without momentum a group keeps no buffer: nothing of it is found)
     ckpt = flatten({"optimizer_states": [sgd.state_dict()]})
-    assert sgd_groups(ckpt.skeleton) == {f"optimizer_states.0.state.{i}.momentum_buffer": SgdGroup(0.3)
+    assert momentum_groups(ckpt.skeleton) == {f"optimizer_states.0.state.{i}.momentum_buffer": MomentumGroup(0.3)
                                          for i in (0, 1)}
     adam = torch.optim.Adam(net.parameters())
     adam.step()
-    assert sgd_groups(flatten({"optimizer": adam.state_dict()}).skeleton) == {}
+    assert momentum_groups(flatten({"optimizer": adam.state_dict()}).skeleton) == {}
+    rmsprop = torch.optim.RMSprop(net.parameters(), lr=0.01, momentum=0.5)
+    rmsprop.step()
+    assert set(momentum_groups(flatten({"optimizer": rmsprop.state_dict()}).skeleton).values()) == {MomentumGroup(0.01)}
+    muon = torch.optim.Muon([p for p in net.parameters() if p.dim() == 2], lr=0.02)  # (its step is not lr * buffer)
+    muon.step()
+    assert muon.state_dict()["state"] and momentum_groups(flatten({"optimizer": muon.state_dict()}).skeleton) == {}
     text = json.dumps(flatten({"optimizer": sgd.state_dict()}).skeleton)
     for bad in (None, {"root": 5}, json.loads(text.replace('["momentum", 0.9]', '["momentum", 1.0]')),
                 json.loads(text.replace('["lr", 0.3]', '["lr", "0.3"]'))):
-        assert not any(n.endswith((".0.momentum_buffer", ".1.momentum_buffer")) for n in sgd_groups(bad))
+        assert not any(n.endswith((".0.momentum_buffer", ".1.momentum_buffer")) for n in momentum_groups(bad))
 
 
 def _reference_levels(values, step):

@@ -180,9 +180,10 @@ def _quant_options(f):
                           "before it."),
         click.option("--moments-qp", type=click.IntRange(QP_MIN, QP_MAX), default=DEFAULT_MOMENTS_QP,
                      show_default=True,
-                     help="qp of an optimizer's moments (Adam's exp_avg and exp_avg_sq, SGD's momentum), coded "
-                          "by the log2 of each magnitude: the step of this qp, in octaves, is their precision "
-                          "(-8: a quarter octave, at most 9% off). Optimizer steps are kept exact."),
+                     help="qp of an optimizer's moments (Adam's exp_avg and exp_avg_sq, SGD's momentum, "
+                          "Adagrad's sum...), coded by the log2 of each magnitude: the step of this qp, in "
+                          "octaves, is their precision (-8: a quarter octave, at most 9% off). Optimizer steps "
+                          "and what no rounding may touch are kept exact."),
         click.option("--qp-density", type=click.IntRange(0, 6), default=DEFAULT_QP_DENSITY, show_default=True,
                      help="Steps per octave = 2**qp_density."),
     ]

@@ -200,6 +200,8 @@ def numpy_to_tensor(arr: np.ndarray, dtype_name: str, is_torch: bool) -> TensorL
 
     The result may share memory with ``arr`` (read-only arrays are copied for torch)."""
     expected = carrier(dtype_name)
+    if isinstance(arr, np.generic):  # (numpy's arithmetic on a 0-d array gives a scalar: a 0-d tensor's)
+        arr = np.asarray(arr)
     if not isinstance(arr, np.ndarray):
         raise TypeError(f"expected a numpy.ndarray, got {type(arr).__name__}")
     if arr.dtype != expected:  # (a decoder's output has the carrier dtype: one comparison per tensor)

@@ -19,7 +19,7 @@ from ..io.checkpoint import Checkpoint, TensorLike, flatten, is_plain_structure,
 from ..io.files import SafetensorsLayout, safetensors_code
 from ..io.tensor_source import CheckpointSource, TensorSource
 from ..quant.steps import QP_MIN, step_from_qp
-from . import batchnorm
+from . import batchnorm, optimizer_state
 from .allocation import allocate_qps
 from .container import FLAG_ALIAS, FLAG_TORCH, Coder, TensorEntry, metadata_bytes
 from .settings import EncodeSettings, lookup_qp
@@ -186,7 +186,7 @@ def _planner(source: TensorSource, vectors: Mapping[str, TensorLike], arrays: Ma
                                  qp_density=settings.qp_density, qp_1d=settings.qp_1d_resolved, reference=reference)
         overrides = {**{n: q for n, q in allocated.items() if lookup_qp(n, overrides) is None}, **overrides}
     _floor_variance_steps(vectors, overrides, overrides_in, settings)
-    return TensorPlanner(settings, overrides, importance)
+    return TensorPlanner(settings, overrides, importance, optimizer_state.roles(source.names))
 
 
 def _floor_variance_steps(vectors: Mapping[str, TensorLike], overrides: dict[str, int], fixed: Mapping[str, int],

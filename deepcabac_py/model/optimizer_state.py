@@ -2,44 +2,76 @@
 
 A torch optimizer's ``state_dict()`` holds ``{"state": {index: {name: tensor}}, "param_groups": [...]}``;
 flattened (:mod:`deepcabac_py.io.checkpoint`), its tensors are named ``...state.<index>.<name>``.
-Their roles decide how they are coded (:mod:`.tensor_plan`):
+Their roles decide how they are coded (:mod:`.tensor_plan`), for every optimizer of ``torch.optim``:
 
-* ``step``: the step count (a float tensor in recent torch): kept exact. A rounded step changes the
-  bias correction of every later update.
-* first moments (Adam's ``exp_avg``, SGD's ``momentum_buffer``) and second moments (``exp_avg_sq``,
-  ``max_exp_avg_sq``): coded in the log domain (:mod:`deepcabac_py.quant.log_domain`), each element
-  relative to its own magnitude. Adam's step is m / (sqrt(v) + eps): its elements are all of about
-  the same size whatever the scale of m and v, so a uniform step (which rounds the many small
-  moments to 0: a v of 1e-8 decoded as 0 makes the next step thousands of times too large) is the
-  wrong measure here.
+* ``EXACT``: what no rounding may touch: step counts (a rounded step changes the bias correction of
+  every later update), NAdam's ``mu_product``, ASGD's ``eta`` and ``mu``, Rprop's ``step_size``
+  (the step itself, of a few values: 6.5% off in norm at a quarter octave), Adafactor's factored
+  ``row_var`` and ``col_var`` (a row and a column per matrix: exact costs nothing), L-BFGS's
+  history, and centered RMSprop's ``grad_avg`` with its ``square_avg`` (the step divides by the
+  square root of their difference, which rounding either can turn negative).
+* first moments (Adam's ``exp_avg``, SGD's and RMSprop's ``momentum_buffer``, Rprop's ``prev``, of
+  which only the sign counts) and second moments (Adam's ``exp_avg_sq`` and ``max_exp_avg_sq``,
+  RMSprop's and Adadelta's ``square_avg``, Adadelta's ``acc_delta``, Adagrad's ``sum``, Adamax's
+  ``exp_inf``, Adafactor's ``variance`` of a vector): coded in the log
+  domain (:mod:`deepcabac_py.quant.log_domain`), each element relative to its own magnitude.
+  Adam's step is m / (sqrt(v) + eps): its elements are all of about the same size whatever the
+  scale of m and v, so a uniform step (which rounds the many small moments to 0: a v of 1e-8
+  decoded as 0 makes the next step thousands of times too large) is the wrong measure here.
 
 ``param_groups`` and every other non-tensor entry are in the checkpoint's skeleton, kept exactly.
+Anything else in an optimizer's state (ASGD's averaged weights ``ax``) is coded as a weight.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["AdamGroup", "FIRST_MOMENT", "SECOND_MOMENT", "STEP", "SgdGroup", "adam_groups", "role_of", "sgd_groups"]
+__all__ = ["AdamGroup", "EXACT", "FIRST_MOMENT", "MomentumGroup", "SECOND_MOMENT", "adam_groups", "momentum_groups",
+           "role_of", "roles"]
 
 FIRST_MOMENT = "first moment"
 SECOND_MOMENT = "second moment"
-STEP = "step"
+EXACT = "exact"
 
-_ROLES = {"exp_avg": FIRST_MOMENT, "momentum_buffer": FIRST_MOMENT, "exp_avg_sq": SECOND_MOMENT,
-          "max_exp_avg_sq": SECOND_MOMENT, "step": STEP}
-_STATE_ENTRY = re.compile(r"(?:^|\.)state\.\d+\.(exp_avg|exp_avg_sq|max_exp_avg_sq|momentum_buffer|step)$")
+_ROLES = {
+    **dict.fromkeys(("exp_avg", "momentum_buffer", "prev"), FIRST_MOMENT),
+    **dict.fromkeys(("exp_avg_sq", "max_exp_avg_sq", "square_avg", "acc_delta", "sum", "exp_inf", "variance"),
+                    SECOND_MOMENT),
+    **dict.fromkeys(("step", "mu_product", "eta", "mu", "grad_avg", "row_var", "col_var", "step_size", "d", "t",
+                     "H_diag", "prev_flat_grad", "prev_loss", "old_dirs", "old_stps", "ro", "al"), EXACT),
+}
+# (L-BFGS keeps lists of tensors: ``...state.0.old_dirs.<k>``)
+_STATE_ENTRY = re.compile(r"(?:^|\.)state\.\d+\.(" + "|".join(sorted(_ROLES, key=len, reverse=True))
+                          + r")(?:\.\d+)?$")
 
 
 def role_of(name: str) -> str | None:
-    """The optimizer-state role of the tensor named ``name`` (``FIRST_MOMENT``, ``SECOND_MOMENT``,
-    ``STEP``), or None for anything else."""
+    """The optimizer-state role the tensor named ``name`` has by its name (``FIRST_MOMENT``,
+    ``SECOND_MOMENT``, ``EXACT``), or None for anything else. :func:`roles` also reads the others'
+    names: use it to code a checkpoint."""
     m = _STATE_ENTRY.search(name)
     return _ROLES[m.group(1)] if m else None
+
+
+def roles(names: Iterable[str]) -> dict[str, str]:
+    """Name -> role of every optimizer-state tensor among ``names``, as :func:`role_of` gives it but
+    for a ``square_avg`` beside a ``grad_avg`` (centered RMSprop), which is ``EXACT``."""
+    out = {}
+    for name in names:
+        role = role_of(name)
+        if role is not None:
+            out[name] = role
+    for name in list(out):
+        if name.endswith(".grad_avg"):
+            sibling = name[:-len("grad_avg")] + "square_avg"
+            if sibling in out:
+                out[sibling] = EXACT
+    return out
 
 
 @dataclass(frozen=True)
@@ -55,34 +87,38 @@ class AdamGroup:
 
 def adam_groups(skeleton: Any) -> dict[str, AdamGroup]:
     """First moment (``exp_avg``) tensor name -> its param group, for every torch optimizer state
-    dict in a checkpoint's skeleton (:mod:`deepcabac_py.io.checkpoint`) whose groups carry a
-    positive ``lr``, ``betas`` in [0, 1) and an ``eps`` >= 0 as plain numbers. Anything else (another
+    dict in a checkpoint's skeleton (:mod:`deepcabac_py.io.checkpoint`) whose groups are Adam's or
+    AdamW's (told by their ``amsgrad``: RAdam's steps, for one, are smaller) and carry a positive
+    ``lr``, ``betas`` in [0, 1) and an ``eps`` >= 0 as plain numbers. Anything else (another
     optimizer, an lr held as a tensor, a malformed skeleton) is left out, never an error."""
     out: dict[str, AdamGroup] = {}
     for group, moments in _parameter_states(skeleton):
         hyper, first = _adam_hyper(group), _tensor_name(moments.get("exp_avg"))
-        if hyper is not None and first is not None:
+        if hyper is not None and first is not None and "amsgrad" in group:
             out[first] = AdamGroup(*hyper, _tensor_name(moments.get("step")))
     return out
 
 
 @dataclass(frozen=True)
-class SgdGroup:
-    """What an SGD param group with momentum sets for one parameter: its step is ``lr`` times its
-    momentum buffer (with Nesterov's momentum, about that)."""
+class MomentumGroup:
+    """What an SGD or RMSprop param group with momentum sets for one parameter: its step is ``lr``
+    times its momentum buffer (with Nesterov's momentum, about that)."""
 
     lr: float
 
 
-def sgd_groups(skeleton: Any) -> dict[str, SgdGroup]:
+def momentum_groups(skeleton: Any) -> dict[str, MomentumGroup]:
     """Momentum buffer (``momentum_buffer``) tensor name -> its param group, as :func:`adam_groups`
-    finds them, for groups with a positive ``lr`` and a ``momentum`` in (0, 1) as plain numbers."""
-    out: dict[str, SgdGroup] = {}
+    finds them, for SGD's and RMSprop's groups (told by their ``dampening`` and ``alpha``: Muon's
+    buffer, for one, is not its step) with a positive ``lr`` and a ``momentum`` in (0, 1) as plain
+    numbers."""
+    out: dict[str, MomentumGroup] = {}
     for group, moments in _parameter_states(skeleton):
         lr, momentum = _number(group.get("lr")), _number(group.get("momentum"))
         buffer = _tensor_name(moments.get("momentum_buffer"))
-        if buffer is not None and lr is not None and momentum is not None and lr > 0 and 0 < momentum < 1:
-            out[buffer] = SgdGroup(lr)
+        if (buffer is not None and ("dampening" in group or "alpha" in group) and lr is not None
+                and momentum is not None and lr > 0 and 0 < momentum < 1):
+            out[buffer] = MomentumGroup(lr)
     return out
 
 

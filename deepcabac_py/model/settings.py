@@ -70,9 +70,10 @@ class EncodeSettings:
         Take the mean output shift of each layer's quantization error out of the BatchNorm after
         it (or its own bias), estimated without data.
     moments_qp : int
-        qp of an optimizer's moments (Adam's ``exp_avg``, ``exp_avg_sq``, SGD's momentum), coded
-        in the log domain: the step of this qp, in octaves, is the precision of log2 of each
-        magnitude. Optimizer steps are kept exact.
+        qp of an optimizer's moments (Adam's ``exp_avg``, ``exp_avg_sq``, SGD's momentum, and the
+        others of :mod:`.optimizer_state`), coded in the log domain: the step of this qp, in
+        octaves, is the precision of log2 of each magnitude. Optimizer steps and what no rounding
+        may touch are kept exact.
     """
 
     qp: int = DEFAULT_QP

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -273,6 +273,7 @@ class TensorPlanner:
     settings: EncodeSettings
     overrides: Mapping[str, int]  # qp per tensor name or pattern, allocation included
     importance: Mapping[str, Any]  # per-weight importance by tensor name, as resolved for the model
+    roles: Mapping[str, str] = field(default_factory=dict)  # optimizer-state roles (optimizer_state.roles)
 
     def plan(self, name: str, tensor) -> TensorPlan:
         p = self._plan(name, tensor)
@@ -292,10 +293,10 @@ class TensorPlanner:
         if arr.size == 0:
             return TensorPlan(entry, arr)
         if dtype.is_float and not s.is_exact(name):
-            role = optimizer_state.role_of(name)
+            role = self.roles.get(name)
             if role is None:
                 return self._plan_float(entry, arr)
-            if role != optimizer_state.STEP:  # a moment: in the log domain, or exact in half precision
+            if role != optimizer_state.EXACT:  # a moment: in the log domain, or exact in half precision
                 return self._plan_log(entry, arr) if dtype_name in LOG_DTYPES else TensorPlan(entry, arr)
         if dtype.is_float or dtype.is_complex:
             return TensorPlan(entry, arr)

@@ -41,7 +41,16 @@ from ..io.checkpoint import Checkpoint, flatten, numpy_to_tensor, plain_skeleton
 from ..io.dtypes import bfloat16_to_float32, float64_to_bfloat16
 from ..model.decoder import decode_checkpoint, read_stream_header
 from ..model.encoder import encode_model
-from ..model.optimizer_state import FIRST_MOMENT, SECOND_MOMENT, AdamGroup, SgdGroup, adam_groups, role_of, sgd_groups
+from ..model.optimizer_state import (
+    FIRST_MOMENT,
+    SECOND_MOMENT,
+    AdamGroup,
+    MomentumGroup,
+    adam_groups,
+    momentum_groups,
+    role_of,
+    roles,
+)
 from ..model.settings import DEFAULT_MOMENTS_QP, EncodeSettings, lookup_qp, matches
 from ..quant import portable
 from ..quant.steps import qp_at_most
@@ -550,7 +559,7 @@ def _step_qps(ckpt: Checkpoint, settings: dict[str, Any]) -> dict[str, tuple[int
     """Weight -> (its qp by the size of the optimizer's last step on it, ``settings``' qp for it:
     ``qp``, or ``qp_1d`` for at most one dimension), for the weights of ``ckpt`` whose Adam or SGD
     state (moments and param group) it holds and no qp override of ``settings`` names (those win)."""
-    groups: dict[str, AdamGroup | SgdGroup] = {**adam_groups(ckpt.skeleton), **sgd_groups(ckpt.skeleton)}
+    groups: dict[str, AdamGroup | MomentumGroup] = {**adam_groups(ckpt.skeleton), **momentum_groups(ckpt.skeleton)}
     given = settings.get("qp_overrides") or {}
     series = EncodeSettings(**{k: settings[k] for k in ("qp", "qp_density", "qp_1d") if k in settings})
     qps = {}
@@ -567,10 +576,10 @@ def _step_qps(ckpt: Checkpoint, settings: dict[str, Any]) -> dict[str, tuple[int
     return qps
 
 
-def _step_size(tensors: dict[str, Any], moment: str, group: AdamGroup | SgdGroup) -> float | None:
+def _step_size(tensors: dict[str, Any], moment: str, group: AdamGroup | MomentumGroup) -> float | None:
     """The root mean square of the optimizer's last step on the weight of first moment ``moment``,
     None if it cannot be told."""
-    if isinstance(group, SgdGroup):
+    if isinstance(group, MomentumGroup):
         buffer = tensor_to_numpy(tensors[moment])[0].astype(np.float64)
         with np.errstate(over="ignore", invalid="ignore"):
             size = group.lr * float(np.sqrt(np.mean(np.square(buffer))))
@@ -716,9 +725,10 @@ def _residual_checkpoint(ckpt: Checkpoint, parent: Checkpoint) -> tuple[Checkpoi
     ``LOG_RATIO_SUFFIX``) where that is defined: the parent nonzero wherever the moment is, and
     neither negative. Returns it, the names of the residuals and of the log ratios."""
     tensors, residuals, log_ratios = {}, [], []
+    kinds = roles(ckpt.tensors)
     for name, t in ckpt.tensors.items():
         arr, dtype, is_torch = tensor_to_numpy(t)
-        if dtype in ("float32", "float64") and role_of(name) == SECOND_MOMENT and arr.size:
+        if dtype in ("float32", "float64") and kinds.get(name) == SECOND_MOMENT and arr.size:
             base, _, _ = tensor_to_numpy(parent.tensors[name])
             x, b = arr.astype(np.float64), base.astype(np.float64)
             if (not np.any((b == 0) & (x != 0)) and np.all(np.isfinite(x)) and np.all(np.isfinite(b))
@@ -730,7 +740,7 @@ def _residual_checkpoint(ckpt: Checkpoint, parent: Checkpoint) -> tuple[Checkpoi
                     tensors[name + LOG_RATIO_SUFFIX] = numpy_to_tensor(log_ratio.astype(dtype), dtype, is_torch)
                     log_ratios.append(name)
                     continue
-        if dtype in _FLOATS and role_of(name) is None and arr.size:
+        if dtype in _FLOATS and name not in kinds and arr.size:
             base, _, _ = tensor_to_numpy(parent.tensors[name])
             delta = _floats(arr, dtype) - _floats(base, dtype)
             if np.all(np.isfinite(delta)):
