@@ -23,8 +23,8 @@ def series_group():
               help="Every K-th entry is coded on its own, the others against the entry before "
                    "[default: 10].")
 @click.option("--qp", type=int, default=None,
-              help="qp of the weights and of their residuals [default: the size of Adam's last step on each "
-                   "tensor, never finer than -52: about a bfloat16 copy's error].")
+              help="qp of the weights and of their residuals [default: the size of the optimizer's (Adam's, "
+                   "SGD's) last step on each tensor, never finer than -52: about a bfloat16 copy's error].")
 @click.option("--input-format", type=click.Choice(KINDS), default=None, help="The checkpoints' kind (default: "
               "from the suffix).")
 @click.option("--lossless", is_flag=True, help="Keep every tensor bit for bit (residuals on the float bits).")

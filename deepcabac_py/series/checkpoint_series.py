@@ -3,10 +3,9 @@
 The first entry and every ``key_every``-th are coded on their own (:func:`encode_model`); the
 others as residuals: every float tensor that is not an optimizer moment or step is coded as its
 difference from the previous entry *as decoded* (less what the optimizer's step directions predict
-of it), and
-every second moment (Adam's ``exp_avg_sq``, which moves slowly: 0.999 per step) as log2 of its
-ratio to the previous one as decoded; so the error of an entry is that of its own quantization and
-does not accumulate along the chain.
+of it), and every second moment (Adam's ``exp_avg_sq``, which moves slowly: 0.999 per step) as
+log2 of its ratio to the previous one as decoded; so the error of an entry is that of its own
+quantization and does not accumulate along the chain.
 Steps and everything else are coded as themselves. An entry whose tensors differ from its parent's (a new
 parameter, a changed shape or dtype) is a key.
 
