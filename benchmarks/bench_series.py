@@ -38,6 +38,7 @@ import io
 import lzma
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -273,7 +274,6 @@ def fidelity(run: Run, originals: list[dict], decoded: list[dict], middle: int, 
 
 
 def sweep_key_every(values: list[int], checkpoints: int, every: int) -> None:
-    import time
     cks = Run("char-lstm").train(checkpoints, every)
     print(f"char-lstm, {checkpoints} checkpoints every {every} steps: key_every against bytes and extraction time")
     print(f"{'key_every':>9} {'bytes':>12} {'vs key_every 1':>15} {'extract mean s':>15} {'worst s':>8}")
@@ -371,10 +371,17 @@ def main() -> None:
         own_decoded = [dc.decode_model(o) for o in own]
         with tempfile.TemporaryDirectory() as tmp:
             series = dc.CheckpointSeries(Path(tmp) / "run.dcs", key_every=args.key_every)
+            appends, extracts = [], []
             for c in cks:
+                t0 = time.perf_counter()
                 series.append(c)
+                appends.append(time.perf_counter() - t0)
             series_bytes = sum(e.bytes for e in series.entries())
-            series_decoded = [series[i] for i in range(len(cks))]
+            series_decoded = []
+            for i in range(len(cks)):  # (each from a fresh object: the chain from its key decoded)
+                t0 = time.perf_counter()
+                series_decoded.append(dc.CheckpointSeries(Path(tmp) / "run.dcs")[i])
+                extracts.append(time.perf_counter() - t0)
             lossless = dc.CheckpointSeries(Path(tmp) / "lossless.dcs", key_every=args.key_every, keep_exact=True)
             for c in cks:
                 lossless.append(c)
@@ -410,6 +417,8 @@ def main() -> None:
         print(f"{'':<24}" + "".join(f"{m:>10}" for m in marks))
         for label, curve in curves.items():
             print(f"{label:<24}" + "".join(f"{v:>10.4f}" for v in curve))
+        print(f"series: append median {np.median(appends):.3f} s, extract median {np.median(extracts):.3f} s "
+              f"(worst {max(extracts):.3f} s) per checkpoint of {raw / len(cks) / 1e6:.2f} MB")
         versus = f"series / ExCP bytes: {series_bytes / sum(excp_sizes):.2f}x; " if adam else ""
         print(f"{versus}series vs raw: {raw / series_bytes:.1f}x (goals: >= 50x, <= 0.5x ExCP)")
         print(f"lossless series (--lossless): {lossless_bytes:,} bytes, {raw / lossless_bytes:.3f}x the raw files "
