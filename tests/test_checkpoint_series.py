@@ -307,15 +307,22 @@ def _bits_equal(a, b) -> bool:
     return type(a) is type(b) and a == b
 
 
-def test_a_lossless_series_is_bit_exact_and_codes_bits_against_the_parent(run, tmp_path):
-    series = dc.CheckpointSeries(tmp_path / "ll.dcs", keep_exact=True)
-    for c in run:
+def _lossless_series(path, checkpoints: list[dict]) -> tuple[dc.CheckpointSeries, list[dict]]:
+    """A lossless series of ``checkpoints``, every entry checked bit for bit from a fresh object;
+    the series and its records' metas."""
+    series = dc.CheckpointSeries(path, keep_exact=True)
+    for c in checkpoints:
         series.append(c)
-    fresh = dc.CheckpointSeries(tmp_path / "ll.dcs")
-    assert all(_bits_equal(fresh[i], c) for i, c in enumerate(run))
-    with SeriesFile(tmp_path / "ll.dcs") as f:
-        coded = [set(r.meta.get("bit_residuals", []) + r.meta.get("xor_residuals", [])) for r in f.records]
-        predicted = [r.meta.get("bit_predicted", {}) for r in f.records]
+    fresh = dc.CheckpointSeries(path)
+    assert all(_bits_equal(fresh[i], c) for i, c in enumerate(checkpoints))
+    with SeriesFile(path) as f:
+        return series, [r.meta for r in f.records]
+
+
+def test_a_lossless_series_is_bit_exact_and_codes_bits_against_the_parent(run, tmp_path):
+    series, metas = _lossless_series(tmp_path / "ll.dcs", run)
+    coded = [set(m.get("bit_residuals", []) + m.get("xor_residuals", [])) for m in metas]
+    predicted = [m.get("bit_predicted", {}) for m in metas]
     assert not coded[0] and all(names for names in coded[1:])
     sizes = [e.bytes for e in series.entries()]
     assert max(sizes[1:]) < sizes[0]  # (the second moments move slowly: their bits are close)
@@ -671,13 +678,8 @@ def test_an_sgd_series_codes_by_the_size_and_direction_of_sgds_step(sgd_run, tmp
 
 
 def test_a_lossless_sgd_series_is_bit_exact_and_predicted_from_the_buffers(sgd_run, tmp_path):
-    series = dc.CheckpointSeries(tmp_path / "ll.dcs", keep_exact=True)
-    for c in sgd_run:
-        series.append(c)
-    fresh = dc.CheckpointSeries(tmp_path / "ll.dcs")
-    assert all(_bits_equal(fresh[i], c) for i, c in enumerate(sgd_run))
-    with SeriesFile(tmp_path / "ll.dcs") as f:
-        predicted = [r.meta.get("bit_predicted", {}) for r in f.records]
+    _, metas = _lossless_series(tmp_path / "ll.dcs", sgd_run)
+    predicted = [m.get("bit_predicted", {}) for m in metas]
     assert any(predicted[1:]) and all(m.endswith(".momentum_buffer") for p in predicted for m, _, _ in p.values())
 
 
