@@ -116,7 +116,7 @@ def test_a_decoded_checkpoint_resumes_as_the_original(which):
     ckpt = _trained(make)
     data = dc.encode_model(ckpt)
     back = dc.decode_model(data)
-    kinds = roles(e.name for e in dc.read_stream_header(data).tensors)
+    kinds = roles((e.name for e in dc.read_stream_header(data).tensors), flatten(ckpt).skeleton)
     # everything that is not a moment comes back exactly
     assert back["optimizer"]["param_groups"] == ckpt["optimizer"]["param_groups"]
     assert back["epoch"] == 3 and back["step"] == 60
@@ -127,8 +127,6 @@ def test_a_decoded_checkpoint_resumes_as_the_original(which):
             role = kinds.get(f"optimizer.state.{index}.{key}")
             if role == EXACT:
                 assert torch.equal(got[key], value) and got[key].dtype == value.dtype
-                continue
-            if role is None:  # (coded as a weight: ASGD's averaged weights)
                 continue
             # the log domain: zeros stay zeros, nothing positive becomes 0, the relative error is
             # within half a step (a quarter octave) plus float32 rounding
@@ -162,13 +160,42 @@ def test_a_series_of_checkpoints_resumes_as_the_original(which, tmp_path):
         series.append(c)
     assert [e.kind for e in series.entries()] == ["key", "residual", "residual"]
     for original, got in zip(originals, series):
+        flat = flatten(original)
+        kinds = roles(flat.tensors, flat.skeleton)
         for index, state in original["optimizer"]["state"].items():
             for key, value in state.items():
-                if roles([f"o.state.{index}.{k}" for k in state]).get(f"o.state.{index}.{key}") == EXACT:
+                if kinds[f"optimizer.state.{index}.{key}"] == EXACT:
                     assert torch.equal(got["optimizer"]["state"][index][key], value), key
         a, b = _next_step(original, make), _next_step(got, make)
         assert torch.nn.functional.cosine_similarity(a, b, dim=0).item() >= 0.99
         assert abs(b.norm().item() / a.norm().item() - 1) <= 0.05
+
+
+def test_another_librarys_optimizer_state_is_kept_exact(tmp_path):
+    # (state that no torch optimizer writes, in a torch state dict: bitsandbytes' 8-bit Adam keeps
+    # uint8 codes, a float scale per block and a float code book; a rounded scale or book would
+    # change every code's value)
+    g = torch.Generator().manual_seed(3)
+    weight = torch.randn(64, 32, generator=g)
+    state = {"state1": torch.randint(0, 256, (64, 32), dtype=torch.uint8, generator=g),
+             "absmax1": torch.rand(8, generator=g) * 1e-3, "qmap1": torch.linspace(-1, 1, 256)}
+    ckpt = {"model": {"w": weight},
+            "optimizer": {"state": {0: state}, "param_groups": [{"lr": 1e-3, "params": [0]}]}}
+    back = dc.decode_model(dc.encode_model(ckpt))
+    for key, value in state.items():
+        assert torch.equal(back["optimizer"]["state"][0][key], value), key
+    assert not torch.equal(back["model"]["w"], weight)  # (the weights are quantized as ever)
+    # the same names outside an optimizer's state dict are weights
+    loose = {"enc.state.0.absmax1": state["absmax1"].clone() * 1e3, "w": weight}
+    assert not torch.equal(dc.decode_model(dc.encode_model(loose))["enc.state.0.absmax1"], loose["enc.state.0.absmax1"])
+    # and a series keeps them exact in residual entries too
+    series = dc.CheckpointSeries(tmp_path / "run.dcs")
+    later = {**ckpt, "model": {"w": weight + 0.01}}
+    series.append(ckpt)
+    series.append(later)
+    assert [e.kind for e in series.entries()] == ["key", "residual"]
+    for key, value in state.items():
+        assert torch.equal(series[1]["optimizer"]["state"][0][key], value), key
 
 
 def test_moments_take_their_qp_from_overrides_and_moments_qp():

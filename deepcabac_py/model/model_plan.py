@@ -186,7 +186,7 @@ def _planner(source: TensorSource, vectors: Mapping[str, TensorLike], arrays: Ma
                                  qp_density=settings.qp_density, qp_1d=settings.qp_1d_resolved, reference=reference)
         overrides = {**{n: q for n, q in allocated.items() if lookup_qp(n, overrides) is None}, **overrides}
     _floor_variance_steps(vectors, overrides, overrides_in, settings)
-    return TensorPlanner(settings, overrides, importance, optimizer_state.roles(source.names))
+    return TensorPlanner(settings, overrides, importance, optimizer_state.roles(source.names, source.skeleton))
 
 
 def _floor_variance_steps(vectors: Mapping[str, TensorLike], overrides: dict[str, int], fixed: Mapping[str, int],

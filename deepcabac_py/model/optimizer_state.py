@@ -20,7 +20,8 @@ Their roles decide how they are coded (:mod:`.tensor_plan`), for every optimizer
   decoded as 0 makes the next step thousands of times too large) is the wrong measure here.
 
 ``param_groups`` and every other non-tensor entry are in the checkpoint's skeleton, kept exactly.
-Anything else in an optimizer's state (ASGD's averaged weights ``ax``) is coded as a weight.
+Any other tensor of an optimizer's state (ASGD's averaged weights ``ax``, another library's state)
+is kept exact too (:func:`roles`).
 """
 
 from __future__ import annotations
@@ -58,14 +59,20 @@ def role_of(name: str) -> str | None:
     return _ROLES[m.group(1)] if m else None
 
 
-def roles(names: Iterable[str]) -> dict[str, str]:
+def roles(names: Iterable[str], skeleton: Any = None) -> dict[str, str]:
     """Name -> role of every optimizer-state tensor among ``names``, as :func:`role_of` gives it but
-    for a ``square_avg`` beside a ``grad_avg`` (centered RMSprop), which is ``EXACT``."""
+    for a ``square_avg`` beside a ``grad_avg`` (centered RMSprop), which is ``EXACT``, and for any
+    other tensor that a torch optimizer state dict in the checkpoint's ``skeleton`` holds for a
+    parameter (another library's optimizer: bitsandbytes' block scales, say), also ``EXACT``:
+    what is not understood is not rounded."""
     out = {}
     for name in names:
         role = role_of(name)
         if role is not None:
             out[name] = role
+    for _, entries in _parameter_states(skeleton):
+        for name in _tensor_names(list(entries.values())):
+            out.setdefault(name, EXACT)
     for name in list(out):
         if name.endswith(".grad_avg"):
             sibling = name[:-len("grad_avg")] + "square_avg"
@@ -151,6 +158,20 @@ def _parameter_states(skeleton: Any) -> Iterator[tuple[dict, dict]]:
             params = g.get("params")
             for index in params if isinstance(params, list) else []:
                 yield g, (_entries(state.get(index)) if type(index) is int else None) or {}
+
+
+def _tensor_names(nodes: list) -> Iterator[str]:
+    """The names of the tensors in skeleton nodes and the lists and dicts within them."""
+    stack = list(nodes)
+    while stack:
+        node = stack.pop()
+        name = _tensor_name(node)
+        if name is not None:
+            yield name
+        elif isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, dict):
+            stack.extend(node.values())
 
 
 def _tensor_name(node: Any) -> str | None:

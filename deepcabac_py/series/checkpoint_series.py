@@ -605,7 +605,8 @@ def _step_size(tensors: dict[str, Any], moment: str, group: AdamGroup | Momentum
 def _weight_pairs(ckpt: Checkpoint, firsts: list[str]) -> dict[str, str]:
     """Each float weight of ``ckpt`` (a tensor with no optimizer role) -> its first moment among
     ``firsts`` (in the optimizer's order), as :func:`_paired` pairs them."""
-    weights = [n for n, t in ckpt.tensors.items() if role_of(n) is None and tensor_to_numpy(t)[1] in _FLOATS]
+    state = roles(ckpt.tensors, ckpt.skeleton)
+    weights = [n for n, t in ckpt.tensors.items() if n not in state and tensor_to_numpy(t)[1] in _FLOATS]
     return _paired(weights, ckpt.tensors, firsts, ckpt.tensors)
 
 
@@ -724,7 +725,7 @@ def _residual_checkpoint(ckpt: Checkpoint, parent: Checkpoint) -> tuple[Checkpoi
     ``LOG_RATIO_SUFFIX``) where that is defined: the parent nonzero wherever the moment is, and
     neither negative. Returns it, the names of the residuals and of the log ratios."""
     tensors, residuals, log_ratios = {}, [], []
-    kinds = roles(ckpt.tensors)
+    kinds = roles(ckpt.tensors, ckpt.skeleton)
     for name, t in ckpt.tensors.items():
         arr, dtype, is_torch = tensor_to_numpy(t)
         if dtype in ("float32", "float64") and kinds.get(name) == SECOND_MOMENT and arr.size:
