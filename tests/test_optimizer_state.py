@@ -171,6 +171,53 @@ def test_a_series_of_checkpoints_resumes_as_the_original(which, tmp_path):
         assert abs(b.norm().item() / a.norm().item() - 1) <= 0.05
 
 
+def test_a_distributed_checkpoints_state_keyed_by_parameter_name(tmp_path):
+    # (torch.distributed.checkpoint keys an optimizer's state by each parameter's name, not its
+    # index: "optimizer.state.0.weight.exp_avg"; the roles come from the state dict's keys)
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    torch.manual_seed(0)
+    model = _net()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    originals = []
+    for i in range(60):
+        x, y = _batch(i)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        if (i + 1) % 20 == 0:
+            originals.append(copy.deepcopy({"model": model.state_dict(),
+                                            "optimizer": get_optimizer_state_dict(model, opt)}))
+
+    def next_step(ckpt):
+        ckpt = copy.deepcopy(ckpt)
+        net = _net()
+        net.load_state_dict(ckpt["model"])
+        resumed = torch.optim.Adam(net.parameters(), lr=1e-3)
+        set_optimizer_state_dict(net, resumed, optim_state_dict=ckpt["optimizer"])
+        before = torch.cat([p.detach().clone().reshape(-1) for p in net.parameters()])
+        x, y = _batch(100)
+        resumed.zero_grad()
+        torch.nn.functional.cross_entropy(net(x), y).backward()
+        resumed.step()
+        return torch.cat([p.detach().reshape(-1) for p in net.parameters()]) - before
+
+    data = dc.encode_model(originals[-1])
+    modes = {e.name: e.mode for e in dc.read_stream_header(data).tensors}
+    assert modes["optimizer.state.0.weight.exp_avg_sq"] == Mode.LOG
+    assert modes["optimizer.state.0.weight.step"] in (Mode.RAW, Mode.FLOAT)
+    series = dc.CheckpointSeries(tmp_path / "run.dcs")
+    for c in originals:
+        series.append(c)
+    a = next_step(originals[-1])
+    for got in (dc.decode_model(data), series[2]):
+        step = originals[-1]["optimizer"]["state"]["0.weight"]["step"]
+        assert torch.equal(got["optimizer"]["state"]["0.weight"]["step"], step)
+        b = next_step(got)
+        assert torch.nn.functional.cosine_similarity(a, b, dim=0).item() >= 0.99
+        assert abs(b.norm().item() / a.norm().item() - 1) <= 0.05
+
+
 def test_another_librarys_optimizer_state_is_kept_exact(tmp_path):
     # (state that no torch optimizer writes, in a torch state dict: bitsandbytes' 8-bit Adam keeps
     # uint8 codes, a float scale per block and a float code book; a rounded scale or book would

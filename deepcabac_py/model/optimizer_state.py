@@ -60,19 +60,22 @@ def role_of(name: str) -> str | None:
 
 
 def roles(names: Iterable[str], skeleton: Any = None) -> dict[str, str]:
-    """Name -> role of every optimizer-state tensor among ``names``, as :func:`role_of` gives it but
-    for a ``square_avg`` beside a ``grad_avg`` (centered RMSprop), which is ``EXACT``, and for any
-    other tensor that a torch optimizer state dict in the checkpoint's ``skeleton`` holds for a
-    parameter (another library's optimizer: bitsandbytes' block scales, say), also ``EXACT``:
-    what is not understood is not rounded."""
+    """Name -> role of every optimizer-state tensor among ``names``: for the tensors that a torch
+    optimizer state dict in the checkpoint's ``skeleton`` holds for a parameter, by their key
+    there (whatever the parameter's key: an index, or its name in torch.distributed.checkpoint's
+    state dicts), ``EXACT`` for a key no ``torch.optim`` optimizer writes (another library's
+    state: bitsandbytes' block scales, say; what is not understood is not rounded); for the others
+    as :func:`role_of` gives it; and a ``square_avg`` beside a ``grad_avg`` (centered RMSprop) is
+    ``EXACT``."""
     out = {}
     for name in names:
         role = role_of(name)
         if role is not None:
             out[name] = role
     for _, entries in _parameter_states(skeleton):
-        for name in _tensor_names(list(entries.values())):
-            out.setdefault(name, EXACT)
+        for key, node in entries.items():
+            for name in _tensor_names([node]):
+                out[name] = _ROLES.get(key, EXACT) if isinstance(key, str) else EXACT
     for name in list(out):
         if name.endswith(".grad_avg"):
             sibling = name[:-len("grad_avg")] + "square_avg"
@@ -157,7 +160,7 @@ def _parameter_states(skeleton: Any) -> Iterator[tuple[dict, dict]]:
             g = _entries(group) or {}
             params = g.get("params")
             for index in params if isinstance(params, list) else []:
-                yield g, (_entries(state.get(index)) if type(index) is int else None) or {}
+                yield g, (_entries(state.get(index)) if type(index) in (int, str) else None) or {}
 
 
 def _tensor_names(nodes: list) -> Iterator[str]:
