@@ -60,8 +60,9 @@ def _trained(make_opt, steps: int = 60) -> dict:
     return _checkpoints(make_opt, 1, steps)[0]
 
 
-def _checkpoints(make_opt, count: int, every: int) -> list[dict]:
-    """``count`` checkpoints of one run, ``every`` steps apart."""
+def _checkpoints(make_opt, count: int, every: int, state_of=lambda model, opt: opt.state_dict()) -> list[dict]:
+    """``count`` checkpoints of one run, ``every`` steps apart, the optimizer's state as ``state_of``
+    gives it."""
     torch.manual_seed(0)
     model = _net()
     opt = make_opt(model.parameters())
@@ -72,18 +73,19 @@ def _checkpoints(make_opt, count: int, every: int) -> list[dict]:
         torch.nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
         if (i + 1) % every == 0:
-            out.append(copy.deepcopy({"model": model.state_dict(), "optimizer": opt.state_dict(), "epoch": 3,
+            out.append(copy.deepcopy({"model": model.state_dict(), "optimizer": state_of(model, opt), "epoch": 3,
                                       "step": i + 1}))
     return out
 
 
-def _next_step(ckpt: dict, make_opt) -> torch.Tensor:
-    """The parameter change of one more step on a fixed batch, resumed from ``ckpt``."""
+def _next_step(ckpt: dict, make_opt, load=lambda model, opt, state: opt.load_state_dict(state)) -> torch.Tensor:
+    """The parameter change of one more step on a fixed batch, resumed from ``ckpt`` (its optimizer
+    state loaded by ``load``)."""
     ckpt = copy.deepcopy(ckpt)  # (the optimizer adopts the state's tensors and steps them in place)
     model = _net()
     model.load_state_dict(ckpt["model"])
     opt = make_opt(model.parameters())
-    opt.load_state_dict(ckpt["optimizer"])
+    load(model, opt, ckpt["optimizer"])
     before = torch.cat([p.detach().clone().reshape(-1) for p in model.parameters()])
     x, y = _batch(100)
     opt.zero_grad()
@@ -176,31 +178,12 @@ def test_a_distributed_checkpoints_state_keyed_by_parameter_name(tmp_path):
     # index: "optimizer.state.0.weight.exp_avg"; the roles come from the state dict's keys)
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
-    torch.manual_seed(0)
-    model = _net()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    originals = []
-    for i in range(60):
-        x, y = _batch(i)
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
-        if (i + 1) % 20 == 0:
-            originals.append(copy.deepcopy({"model": model.state_dict(),
-                                            "optimizer": get_optimizer_state_dict(model, opt)}))
+    make = OPTIMIZERS["adam"]
+    originals = _checkpoints(make, 3, 20, state_of=get_optimizer_state_dict)
 
     def next_step(ckpt):
-        ckpt = copy.deepcopy(ckpt)
-        net = _net()
-        net.load_state_dict(ckpt["model"])
-        resumed = torch.optim.Adam(net.parameters(), lr=1e-3)
-        set_optimizer_state_dict(net, resumed, optim_state_dict=ckpt["optimizer"])
-        before = torch.cat([p.detach().clone().reshape(-1) for p in net.parameters()])
-        x, y = _batch(100)
-        resumed.zero_grad()
-        torch.nn.functional.cross_entropy(net(x), y).backward()
-        resumed.step()
-        return torch.cat([p.detach().reshape(-1) for p in net.parameters()]) - before
+        return _next_step(ckpt, make, load=lambda model, opt, state: set_optimizer_state_dict(
+            model, opt, optim_state_dict=state))
 
     data = dc.encode_model(originals[-1])
     modes = {e.name: e.mode for e in dc.read_stream_header(data).tensors}

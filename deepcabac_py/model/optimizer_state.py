@@ -75,7 +75,7 @@ def roles(names: Iterable[str], skeleton: Any = None) -> dict[str, str]:
     for _, entries in _parameter_states(skeleton):
         for key, node in entries.items():
             for name in _tensor_names([node]):
-                out[name] = _ROLES.get(key, EXACT) if isinstance(key, str) else EXACT
+                out[name] = _ROLES.get(key, EXACT)
     for name in list(out):
         if name.endswith(".grad_avg"):
             sibling = name[:-len("grad_avg")] + "square_avg"
@@ -197,11 +197,10 @@ def _adam_hyper(group: dict) -> tuple[float, float, float, float] | None:
     betas = group.get("betas")
     if isinstance(betas, dict) and set(betas) == {"$tuple"}:
         betas = betas["$tuple"]
-    numbers = [group.get("lr"), *(betas if isinstance(betas, list) and len(betas) == 2 else [None, None]),
-               group.get("eps")]
-    if not all(type(x) in (int, float) and math.isfinite(x) for x in numbers):
+    pair = betas if isinstance(betas, list) and len(betas) == 2 else [None, None]
+    lr, beta1, beta2, eps = (_number(x) for x in (group.get("lr"), *pair, group.get("eps")))
+    if lr is None or beta1 is None or beta2 is None or eps is None:
         return None
-    lr, beta1, beta2, eps = (float(x) for x in numbers)
     if lr <= 0 or not (0 <= beta1 < 1 and 0 <= beta2 < 1) or eps < 0:
         return None
     return lr, beta1, beta2, eps

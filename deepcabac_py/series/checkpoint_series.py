@@ -306,7 +306,22 @@ def _prediction(tensors: dict[str, Any], parent: dict[str, Any], moment: str, co
     moment ``moment`` predict it (the optimizer's steps in between went from the one to the other)."""
     if moment not in parent:
         raise CorruptStreamError(f"prediction from {moment!r}, which the parent does not hold")
-    return coefs[0] * _direction(tensors, moment) + coefs[1] * _direction(parent, moment)
+    return _combined(coefs, _direction(tensors, moment), _direction(parent, moment))
+
+
+def _combined(coefs: tuple[float, float], now: np.ndarray, before: np.ndarray) -> np.ndarray:
+    """The prediction of coefficients ``coefs`` on the two directions (the reader's arithmetic)."""
+    return coefs[0] * now + coefs[1] * before
+
+
+def _fitted_prediction(change: np.ndarray, tensors: dict[str, Any], parent: dict[str, Any],
+                       moment: str) -> tuple[tuple[float, float], np.ndarray] | None:
+    """The writer's side of :func:`_prediction`: the coefficients of ``change`` on the entry's and
+    the parent's directions of ``moment`` and the prediction they make (each direction computed
+    once), None where they do not hold."""
+    now, before = _direction(tensors, moment), _direction(parent, moment)
+    coefs = _fitted(change, now, before)
+    return None if coefs is None else (coefs, _combined(coefs, now, before))
 
 
 def _fitted(change: np.ndarray, now: np.ndarray, before: np.ndarray) -> tuple[float, float] | None:
@@ -523,10 +538,11 @@ def _predicted_residuals(coded: Checkpoint, residuals: list[str], settings: dict
         if matches(name, exact):  # (kept as its residual is: a prediction would round it)
             continue
         d = delta.astype(np.float64)
-        coefs = _fitted(d, _direction(decoded, moment), _direction(parent.tensors, moment))
-        if coefs is None:
+        fit = _fitted_prediction(d, decoded, parent.tensors, moment)
+        if fit is None:
             continue
-        rest = d - _prediction(decoded, parent.tensors, moment, coefs)
+        coefs, guess = fit
+        rest = d - guess
         if not np.all(np.isfinite(rest)) or np.vdot(rest, rest) > (1 - MIN_PREDICTION_GAIN) * np.vdot(d, d):
             continue
         # (a first moment in the update domain has a second moment of its shape)
@@ -579,10 +595,7 @@ def _step_size(tensors: dict[str, Any], moment: str, group: AdamGroup | Momentum
     """The root mean square of the optimizer's last step on the weight of first moment ``moment``,
     None if it cannot be told."""
     if isinstance(group, MomentumGroup):
-        buffer = tensor_to_numpy(tensors[moment])[0].astype(np.float64)
-        with np.errstate(over="ignore", invalid="ignore"):
-            size = group.lr * float(np.sqrt(np.mean(np.square(buffer))))
-        return size if math.isfinite(size) and size > 0 else None
+        return _rms_times(group.lr, tensor_to_numpy(tensors[moment])[0].astype(np.float64))
     t = None
     if group.step is not None and group.step in tensors:
         arr = tensor_to_numpy(tensors[group.step])[0]
@@ -594,11 +607,17 @@ def _step_size(tensors: dict[str, Any], moment: str, group: AdamGroup | Momentum
     partner = _partner_of(moment, tensors)
     if partner is None or first <= 0 or second <= 0:
         return None
-    # (an empty tensor's mean is NaN: no size)
     m = tensor_to_numpy(tensors[moment])[0].astype(np.float64) / first
     v = np.abs(tensor_to_numpy(tensors[partner])[0].astype(np.float64)) / second
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-        size = group.lr * float(np.sqrt(np.mean(np.square(m / (np.sqrt(v) + group.eps)))))
+        return _rms_times(group.lr, m / (np.sqrt(v) + group.eps))
+
+
+def _rms_times(lr: float, step: np.ndarray) -> float | None:
+    """``lr`` times the root mean square of ``step``, None unless positive and finite (an empty
+    tensor's mean is NaN: no size)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        size = lr * float(np.sqrt(np.mean(np.square(step))))
     return size if math.isfinite(size) and size > 0 else None
 
 
@@ -799,11 +818,10 @@ def _bit_residual_checkpoint(ckpt: Checkpoint,
                                           (numpy_to_tensor(delta, _DELTAS[dtype], is_torch), keyed)]
         if name in pairs:
             moment = pairs[name]
-            coefs = _fitted(_floats(arr, dtype) - _floats(base, dtype), _direction(ckpt.tensors, moment),
-                            _direction(parent.tensors, moment))
-            if coefs is not None:
-                guess = _predicted_bits(base, dtype, _prediction(ckpt.tensors, parent.tensors, moment, coefs))
-                guess = np.require(guess, requirements="C").view(words)
+            fit = _fitted_prediction(_floats(arr, dtype) - _floats(base, dtype), ckpt.tensors, parent.tensors, moment)
+            if fit is not None:
+                coefs, change = fit
+                guess = np.require(_predicted_bits(base, dtype, change), requirements="C").view(words)
                 wrong = np.asarray(_order_key(mine) - _order_key(guess)).reshape(arr.shape).view(_DELTAS[dtype])
                 options.append((numpy_to_tensor(wrong, _DELTAS[dtype], is_torch), (moment, *coefs)))
         sizes = [len(encode_model({name: option}, keep_exact=True, threads=1)) for option, _ in options]
