@@ -27,6 +27,11 @@ class CheckpointError(DeepCabacError):
     """A checkpoint file cannot be read or written (unsupported kind, hostile or damaged content)."""
 
 
+class PickleRefusedError(CheckpointError):
+    """A torch file whose pickle needs code or objects that weights-only loading does not allow: it
+    is never unpickled (a checkpoint directory carries such a file as its bytes)."""
+
+
 class OutputExistsError(DeepCabacError):
     """The output file exists and overwriting was not allowed (pass ``force=True`` / ``--force``)."""
 

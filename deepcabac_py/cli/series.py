@@ -18,7 +18,7 @@ def series_group():
 
 @series_group.command("add")
 @click.argument("series", metavar="RUN.dcs", type=click.Path(dir_okay=False))
-@click.argument("checkpoints", metavar="CKPT...", nargs=-1, required=True, type=click.Path(dir_okay=False))
+@click.argument("checkpoints", metavar="CKPT...", nargs=-1, required=True, type=click.Path())
 @click.option("--key-every", type=click.IntRange(min=1), default=None,
               help="Every K-th entry is coded on its own, the others against the entry before "
                    "[default: 10].")
@@ -31,7 +31,9 @@ def series_group():
 @click.option("-q", "--quiet", is_flag=True, help="Print nothing but errors.")
 def add_cmd(series, checkpoints, key_every, qp, input_format, lossless, quiet):
     """Append each CKPT to RUN.dcs (created on first use); a line per entry, with its ratio to the
-    checkpoint's file."""
+    checkpoint's file. A CKPT that is a directory (a Trainer's checkpoint-N/) is one entry of all
+    its files."""
+    from deepcabac_py.io.directories import list_files, load_checkpoint_directory
     from deepcabac_py.io.files import load_checkpoint
     from deepcabac_py.series.checkpoint_series import DEFAULT_KEY_EVERY, CheckpointSeries
 
@@ -42,9 +44,16 @@ def add_cmd(series, checkpoints, key_every, qp, input_format, lossless, quiet):
         settings["keep_exact"] = True
     s = CheckpointSeries(series, key_every=key_every or DEFAULT_KEY_EVERY, **settings)
     for path in checkpoints:
-        index = s.append(load_checkpoint(path, input_format))
+        if os.path.isdir(path):
+            if input_format is not None:
+                raise click.UsageError(f"--input-format names a file's kind; {path} is a directory")
+            index = s.append(load_checkpoint_directory(path))
+            size = sum(os.path.getsize(os.path.join(path, rel)) for rel in list_files(path))
+        else:
+            index = s.append(load_checkpoint(path, input_format))
+            size = os.path.getsize(path)
         if not quiet:
-            e, size = s.entries()[index], os.path.getsize(path)
+            e = s.entries()[index]
             click.echo(f"{series}: entry {index} ({e.kind}) {e.bytes:,} bytes <- {path} "
                        f"({size:,} bytes, {size / max(e.bytes, 1):.1f}x)")
 
@@ -65,20 +74,29 @@ def list_cmd(series):
 @series_group.command("extract")
 @click.argument("series", metavar="RUN.dcs", type=click.Path(dir_okay=False))
 @click.argument("index", type=int)
-@click.option("-o", "--output", required=True, type=click.Path(allow_dash=True, dir_okay=False),
-              help="The checkpoint to write (.pt, .safetensors, .npz).")
-@click.option("-f", "--force", is_flag=True, help="Overwrite an existing output file.")
+@click.option("-o", "--output", required=True, type=click.Path(allow_dash=True),
+              help="The checkpoint to write (.pt, .safetensors, .npz), or the directory of an entry that was one.")
+@click.option("-f", "--force", is_flag=True, help="Overwrite an existing output file or directory.")
 def extract_cmd(series, index, output, force):
-    """Decode entry INDEX (negative: from the end) into a checkpoint file, the chain verified."""
-    from deepcabac_py.errors import InputError
+    """Decode entry INDEX (negative: from the end) into a checkpoint file, or a directory where the
+    entry was one, the chain verified."""
+    from deepcabac_py.errors import InputError, OutputError, OutputExistsError
+    from deepcabac_py.io.directories import DIRECTORY_KIND, save_checkpoint_directory
     from deepcabac_py.io.files import checkpoint_writer, kind_from_suffix
 
     existing = _existing(series)
-    check_output(output, force)
+    if os.path.lexists(output) and not force and output != "-":  # (refused before any decoding)
+        raise OutputExistsError(f"output {output} already exists; use --force to replace it")
     try:
         ckpt = existing.checkpoint(index)
     except IndexError as exc:
         raise InputError(str(exc)) from None
+    if ckpt.kind == DIRECTORY_KIND:
+        if output == "-":
+            raise OutputError(f"entry {index} is a directory: give one with -o DIR")
+        save_checkpoint_directory(ckpt, output, force=force)
+        return
+    check_output(output, force)
     kind = kind_from_suffix(output) or "torch"
     write_output(output, checkpoint_writer(ckpt, kind), force)
 

@@ -1,31 +1,40 @@
 """Checkpoint directories as Hugging Face writes them: weight shards (``model-00001-of-00004.safetensors``,
 ``pytorch_model-00001-of-00002.bin``, or one unsharded ``model.safetensors``), the index that maps
 every tensor to its shard (``model.safetensors.index.json``, ``pytorch_model.bin.index.json``), and
-everything else (config, tokenizer, generation settings) carried as it is.
+everything else (config, tokenizer, generation settings) carried as it is. The Trainer's
+``checkpoint-N/`` adds ``optimizer.pt``, ``scheduler.pt``, ``rng_state.pth``, ``trainer_state.json``
+and ``training_args.bin``.
 
 :func:`scan_directory` reads the layout and checks the index against the shards' own tensor tables
 (headers only: nothing is loaded); :func:`replace_directory` puts a finished output directory in
-place in one rename.
+place in one rename. :func:`load_checkpoint_directory` takes a whole directory as one
+:class:`~.checkpoint.Checkpoint` (what a checkpoint series stores of a training run's
+``checkpoint-N/``) and :func:`save_checkpoint_directory` writes it back.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import shutil
 from dataclasses import dataclass, field
+from typing import Any
 
-from ..errors import CheckpointError, InputError, OutputError, OutputExistsError
+from ..errors import CheckpointError, InputError, OutputError, OutputExistsError, PickleRefusedError
 from .atomic import os_reason
-from .files import load_checkpoint, read_safetensors_index
+from .checkpoint import Checkpoint, flatten, unflatten
+from .files import checkpoint_writer, load_checkpoint, read_safetensors_index
 from .inputs import unreadable
 from .kinds import kind_from_suffix
 
 __all__ = ["CheckpointDirectory", "scan_directory", "list_files", "check_output_directory", "temporary_sibling",
-           "replace_directory", "copy_file", "INDEX_SUFFIX"]
+           "replace_directory", "copy_file", "INDEX_SUFFIX", "DIRECTORY_KIND", "load_checkpoint_directory",
+           "save_checkpoint_directory"]
 
 INDEX_SUFFIX = ".index.json"
+SHARD_NUMBER = re.compile(r"-\d+-of-\d+\.[^.]+$")  # model-00001-of-00004.safetensors
 # an index bigger than this is no index (a 1,000-shard model with 100k tensors needs a few MB)
 MAX_INDEX_BYTES = 64 << 20
 
@@ -71,9 +80,12 @@ def scan_directory(path: str | os.PathLike, *, check_index: bool = True) -> Chec
     if not shards:
         raise CheckpointError(f"{path}: no checkpoint shard in the directory (.safetensors, .bin, .pt, .pth)")
     layout = CheckpointDirectory(path, shards, indexes, others)
-    if check_index and len(shards) > 1 and not indexes:
-        raise CheckpointError(f"{path}: {len(shards)} shards and no index (*{INDEX_SUFFIX}) saying which tensor "
-                              "is in which")
+    # (a Trainer's checkpoint-N/ holds model.safetensors, optimizer.pt, scheduler.pt and more
+    # without an index: only a model cut into numbered shards needs one)
+    numbered = [s for s in shards if SHARD_NUMBER.search(os.path.basename(s))]
+    if check_index and len(numbered) > 1 and not indexes:
+        raise CheckpointError(f"{path}: {len(numbered)} numbered shards and no index (*{INDEX_SUFFIX}) saying "
+                              "which tensor is in which")
     for index in indexes:
         layout.weight_map.update(_read_index(layout, index))
     if check_index and layout.weight_map:
@@ -218,3 +230,156 @@ def copy_file(src: str, dst: str) -> None:
         shutil.copy2(src, dst)
     except OSError as exc:
         raise OutputError(f"cannot copy {src} to {dst}: {os_reason(exc)}") from None
+
+
+# --------------------------------------------------------------------------------------------------
+# a whole directory as one checkpoint
+# --------------------------------------------------------------------------------------------------
+
+DIRECTORY_KIND = "directory"  # the Checkpoint.kind of a directory loaded whole
+# A file carried as its bytes goes into the checkpoint's structure (a stream's deflated header):
+# configs, tokenizers, RNG state and arguments are kilobytes to a few MB; more is no carried file
+MAX_CARRIED_BYTES = 64 << 20
+_CHECKPOINT_NAME = re.compile(r"checkpoint-(\d+)$")
+
+
+def load_checkpoint_directory(path: str | os.PathLike) -> Checkpoint:
+    """Every file of the directory ``path`` in one checkpoint (of kind :data:`DIRECTORY_KIND`), as
+    a checkpoint series stores a training run's ``checkpoint-N/``.
+
+    Its structure is ``{"files": {relative path: content}, "step": N}``: a safetensors file's
+    content is ``{"safetensors": {name: tensor}, "metadata": ..., "header": ...}`` (its JSON header
+    as spelled, so that it is written back byte for byte), a torch or ``.npz`` file's
+    ``{"torch": object}`` or ``{"npz": object}`` as :func:`~.files.load_checkpoint` loads it, and
+    any other file's ``{"bytes": ...}``: configs, indexes, and the torch files whose pickle
+    weights-only loading refuses (the Trainer's ``training_args.bin`` and ``rng_state.pth``), which
+    are never unpickled. ``step`` is the Trainer's ``global_step`` (``trainer_state.json``), else
+    the N of a directory named ``checkpoint-N``, else absent.
+    """
+    path = os.fspath(path)
+    files: dict[str, Any] = {}
+    for rel in list_files(path):
+        full = os.path.join(path, rel)
+        kind = None if rel.endswith(INDEX_SUFFIX) else kind_from_suffix(rel)
+        if kind == "safetensors":
+            files[rel] = _safetensors_content(full)
+            continue
+        if kind is not None:
+            try:
+                files[rel] = {kind: unflatten(load_checkpoint(full, kind))}
+                continue
+            except PickleRefusedError:
+                pass
+        files[rel] = {"bytes": _carried_bytes(full)}
+    root: dict[str, Any] = {"files": files}
+    step = _trainer_step(files.get("trainer_state.json"), path)
+    if step is not None:
+        root["step"] = step
+    ckpt = flatten(root)
+    ckpt.kind = DIRECTORY_KIND
+    return ckpt
+
+
+def _safetensors_content(full: str) -> dict[str, Any]:
+    ckpt = load_checkpoint(full, "safetensors")
+    try:
+        with open(full, "rb") as f:
+            header = read_safetensors_index(f, full).header_text
+    except OSError as exc:
+        raise unreadable(full, exc) from None
+    return {"safetensors": unflatten(ckpt), "metadata": ckpt.metadata, "header": header}
+
+
+def _carried_bytes(full: str) -> bytes:
+    try:
+        with open(full, "rb") as f:
+            data = f.read(MAX_CARRIED_BYTES + 1)
+    except OSError as exc:
+        raise unreadable(full, exc) from None
+    if len(data) > MAX_CARRIED_BYTES:
+        raise CheckpointError(f"{full}: a file carried as it is may have {MAX_CARRIED_BYTES:,} bytes at most "
+                              "(it is no checkpoint file this library reads)")
+    return data
+
+
+def _trainer_step(state: Any, path: str) -> int | None:
+    """The Trainer's ``global_step`` in ``trainer_state.json`` (carried as bytes), else the N of
+    ``checkpoint-N``."""
+    if isinstance(state, dict) and isinstance(state.get("bytes"), bytes):
+        try:
+            doc = json.loads(state["bytes"].decode("utf-8"))
+        except (UnicodeDecodeError, ValueError, RecursionError):
+            doc = None
+        step = doc.get("global_step") if isinstance(doc, dict) else None
+        if type(step) is int and step >= 0:
+            return step
+    m = _CHECKPOINT_NAME.search(os.path.basename(os.path.normpath(path)))
+    return int(m.group(1)) if m else None
+
+
+def save_checkpoint_directory(ckpt: Checkpoint, path: str | os.PathLike, *, force: bool = False) -> None:
+    """Write a checkpoint of :func:`load_checkpoint_directory`'s structure back as the directory
+    ``path``: built beside it and renamed into place when complete (``force`` replaces an existing
+    one). Files carried as bytes come back byte for byte, safetensors files with their header as it
+    was (byte for byte where the tensors are too), torch and ``.npz`` files as their objects saved
+    again. :class:`CheckpointError` for a checkpoint of another structure or an unsafe path."""
+    path = os.fspath(path)
+    files = directory_files(ckpt)
+    if os.path.lexists(path):
+        if not force:
+            raise OutputExistsError(f"output directory {path} already exists; use --force to replace it")
+        if not os.path.isdir(path) or os.path.islink(path):
+            raise OutputError(f"cannot write {path}: it exists and is not a directory")
+    tmp = temporary_sibling(path)
+    try:
+        for rel, content in files.items():
+            full = os.path.join(tmp, rel)
+            try:
+                os.makedirs(os.path.dirname(full), exist_ok=True)
+                with open(full, "xb") as f:
+                    _file_writer(rel, content)(f)
+            except OSError as exc:
+                raise OutputError(f"cannot write {os.path.join(path, rel)}: {os_reason(exc)}") from None
+        replace_directory(tmp, path, force)
+    finally:
+        if os.path.isdir(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def directory_files(ckpt: Checkpoint) -> dict[str, dict[str, Any]]:
+    """Relative path -> content of a checkpoint of :func:`load_checkpoint_directory`'s structure,
+    every path checked to stay inside the directory."""
+    root = unflatten(ckpt)
+    files = root.get("files") if isinstance(root, dict) else None
+    if ckpt.kind != DIRECTORY_KIND or not isinstance(files, dict):
+        raise CheckpointError("the checkpoint is not a directory's (no files)")
+    for rel, content in files.items():
+        if not _safe_relative(rel):
+            raise CheckpointError(f"a directory checkpoint names the file {rel!r:.80}, which is no relative path "
+                                  "inside its directory")
+        if not isinstance(content, dict) or len(set(content) & {"bytes", "safetensors", "torch", "npz"}) != 1:
+            raise CheckpointError(f"a directory checkpoint's file {rel!r:.80} has no content of a known kind")
+        if "bytes" in content and not isinstance(content["bytes"], bytes):
+            raise CheckpointError(f"a directory checkpoint's file {rel!r:.80} carries no bytes")
+    return files
+
+
+def _safe_relative(rel: Any) -> bool:
+    if not isinstance(rel, str) or not rel or "\x00" in rel or os.path.isabs(rel) or rel != os.path.normpath(rel):
+        return False
+    return not any(part in ("", ".", "..") for part in rel.split(os.sep))
+
+
+def _file_writer(rel: str, content: dict[str, Any]):
+    if "bytes" in content:
+        return lambda f: f.write(content["bytes"])
+    if "safetensors" in content:
+        ckpt = flatten(content["safetensors"])
+        metadata = content.get("metadata")
+        if metadata is not None and not isinstance(metadata, dict):
+            raise CheckpointError(f"a directory checkpoint's file {rel!r:.80} has malformed metadata")
+        ckpt.metadata = metadata
+        header = content.get("header")
+        return checkpoint_writer(ckpt, "safetensors", safetensors_header=header if isinstance(header, str) else None)
+    kind = "torch" if "torch" in content else "npz"
+    return checkpoint_writer(flatten(content[kind]), kind)

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Union, cast
 
 import numpy as np
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, PickleRefusedError
 from .atomic import write_atomic
 from .checkpoint import (
     Checkpoint,
@@ -205,7 +205,7 @@ def _load_torch(path: str, max_bytes: int | None = None) -> Checkpoint:
         if marker in text:
             reason = text.split(marker, 1)[1].strip().splitlines()[0]
             reason = reason.split(". Please", 1)[0].strip()
-            raise CheckpointError(
+            raise PickleRefusedError(
                 f"refused to load {path}: the pickle needs code or objects that weights-only loading "
                 f"does not allow ({reason})"
             ) from None
@@ -632,9 +632,11 @@ def save_checkpoint(ckpt: Checkpoint, path: PathLike, *, kind: str | None = None
     write_atomic(path, checkpoint_writer(ckpt, kind), force=force)
 
 
-def checkpoint_writer(ckpt: Checkpoint, kind: str) -> Callable:
+def checkpoint_writer(ckpt: Checkpoint, kind: str, *, safetensors_header: str | None = None) -> Callable:
     """A callable that writes ``ckpt`` as a ``kind`` checkpoint to a binary file object (for streams
-    such as stdout; :func:`save_checkpoint` is the file-path front)."""
+    such as stdout; :func:`save_checkpoint` is the file-path front). ``safetensors_header``: the
+    JSON header a safetensors file had, written as it was where it still describes the tensors (a
+    file restored byte for byte)."""
     check_kind(kind)
     if kind is None:
         raise ValueError("checkpoint_writer needs a kind")
@@ -642,7 +644,7 @@ def checkpoint_writer(ckpt: Checkpoint, kind: str) -> Callable:
     if kind == "torch":
         return _torch_writer(ckpt)
     if kind == "safetensors":
-        return _safetensors_writer(ckpt)
+        return _safetensors_writer(ckpt, safetensors_header)
     return _npz_writer(ckpt)
 
 
@@ -730,12 +732,16 @@ def _st_raw(name: str, t: TensorLike) -> tuple[str, list[int], np.ndarray]:
     return code, shape, np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
 
 
-def _safetensors_writer(ckpt: Checkpoint) -> Callable:
+def _safetensors_writer(ckpt: Checkpoint, header: str | None = None) -> Callable:
     entries = [(name, *_st_raw(name, t)) for name, t in ckpt.tensors.items()]
     # Tied tensors are written as separate copies (safetensors forbids shared storage).
     entries += [(name, *_st_raw(name, ckpt.tensors[target])) for name, target in (ckpt.aliases or {}).items()]
-    layout = SafetensorsLayout.of([(name, code, shape) for name, code, shape, _ in entries], ckpt.skeleton,
-                                  ckpt.metadata, ckpt.aliases, is_plain(ckpt))
+    specs = [(name, code, shape) for name, code, shape, _ in entries]
+    layout = None
+    if header is not None and is_plain(ckpt) and not ckpt.aliases:
+        layout = SafetensorsLayout.verbatim(header, specs, ckpt.metadata)
+    if layout is None:
+        layout = SafetensorsLayout.of(specs, ckpt.skeleton, ckpt.metadata, ckpt.aliases, is_plain(ckpt))
     raw = {name: data for name, _, _, data in entries}
 
     def write(f) -> None:

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
-from ..errors import CorruptStreamError, InputError
+from ..errors import CorruptStreamError, InputError, PickleRefusedError
 from ..io.atomic import AppendingWriter, write_atomic
 from ..io.checkpoint import Checkpoint, is_plain_structure, plain_skeleton
 from ..io.directories import (
@@ -157,20 +157,30 @@ def encode_directory(src: str | os.PathLike, dst: str | os.PathLike, *, force: b
                      threads: int | None = None, progress: Progress | None = None,
                      **settings: Any) -> DirectoryResult:
     """Encode a checkpoint directory: every shard ``NAME`` becomes ``NAME.dcb`` in ``dst``, every
-    other file (index, config, tokenizer) is carried byte for byte. The output is built in a
-    temporary directory beside ``dst`` and renamed into place when complete."""
+    other file (index, config, tokenizer) is carried byte for byte, and so is a torch file outside
+    the index whose pickle weights-only loading refuses (a Trainer's ``training_args.bin`` and
+    ``rng_state.pth``: never unpickled). The output is built in a temporary directory beside
+    ``dst`` and renamed into place when complete."""
     src, dst = os.fspath(src), os.fspath(dst)
     layout = scan_directory(src)
     check_output_directory(dst, force, src)
     EncodeSettings(**settings)  # (bad settings refused before any work)
     result = DirectoryResult()
     with _built_beside(dst, force) as tmp:
+        refused = []
         for shard in layout.shards:
             out = _place(tmp, shard + STREAM_SUFFIX)
-            header = encode_file(layout.full(shard), out, threads=threads, progress=progress, **settings)
+            try:
+                header = encode_file(layout.full(shard), out, threads=threads, progress=progress, **settings)
+            except PickleRefusedError:
+                # (a Trainer's training_args.bin and rng_state.pth: never unpickled, carried as they are)
+                if shard in layout.weight_map.values():
+                    raise
+                refused.append(shard)
+                continue
             result.shards.append((shard, shard + STREAM_SUFFIX, os.path.getsize(layout.full(shard)),
                                   header.total_size))
-        result.carried = _carry(src, tmp, layout.indexes + layout.others)
+        result.carried = _carry(src, tmp, layout.indexes + layout.others + refused)
     return result
 
 

@@ -37,7 +37,10 @@ import numpy as np
 
 from ..errors import CorruptStreamError
 from ..io.checkpoint import Checkpoint, flatten, numpy_to_tensor, plain_skeleton, tensor_to_numpy, unflatten
+from ..io.directories import DIRECTORY_KIND, load_checkpoint_directory, save_checkpoint_directory
 from ..io.dtypes import bfloat16_to_float32, float64_to_bfloat16
+from ..io.files import load_checkpoint, save_checkpoint
+from ..io.kinds import kind_from_suffix
 from ..model.decoder import decode_checkpoint, read_stream_header
 from ..model.encoder import encode_model
 from ..model.optimizer_state import (
@@ -129,8 +132,12 @@ class CheckpointSeries:
                 for r in self._records()]
 
     def append(self, obj: Any) -> int:
-        """Add a checkpoint (any object :func:`encode_model` takes) at the end; returns its index.
-        Atomic: a crash leaves the series as it was; another writer at the same time is refused."""
+        """Add a checkpoint at the end: any object :func:`encode_model` takes, or the path of a
+        checkpoint file or directory (a Trainer's ``checkpoint-N/``: every file, see
+        :func:`~deepcabac_py.io.directories.load_checkpoint_directory`). Returns its index. Atomic:
+        a crash leaves the series as it was; another writer at the same time is refused."""
+        if isinstance(obj, (str, os.PathLike)):
+            obj = load_checkpoint_directory(obj) if os.path.isdir(obj) else load_checkpoint(obj)
         ckpt = obj if isinstance(obj, Checkpoint) else flatten(obj)
         with SeriesFile(self.path, writer=True) as f:
             index = len(f.records)
@@ -139,11 +146,18 @@ class CheckpointSeries:
                 parent = None
             meta: dict[str, Any] = {"kind": KEY if parent is None else RESIDUAL,
                                     "parent": None if parent is None else index - 1, "step": _step_of(ckpt)}
+            # (a key after the first pairs its weights by the entry before too, where this object
+            # holds it: the pairs then do not depend on the order the checkpoint lists its tensors in)
+            previous = parent
+            if previous is None and self._last is not None and self._last[0] == index - 1 \
+                    and _same_tensors(self._last[1], ckpt):
+                previous = self._last[1]
+            pairs = _weight_pairs(ckpt, _in_optimizer_order(_update_partners(ckpt.tensors)), previous)
             if parent is None:
                 settings = dict(self.settings)
                 coded = ckpt
                 if self.settings.get("keep_exact") is not True:
-                    stepped = _step_qps(ckpt, self.settings) if self._steps_from_optimizer else {}
+                    stepped = _step_qps(ckpt, self.settings, pairs) if self._steps_from_optimizer else {}
                     coarser = {n: qp for n, (qp, base) in stepped.items() if qp > base}
                     coded, meta["update_domain"], overrides, _ = _in_update_domain(ckpt, settings, coarser, [], None)
                     settings["qp_overrides"] = {**overrides, **(self.settings.get("qp_overrides") or {})}
@@ -151,7 +165,7 @@ class CheckpointSeries:
                 self._key = (index, _quantized_qps(payload))
                 residuals: list[str] = []
             elif self.settings.get("keep_exact") is True:
-                coded, keyed, xored, meta["bit_predicted"] = _bit_residual_checkpoint(ckpt, parent)
+                coded, keyed, xored, meta["bit_predicted"] = _bit_residual_checkpoint(ckpt, parent, pairs)
                 meta["bit_residuals"], meta["xor_residuals"] = keyed, xored
                 residuals = []
                 payload = encode_model(coded, **self.settings)
@@ -166,7 +180,7 @@ class CheckpointSeries:
                 log_ratio_qp = settings.get("moments_qp", DEFAULT_MOMENTS_QP) + LOG_RATIO_QP_OFFSET
                 # (a weight whose key took its optimizer's step size takes its own now, or the series' qp:
                 # training may have slowed since the key)
-                stepped = _step_qps(ckpt, self.settings) if self._steps_from_optimizer else {}
+                stepped = _step_qps(ckpt, self.settings, pairs) if self._steps_from_optimizer else {}
                 overrides = {**{n: key_qps[n] for n in residuals if n in key_qps},
                              **{n: qp if qp > base else min(key_qps.get(n, base), base)
                                 for n, (qp, base) in stepped.items() if n in residuals},
@@ -174,7 +188,7 @@ class CheckpointSeries:
                 coded, meta["update_domain"], overrides, seconds = _in_update_domain(coded, settings, overrides,
                                                                                      log_ratios, parent)
                 coded, meta["predicted"], meta["v_scaled"] = _predicted_residuals(
-                    coded, residuals, settings, overrides, meta["update_domain"], seconds, parent)
+                    coded, residuals, settings, overrides, meta["update_domain"], seconds, parent, pairs)
                 settings["qp_overrides"] = {**overrides, **(self.settings.get("qp_overrides") or {})}
                 payload = encode_model(coded, **settings)
             meta["residuals"] = residuals
@@ -207,6 +221,16 @@ class CheckpointSeries:
             if not 0 <= index < count:
                 raise IndexError(f"{self.path}: no entry {index} (the series has {count})")
             return self._decoded(f, index)
+
+    def extract(self, index: int, path: str | os.PathLike, *, force: bool = False) -> None:
+        """Write entry ``index`` to ``path``: a directory where the entry was one, else a checkpoint
+        file of the kind its suffix says (``.pt`` without one). Atomic; ``force`` replaces an
+        existing output."""
+        ckpt = self.checkpoint(index)
+        if ckpt.kind == DIRECTORY_KIND:
+            save_checkpoint_directory(ckpt, path, force=force)
+        else:
+            save_checkpoint(ckpt, path, kind=kind_from_suffix(path) or "torch", force=force)
 
     def __iter__(self) -> Iterator[Any]:
         for i in range(len(self)):
@@ -511,8 +535,8 @@ MIN_PREDICTION_GAIN = 0.05
 
 
 def _predicted_residuals(coded: Checkpoint, residuals: list[str], settings: dict[str, Any], overrides: dict[str, int],
-                         scales: dict[str, float], seconds: dict[str, Any],
-                         parent: Checkpoint) -> tuple[Checkpoint, dict[str, list], dict[str, list]]:
+                         scales: dict[str, float], seconds: dict[str, Any], parent: Checkpoint,
+                         pairs: dict[str, str]) -> tuple[Checkpoint, dict[str, list], dict[str, list]]:
     """``coded`` with each weight's residual less its prediction from the step directions of its
     first moment (:func:`_direction`), as the entry decodes it and as the parent did (the steps
     since the parent follow the moments: for the char-LSTM of bench_series their correlation is
@@ -520,8 +544,7 @@ def _predicted_residuals(coded: Checkpoint, residuals: list[str], settings: dict
     (:func:`_residual_scale`; Adam's only); the meta's ``predicted``: weight -> [first moment, c_entry,
     c_parent], and ``v_scaled``: weight -> [second moment, its mean]. ``scales`` are the first
     moments' in the update domain and ``seconds`` the second moments as :func:`_in_update_domain`
-    decoded them. Weights and first moments are paired in order by shape, as torch numbers an
-    optimizer's state by the model's parameters (buffers have none)."""
+    decoded them; ``pairs`` pair weights with first moments (:func:`_weight_pairs`)."""
     firsts = _in_optimizer_order(scales)
     if not firsts or not residuals:
         return coded, {}, {}
@@ -533,7 +556,8 @@ def _predicted_residuals(coded: Checkpoint, residuals: list[str], settings: dict
     predicted: dict[str, list] = {}
     v_scaled: dict[str, list] = {}
     exact = _exact_patterns(settings)
-    for name, moment in _paired(residuals, coded.tensors, firsts, decoded).items():
+    wanted = set(residuals)
+    for name, moment in ((w, m) for w, m in pairs.items() if w in wanted and m in scales):
         delta, dtype, is_torch = tensor_to_numpy(coded.tensors[name])
         if matches(name, exact):  # (kept as its residual is: a prediction would round it)
             continue
@@ -570,17 +594,37 @@ def _predicted_residuals(coded: Checkpoint, residuals: list[str], settings: dict
 STEP_FRACTION = 1.0
 
 
-def _step_qps(ckpt: Checkpoint, settings: dict[str, Any]) -> dict[str, tuple[int, int]]:
+def _step_qps(ckpt: Checkpoint, settings: dict[str, Any], pairs: dict[str, str]) -> dict[str, tuple[int, int]]:
     """Weight -> (its qp by the size of the optimizer's last step on it, ``settings``' qp for it:
     ``qp``, or ``qp_1d`` for at most one dimension), for the weights of ``ckpt`` whose Adam or SGD
-    state (moments and param group) it holds and no qp override of ``settings`` names (those win)."""
+    state (moments and param group) it holds, paired with their first moments by ``pairs``
+    (:func:`_weight_pairs`), and no qp override of ``settings`` names (those win).
+
+    A weight left unpaired (the first key of a checkpoint that lists its weights in another order
+    than its optimizer numbers them: a safetensors file sorts them by name) takes the smallest
+    step of the unpaired first moments of its shape, where the shape has no more unpaired weights
+    than those moments (so that no buffer, BatchNorm's running statistics say, can be among them):
+    finer than its own step, whichever moment that is."""
     groups: dict[str, AdamGroup | MomentumGroup] = {**adam_groups(ckpt.skeleton), **momentum_groups(ckpt.skeleton)}
     given = settings.get("qp_overrides") or {}
     series = EncodeSettings(**{k: settings[k] for k in ("qp", "qp_density", "qp_1d") if k in settings})
+    sizes = {name: _step_size(ckpt.tensors, moment, groups[moment]) if moment in groups else None
+             for name, moment in pairs.items()}
+    taken = set(pairs.values())
+    spare: dict[tuple[int, ...], tuple[list[str], list[str]]] = {}
+    for name in _weights(ckpt):
+        if name not in pairs:
+            spare.setdefault(tensor_to_numpy(ckpt.tensors[name])[0].shape, ([], []))[0].append(name)
+    for m in _update_partners(ckpt.tensors):
+        shape = tensor_to_numpy(ckpt.tensors[m])[0].shape
+        if m not in taken and shape in spare:
+            spare[shape][1].append(m)
+    for ws, ms in spare.values():
+        steps = [_step_size(ckpt.tensors, m, groups[m]) if m in groups else None for m in ms]
+        if ws and len(ws) <= len(ms) and None not in steps:
+            sizes.update(dict.fromkeys(ws, min(s for s in steps if s is not None)))
     qps = {}
-    # (paired as the predictions pair them: every first moment takes part, with a group or not)
-    for name, moment in _weight_pairs(ckpt, _in_optimizer_order(_update_partners(ckpt.tensors))).items():
-        size = _step_size(ckpt.tensors, moment, groups[moment]) if moment in groups else None
+    for name, size in sizes.items():
         if size is None or lookup_qp(name, given) is not None:
             continue
         try:
@@ -621,12 +665,106 @@ def _rms_times(lr: float, step: np.ndarray) -> float | None:
     return size if math.isfinite(size) and size > 0 else None
 
 
-def _weight_pairs(ckpt: Checkpoint, firsts: list[str]) -> dict[str, str]:
-    """Each float weight of ``ckpt`` (a tensor with no optimizer role) -> its first moment among
-    ``firsts`` (in the optimizer's order), as :func:`_paired` pairs them."""
+def _weights(ckpt: Checkpoint) -> list[str]:
+    """The float tensors of ``ckpt`` with no optimizer role: its weights (and buffers), in order."""
     state = roles(ckpt.tensors, ckpt.skeleton)
-    weights = [n for n, t in ckpt.tensors.items() if n not in state and tensor_to_numpy(t)[1] in _FLOATS]
-    return _paired(weights, ckpt.tensors, firsts, ckpt.tensors)
+    return [n for n, t in ckpt.tensors.items() if n not in state and tensor_to_numpy(t)[1] in _FLOATS]
+
+
+def _weight_pairs(ckpt: Checkpoint, firsts: list[str], previous: Checkpoint | None = None) -> dict[str, str]:
+    """Each float weight of ``ckpt`` (a tensor with no optimizer role) -> its first moment among
+    ``firsts`` (in the optimizer's order): by the weights' changes since ``previous`` (the entry
+    before, of the same tensors, as decoded) where there is one and they tell
+    (:func:`_correlated_pairs`), the others in order as :func:`_paired` pairs them."""
+    weights = _weights(ckpt)
+    pairs = {} if previous is None else _correlated_pairs(weights, ckpt.tensors, firsts, previous.tensors)
+    taken = set(pairs.values())
+    pairs.update(_paired([w for w in weights if w not in pairs], ckpt.tensors, [m for m in firsts if m not in taken],
+                         ckpt.tensors))
+    return {w: pairs[w] for w in weights if w in pairs}
+
+
+# Pairs by correlation. A weight's change since the entry before follows its optimizer's step
+# directions, the entry's and the one before's (correlation 0.7-0.9 on the char-LSTM of
+# bench_series.py), and a moment of another tensor is unrelated to it; so weights and moments are
+# matched by how much of the change the two directions explain (R^2, on a sample of elements),
+# whatever order the checkpoint lists its weights in: a safetensors file sorts them by name, and the
+# Trainer's param groups split them by weight decay (the first moments come in neither order). A
+# pair needs MIN_PAIR_R2, and PAIR_NOISE / elements where the sample is small (unrelated directions
+# explain about 2 / elements); the weights left are paired in order.
+PAIR_SAMPLE = 4096
+MIN_PAIR_R2 = 0.04
+PAIR_NOISE = 16.0
+
+
+def _correlated_pairs(weights: list[str], tensors: dict[str, Any], firsts: list[str],
+                      previous: dict[str, Any]) -> dict[str, str]:
+    """Weight -> first moment (of its shape), the pairs whose two step directions (:func:`_direction`,
+    of this entry's and of ``previous``'s moments) explain most of the weight's change since
+    ``previous`` taken first, on the same :data:`PAIR_SAMPLE` elements of each shape."""
+    shapes: dict[tuple[int, ...], tuple[list[str], list[str]]] = {}
+    for name in weights:
+        if name in previous:
+            shapes.setdefault(tensor_to_numpy(tensors[name])[0].shape, ([], []))[0].append(name)
+    for m in firsts:
+        shape = tensor_to_numpy(tensors[m])[0].shape
+        if shape in shapes and m in previous:
+            shapes[shape][1].append(m)
+    candidates = []
+    for shape, (ws, ms) in shapes.items():
+        if not ms:
+            continue
+        size = math.prod(shape)
+        at = np.unique(np.linspace(0, size - 1, min(size, PAIR_SAMPLE)).astype(np.int64))
+        changes = _unit_rows([_sampled(tensors[w], at) - _sampled(previous[w], at) for w in ws])
+        now, before = (_unit_rows([_sampled_direction(source, m, at) for m in ms]) for source in (tensors, previous))
+        explained = _explained(changes @ now.T, changes @ before.T, np.sum(now * before, axis=1))
+        # (rounded: a last-bit difference of another BLAS must not turn a tie)
+        explained = np.round(explained, 6)
+        floor = max(MIN_PAIR_R2, PAIR_NOISE / at.size)
+        for i, j in zip(*np.nonzero(explained >= floor)):
+            candidates.append((-explained[i, j], ws[i], ms[j]))
+    pairs: dict[str, str] = {}
+    taken: set[str] = set()
+    order = {n: k for k, n in enumerate(weights + firsts)}
+    for _, w, m in sorted(candidates, key=lambda c: (c[0], order[c[1]], order[c[2]])):
+        if w not in pairs and m not in taken:
+            pairs[w] = m
+            taken.add(m)
+    return {w: pairs[w] for w in weights if w in pairs}
+
+
+def _explained(a: np.ndarray, b: np.ndarray, rho: np.ndarray) -> np.ndarray:
+    """R^2 of a unit vector on two unit vectors, from its correlations ``a`` and ``b`` with them and
+    theirs with each other ``rho`` (one per column): where the two are nearly one direction, the
+    larger square."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        both = (a * a + b * b - 2 * a * b * rho) / (1 - rho * rho)
+    one = np.maximum(a * a, b * b)
+    return np.where(rho * rho < 0.99, np.clip(np.nan_to_num(both, nan=0.0), 0.0, 1.0), one)
+
+
+def _sampled_direction(tensors: dict[str, Any], moment: str, at: np.ndarray) -> np.ndarray:
+    """:func:`_direction` at the elements ``at`` alone."""
+    partner = None if _is_momentum_buffer(moment) else _partner_of(moment, tensors)
+    sample = {moment: _sampled(tensors[moment], at)}
+    if partner is not None:
+        sample[partner] = _sampled(tensors[partner], at)
+    return _direction(sample, moment)
+
+
+def _sampled(t: Any, at: np.ndarray) -> np.ndarray:
+    return tensor_to_numpy(t)[0].reshape(-1)[at].astype(np.float64)
+
+
+def _unit_rows(rows: list[np.ndarray]) -> np.ndarray:
+    """The rows as a matrix, each scaled to unit length after its mean is taken out (a zero row stays zero)."""
+    x = np.array(rows, dtype=np.float64)
+    x -= x.mean(axis=1, keepdims=True)
+    with np.errstate(invalid="ignore", over="ignore"):
+        norms = np.linalg.norm(x, axis=1, keepdims=True)
+        x = np.where((norms > 0) & np.isfinite(norms), x / np.where(norms > 0, norms, 1.0), 0.0)
+    return np.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
 
 
 def _paired(weights: list[str], tensors: dict[str, Any], firsts: list[str], moments: dict[str, Any]) -> dict[str, str]:
@@ -788,8 +926,8 @@ def _from_order_key(keys: np.ndarray) -> np.ndarray:
     return np.where(keys & top, keys ^ top, ~keys)
 
 
-def _bit_residual_checkpoint(ckpt: Checkpoint,
-                             parent: Checkpoint) -> tuple[Checkpoint, list[str], list[str], dict[str, list]]:
+def _bit_residual_checkpoint(ckpt: Checkpoint, parent: Checkpoint,
+                             pairs: dict[str, str]) -> tuple[Checkpoint, list[str], list[str], dict[str, list]]:
     """``ckpt`` with every float tensor replaced by what codes smallest of: itself, the difference
     of its order keys from ``parent``'s (a signed integer of the same width, wrapping; coded by
     magnitude class when wide), the XOR of its bits with ``parent``'s (as the same float dtype: the
@@ -797,12 +935,11 @@ def _bit_residual_checkpoint(ckpt: Checkpoint,
     first moment, the difference of its keys from a prediction's (the parent plus the entry's and
     the parent's m / (sqrt(v) + eps), each times a coefficient fitted by least squares). Returns
     it, the names coded by key difference and by XOR, and the predictions: weight -> [first
-    moment, c_entry, c_parent]."""
+    moment, c_entry, c_parent] (``pairs``: weight -> first moment, :func:`_weight_pairs`)."""
     tensors: dict[str, Any] = {}
     keyed: list[str] = []
     xored: list[str] = []
     predicted: dict[str, list] = {}
-    pairs = _weight_pairs(ckpt, _in_optimizer_order(_update_partners(ckpt.tensors)))
     for name, t in ckpt.tensors.items():
         arr, dtype, is_torch = tensor_to_numpy(t)
         words = _WORDS.get(dtype)
