@@ -10,11 +10,12 @@ and ``files``, never by ``dtypes``, ``atomic`` or ``inputs``).
 * :mod:`.tensor_source`: a checkpoint's table up front and its tensors one at a time
   (safetensors straight from disk), what the streaming encoder reads.
 * :mod:`.directories`: Hugging Face checkpoint directories (shards, index, carried files), checked
-  and replaced in one rename.
+  and replaced in one rename; a whole directory (a Trainer's ``checkpoint-N/``) as one checkpoint.
 * :mod:`.dtypes`: dtype names, their frozen codes in the bitstreams, their numpy carriers.
 * :mod:`.atomic`: ``write_atomic`` and the wording of operating-system errors.
 * :mod:`.inputs`: one error and one wording for a file that cannot be read.
 * :mod:`.checksum`: the formats' CRC-32 (zlib's; large buffers by carry-less multiplication in
-  a kernel of its own where the processor has VPCLMULQDQ, else ISA-L's when installed).
+  a kernel of its own where the processor has VPCLMULQDQ but not AVX-512, else ISA-L's when
+  installed).
 * :mod:`.buffers`: large ``bytes`` joined in huge pages where the system gives them on request.
 """
