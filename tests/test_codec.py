@@ -312,6 +312,16 @@ def test_qp_overrides_exact_and_glob():
     assert q["enc.1.weight"].step == step_from_qp(-44) == ent["enc.1.weight"].step
 
 
+def test_a_name_with_brackets_matches_itself_and_a_glob_its_kind():
+    from deepcabac_py.model.settings import lookup_qp, matches
+    # (a flattened name can hold "[": without wildcards a pattern is the name it spells)
+    assert matches("layers[0].weight", ["layers[0].weight"])  # (fnmatch alone: no)
+    assert matches("layers0.weight", ["layers[0-9].weight"]) and matches("a.b", ["a.?"])
+    assert lookup_qp("layers[0].weight", {"layers[0].weight": -20, "*": -30}) == -20
+    assert lookup_qp("x", {"layers[0].weight": -20, "*": -30}) == -30
+    assert lookup_qp("x", {"y": -20}) is None
+
+
 def test_qp_1d_applies_to_ndim_le_1():
     model = {"scalar": np.array(np.float32(0.3)), "vec": rand((16,), seed=24), "mat": rand((4, 4), seed=25),
              "col": rand((16, 1), seed=26)}

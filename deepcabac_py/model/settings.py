@@ -161,7 +161,13 @@ class EncodeSettings:
 
 def matches(name: str, patterns: Iterable[str]) -> bool:
     """Whether ``name`` matches one of the glob ``patterns`` (case-sensitive)."""
-    return any(fnmatchcase(name, p) for p in patterns)
+    return any(name == p or (is_glob(p) and fnmatchcase(name, p)) for p in patterns)
+
+
+def is_glob(pattern: str) -> bool:
+    """Whether ``pattern`` has a wildcard: one without matches the name it spells and no other (a
+    series names every tensor it overrides: hundreds of names, asked about by every tensor)."""
+    return "*" in pattern or "?" in pattern or "[" in pattern
 
 
 def lookup_qp(name: str, overrides: Mapping[str, int]) -> int | None:
@@ -169,6 +175,6 @@ def lookup_qp(name: str, overrides: Mapping[str, int]) -> int | None:
     if name in overrides:
         return overrides[name]
     for pattern, value in overrides.items():
-        if matches(name, [pattern]):
+        if is_glob(pattern) and fnmatchcase(name, pattern):
             return value
     return None

@@ -53,7 +53,7 @@ from ..model.optimizer_state import (
     role_of,
     roles,
 )
-from ..model.settings import DEFAULT_MOMENTS_QP, EncodeSettings, lookup_qp, matches
+from ..model.settings import DEFAULT_MOMENTS_QP, EncodeSettings, is_glob, lookup_qp, matches
 from ..quant import portable
 from ..quant.steps import qp_at_most
 from .records import SeriesFile
@@ -795,8 +795,10 @@ def _settings_of_part(names: list[str], settings: dict[str, Any], overrides: dic
     """The settings that code the tensors ``names`` of an entry alone as the entry codes them: the
     qp overrides and exact patterns that reach them (in their order: the first match wins), no
     importance or BatchNorm shifts (they name the weights and touch no moment)."""
+    every = set(names)
+
     def reaching(patterns):
-        return [p for p in patterns if any(matches(n, [p]) for n in names)]
+        return [p for p in patterns if p in every or (is_glob(p) and any(matches(n, [p]) for n in names))]
 
     qps = {**overrides, **(settings.get("qp_overrides") or {})}
     part = {**settings, "importance": None, "bias_correction": False,
