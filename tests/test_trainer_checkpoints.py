@@ -53,11 +53,12 @@ def _model():
     return transformers.BertForSequenceClassification(cfg)
 
 
-def _trainer(out, max_steps: int = STEPS):
+def _trainer(out, max_steps: int = STEPS, callbacks=None, **more):
     args = transformers.TrainingArguments(output_dir=str(out), per_device_train_batch_size=16, max_steps=max_steps,
                                           save_steps=EVERY, save_strategy="steps", report_to=[], use_cpu=True,
-                                          learning_rate=1e-3, disable_tqdm=True, logging_strategy="no", seed=0)
-    return transformers.Trainer(model=_model(), args=args, train_dataset=Tokens())
+                                          learning_rate=1e-3, disable_tqdm=True, logging_strategy="no", seed=0,
+                                          **more)
+    return transformers.Trainer(model=_model(), args=args, train_dataset=Tokens(), callbacks=callbacks)
 
 
 @pytest.fixture(scope="module")
@@ -140,6 +141,22 @@ def test_a_series_of_trainer_checkpoints_resumes_as_the_original(run, tmp_path):
     cos = float(torch.nn.functional.cosine_similarity(steps["extracted"], steps["original"], dim=0))
     norm = float(steps["extracted"].norm() / steps["original"].norm())
     assert cos >= 0.99 and abs(norm - 1) < 0.05, (cos, norm)
+
+
+def test_the_callback_adds_every_checkpoint_the_trainer_saves(run, tmp_path):
+    from deepcabac_py.integrations.hf_trainer import SERIES_NAME, SeriesCallback
+
+    _trainer(tmp_path, callbacks=[SeriesCallback()], save_total_limit=1).train()
+    # (the Trainer removed the older directories: the series holds them)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["checkpoint-60"]
+    series = dc.CheckpointSeries(tmp_path / SERIES_NAME)
+    assert [(e.step, e.kind) for e in series.entries()] == [(20, "key"), (40, "residual"), (60, "residual")]
+    series.extract(1, tmp_path / "checkpoint-40")
+    original = run[0] / "checkpoint-40"  # (the same seed: the same run)
+    assert sorted(os.listdir(tmp_path / "checkpoint-40")) == sorted(os.listdir(original))
+    a, b = _params(tmp_path / "checkpoint-40"), _params(original)
+    error = sum(float((a[n] - b[n]).pow(2).sum()) for n in a) / sum(float(b[n].pow(2).sum()) for n in b)
+    assert error < 1e-4, error
 
 
 def test_weights_pair_with_their_own_moments_whatever_the_files_order(run, tmp_path):
