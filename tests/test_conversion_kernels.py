@@ -71,6 +71,21 @@ def test_bfloat16_range_on_the_bits_matches_the_float_pass(patterns):
     assert _planning_kernels.bfloat16_range(bits) == _planning_kernels.float_range(values)
 
 
+@settings(max_examples=80, deadline=None)
+@given(st.sampled_from([(np.uint32, 32), (np.uint64, 64)]).flatmap(
+    lambda w: st.tuples(st.just(w), st.lists(st.integers(0, 2**w[1] - 1), min_size=0, max_size=2000))))
+@example(((np.uint32, 32), [0x7F800000, 1]))  # infinity, the smallest denormal
+@example(((np.uint32, 32), [0x80000000, 0x7FC00001]))  # negative zero, a NaN with a payload
+@example(((np.uint64, 64), [0xFFF0000000000000, 0x7FEFFFFFFFFFFFFF]))  # -infinity, the largest finite
+def test_the_float_range_by_the_bits_matches_the_values(case):
+    (words, width), patterns = case
+    values = np.array(patterns, dtype=words).view(np.float32 if width == 32 else np.float64)
+    finite = [abs(float(x)) for x in values if np.isfinite(x)]
+    reference = (max(finite, default=0.0), len(finite) == len(values))
+    assert _planning_kernels.float_range(values) == reference
+    assert _planning_kernels._float_range_by_value(values) == reference  # (what other dtypes take)
+
+
 @settings(max_examples=25, deadline=None)
 @given(st.integers(0, 2**32 - 1), st.integers(-60, 10), st.sampled_from([3, 300, 5000]), st.booleans())
 def test_table_reconstruction_of_large_chunks_matches_the_reference(seed, qp, spread, dependent):

@@ -10,9 +10,39 @@ import numpy as np
 from .._jit import kernel
 
 
+def float_range(values: np.ndarray) -> tuple[float, bool]:
+    """max |x| over the finite values of a flat float array and whether all are finite. float32
+    and float64 go by their bits (:func:`magnitude_range`, which vectorises: the loop over values
+    took 4.7 ns per element on a series' moments, a third of a second per append of a 29M-parameter
+    model's weights and moments), other dtypes one value at a time."""
+    if values.dtype in _BITS and values.flags.c_contiguous:
+        words, magnitude, infinity = _BITS[values.dtype]
+        top, largest = magnitude_range(values.view(words), magnitude, infinity)
+        return float(np.array([top], dtype=words).view(values.dtype)[0]), bool(largest < infinity)
+    return _float_range_by_value(values)
+
+
+# float dtype -> (its bit pattern's dtype, the mask of sign-less magnitude bits, infinity's pattern)
+_BITS = {np.dtype(np.float32): (np.uint32, np.uint32(0x7FFFFFFF), np.uint32(0x7F800000)),
+         np.dtype(np.float64): (np.uint64, np.uint64(0x7FFFFFFFFFFFFFFF), np.uint64(0x7FF0000000000000))}
+
+
 @kernel
-def float_range(values):
-    """max |x| and whether all are finite."""
+def magnitude_range(bits, magnitude, infinity):
+    """The largest magnitude pattern below ``infinity`` (0 if none) and the largest of all: a
+    finite float's magnitude orders as its bits, infinity and NaN's above every finite one."""
+    zero = magnitude ^ magnitude
+    top = zero
+    largest = zero  # (two plain maxima: the loop vectorises)
+    for i in range(bits.shape[0]):
+        m = bits[i] & magnitude
+        largest = max(largest, m)
+        top = max(top, m if m < infinity else zero)
+    return top, largest
+
+
+@kernel
+def _float_range_by_value(values):
     top = 0.0
     finite = True
     for i in range(values.shape[0]):
