@@ -346,10 +346,31 @@ def test_open_source_reads_other_kinds_whole(tmp_path):
     assert np.array_equal(decode_model(encode_model({"a": np.arange(4, dtype=np.int64)}))["a"], np.arange(4))
 
 
-def test_links_in_a_directory_are_refused_not_followed(tmp_path):
+@pytest.mark.parametrize("link", ["nowhere", "directory", "device"])
+def test_links_to_anything_but_a_regular_file_are_refused(tmp_path, link):
     src = tmp_path / "model"
     make_hf_directory(src, shards=2)
-    (src / "outside.txt").symlink_to(tmp_path / "elsewhere.txt")
-    with pytest.raises(DeepCabacError, match="not a regular file"):
+    target = {"nowhere": tmp_path / "elsewhere.txt", "directory": tmp_path, "device": "/dev/null"}[link]
+    (src / "link").symlink_to(target)
+    with pytest.raises(DeepCabacError, match="link"):
         encode_directory(src, tmp_path / "enc")
     assert sorted(os.listdir(tmp_path)) == ["model"]
+
+
+def test_a_hub_snapshot_of_links_into_blobs_is_read_through_them(tmp_path):
+    # (the Hugging Face hub cache: snapshots/<commit>/ holds relative links to ../../blobs/<hash>)
+    plain = tmp_path / "plain"
+    make_hf_directory(plain, shards=2)
+    snapshot = tmp_path / "hub" / "snapshots" / "abc123"
+    (tmp_path / "hub" / "blobs").mkdir(parents=True)
+    for k, rel in enumerate(sorted(str(p.relative_to(plain)) for p in plain.rglob("*") if p.is_file())):
+        blob = tmp_path / "hub" / "blobs" / f"blob{k}"
+        blob.write_bytes((plain / rel).read_bytes())
+        (snapshot / rel).parent.mkdir(parents=True, exist_ok=True)
+        (snapshot / rel).symlink_to(os.path.relpath(blob, (snapshot / rel).parent))
+    encode_directory(snapshot, tmp_path / "enc", keep_exact=True)
+    decode_directory(tmp_path / "enc", tmp_path / "dec")
+    for p in plain.rglob("*"):
+        if p.is_file():
+            out = tmp_path / "dec" / p.relative_to(plain)
+            assert not out.is_symlink() and out.read_bytes() == p.read_bytes(), p

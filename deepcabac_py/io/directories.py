@@ -94,17 +94,23 @@ def scan_directory(path: str | os.PathLike, *, check_index: bool = True) -> Chec
 
 
 def list_files(path: str) -> list[str]:
-    """Every file below the directory ``path``, relative to it, sorted; InputError for anything but
-    regular files (links and special files are not carried)."""
+    """Every file below the directory ``path``, relative to it, sorted. A link to a regular file
+    counts as that file (a Hugging Face hub snapshot is a directory of links into its cache's
+    blobs; what is written is a regular file); InputError for a link to a directory, a link that
+    leads nowhere and special files."""
     if not os.path.isdir(path):
         raise InputError(f"{path}: not a directory")
     out = []
     for root, dirs, files in os.walk(path, onerror=_raise_unreadable):
         dirs.sort()
+        for name in dirs:
+            if os.path.islink(os.path.join(root, name)):
+                raise InputError(f"{os.path.join(root, name)}: a link to a directory (not followed)")
         for name in sorted(files):
             full = os.path.join(root, name)
-            if os.path.islink(full) or not os.path.isfile(full):
-                raise InputError(f"{full}: not a regular file (links and special files are not carried)")
+            if not os.path.isfile(full):
+                what = "a link that leads to no regular file" if os.path.islink(full) else "not a regular file"
+                raise InputError(f"{full}: {what} (special files are not carried)")
             out.append(os.path.relpath(full, path))
     return out
 
