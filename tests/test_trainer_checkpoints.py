@@ -288,6 +288,18 @@ def test_a_directory_checkpoint_of_another_shape_is_refused(tmp_path, files):
     assert os.listdir(tmp_path) == []
 
 
+def test_a_series_entry_naming_a_path_outside_is_refused_by_the_cli(tmp_path):
+    # (a hostile series: its directory entry names ../escaped; extract writes nothing anywhere)
+    ckpt = flatten({"files": {"../escaped": {"bytes": b"x"}, "ok.txt": {"bytes": b"y"}}})
+    ckpt.kind = DIRECTORY_KIND
+    (tmp_path / "work").mkdir()
+    dc.CheckpointSeries(tmp_path / "work" / "s.dcs").append(ckpt)
+    r = CliRunner().invoke(main, ["series", "extract", str(tmp_path / "work" / "s.dcs"), "0",
+                                  "-o", str(tmp_path / "work" / "out")])
+    assert r.exit_code == 1 and "no relative path" in r.output and "Traceback" not in r.output, r.output
+    assert sorted(os.listdir(tmp_path)) == ["work"] and os.listdir(tmp_path / "work") == ["s.dcs"]
+
+
 def test_a_file_too_large_to_carry_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(directories, "MAX_CARRIED_BYTES", 10)
     os.makedirs(tmp_path / "d")
