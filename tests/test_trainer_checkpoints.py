@@ -18,7 +18,7 @@ pytest.importorskip("accelerate")  # (the Trainer's own requirement)
 
 import deepcabac_py as dc  # noqa: E402
 from deepcabac_py.cli.main import main  # noqa: E402
-from deepcabac_py.errors import CheckpointError, OutputExistsError  # noqa: E402
+from deepcabac_py.errors import CheckpointError, OutputError, OutputExistsError  # noqa: E402
 from deepcabac_py.io import directories  # noqa: E402
 from deepcabac_py.io.checkpoint import flatten  # noqa: E402
 from deepcabac_py.io.directories import (  # noqa: E402
@@ -308,11 +308,15 @@ def test_a_file_too_large_to_carry_is_refused(tmp_path, monkeypatch):
         load_checkpoint_directory(tmp_path / "d")
 
 
-def test_extracting_a_directory_entry_to_stdout_is_refused(tmp_path):
+def test_extracting_a_directory_entry_to_stdout_or_a_file_is_refused(tmp_path):
     _directory(tmp_path / "d")
     dc.CheckpointSeries(tmp_path / "s.dcs").append(tmp_path / "d")
-    r = CliRunner().invoke(main, ["series", "extract", str(tmp_path / "s.dcs"), "0", "-o", "-"])
-    assert r.exit_code == 1 and "is a directory" in r.output and "Traceback" not in r.output
+    for out in ("-", str(tmp_path / "entry.pt")):
+        r = CliRunner().invoke(main, ["series", "extract", str(tmp_path / "s.dcs"), "0", "-o", out])
+        assert r.exit_code == 1 and "is a directory" in r.output and "Traceback" not in r.output
+    with pytest.raises(OutputError, match="is a directory"):
+        dc.CheckpointSeries(tmp_path / "s.dcs").extract(0, tmp_path / "entry.safetensors")
+    assert not (tmp_path / "entry.pt").exists() and not (tmp_path / "entry.safetensors").exists()
     r = CliRunner().invoke(main, ["series", "add", str(tmp_path / "s.dcs"), str(tmp_path / "d"),
                                   "--input-format", "torch"])
     assert r.exit_code == 2 and "is a directory" in r.output

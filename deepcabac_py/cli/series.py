@@ -92,7 +92,7 @@ def extract_cmd(series, index, output, force):
     except IndexError as exc:
         raise InputError(str(exc)) from None
     if ckpt.kind == DIRECTORY_KIND:
-        if output == "-":
+        if output == "-" or kind_from_suffix(output) is not None:
             raise OutputError(f"entry {index} is a directory: give one with -o DIR")
         save_checkpoint_directory(ckpt, output, force=force)
         return

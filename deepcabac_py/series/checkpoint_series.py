@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import CorruptStreamError
+from ..errors import CorruptStreamError, OutputError
 from ..io.checkpoint import Checkpoint, flatten, numpy_to_tensor, plain_skeleton, tensor_to_numpy, unflatten
 from ..io.directories import DIRECTORY_KIND, load_checkpoint_directory, save_checkpoint_directory
 from ..io.dtypes import bfloat16_to_float32, float64_to_bfloat16
@@ -228,6 +228,8 @@ class CheckpointSeries:
         existing output."""
         ckpt = self.checkpoint(index)
         if ckpt.kind == DIRECTORY_KIND:
+            if kind_from_suffix(path) is not None:
+                raise OutputError(f"entry {index} is a directory; {os.fspath(path)} names a checkpoint file")
             save_checkpoint_directory(ckpt, path, force=force)
         else:
             save_checkpoint(ckpt, path, kind=kind_from_suffix(path) or "torch", force=force)
