@@ -121,13 +121,7 @@ def _raise_unreadable(exc: OSError) -> None:
 
 def _read_index(layout: CheckpointDirectory, index: str) -> dict[str, str]:
     full = layout.full(index)
-    try:
-        with open(full, "rb") as f:
-            raw = f.read(MAX_INDEX_BYTES + 1)
-    except OSError as exc:
-        raise unreadable(full, exc) from None
-    if len(raw) > MAX_INDEX_BYTES:
-        raise CheckpointError(f"{full}: index larger than {MAX_INDEX_BYTES:,} bytes")
+    raw = _read_at_most(full, MAX_INDEX_BYTES, f"index larger than {MAX_INDEX_BYTES:,} bytes")
     try:
         doc = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError):
@@ -276,7 +270,9 @@ def load_checkpoint_directory(path: str | os.PathLike) -> Checkpoint:
                 continue
             except PickleRefusedError:
                 pass
-        files[rel] = {"bytes": _carried_bytes(full)}
+        files[rel] = {"bytes": _read_at_most(full, MAX_CARRIED_BYTES, f"a file carried as it is may have "
+                                             f"{MAX_CARRIED_BYTES:,} bytes at most (it is no checkpoint file "
+                                             "this library reads)")}
     root: dict[str, Any] = {"files": files}
     step = _trainer_step(files.get("trainer_state.json"), path)
     if step is not None:
@@ -296,15 +292,15 @@ def _safetensors_content(full: str) -> dict[str, Any]:
     return {"safetensors": unflatten(ckpt), "metadata": ckpt.metadata, "header": header}
 
 
-def _carried_bytes(full: str) -> bytes:
+def _read_at_most(full: str, limit: int, too_large: str) -> bytes:
+    """The bytes of the file ``full``; CheckpointError saying ``too_large`` beyond ``limit``."""
     try:
         with open(full, "rb") as f:
-            data = f.read(MAX_CARRIED_BYTES + 1)
+            data = f.read(limit + 1)
     except OSError as exc:
         raise unreadable(full, exc) from None
-    if len(data) > MAX_CARRIED_BYTES:
-        raise CheckpointError(f"{full}: a file carried as it is may have {MAX_CARRIED_BYTES:,} bytes at most "
-                              "(it is no checkpoint file this library reads)")
+    if len(data) > limit:
+        raise CheckpointError(f"{full}: {too_large}")
     return data
 
 
