@@ -428,7 +428,7 @@ def test_a_version_1_series_still_reads_and_takes_appends(run, tmp_path, monkeyp
     path = tmp_path / "old.dcs"
     with monkeypatch.context() as m:  # a series as version 1 wrote it: first moments in the log domain
         m.setattr(records, "SERIES_VERSION", 1)
-        m.setattr(checkpoint_series, "_update_partners", lambda tensors: {})
+        m.setattr(checkpoint_series, "_update_partners", lambda tensors, skeleton: {})
         old = dc.CheckpointSeries(path)
         for c in run[:2]:
             old.append(c)

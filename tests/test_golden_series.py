@@ -5,15 +5,17 @@ values they were written with, and today's writer reproduces today's file byte f
 second moments as ratios), ``v2.dcs`` by the version-2 writer (first moments in the update domain,
 second moments as log2 ratios, weights predicted from Adam's direction), ``v3.dcs`` and
 ``v3_adam.dcs`` by the version-3 writer (the weights' predicted residuals in their second moment's
-scale); none is regenerated. ``v4.dcs`` is today's format (SGD's momentum buffers in the update
-domain as well) with every weight at the series' qp, as the writer codes a series whose qp is
-given; ``v4_adam.dcs`` the same checkpoints at the writer's defaults (a weight with Adam state at
-Adam's step size where that is coarser); ``v4_sgd.dcs`` checkpoints of SGD with momentum at the
-defaults; ``v4_lossless.dcs`` the Adam checkpoints bit for bit (``v3_lossless.dcs``,
+scale), ``v4*.dcs`` by the version-4 writer (SGD's momentum buffers in the update domain as well);
+none is regenerated. ``v5.dcs`` is today's format (moments named by the state dict's structure)
+with every weight at the series' qp, as the writer codes a series whose qp is given;
+``v5_adam.dcs`` the same checkpoints at the writer's defaults (a weight with Adam state at Adam's
+step size where that is coarser); ``v5_named.dcs`` the same with the state keyed by parameter
+name, as torch.distributed.checkpoint keys it; ``v5_sgd.dcs`` checkpoints of SGD with momentum at
+the defaults; ``v5_lossless.dcs`` the Adam checkpoints bit for bit (``v4_lossless.dcs``, ``v3_lossless.dcs``,
 ``v2_lossless.dcs``, ``v2_lossless_rans.dcs`` and ``v2_lossless_v8.dcs`` too, from earlier
 writers, the ``v2`` ones from before the float symbols went by tANS and before float32's trailing
 zeros went into the symbol: never regenerated). Each ``.npz`` holds every entry's extracted
-tensors as ``"<entry>/<name>"``. Regenerate the ``v4`` files only for an intended change of the
+tensors as ``"<entry>/<name>"``. Regenerate the ``v5`` files only for an intended change of the
 format or of the writer's choices:
 
     DEEPCABAC_REGEN_GOLDEN=1 .venv/bin/python -m pytest -n 0 tests/test_golden_series.py
@@ -37,13 +39,14 @@ GOLDEN = Path(__file__).resolve().parent / "golden" / "series"
 REGEN = os.environ.get("DEEPCABAC_REGEN_GOLDEN") == "1"
 SETTINGS = {"key_every": 2}  # a key, a residual, a key
 # today's writer's golden files and how it writes them
-TODAYS: dict[str, dict] = {"v4": {"qp": DEFAULT_SERIES_QP}, "v4_adam": {}, "v4_sgd": {"sgd": True},
-                           "v4_lossless": {"keep_exact": True}}
+TODAYS: dict[str, dict] = {"v5": {"qp": DEFAULT_SERIES_QP}, "v5_adam": {}, "v5_named": {"named": True},
+                           "v5_sgd": {"sgd": True}, "v5_lossless": {"keep_exact": True}}
 
 
-def series_checkpoints(sgd: bool = False) -> list[dict]:
+def series_checkpoints(sgd: bool = False, named: bool = False) -> list[dict]:
     """Three checkpoints of a two-parameter model with Adam's state (or SGD's), every value dyadic
-    (the same bits on every machine): weights drifting, first moments fresh, second moments scaled."""
+    (the same bits on every machine): weights drifting, first moments fresh, second moments scaled;
+    with ``named`` the state keyed by parameter name (torch.distributed.checkpoint's)."""
     out = []
     for i in range(3):
         w = golden_floats(40, (12, 10), -3) + golden_floats(41 + i, (12, 10), -9)
@@ -57,8 +60,10 @@ def series_checkpoints(sgd: bool = False) -> list[dict]:
                          "exp_avg_sq": torch.from_numpy(v).float()})
         group = ({"lr": 0.05, "momentum": 0.9, "dampening": 0, "nesterov": False} if sgd
                  else {"lr": 0.002, "betas": (0.9, 0.999), "eps": 1e-8, "amsgrad": False})
+        keys = ["0.weight", "0.bias"] if named else [0, 1]
         out.append({"model": {"0.weight": torch.from_numpy(w).float(), "0.bias": torch.from_numpy(b).float()},
-                    "optimizer": {"state": state, "param_groups": [{**group, "weight_decay": 0, "params": [0, 1]}]},
+                    "optimizer": {"state": {keys[k]: v for k, v in state.items()},
+                                  "param_groups": [{**group, "weight_decay": 0, "params": keys}]},
                     "step": 40 * (i + 1)})
     return out
 
@@ -72,10 +77,10 @@ def extracted(path: Path) -> dict[str, np.ndarray]:
     return arrays
 
 
-def write(path: Path, sgd: bool = False, **settings) -> None:
+def write(path: Path, sgd: bool = False, named: bool = False, **settings) -> None:
     path.unlink(missing_ok=True)
     series = dc.CheckpointSeries(path, **SETTINGS, **settings)
-    for c in series_checkpoints(sgd):
+    for c in series_checkpoints(sgd, named):
         series.append(c)
 
 
@@ -85,17 +90,21 @@ def golden_files():
         GOLDEN.mkdir(parents=True, exist_ok=True)
         for name, settings in TODAYS.items():
             write(GOLDEN / f"{name}.dcs", **settings)
-            if name != "v4_lossless":
+            if name != "v5_lossless":
                 np.savez_compressed(GOLDEN / f"{name}.npz", **extracted(GOLDEN / f"{name}.dcs"))
     names = ("v1.dcs", "v1.npz", "v2.dcs", "v2.npz", "v3.dcs", "v3.npz", "v3_adam.dcs", "v3_adam.npz",
              "v4.dcs", "v4.npz", "v4_adam.dcs", "v4_adam.npz", "v4_sgd.dcs", "v4_sgd.npz",
-             "v2_lossless.dcs", "v2_lossless_rans.dcs", "v2_lossless_v8.dcs", "v3_lossless.dcs", "v4_lossless.dcs")
+             "v5.dcs", "v5.npz", "v5_adam.dcs", "v5_adam.npz", "v5_named.dcs", "v5_named.npz", "v5_sgd.dcs",
+             "v5_sgd.npz",
+             "v2_lossless.dcs", "v2_lossless_rans.dcs", "v2_lossless_v8.dcs", "v3_lossless.dcs", "v4_lossless.dcs",
+             "v5_lossless.dcs")
     missing = [n for n in names if not (GOLDEN / n).exists()]
     if missing:
         pytest.fail(f"golden series files missing: {missing}")
 
 
-@pytest.mark.parametrize("name", ["v1", "v2", "v3", "v3_adam", "v4", "v4_adam", "v4_sgd"])
+@pytest.mark.parametrize("name", ["v1", "v2", "v3", "v3_adam", "v4", "v4_adam", "v4_sgd", "v5", "v5_adam", "v5_named",
+                                  "v5_sgd"])
 def test_a_golden_series_extracts_to_its_values(name):
     path = GOLDEN / f"{name}.dcs"
     assert int.from_bytes(path.read_bytes()[8:10], "little") == int(name[1])
@@ -113,19 +122,20 @@ def test_todays_writer_reproduces_the_golden_series(tmp_path, name):
     assert (tmp_path / "again.dcs").read_bytes() == (GOLDEN / f"{name}.dcs").read_bytes()
 
 
-@pytest.mark.parametrize("name", ["v3", "v3_adam", "v4", "v4_adam", "v4_sgd"])
+@pytest.mark.parametrize("name", ["v3", "v3_adam", "v4", "v4_adam", "v4_sgd", "v5", "v5_adam", "v5_named", "v5_sgd"])
 def test_the_golden_series_stays_close_to_its_checkpoints(name):
     # (the values are what the writer meant: the weights within the trellis's bound of twice the
     # step their stream names; the golden second moments vary less than twofold, so their scale
     # keeps the residuals within it)
     series = dc.CheckpointSeries(GOLDEN / f"{name}.dcs")
     steps = [coded_steps(GOLDEN / f"{name}.dcs", i) for i in range(len(series))]
-    if name in ("v3", "v4"):  # (a qp given: every weight at it)
+    if name in ("v3", "v4", "v5"):  # (a qp given: every weight at it)
         assert all(steps[i][f"model.{k}"] == step_from_qp(DEFAULT_SERIES_QP) for i in range(3) for k in ("0.weight",))
     else:  # (these golden moments make the optimizer's steps far coarser than the series' qp)
         assert all(steps[i][f"model.{k}"] > step_from_qp(DEFAULT_SERIES_QP) for i in range(3)
                    for k in ("0.weight", "0.bias"))
-    for i, original in enumerate(series_checkpoints(sgd=name == "v4_sgd")):
+    named = name == "v5_named"
+    for i, original in enumerate(series_checkpoints(sgd=name in ("v4_sgd", "v5_sgd"), named=named)):
         got = series[i]
         for name, t in original["model"].items():
             assert (got["model"][name].double() - t.double()).abs().max() <= 2 * steps[i][f"model.{name}"]
@@ -138,8 +148,19 @@ def test_the_golden_series_stays_close_to_its_checkpoints(name):
             assert ((w - v).abs() / v).max() <= 0.2
 
 
+def test_moments_keyed_by_parameter_name_are_coded_in_the_update_domain():
+    # (before version 5 the series knew moments by the "state.<i>." of their names alone: state keyed
+    # by parameter name, as torch.distributed.checkpoint keys it, was coded as ever, never in the
+    # update domain and its weights at the series' qp)
+    from deepcabac_py.series.records import SeriesFile
+
+    with SeriesFile(GOLDEN / "v5_named.dcs") as f:
+        domains = [sorted(r.meta["update_domain"]) for r in f.records]
+    assert domains == [["optimizer.state.0.bias.exp_avg", "optimizer.state.0.weight.exp_avg"]] * 3
+
+
 @pytest.mark.parametrize("name", ["v2_lossless_rans.dcs", "v2_lossless_v8.dcs", "v2_lossless.dcs",
-                                  "v3_lossless.dcs", "v4_lossless.dcs"])
+                                  "v3_lossless.dcs", "v4_lossless.dcs", "v5_lossless.dcs"])
 def test_a_golden_lossless_series_is_its_checkpoints_bit_for_bit(name):
     series = dc.CheckpointSeries(GOLDEN / name)
     for i, original in enumerate(series_checkpoints()):

@@ -32,8 +32,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["AdamGroup", "EXACT", "FIRST_MOMENT", "MomentumGroup", "SECOND_MOMENT", "adam_groups", "momentum_groups",
-           "role_of", "roles"]
+__all__ = ["AdamGroup", "EXACT", "FIRST_MOMENT", "MomentumGroup", "SECOND_MOMENT", "adam_groups", "first_moments",
+           "momentum_groups", "role_of", "roles"]
 
 FIRST_MOMENT = "first moment"
 SECOND_MOMENT = "second moment"
@@ -117,6 +117,19 @@ class MomentumGroup:
     lr: float
 
 
+def first_moments(skeleton: Any) -> list[str]:
+    """The first moments (Adam's ``exp_avg``, SGD's ``momentum_buffer``) of every torch optimizer
+    state dict in a checkpoint's skeleton, in the order of :func:`_parameter_states`: the order
+    torch numbers a model's parameters in, whatever the state's keys (indices, or names in
+    torch.distributed.checkpoint's state dicts)."""
+    out: dict[str, None] = {}  # (in order, once each)
+    for _, moments in _parameter_states(skeleton):
+        name = _tensor_name(moments.get("exp_avg")) or _tensor_name(moments.get("momentum_buffer"))
+        if name is not None:
+            out[name] = None
+    return list(out)
+
+
 def momentum_groups(skeleton: Any) -> dict[str, MomentumGroup]:
     """Momentum buffer (``momentum_buffer``) tensor name -> its param group, as :func:`adam_groups`
     finds them, for SGD's and RMSprop's groups (told by their ``dampening`` and ``alpha``: Muon's
@@ -139,20 +152,21 @@ def _number(x: Any) -> float | None:
 
 def _parameter_states(skeleton: Any) -> Iterator[tuple[dict, dict]]:
     """(param group, the state entries of one of its parameters) for every parameter of every torch
-    optimizer state dict in a checkpoint's skeleton, nested anywhere (Lightning nests them)."""
+    optimizer state dict in a checkpoint's skeleton, nested anywhere (Lightning nests them), in
+    order: the state dicts as the structure holds them, then their groups' ``params``."""
     stack = [skeleton.get("root") if isinstance(skeleton, dict) else None]
     while stack:
         node = stack.pop()
         if isinstance(node, list):
-            stack.extend(node)
+            stack.extend(reversed(node))
             continue
         if not isinstance(node, dict) or "$tensor" in node:
             continue
         entries = _entries(node)
         if entries is None:
-            stack.extend(node.values())
+            stack.extend(reversed(list(node.values())))
             continue
-        stack.extend(entries.values())
+        stack.extend(reversed(list(entries.values())))
         state, groups = _entries(entries.get("state")), entries.get("param_groups")
         if state is None or not isinstance(groups, list):
             continue

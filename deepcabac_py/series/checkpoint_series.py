@@ -49,8 +49,8 @@ from ..model.optimizer_state import (
     AdamGroup,
     MomentumGroup,
     adam_groups,
+    first_moments,
     momentum_groups,
-    role_of,
     roles,
 )
 from ..model.settings import DEFAULT_MOMENTS_QP, EncodeSettings, is_glob, lookup_qp, matches
@@ -152,7 +152,8 @@ class CheckpointSeries:
             if previous is None and self._last is not None and self._last[0] == index - 1 \
                     and _same_tensors(self._last[1], ckpt):
                 previous = self._last[1]
-            pairs = _weight_pairs(ckpt, _in_optimizer_order(_update_partners(ckpt.tensors)), previous)
+            pairs = _weight_pairs(ckpt, _in_optimizer_order(_update_partners(ckpt.tensors, ckpt.skeleton),
+                                                            ckpt.skeleton), previous)
             if parent is None:
                 settings = dict(self.settings)
                 coded = ckpt
@@ -275,8 +276,10 @@ def _reconstruct(path: str, index: int, payload: bytes, meta: dict, parent: Chec
             <= set(decoded.tensors)):
         raise CorruptStreamError(f"{path}: entry {index} lists residuals it does not hold")
     tensors = _from_log_ratios(where, decoded.tensors, log_ratios, parent)
+    # (the moments' roles by the entry's structure: a state dict keyed by parameter names too)
     bit_predicted = _predictions(where, meta.get("bit_predicted", {}),
-                                 [n for n in decoded.tensors if n not in keyed + xored], tensors)
+                                 [n for n in decoded.tensors if n not in keyed + xored], tensors,
+                                 roles(tensors, decoded.skeleton))
     for name in keyed + xored + list(bit_predicted):  # (predicted last: from the moments as restored)
         if name not in parent.tensors:
             raise CorruptStreamError(f"{path}: entry {index}: residual {name!r} has no parent tensor")
@@ -299,8 +302,9 @@ def _reconstruct(path: str, index: int, payload: bytes, meta: dict, parent: Chec
         tensors[name] = _applied(where, name, tensors[name], parent.tensors.get(name), RATIO)
     # the moments first: a residual may be predicted from the step they make
     tensors = _from_update_domain(where, tensors, meta.get("update_domain", {}))
-    predicted = _predictions(where, meta.get("predicted", {}), residuals, tensors)
-    scaled = _scalings(where, meta.get("v_scaled", {}), list(predicted), tensors)
+    moment_roles = roles(tensors, decoded.skeleton)
+    predicted = _predictions(where, meta.get("predicted", {}), residuals, tensors, moment_roles)
+    scaled = _scalings(where, meta.get("v_scaled", {}), list(predicted), tensors, moment_roles)
     for name in residuals:
         extra = scale = None
         if name in predicted:
@@ -363,27 +367,30 @@ def _fitted(change: np.ndarray, now: np.ndarray, before: np.ndarray) -> tuple[fl
     return c if all(math.isfinite(x) for x in c) else None
 
 
-def _predictions(where: str, listed: Any, residuals: list[str],
-                 tensors: dict[str, Any]) -> dict[str, tuple[str, tuple[float, float]]]:
+def _predictions(where: str, listed: Any, residuals: list[str], tensors: dict[str, Any],
+                 moment_roles: dict[str, str]) -> dict[str, tuple[str, tuple[float, float]]]:
     """The meta's ``predicted``, checked: residual name -> (first moment, coefficients)."""
-    refs = _moment_references(where, listed, residuals, tensors, role=FIRST_MOMENT, what="prediction",
+    refs = _moment_references(where, listed, residuals, tensors, moment_roles, role=FIRST_MOMENT, what="prediction",
                               numbers=lambda xs: len(xs) == 2 and all(type(c) is float and np.isfinite(c) for c in xs))
     return {name: (moment, (xs[0], xs[1])) for name, (moment, xs) in refs.items()}
 
 
-def _scalings(where: str, listed: Any, predicted: list[str], tensors: dict[str, Any]) -> dict[str, tuple[str, float]]:
+def _scalings(where: str, listed: Any, predicted: list[str], tensors: dict[str, Any],
+              moment_roles: dict[str, str]) -> dict[str, tuple[str, float]]:
     """The meta's ``v_scaled``, checked: predicted residual name -> (second moment, its mean)."""
-    refs = _moment_references(where, listed, predicted, tensors, role=SECOND_MOMENT, what="residual scale",
+    refs = _moment_references(where, listed, predicted, tensors, moment_roles, role=SECOND_MOMENT,
+                              what="residual scale",
                               numbers=lambda xs: len(xs) == 1 and type(xs[0]) is float and np.isfinite(xs[0])
                               and xs[0] > 0)
     return {name: (moment, xs[0]) for name, (moment, xs) in refs.items()}
 
 
-def _moment_references(where: str, listed: Any, names: list[str], tensors: dict[str, Any], *, role: str, what: str,
-                       numbers: Callable[[list], bool]) -> dict[str, tuple[str, list]]:
+def _moment_references(where: str, listed: Any, names: list[str], tensors: dict[str, Any], moment_roles: dict[str, str],
+                       *, role: str, what: str, numbers: Callable[[list], bool]) -> dict[str, tuple[str, list]]:
     """A meta object from tensor names in ``names`` to ``[moment, numbers...]``, checked: each
-    moment of ``role`` held by the entry with its tensor's shape, the numbers as ``numbers`` takes
-    them (``what`` names one in the errors); name -> (moment, numbers)."""
+    moment of ``role`` (by ``moment_roles``: :func:`roles` of the entry) held by the entry with its
+    tensor's shape, the numbers as ``numbers`` takes them (``what`` names one in the errors); name
+    -> (moment, numbers)."""
     if not isinstance(listed, dict):
         raise CorruptStreamError(f"{where}: malformed {what}s")
     out = {}
@@ -391,7 +398,7 @@ def _moment_references(where: str, listed: Any, names: list[str], tensors: dict[
         if not isinstance(value, list) or not value or not isinstance(value[0], str) or not numbers(value[1:]):
             raise CorruptStreamError(f"{where}: malformed {what} of {name!r}")
         moment = value[0]
-        if name not in names or role_of(moment) != role or moment not in tensors:
+        if name not in names or moment_roles.get(moment) != role or moment not in tensors:
             raise CorruptStreamError(f"{where}: {what} of {name!r} names what the entry does not hold")
         if tensor_to_numpy(tensors[moment])[0].shape != tensor_to_numpy(tensors[name])[0].shape:
             kind = "first" if role == FIRST_MOMENT else "second"
@@ -438,13 +445,14 @@ def _from_log_ratios(where: str, tensors: dict[str, Any], names: list[str], pare
             for k, t in tensors.items()}
 
 
-def _update_partners(tensors: dict[str, Any]) -> dict[str, str | None]:
+def _update_partners(tensors: dict[str, Any], skeleton: Any) -> dict[str, str | None]:
     """First moment -> the second moment its Adam step divides it by (``max_exp_avg_sq`` under
     amsgrad, else ``exp_avg_sq``), or None for SGD's momentum buffer (its step is lr times the
     buffer), for the first moments the update domain takes: float32/float64, one shape."""
     pairs: dict[str, str | None] = {}
+    state = roles(tensors, skeleton)
     for name, t in tensors.items():
-        if role_of(name) != FIRST_MOMENT:
+        if state.get(name) != FIRST_MOMENT:
             continue
         m, dm, _ = tensor_to_numpy(t)
         if dm not in ("float32", "float64") or not m.size:
@@ -461,8 +469,9 @@ def _update_partners(tensors: dict[str, Any]) -> dict[str, str | None]:
     return pairs
 
 
-def _is_momentum_buffer(name: str) -> bool:
-    return name.endswith("momentum_buffer") and role_of(name) == FIRST_MOMENT
+def _is_momentum_buffer(first_moment: str) -> bool:
+    """Whether a first moment (by its role: a name alone does not say) is SGD's momentum buffer."""
+    return first_moment.endswith("momentum_buffer")
 
 
 def _partner_of(name: str, tensors: dict[str, Any]) -> str | None:
@@ -484,7 +493,8 @@ def _in_update_domain(coded: Checkpoint, settings: dict[str, Any], overrides: di
     entry decodes them: coded alone with the entry's settings (each is quantized on its own,
     without importance: the same levels), their log2 ratios applied to the parent's."""
     # (a second moment coded as a log2 ratio has its moment's shape and dtype)
-    partners = _update_partners({**coded.tensors, **{n: coded.tensors[n + LOG_RATIO_SUFFIX] for n in log_ratios}})
+    partners = _update_partners({**coded.tensors, **{n: coded.tensors[n + LOG_RATIO_SUFFIX] for n in log_ratios}},
+                                coded.skeleton)
     if not partners:
         return coded, {}, overrides, {}
     names = sorted({p for p in partners.values() if p is not None})
@@ -547,7 +557,7 @@ def _predicted_residuals(coded: Checkpoint, residuals: list[str], settings: dict
     c_parent], and ``v_scaled``: weight -> [second moment, its mean]. ``scales`` are the first
     moments' in the update domain and ``seconds`` the second moments as :func:`_in_update_domain`
     decoded them; ``pairs`` pair weights with first moments (:func:`_weight_pairs`)."""
-    firsts = _in_optimizer_order(scales)
+    firsts = _in_optimizer_order(scales, coded.skeleton)
     if not firsts or not residuals:
         return coded, {}, {}
     # the first moments as the entry decodes them (quantized on their own: the same levels)
@@ -617,7 +627,7 @@ def _step_qps(ckpt: Checkpoint, settings: dict[str, Any], pairs: dict[str, str])
     for name in _weights(ckpt):
         if name not in pairs:
             spare.setdefault(tensor_to_numpy(ckpt.tensors[name])[0].shape, ([], []))[0].append(name)
-    for m in _update_partners(ckpt.tensors):
+    for m in _update_partners(ckpt.tensors, ckpt.skeleton):
         shape = tensor_to_numpy(ckpt.tensors[m])[0].shape
         if m not in taken and shape in spare:
             spare[shape][1].append(m)
@@ -816,15 +826,19 @@ def _exact_patterns(settings: dict[str, Any]) -> list[str]:
     return [] if isinstance(exact, bool) else [exact] if isinstance(exact, str) else list(exact)
 
 
-def _in_optimizer_order(firsts) -> list[str]:
-    """First-moment names (``<optimizer>.state.<i>.exp_avg``) by optimizer, in the order the
-    optimizers come (a GAN's checkpoint holds two: each numbers its own parameters from 0), then
-    by state index."""
+def _in_optimizer_order(firsts, skeleton: Any) -> list[str]:
+    """First-moment names by optimizer, in the order the optimizers come (a GAN's checkpoint holds
+    two: each numbers its own parameters from 0), then in their param groups' order of parameters
+    (:func:`first_moments`: whatever the state's keys); those of no state dict in the skeleton
+    (``<optimizer>.state.<i>.exp_avg`` by name alone) after them, by optimizer, then index."""
     firsts = list(firsts)
+    known = {n: k for k, n in enumerate(first_moments(skeleton))}
     optimizers: dict[str, int] = {}
-    for n in firsts:
+    rest = [n for n in firsts if n not in known]
+    for n in rest:
         optimizers.setdefault(n.rsplit(".", 2)[0], len(optimizers))
-    return sorted(firsts, key=lambda n: (optimizers[n.rsplit(".", 2)[0]], int(n.split(".")[-2])))
+    return (sorted((n for n in firsts if n in known), key=known.__getitem__)
+            + sorted(rest, key=lambda n: (optimizers[n.rsplit(".", 2)[0]], int(n.split(".")[-2]))))
 
 
 def _from_update_domain(where: str, tensors: dict[str, Any], scales: Any) -> dict[str, Any]:
