@@ -55,6 +55,12 @@ import deepcabac_py as dc  # noqa: E402
 _TEXT_MODULES = ("argparse", "pathlib", "dataclasses", "textwrap")
 
 
+def source_text() -> str:
+    """A text that does not change with this project's files (its documentation did, and with it
+    the run): the source of a few standard-library modules, fixed for a Python version."""
+    return "".join(inspect.getsource(importlib.import_module(m)) for m in _TEXT_MODULES)
+
+
 class CharLSTM(torch.nn.Module):
     def __init__(self, vocab: int):
         super().__init__()
@@ -86,9 +92,7 @@ class Run:
             self.hx, self.hy = x[perm[1437:]], y[perm[1437:]]
             self.make = DigitsCNN
         else:
-            # a text that does not change with this project's files (its documentation did, and with
-            # it the run): the source of a few standard-library modules, fixed for a Python version
-            text = "".join(inspect.getsource(importlib.import_module(m)) for m in _TEXT_MODULES)
+            text = source_text()
             chars = sorted(set(text))
             ids = torch.tensor([chars.index(c) for c in text], dtype=torch.int64)
             n = (len(ids) - 1) // 65 * 65
@@ -330,12 +334,12 @@ def floor(run: Run, cks: list[dict], fractions=(0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.
         print(f"{f:>14.2f} {min(cosines):>22.4f} {np.mean(bits):>13.2f} {raw_bits / np.mean(bits):>25.1f}x")
 
 
-def _bits_equal(a, b) -> bool:
+def bits_equal(a, b) -> bool:
     """Whether two checkpoints hold the same structure and every tensor bit for bit."""
     if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_bits_equal(a[k], b[k]) for k in a)
+        return a.keys() == b.keys() and all(bits_equal(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(_bits_equal(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(bits_equal(x, y) for x, y in zip(a, b))
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
         return (a.dtype == b.dtype and a.shape == b.shape
                 and a.reshape(-1).view(torch.uint8).equal(b.reshape(-1).view(torch.uint8)))
@@ -386,7 +390,7 @@ def main() -> None:
             for c in cks:
                 lossless.append(c)
             lossless_bytes = sum(e.bytes for e in lossless.entries())
-            exact = all(_bits_equal(lossless[i], c) for i, c in enumerate(cks))
+            exact = all(bits_equal(lossless[i], c) for i, c in enumerate(cks))
         adam = args.optimizer == "adam"
         excp_sizes, excp_decoded = excp(cks) if adam else ([], None)
         middle = len(cks) // 2

@@ -18,8 +18,6 @@ Needs transformers and accelerate (the test extra has both).
 from __future__ import annotations
 
 import argparse
-import importlib
-import inspect
 import lzma
 import os
 import statistics
@@ -29,12 +27,12 @@ from pathlib import Path
 
 import torch
 import transformers
+from bench_series import bits_equal, source_text  # (run from benchmarks/: its own directory is on the path)
 
 from deepcabac_py import CheckpointSeries, encode_model
 from deepcabac_py.io.directories import load_checkpoint_directory
 
 SEQ = 64
-MODULES = ("argparse", "pathlib", "dataclasses", "textwrap")
 
 
 class Chunks(torch.utils.data.Dataset):
@@ -50,8 +48,7 @@ class Chunks(torch.utils.data.Dataset):
 
 
 def _text() -> torch.Tensor:
-    raw = "".join(inspect.getsource(importlib.import_module(m)) for m in MODULES).encode()
-    return torch.tensor(list(raw), dtype=torch.long)
+    return torch.tensor(list(source_text().encode()), dtype=torch.long)
 
 
 def _model():
@@ -137,7 +134,7 @@ def main() -> None:
                 if p.name in ("optimizer.pt", "scheduler.pt"):
                     x = torch.load(p, weights_only=True)
                     y = torch.load(back / p.relative_to(d), weights_only=True)
-                    exact &= _bits_equal(x, y)
+                    exact &= bits_equal(x, y)
                 else:
                     exact &= p.read_bytes() == (back / p.relative_to(d)).read_bytes()
 
@@ -150,17 +147,6 @@ def main() -> None:
           f"cosine {worst_cos:.4f}, norm {100 * worst_norm:.2f}% (goal: 0.5%, 0.99, 5%)")
     print(f"series: append median {statistics.median(appends):.3f} s per directory; lossless series "
           f"{raw / exact_bytes:.3f}x, every file restored: {exact}")
-
-
-def _bits_equal(a, b) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and bool(
-            torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)))
-    if isinstance(a, dict):
-        return isinstance(b, dict) and list(a) == list(b) and all(_bits_equal(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(_bits_equal(x, y) for x, y in zip(a, b))
-    return a == b
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -220,11 +221,11 @@ def test_unpaired_weights_take_a_step_only_where_no_buffer_can_be_among_them():
     settings = {"qp": DEFAULT_SERIES_QP, "qp_1d": DEFAULT_SERIES_QP}
     sizes = {i: cs._step_size(ckpt.tensors, f"optimizer.state.{i}.exp_avg",
                               cs.adam_groups(ckpt.skeleton)[f"optimizer.state.{i}.exp_avg"]) for i in range(4)}
-    qps = cs._step_qps(ckpt, settings, {})
+    qps = cs._step_qps(ckpt, settings, replace(cs._weight_pairs(ckpt), pairs={}))
     assert set(qps) == {"model.0.weight"}  # (the one of its shape: its own step)
     assert qps["model.0.weight"][0] == cs.qp_at_most(sizes[0], DENSITY)
     del ckpt.tensors["model.1.running_mean"], ckpt.tensors["model.1.running_var"]
-    qps = cs._step_qps(ckpt, settings, {})
+    qps = cs._step_qps(ckpt, settings, replace(cs._weight_pairs(ckpt), pairs={}))
     smallest = cs.qp_at_most(min(sizes[1], sizes[2], sizes[3]), DENSITY)
     assert {n: q for n, (q, _) in qps.items() if n != "model.0.weight"} == {
         "model.0.bias": smallest, "model.1.weight": smallest, "model.1.bias": smallest}

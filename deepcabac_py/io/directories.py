@@ -14,24 +14,26 @@ place in one rename. :func:`load_checkpoint_directory` takes a whole directory a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import secrets
 import shutil
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import CheckpointError, InputError, OutputError, OutputExistsError, PickleRefusedError
 from .atomic import os_reason
 from .checkpoint import Checkpoint, flatten, unflatten
-from .files import checkpoint_writer, load_checkpoint, read_safetensors_index
+from .files import checkpoint_writer, load_checkpoint, load_safetensors, read_safetensors_index
 from .inputs import unreadable
 from .kinds import kind_from_suffix
 
 __all__ = ["CheckpointDirectory", "scan_directory", "list_files", "check_output_directory", "temporary_sibling",
-           "replace_directory", "copy_file", "INDEX_SUFFIX", "DIRECTORY_KIND", "load_checkpoint_directory",
-           "save_checkpoint_directory"]
+           "replace_directory", "built_beside", "copy_file", "INDEX_SUFFIX", "DIRECTORY_KIND",
+           "load_checkpoint_directory", "save_checkpoint_directory"]
 
 INDEX_SUFFIX = ".index.json"
 SHARD_NUMBER = re.compile(r"-\d+-of-\d+\.[^.]+$")  # model-00001-of-00004.safetensors
@@ -191,17 +193,31 @@ def temporary_sibling(target: str) -> str:
     raise OutputError(f"cannot write {target}: no unique temporary directory beside it")
 
 
-def check_output_directory(target: str, force: bool, inputs: str) -> None:
+def check_output_directory(target: str, force: bool, inputs: str | None = None) -> None:
     """Refuse an output directory that exists (unless ``force``) or that is, or lies inside, the
-    input directory ``inputs``."""
-    out, src = os.path.realpath(target), os.path.realpath(inputs)
-    if out == src or out.startswith(src + os.sep):
-        raise OutputError(f"cannot write {target}: it is inside the input directory {inputs}")
+    input directory ``inputs`` (if any)."""
+    if inputs is not None:
+        out, src = os.path.realpath(target), os.path.realpath(inputs)
+        if out == src or out.startswith(src + os.sep):
+            raise OutputError(f"cannot write {target}: it is inside the input directory {inputs}")
     if os.path.lexists(target):
         if not force:
             raise OutputExistsError(f"output directory {target} already exists; use --force to replace it")
         if not os.path.isdir(target) or os.path.islink(target):
             raise OutputError(f"cannot write {target}: it exists and is not a directory")
+
+
+@contextlib.contextmanager
+def built_beside(target: str, force: bool) -> Iterator[str]:
+    """A temporary directory beside ``target`` to build an output directory in: renamed to
+    ``target`` when the block ends (:func:`replace_directory`), removed if it fails."""
+    tmp = temporary_sibling(target)
+    try:
+        yield tmp
+        replace_directory(tmp, target, force)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def replace_directory(tmp: str, target: str, force: bool) -> None:
@@ -283,12 +299,7 @@ def load_checkpoint_directory(path: str | os.PathLike) -> Checkpoint:
 
 
 def _safetensors_content(full: str) -> dict[str, Any]:
-    ckpt = load_checkpoint(full, "safetensors")
-    try:
-        with open(full, "rb") as f:
-            header = read_safetensors_index(f, full).header_text
-    except OSError as exc:
-        raise unreadable(full, exc) from None
+    ckpt, header = load_safetensors(full)
     return {"safetensors": unflatten(ckpt), "metadata": ckpt.metadata, "header": header}
 
 
@@ -327,13 +338,8 @@ def save_checkpoint_directory(ckpt: Checkpoint, path: str | os.PathLike, *, forc
     again. :class:`CheckpointError` for a checkpoint of another structure or an unsafe path."""
     path = os.fspath(path)
     files = directory_files(ckpt)
-    if os.path.lexists(path):
-        if not force:
-            raise OutputExistsError(f"output directory {path} already exists; use --force to replace it")
-        if not os.path.isdir(path) or os.path.islink(path):
-            raise OutputError(f"cannot write {path}: it exists and is not a directory")
-    tmp = temporary_sibling(path)
-    try:
+    check_output_directory(path, force)
+    with built_beside(path, force) as tmp:
         for rel, content in files.items():
             full = os.path.join(tmp, rel)
             try:
@@ -342,10 +348,6 @@ def save_checkpoint_directory(ckpt: Checkpoint, path: str | os.PathLike, *, forc
                     _file_writer(rel, content)(f)
             except OSError as exc:
                 raise OutputError(f"cannot write {os.path.join(path, rel)}: {os_reason(exc)}") from None
-        replace_directory(tmp, path, force)
-    finally:
-        if os.path.isdir(tmp):
-            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def directory_files(ckpt: Checkpoint) -> dict[str, dict[str, Any]]:

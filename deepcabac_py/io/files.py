@@ -54,7 +54,7 @@ from .shapes import shape_problem
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["KINDS", "load_checkpoint", "save_checkpoint", "checkpoint_writer", "kind_from_suffix"]
+__all__ = ["KINDS", "load_checkpoint", "load_safetensors", "save_checkpoint", "checkpoint_writer", "kind_from_suffix"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -137,7 +137,7 @@ def load_checkpoint(path: PathLike, kind: str | None = None, *, max_bytes: int |
     if kind == "torch":
         return _load_torch(path, max_bytes)
     if kind == "safetensors":
-        return _load_safetensors(path)
+        return load_safetensors(path)[0]
     return _load_npz(path, max_bytes)
 
 
@@ -360,7 +360,9 @@ def safetensors_dtype(code: str) -> tuple[str, int]:
     return name, itemsize
 
 
-def _load_safetensors(path: str) -> Checkpoint:
+def load_safetensors(path: str) -> tuple[Checkpoint, str]:
+    """A safetensors file's checkpoint (as :func:`load_checkpoint` gives it) and its JSON header as
+    the file spells it, read once."""
     try:
         f = open(path, "rb")
     except OSError as exc:
@@ -373,7 +375,7 @@ def _load_safetensors(path: str) -> Checkpoint:
                 tensors[entry[0]] = index.read_tensor(f, i)
         except OSError as exc:
             raise unreadable(path, exc) from None
-    return _finish_safetensors(path, tensors, index.metadata)
+    return _finish_safetensors(path, tensors, index.metadata), index.header_text
 
 
 def _finish_safetensors(path: str, tensors: dict[str, Any], metadata: dict[str, str] | None) -> Checkpoint:

@@ -10,24 +10,15 @@ place at the end.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import shutil
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
 from ..errors import CorruptStreamError, InputError, PickleRefusedError
 from ..io.atomic import AppendingWriter, write_atomic
 from ..io.checkpoint import Checkpoint, is_plain_structure, plain_skeleton
-from ..io.directories import (
-    check_output_directory,
-    copy_file,
-    list_files,
-    replace_directory,
-    scan_directory,
-    temporary_sibling,
-)
+from ..io.directories import built_beside, check_output_directory, copy_file, list_files, scan_directory
 from ..io.files import SafetensorsLayout, checkpoint_writer, kind_from_suffix, safetensors_bytes, safetensors_code
 from ..io.kinds import KINDS
 from ..io.tensor_source import TensorSource, open_source
@@ -166,7 +157,7 @@ def encode_directory(src: str | os.PathLike, dst: str | os.PathLike, *, force: b
     check_output_directory(dst, force, src)
     EncodeSettings(**settings)  # (bad settings refused before any work)
     result = DirectoryResult()
-    with _built_beside(dst, force) as tmp:
+    with built_beside(dst, force) as tmp:
         refused = []
         for shard in layout.shards:
             out = _place(tmp, shard + STREAM_SUFFIX)
@@ -193,7 +184,7 @@ def decode_directory(src: str | os.PathLike, dst: str | os.PathLike, *, force: b
     streams, carried = stream_directory(src)
     check_output_directory(dst, force, src)
     result = DirectoryResult()
-    with _built_beside(dst, force) as tmp:
+    with built_beside(dst, force) as tmp:
         for rel in streams:
             name = rel[: -len(STREAM_SUFFIX)]
             out = _place(tmp, name)
@@ -201,19 +192,6 @@ def decode_directory(src: str | os.PathLike, dst: str | os.PathLike, *, force: b
             result.shards.append((rel, name, os.path.getsize(os.path.join(src, rel)), os.path.getsize(out)))
         result.carried = _carry(src, tmp, carried)
     return result
-
-
-@contextlib.contextmanager
-def _built_beside(dst: str, force: bool) -> Iterator[str]:
-    """A temporary directory beside ``dst`` to build the output in: renamed to ``dst`` when the
-    block ends, removed if it fails."""
-    tmp = temporary_sibling(dst)
-    try:
-        yield tmp
-        replace_directory(tmp, dst, force)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def _place(root: str, rel: str) -> str:

@@ -152,13 +152,12 @@ class CheckpointSeries:
             if previous is None and self._last is not None and self._last[0] == index - 1 \
                     and _same_tensors(self._last[1], ckpt):
                 previous = self._last[1]
-            pairs = _weight_pairs(ckpt, _in_optimizer_order(_update_partners(ckpt.tensors, ckpt.skeleton),
-                                                            ckpt.skeleton), previous)
+            pairing = _weight_pairs(ckpt, previous)
             if parent is None:
                 settings = dict(self.settings)
                 coded = ckpt
                 if self.settings.get("keep_exact") is not True:
-                    stepped = _step_qps(ckpt, self.settings, pairs) if self._steps_from_optimizer else {}
+                    stepped = _step_qps(ckpt, self.settings, pairing) if self._steps_from_optimizer else {}
                     coarser = {n: qp for n, (qp, base) in stepped.items() if qp > base}
                     coded, meta["update_domain"], overrides, _ = _in_update_domain(ckpt, settings, coarser, [], None)
                     settings["qp_overrides"] = {**overrides, **(self.settings.get("qp_overrides") or {})}
@@ -166,7 +165,7 @@ class CheckpointSeries:
                 self._key = (index, _quantized_qps(payload))
                 residuals: list[str] = []
             elif self.settings.get("keep_exact") is True:
-                coded, keyed, xored, meta["bit_predicted"] = _bit_residual_checkpoint(ckpt, parent, pairs)
+                coded, keyed, xored, meta["bit_predicted"] = _bit_residual_checkpoint(ckpt, parent, pairing.pairs)
                 meta["bit_residuals"], meta["xor_residuals"] = keyed, xored
                 residuals = []
                 payload = encode_model(coded, **self.settings)
@@ -181,7 +180,7 @@ class CheckpointSeries:
                 log_ratio_qp = settings.get("moments_qp", DEFAULT_MOMENTS_QP) + LOG_RATIO_QP_OFFSET
                 # (a weight whose key took its optimizer's step size takes its own now, or the series' qp:
                 # training may have slowed since the key)
-                stepped = _step_qps(ckpt, self.settings, pairs) if self._steps_from_optimizer else {}
+                stepped = _step_qps(ckpt, self.settings, pairing) if self._steps_from_optimizer else {}
                 overrides = {**{n: key_qps[n] for n in residuals if n in key_qps},
                              **{n: qp if qp > base else min(key_qps.get(n, base), base)
                                 for n, (qp, base) in stepped.items() if n in residuals},
@@ -189,7 +188,7 @@ class CheckpointSeries:
                 coded, meta["update_domain"], overrides, seconds = _in_update_domain(coded, settings, overrides,
                                                                                      log_ratios, parent)
                 coded, meta["predicted"], meta["v_scaled"] = _predicted_residuals(
-                    coded, residuals, settings, overrides, meta["update_domain"], seconds, parent, pairs)
+                    coded, residuals, settings, overrides, meta["update_domain"], seconds, parent, pairing.pairs)
                 settings["qp_overrides"] = {**overrides, **(self.settings.get("qp_overrides") or {})}
                 payload = encode_model(coded, **settings)
             meta["residuals"] = residuals
@@ -276,10 +275,11 @@ def _reconstruct(path: str, index: int, payload: bytes, meta: dict, parent: Chec
             <= set(decoded.tensors)):
         raise CorruptStreamError(f"{path}: entry {index} lists residuals it does not hold")
     tensors = _from_log_ratios(where, decoded.tensors, log_ratios, parent)
-    # (the moments' roles by the entry's structure: a state dict keyed by parameter names too)
+    # (the moments' roles by the entry's structure, a state dict keyed by parameter names too: the
+    # names each tensor has once the update domain is undone)
+    moment_roles = roles([n.removesuffix(UPDATE_SUFFIX) for n in tensors], decoded.skeleton)
     bit_predicted = _predictions(where, meta.get("bit_predicted", {}),
-                                 [n for n in decoded.tensors if n not in keyed + xored], tensors,
-                                 roles(tensors, decoded.skeleton))
+                                 [n for n in decoded.tensors if n not in keyed + xored], tensors, moment_roles)
     for name in keyed + xored + list(bit_predicted):  # (predicted last: from the moments as restored)
         if name not in parent.tensors:
             raise CorruptStreamError(f"{path}: entry {index}: residual {name!r} has no parent tensor")
@@ -302,7 +302,6 @@ def _reconstruct(path: str, index: int, payload: bytes, meta: dict, parent: Chec
         tensors[name] = _applied(where, name, tensors[name], parent.tensors.get(name), RATIO)
     # the moments first: a residual may be predicted from the step they make
     tensors = _from_update_domain(where, tensors, meta.get("update_domain", {}))
-    moment_roles = roles(tensors, decoded.skeleton)
     predicted = _predictions(where, meta.get("predicted", {}), residuals, tensors, moment_roles)
     scaled = _scalings(where, meta.get("v_scaled", {}), list(predicted), tensors, moment_roles)
     for name in residuals:
@@ -606,10 +605,10 @@ def _predicted_residuals(coded: Checkpoint, residuals: list[str], settings: dict
 STEP_FRACTION = 1.0
 
 
-def _step_qps(ckpt: Checkpoint, settings: dict[str, Any], pairs: dict[str, str]) -> dict[str, tuple[int, int]]:
+def _step_qps(ckpt: Checkpoint, settings: dict[str, Any], pairing: _Pairing) -> dict[str, tuple[int, int]]:
     """Weight -> (its qp by the size of the optimizer's last step on it, ``settings``' qp for it:
     ``qp``, or ``qp_1d`` for at most one dimension), for the weights of ``ckpt`` whose Adam or SGD
-    state (moments and param group) it holds, paired with their first moments by ``pairs``
+    state (moments and param group) it holds, paired with their first moments by ``pairing``
     (:func:`_weight_pairs`), and no qp override of ``settings`` names (those win).
 
     A weight left unpaired (the first key of a checkpoint that lists its weights in another order
@@ -620,17 +619,12 @@ def _step_qps(ckpt: Checkpoint, settings: dict[str, Any], pairs: dict[str, str])
     groups: dict[str, AdamGroup | MomentumGroup] = {**adam_groups(ckpt.skeleton), **momentum_groups(ckpt.skeleton)}
     given = settings.get("qp_overrides") or {}
     series = EncodeSettings(**{k: settings[k] for k in ("qp", "qp_density", "qp_1d") if k in settings})
+    pairs = pairing.pairs
     sizes = {name: _step_size(ckpt.tensors, moment, groups[moment]) if moment in groups else None
              for name, moment in pairs.items()}
     taken = set(pairs.values())
-    spare: dict[tuple[int, ...], tuple[list[str], list[str]]] = {}
-    for name in _weights(ckpt):
-        if name not in pairs:
-            spare.setdefault(tensor_to_numpy(ckpt.tensors[name])[0].shape, ([], []))[0].append(name)
-    for m in _update_partners(ckpt.tensors, ckpt.skeleton):
-        shape = tensor_to_numpy(ckpt.tensors[m])[0].shape
-        if m not in taken and shape in spare:
-            spare[shape][1].append(m)
+    spare = _by_shape([w for w in pairing.weights if w not in pairs], [m for m in pairing.firsts if m not in taken],
+                      ckpt.tensors)
     for ws, ms in spare.values():
         steps = [_step_size(ckpt.tensors, m, groups[m]) if m in groups else None for m in ms]
         if ws and len(ws) <= len(ms) and None not in steps:
@@ -683,17 +677,42 @@ def _weights(ckpt: Checkpoint) -> list[str]:
     return [n for n, t in ckpt.tensors.items() if n not in state and tensor_to_numpy(t)[1] in _FLOATS]
 
 
-def _weight_pairs(ckpt: Checkpoint, firsts: list[str], previous: Checkpoint | None = None) -> dict[str, str]:
-    """Each float weight of ``ckpt`` (a tensor with no optimizer role) -> its first moment among
-    ``firsts`` (in the optimizer's order): by the weights' changes since ``previous`` (the entry
-    before, of the same tensors, as decoded) where there is one and they tell
-    (:func:`_correlated_pairs`), the others in order as :func:`_paired` pairs them."""
+@dataclass(frozen=True)
+class _Pairing:
+    """An entry's float weights (in order), its first moments that the update domain takes (in the
+    optimizer's order), and weight -> first moment for the weights paired."""
+
+    weights: list[str]
+    firsts: list[str]
+    pairs: dict[str, str]
+
+
+def _weight_pairs(ckpt: Checkpoint, previous: Checkpoint | None = None) -> _Pairing:
+    """Each float weight of ``ckpt`` (a tensor with no optimizer role) -> its first moment: by the
+    weights' changes since ``previous`` (the entry before, of the same tensors, as decoded) where
+    there is one and they tell (:func:`_correlated_pairs`), the others in order as :func:`_paired`
+    pairs them."""
     weights = _weights(ckpt)
+    firsts = _in_optimizer_order(_update_partners(ckpt.tensors, ckpt.skeleton), ckpt.skeleton)
     pairs = {} if previous is None else _correlated_pairs(weights, ckpt.tensors, firsts, previous.tensors)
     taken = set(pairs.values())
     pairs.update(_paired([w for w in weights if w not in pairs], ckpt.tensors, [m for m in firsts if m not in taken],
                          ckpt.tensors))
-    return {w: pairs[w] for w in weights if w in pairs}
+    return _Pairing(weights, firsts, {w: pairs[w] for w in weights if w in pairs})
+
+
+def _by_shape(weights: list[str], moments: list[str],
+              tensors: dict[str, Any]) -> dict[tuple[int, ...], tuple[list[str], list[str]]]:
+    """Shape -> (the ``weights`` of that shape, the ``moments`` of that shape), for the weights'
+    shapes, each list in its order."""
+    shapes: dict[tuple[int, ...], tuple[list[str], list[str]]] = {}
+    for name in weights:
+        shapes.setdefault(tensor_to_numpy(tensors[name])[0].shape, ([], []))[0].append(name)
+    for m in moments:
+        shape = tensor_to_numpy(tensors[m])[0].shape
+        if shape in shapes:
+            shapes[shape][1].append(m)
+    return shapes
 
 
 # Pairs by correlation. A weight's change since the entry before follows its optimizer's step
@@ -713,17 +732,10 @@ def _correlated_pairs(weights: list[str], tensors: dict[str, Any], firsts: list[
                       previous: dict[str, Any]) -> dict[str, str]:
     """Weight -> first moment (of its shape), the pairs whose two step directions (:func:`_direction`,
     of this entry's and of ``previous``'s moments) explain most of the weight's change since
-    ``previous`` taken first, on the same :data:`PAIR_SAMPLE` elements of each shape."""
-    shapes: dict[tuple[int, ...], tuple[list[str], list[str]]] = {}
-    for name in weights:
-        if name in previous:
-            shapes.setdefault(tensor_to_numpy(tensors[name])[0].shape, ([], []))[0].append(name)
-    for m in firsts:
-        shape = tensor_to_numpy(tensors[m])[0].shape
-        if shape in shapes and m in previous:
-            shapes[shape][1].append(m)
+    ``previous`` (which holds the same tensors) taken first, on the same :data:`PAIR_SAMPLE`
+    elements of each shape."""
     candidates = []
-    for shape, (ws, ms) in shapes.items():
+    for shape, (ws, ms) in _by_shape(weights, firsts, tensors).items():
         if not ms:
             continue
         size = math.prod(shape)
