@@ -245,6 +245,32 @@ def test_numpy_checkpoints_and_bfloat16(tmp_path):
         len(dc.CheckpointSeries(tmp_path))  # a directory
 
 
+def _bfloat16_run(n: int) -> list[dict]:
+    """``n`` checkpoints of bfloat16 weights with Adam state in float32."""
+    out = []
+    for c in _run(n):
+        c = copy.deepcopy(c)
+        c["model"] = {k: v.to(torch.bfloat16) for k, v in c["model"].items()}
+        out.append(c)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["adam", "sgd", "bfloat16", "lossless", "qp"])
+def test_the_writer_codes_against_what_a_reader_decodes(kind, run, sgd_run, tmp_path):
+    """An object that appends codes each residual against its last entry as it coded it (the
+    levels it quantized, never decoded); a new object for each append decodes the parent from the
+    file. The two series are the same bytes: the writer's parent is the reader's, to the bit."""
+    checkpoints = {"adam": run, "sgd": sgd_run, "bfloat16": _bfloat16_run(4), "lossless": run, "qp": run}[kind]
+    settings = {"lossless": {"keep_exact": True}, "qp": {"qp": -40, "quantizer": "rdoq"}}.get(kind, {})
+    settings = {"key_every": 4, **settings}
+    one = dc.CheckpointSeries(tmp_path / "one.dcs", **settings)
+    for c in checkpoints:
+        one.append(c)
+        dc.CheckpointSeries(tmp_path / "fresh.dcs", **settings).append(c)
+    assert [e.kind for e in one.entries()][:4] == ["key", "residual", "residual", "residual"]
+    assert (tmp_path / "one.dcs").read_bytes() == (tmp_path / "fresh.dcs").read_bytes()
+
+
 def _next_step(ckpt: dict) -> torch.Tensor:
     ckpt = copy.deepcopy(ckpt)  # (the optimizer adopts the state's tensors and steps them in place)
     model = torch.nn.Sequential(torch.nn.Linear(32, 96), torch.nn.ReLU(), torch.nn.Linear(96, 4))

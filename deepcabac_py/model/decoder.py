@@ -10,7 +10,7 @@ import collections
 import dataclasses
 import fnmatch
 import os
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -306,7 +306,6 @@ class _Tensor:
     def __init__(self, stream, e: TensorEntry, want_levels: bool = False):
         self.entry, self.want_levels = e, want_levels
         self.ran = False  # (decoded together with others: see _run_small_together)
-        self.step = e.step if e.step is not None else 0.0  # (used by quantized tensors only)
         views = _payload_views(stream, e)
         self.predictor = None
         self.log_offset = 0
@@ -350,34 +349,44 @@ class _Tensor:
                                         e.coder_param)
             return stop - start
         start, stop = self.layout.bounds(k)
-        dependent = e.mode == Mode.DEPENDENT
         if self.want_levels:
             self._levels_into(k, out[start:stop])
-            if dependent:
+            if e.mode == Mode.DEPENDENT:
                 out[start:stop] = dq_indices(out[start:stop])
-        elif e.mode == Mode.LOG:
-            levels = np.empty(stop - start, dtype=np.int32)
-            self._levels_into(k, levels)
-            out[start:stop] = log_values(levels, self.log_offset, self.step, e.dtype.dtype_name)
-        elif e.mode.is_quantized and e.dtype == DType.FLOAT32:
-            window = out[start:stop].view(np.int32)
-            self._levels_into(k, window)
-            reconstruct_f32_inplace(window, self.step, dependent=dependent)
-        elif e.mode.is_quantized and e.dtype == DType.BFLOAT16:
-            levels = np.empty(stop - start, dtype=np.int32)
-            self._levels_into(k, levels)
-            reconstruct_bf16_into(levels, self.step, out[start:stop], dependent=dependent)
         else:
-            levels = np.empty(stop - start, dtype=np.int32)
-            self._levels_into(k, levels)
-            if e.mode.is_quantized:
-                out[start:stop] = reconstruct_chunk(levels, self.step, e.dtype.dtype_name, dependent=dependent)
-            else:
-                out[start:stop] = _integers_from_levels(e, levels)
+            values_into(e, lambda window: self._levels_into(k, window), out[start:stop], self.log_offset)
         return stop - start
 
     def result(self) -> np.ndarray:
         return self.out.reshape(self.entry.shape)
+
+
+def values_into(e: TensorEntry, fill: Callable[[np.ndarray], None], out: np.ndarray, log_offset: int = 0) -> None:
+    """The values of a chunk of level-coded entry ``e`` into ``out`` (its part of the tensor's
+    carrier array): ``fill(window)`` writes the chunk's levels (int32, as its substream carries them)
+    into ``window``. The decoder's one way from levels to values, for its substreams and for the
+    levels an encoder has just coded (:func:`values_of_levels`)."""
+    dependent = e.mode == Mode.DEPENDENT
+    step = e.step if e.step is not None else 0.0  # (used by quantized tensors only)
+    if e.mode == Mode.LOG:
+        levels = np.empty(out.shape[0], dtype=np.int32)
+        fill(levels)
+        out[:] = log_values(levels, log_offset, step, e.dtype.dtype_name)
+    elif e.mode.is_quantized and e.dtype == DType.FLOAT32:
+        window = out.view(np.int32)
+        fill(window)
+        reconstruct_f32_inplace(window, step, dependent=dependent)
+    elif e.mode.is_quantized and e.dtype == DType.BFLOAT16:
+        levels = np.empty(out.shape[0], dtype=np.int32)
+        fill(levels)
+        reconstruct_bf16_into(levels, step, out, dependent=dependent)
+    else:
+        levels = np.empty(out.shape[0], dtype=np.int32)
+        fill(levels)
+        if e.mode.is_quantized:
+            out[:] = reconstruct_chunk(levels, step, e.dtype.dtype_name, dependent=dependent)
+        else:
+            out[:] = _integers_from_levels(e, levels)
 
 
 def _decodes_together(t: _Tensor, work, dtype: DType) -> bool:

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import io
 import tempfile
 from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 import numpy as np
@@ -22,10 +24,11 @@ import numpy as np
 from ..entropy import floatcoder, linear_prediction
 from ..entropy.floatcoder import Buffer
 from ..io.buffers import joined
-from ..io.checkpoint import Checkpoint
+from ..io.checkpoint import Checkpoint, numpy_to_tensor
 from ..io.checksum import crc32
 from ..io.tensor_source import TensorSource
 from .container import (
+    FLAG_TORCH,
     LOG_OFFSET_BYTES,
     Coder,
     Mode,
@@ -35,6 +38,7 @@ from .container import (
     read_header,
     write_header,
 )
+from .decoder import checkpoint_of, values_into
 from .levels import QuantizedTensor, assembled
 from .model_plan import ModelPlan, plan_model
 from .parallel import ELEMENTS_IN_FLIGHT, Progress, pool_for, resolve_threads
@@ -112,6 +116,46 @@ batchnorm_eps, bias_correction, moments_qp
     return joined(out.pieces)
 
 
+@dataclass
+class CodedTensor:
+    """One tensor as coding left it: its table entry, its substreams, and its values as a decoder
+    gives them back."""
+
+    entry: TensorEntry
+    chunks: list[Buffer]
+    decoded: Any  # a torch tensor or numpy array, as decode_checkpoint returns it
+
+
+@dataclass
+class CodedModel:
+    """A stream, the checkpoint it decodes to, and its tensors as coded (:func:`code_model`)."""
+
+    data: bytes
+    decoded: Checkpoint
+    tensors: dict[str, CodedTensor]
+
+
+def code_model(model: Mapping[str, Any] | Checkpoint, settings: EncodeSettings, *,
+               reuse: Mapping[str, CodedTensor] | None = None, threads: int | None = None) -> CodedModel:
+    """The stream of :func:`encode_model` together with what it decodes to, made from the levels as
+    they are coded (the decoder's own reconstruction, without decoding a substream), for a writer
+    that codes against its own output (a checkpoint series).
+
+    ``reuse``: tensors already coded, alone, with the settings that reach them in this model
+    (their entry, substreams and values are taken as they are instead of coding them again). The
+    caller vouches for that: a tensor reused with other settings would not be the stream
+    :func:`encode_model` makes."""
+    out = _Pieces()
+    payloads = _Payloads()
+    written = _write(out, model, settings, resolve_threads(threads), None, payloads, ELEMENTS_IN_FLIGHT,
+                     decode=True, reuse=reuse or {})
+    data = joined(out.pieces)
+    header = read_header(memoryview(data))
+    coded = {name: CodedTensor(entry, payloads.chunks[name], written.decoded[name])
+             for name, entry in written.entries.items()}
+    return CodedModel(data, checkpoint_of(header, written.decoded), coded)
+
+
 class _Pieces:
     """A write-only binary sink that keeps what it is given: the stream is joined once at the end
     instead of being copied into a growing buffer piece by piece."""
@@ -142,15 +186,22 @@ def write_stream(out: BinaryIO, model: Mapping[str, Any] | Checkpoint | TensorSo
     with contextlib.ExitStack() as stack:
         if spool is None:
             spool = stack.enter_context(tempfile.TemporaryFile(prefix="deepcabac-"))
-        header, payload_size = _write(out, model, settings, threads, progress, _SpooledPayloads(spool),
-                                      max_elements_in_flight)
-    return read_header(header, total_size=len(header) + payload_size)
+        written = _write(out, model, settings, threads, progress, _SpooledPayloads(spool), max_elements_in_flight)
+    return read_header(written.header, total_size=len(written.header) + written.payload_size)
+
+
+@dataclass
+class _Written:
+    header: bytes
+    payload_size: int
+    entries: dict[str, TensorEntry]  # the tensors' (not the aliases')
+    decoded: dict[str, Any]  # the tensors' values as decoded (asked for with ``decode``)
 
 
 def _write(out: BinaryIO | _Pieces, model: Mapping[str, Any] | Checkpoint | TensorSource, settings: EncodeSettings,
-           threads: int, progress: Progress | None, payloads: _Payloads, max_elements_in_flight: int
-           ) -> tuple[bytes, int]:
-    """Plan, code and write ``model``: (the header written, the payload's size)."""
+           threads: int, progress: Progress | None, payloads: _Payloads, max_elements_in_flight: int, *,
+           decode: bool = False, reuse: Mapping[str, CodedTensor] | None = None) -> _Written:
+    """Plan, code and write ``model`` (with ``decode``, its values as decoded as well)."""
     plan = plan_model(model, settings)
     with contextlib.ExitStack() as stack:
         pool = ThreadPoolExecutor(max_workers=threads) if threads > 1 else None
@@ -160,7 +211,7 @@ def _write(out: BinaryIO | _Pieces, model: Mapping[str, Any] | Checkpoint | Tens
         # (none when every tensor is kept exact: the limit's setting and restoring cost a millisecond)
         stack.enter_context(linear_prediction.blas_threads(settings.quantizer in ("nearest", "rdoq")
                                                            and settings.keep_exact is not True))
-        coder = _TensorCoder(plan, pool, progress, payloads, max_elements_in_flight)
+        coder = _TensorCoder(plan, pool, progress, payloads, max_elements_in_flight, decode, reuse or {})
         targets = plan.shift_targets
         coder.code([n for n in plan.names if n not in targets])
         # the tensors that take out their layers' shifts, now that those layers are coded
@@ -175,7 +226,7 @@ def _write(out: BinaryIO | _Pieces, model: Mapping[str, Any] | Checkpoint | Tens
         out.write(header)
         for name in plan.names:
             payloads.copy_to(out, name)
-    return header, offset
+    return _Written(header, offset, {n: coder.entries[n] for n in plan.names}, coder.decoded)
 
 
 class _Payloads:
@@ -199,7 +250,7 @@ class _Payloads:
         self.chunks[name] = chunks
 
     def copy_to(self, out: BinaryIO | _Pieces, name: str) -> None:
-        for c in self.chunks.pop(name):
+        for c in self.chunks[name]:  # (kept: the pieces hold them until the stream is joined anyway)
             out.write(c)
 
 
@@ -240,9 +291,13 @@ class _TensorCoder:
     tensor's substreams are stored (and its memory released) once all its chunks are done."""
 
     def __init__(self, plan: ModelPlan, pool: ThreadPoolExecutor | None, progress: Progress | None,
-                 payloads: _Payloads, budget: int):
+                 payloads: _Payloads, budget: int, decode: bool = False,
+                 reuse: Mapping[str, CodedTensor] | None = None):
         self.plan, self.pool, self.progress, self.payloads, self.budget = plan, pool, progress, payloads, budget
+        self.decode, self.reuse = decode, reuse or {}
         self.entries: dict[str, TensorEntry] = {}
+        self.decoded: dict[str, Any] = {}  # (with ``decode``) every tensor's values as decoded
+        self.outputs: dict[str, np.ndarray] = {}  # (with ``decode``) level-coded tensors' values, chunk by chunk
         self.deltas: dict[str, Any] = {}  # shift target -> the sum of its layers' shifts
         self.shift_layers = plan.shift_layers  # (a set built from the shifts: once, not per tensor)
 
@@ -252,6 +307,10 @@ class _TensorCoder:
         small: list[TensorPlan] = []  # small floats kept exact, waiting to be coded in one call
         small_elements = 0
         for name in names:
+            done = self.reuse.get(name)
+            if done is not None and not shifted and name not in self.shift_layers:
+                self._store_coded(name, done)
+                continue
             if shifted and name in self.deltas:
                 p = self.plan.with_shifts(name, self.deltas[name])
             else:
@@ -269,6 +328,8 @@ class _TensorCoder:
                 small.append(p)
                 small_elements += e.numel
                 continue
+            if self.decode and p.is_level_coded:
+                self.outputs[name] = np.empty(e.numel, dtype=e.dtype.carrier)
             jobs = [(p, k, keep) for k in range(p.chunk_count)]
             runner = pool_for(self.pool, p.entry.numel)
             work: list = [runner.submit(self._run, job) for job in jobs] if runner is not None else jobs
@@ -295,6 +356,11 @@ class _TensorCoder:
     def _run(self, job: tuple[TensorPlan, int, bool]) -> tuple[Buffer, np.ndarray | None]:
         p, k, keep = job
         data, levels = p.encode_chunk(k)
+        out = self.outputs.get(p.name)
+        if out is not None and levels is not None:
+            start, stop = p.chunks.bounds(k)
+            chunk_levels = levels  # (the function below runs before this one returns)
+            values_into(p.entry, lambda window: np.copyto(window, chunk_levels), out[start:stop], p.log_offset or 0)
         if self.progress is not None:
             self.progress(p.chunk_size(k))
         return data, levels if keep else None
@@ -323,7 +389,26 @@ class _TensorCoder:
                 self.deltas[target] = self.deltas.get(target, 0.0) + delta
         self.payloads.add(p.entry, chunks)
         self.entries[p.name] = p.entry
+        if self.decode:  # (a tensor coded losslessly: its values as given)
+            out = self.outputs.pop(p.name, None)
+            self._keep_decoded(p.entry, out if out is not None else np.array(p.values, dtype=p.entry.dtype.carrier))
         return p.entry.numel
+
+    def _keep_decoded(self, e: TensorEntry, values: np.ndarray) -> None:
+        """Keep ``values`` (an array of its own, the carrier's dtype) as the decoded values of ``e``."""
+        self.decoded[e.name] = numpy_to_tensor(values.reshape(e.shape), e.dtype.dtype_name, bool(e.flags & FLAG_TORCH))
+
+    def _store_coded(self, name: str, done: CodedTensor) -> None:
+        """Store a tensor coded before (:func:`code_model`'s ``reuse``) as it was coded."""
+        e = dataclasses.replace(done.entry, chunk_sizes=list(done.entry.chunk_sizes))
+        if e.name != name:
+            raise ValueError(f"internal error: {e.name!r} reused as {name!r}")
+        self.payloads.add(e, done.chunks)
+        self.entries[name] = e
+        if self.decode:
+            self.decoded[name] = done.decoded
+        if self.progress is not None:
+            self.progress(e.numel)
 
     def _store_raw(self, p: TensorPlan, counted: bool = False) -> None:
         e = p.entry
@@ -331,6 +416,8 @@ class _TensorCoder:
         e.chunk_elements = raw_chunk_elements(e.dtype)
         self.payloads.add(e, [flat[k:k + e.chunk_elements].tobytes() for k in range(0, flat.size, e.chunk_elements)])
         self.entries[e.name] = e
+        if self.decode:  # (the values as given: exact)
+            self._keep_decoded(e, np.array(p.values, dtype=e.dtype.carrier))
         if self.progress is not None and not counted:
             self.progress(flat.size)
 

@@ -36,13 +36,13 @@ from typing import Any
 import numpy as np
 
 from ..errors import CorruptStreamError, OutputError
-from ..io.checkpoint import Checkpoint, flatten, numpy_to_tensor, plain_skeleton, tensor_to_numpy, unflatten
+from ..io.checkpoint import Checkpoint, flatten, numpy_to_tensor, tensor_to_numpy, unflatten
 from ..io.directories import DIRECTORY_KIND, load_checkpoint_directory, save_checkpoint_directory
 from ..io.dtypes import bfloat16_to_float32, float64_to_bfloat16
 from ..io.files import load_checkpoint, save_checkpoint
 from ..io.kinds import kind_from_suffix
 from ..model.decoder import decode_checkpoint, read_stream_header
-from ..model.encoder import encode_model
+from ..model.encoder import CodedModel, CodedTensor, code_model, encode_model
 from ..model.optimizer_state import (
     FIRST_MOMENT,
     SECOND_MOMENT,
@@ -153,22 +153,26 @@ class CheckpointSeries:
                     and _same_tensors(self._last[1], ckpt):
                 previous = self._last[1]
             pairing = _weight_pairs(ckpt, previous)
+            # (tensors coded alone on the way, their values needed before the entry is coded: the
+            # entry takes them as they are)
+            done: dict[str, CodedTensor] = {}
             if parent is None:
                 settings = dict(self.settings)
                 coded = ckpt
                 if self.settings.get("keep_exact") is not True:
                     stepped = _step_qps(ckpt, self.settings, pairing) if self._steps_from_optimizer else {}
                     coarser = {n: qp for n, (qp, base) in stepped.items() if qp > base}
-                    coded, meta["update_domain"], overrides, _ = _in_update_domain(ckpt, settings, coarser, [], None)
+                    coded, meta["update_domain"], overrides, _ = _in_update_domain(ckpt, settings, coarser, [], None,
+                                                                                   done)
                     settings["qp_overrides"] = {**overrides, **(self.settings.get("qp_overrides") or {})}
-                payload = encode_model(coded, **settings)
-                self._key = (index, _quantized_qps(payload))
+                result = _coded(coded, settings, done)
+                self._key = (index, _quantized_qps(result.data))
                 residuals: list[str] = []
             elif self.settings.get("keep_exact") is True:
                 coded, keyed, xored, meta["bit_predicted"] = _bit_residual_checkpoint(ckpt, parent, pairing.pairs)
                 meta["bit_residuals"], meta["xor_residuals"] = keyed, xored
                 residuals = []
-                payload = encode_model(coded, **self.settings)
+                result = _coded(coded, self.settings, done)
             else:
                 coded, residuals, log_ratios = _residual_checkpoint(ckpt, parent)
                 meta["log_ratios"] = log_ratios
@@ -186,14 +190,15 @@ class CheckpointSeries:
                                 for n, (qp, base) in stepped.items() if n in residuals},
                              **{n + LOG_RATIO_SUFFIX: log_ratio_qp for n in log_ratios}}
                 coded, meta["update_domain"], overrides, seconds = _in_update_domain(coded, settings, overrides,
-                                                                                     log_ratios, parent)
+                                                                                     log_ratios, parent, done)
                 coded, meta["predicted"], meta["v_scaled"] = _predicted_residuals(
-                    coded, residuals, settings, overrides, meta["update_domain"], seconds, parent, pairing.pairs)
+                    coded, residuals, settings, overrides, meta["update_domain"], seconds, parent, pairing.pairs, done)
                 settings["qp_overrides"] = {**overrides, **(self.settings.get("qp_overrides") or {})}
-                payload = encode_model(coded, **settings)
+                result = _coded(coded, settings, done)
             meta["residuals"] = residuals
-            f.append(meta, payload)
-            self._last = (index, _reconstruct(f.path, index, payload, meta, parent))
+            f.append(meta, result.data)
+            # (the entry as a reader will decode it, from the levels as they were coded)
+            self._last = (index, _reconstruct(f.path, index, result.decoded, meta, parent))
         return index
 
     def _key_qps(self, f: SeriesFile, index: int) -> dict[str, int]:
@@ -254,14 +259,14 @@ class CheckpointSeries:
         ckpt: Checkpoint | None = None
         for i in reversed(chain):
             record = f.records[i]
-            ckpt = _reconstruct(f.path, i, f.payload(record), record.meta, ckpt)
+            ckpt = _reconstruct(f.path, i, decode_checkpoint(f.payload(record)), record.meta, ckpt)
         if ckpt is None:
             raise RuntimeError("internal error: an empty chain")
         return ckpt
 
 
-def _reconstruct(path: str, index: int, payload: bytes, meta: dict, parent: Checkpoint | None) -> Checkpoint:
-    decoded = decode_checkpoint(payload)
+def _reconstruct(path: str, index: int, decoded: Checkpoint, meta: dict, parent: Checkpoint | None) -> Checkpoint:
+    """Entry ``index`` from its stream as decoded (``decoded``), its meta and its parent."""
     where = f"{path}: entry {index}"
     if meta.get("kind") == KEY:
         return _with_tensors(decoded, _from_update_domain(where, decoded.tensors, meta.get("update_domain", {})))
@@ -486,11 +491,12 @@ def _update_scale(second: np.ndarray) -> np.ndarray:
 
 
 def _in_update_domain(coded: Checkpoint, settings: dict[str, Any], overrides: dict[str, int], log_ratios: list[str],
-                      parent: Checkpoint | None) -> tuple[Checkpoint, dict[str, float], dict[str, int], dict[str, Any]]:
+                      parent: Checkpoint | None, done: dict[str, CodedTensor]
+                      ) -> tuple[Checkpoint, dict[str, float], dict[str, int], dict[str, Any]]:
     """``coded`` (an entry as it will be coded) with its first moments in the update domain, their
     ``r`` by name, the qp overrides with theirs, and the second moments they are divided by as the
     entry decodes them: coded alone with the entry's settings (each is quantized on its own,
-    without importance: the same levels), their log2 ratios applied to the parent's."""
+    without importance: the same levels; into ``done``), their log2 ratios applied to the parent's."""
     # (a second moment coded as a log2 ratio has its moment's shape and dtype)
     partners = _update_partners({**coded.tensors, **{n: coded.tensors[n + LOG_RATIO_SUFFIX] for n in log_ratios}},
                                 coded.skeleton)
@@ -498,7 +504,7 @@ def _in_update_domain(coded: Checkpoint, settings: dict[str, Any], overrides: di
         return coded, {}, overrides, {}
     names = sorted({p for p in partners.values() if p is not None})
     sources = sorted(n + LOG_RATIO_SUFFIX if n in log_ratios else n for n in names)
-    decoded = _decoded_alone(coded, sources, settings, overrides) if sources else {}
+    decoded = _decoded_alone(coded, sources, settings, overrides, done) if sources else {}
     if log_ratios:
         if parent is None:
             raise RuntimeError("internal error: log2 ratios without a parent")
@@ -547,7 +553,8 @@ MIN_PREDICTION_GAIN = 0.05
 
 def _predicted_residuals(coded: Checkpoint, residuals: list[str], settings: dict[str, Any], overrides: dict[str, int],
                          scales: dict[str, float], seconds: dict[str, Any], parent: Checkpoint,
-                         pairs: dict[str, str]) -> tuple[Checkpoint, dict[str, list], dict[str, list]]:
+                         pairs: dict[str, str], done: dict[str, CodedTensor]
+                         ) -> tuple[Checkpoint, dict[str, list], dict[str, list]]:
     """``coded`` with each weight's residual less its prediction from the step directions of its
     first moment (:func:`_direction`), as the entry decodes it and as the parent did (the steps
     since the parent follow the moments: for the char-LSTM of bench_series their correlation is
@@ -555,13 +562,14 @@ def _predicted_residuals(coded: Checkpoint, residuals: list[str], settings: dict
     (:func:`_residual_scale`; Adam's only); the meta's ``predicted``: weight -> [first moment, c_entry,
     c_parent], and ``v_scaled``: weight -> [second moment, its mean]. ``scales`` are the first
     moments' in the update domain and ``seconds`` the second moments as :func:`_in_update_domain`
-    decoded them; ``pairs`` pair weights with first moments (:func:`_weight_pairs`)."""
+    decoded them; ``pairs`` pair weights with first moments (:func:`_weight_pairs`); the first
+    moments as coded go into ``done``."""
     firsts = _in_optimizer_order(scales, coded.skeleton)
     if not firsts or not residuals:
         return coded, {}, {}
     # the first moments as the entry decodes them (quantized on their own: the same levels)
     sources = sorted(m + UPDATE_SUFFIX for m in firsts)
-    decoded = _decoded_alone(coded, sources, settings, overrides)
+    decoded = _decoded_alone(coded, sources, settings, overrides, done)
     decoded = _from_update_domain("a first moment", {**seconds, **decoded}, scales)
     tensors = dict(coded.tensors)
     predicted: dict[str, list] = {}
@@ -807,12 +815,25 @@ def _with_tensors(ckpt: Checkpoint, tensors: dict[str, Any]) -> Checkpoint:
     return Checkpoint(tensors, ckpt.skeleton, ckpt.kind, ckpt.metadata, dict(ckpt.aliases))
 
 
-def _decoded_alone(coded: Checkpoint, names: list[str], settings: dict[str, Any],
-                   overrides: dict[str, int]) -> dict[str, Any]:
+def _decoded_alone(coded: Checkpoint, names: list[str], settings: dict[str, Any], overrides: dict[str, int],
+                   done: dict[str, CodedTensor]) -> dict[str, Any]:
     """The tensors ``names`` of an entry as it will decode them: coded alone, with the settings that
-    reach them (:func:`_settings_of_part`), and decoded."""
-    alone = Checkpoint({n: coded.tensors[n] for n in names}, plain_skeleton(names))
-    return decode_checkpoint(encode_model(alone, **_settings_of_part(names, settings, overrides))).tensors
+    reach them (:func:`_settings_of_part`), so that the entry takes them as they were coded (into
+    ``done``)."""
+    # (under the entry's structure, which the moments' roles come from: a state keyed by parameter
+    # name has no other way to say which tensor is a second moment)
+    alone = Checkpoint({n: coded.tensors[n] for n in names}, coded.skeleton)
+    result = _coded(alone, _settings_of_part(names, settings, overrides), {})
+    done.update(result.tensors)
+    return result.decoded.tensors
+
+
+def _coded(ckpt: Checkpoint, settings: dict[str, Any], done: dict[str, CodedTensor]) -> CodedModel:
+    """``ckpt`` coded with the series' ``settings`` (:func:`encode_model`'s keywords), the tensors of
+    ``done`` as they were coded alone."""
+    threads = settings.get("threads")
+    fields = {k: v for k, v in settings.items() if k not in ("threads", "progress")}
+    return code_model(ckpt, EncodeSettings(**fields), reuse=done, threads=threads)
 
 
 def _settings_of_part(names: list[str], settings: dict[str, Any], overrides: dict[str, int]) -> dict[str, Any]:
