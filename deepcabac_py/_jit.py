@@ -24,6 +24,10 @@ literal argument: every branch of a specialisation is compiled. Where the branch
 one float format each, an ``overload`` chooses them by the array's type as the kernel compiles
 (``_split_at_constant_widths``).
 
+``float_kernel`` and ``float_helper`` are for kernels that stand for NumPy's float expressions
+(a checkpoint series' arithmetic over whole tensors): NumPy's error model, so that a division by
+zero gives what NumPy's gives, an infinity or a NaN, and the loops vectorise.
+
 ``parallel_kernel`` is for the few kernels that split independent rows across threads with
 ``numba.prange`` (the entropy-bounded matrix formats). Launching a parallel region costs a few
 microseconds, so callers keep a serial path (a plain ``kernel``) for small inputs.
@@ -147,6 +151,11 @@ drop_stale_caches(os.path.dirname(os.path.abspath(__file__)))
 kernel = _cached(nogil=True)
 inline = _cached(inline="always")
 helper = _cached()
+# (for kernels that stand for NumPy's float expressions: a division by zero gives an infinity or a
+# NaN, as NumPy's does, not the exception of Python's model, whose check per division also keeps
+# the loop from being vectorised)
+float_kernel = _cached(nogil=True, error_model="numpy")
+float_helper = _cached(error_model="numpy")
 parallel_kernel = _cached(parallel=True, nogil=True)
 
 

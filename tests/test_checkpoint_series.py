@@ -20,7 +20,7 @@ from deepcabac_py.model.decoder import read_stream_header
 from deepcabac_py.model.settings import DEFAULT_MOMENTS_QP
 from deepcabac_py.quant.steps import step_from_qp
 from deepcabac_py.series.checkpoint_series import DEFAULT_SERIES_QP as SERIES_QP
-from deepcabac_py.series.checkpoint_series import LOG_RATIO_QP_OFFSET, RESIDUAL_SCALE_FLOOR, _residual_scale
+from deepcabac_py.series.checkpoint_series import LOG_RATIO_QP_OFFSET, RESIDUAL_SCALE_FLOOR
 from deepcabac_py.series.records import SeriesFile
 
 
@@ -59,6 +59,11 @@ def sgd_run() -> list[dict]:
 def _max_weight_error(a: dict, b: dict, only: str | None = None) -> float:
     return max((a["model"][k].double() - b["model"][k].double()).abs().max().item() for k in a["model"]
                if only in (None, k))
+
+
+def _residual_scale(v: np.ndarray, mean: float) -> np.ndarray:
+    """What a predicted residual is multiplied by before it is coded (docs/format.md)."""
+    return np.maximum(np.sqrt(np.abs(v) / mean), RESIDUAL_SCALE_FLOOR)
 
 
 def _max_scaled_weight_error(got: dict, original: dict, only: str | None = None) -> float:
@@ -569,7 +574,9 @@ def test_residuals_in_their_second_moments_scale_take_fewer_bytes(run, tmp_path,
     scaled = dc.CheckpointSeries(tmp_path / "scaled.dcs", key_every=100)
     for c in run:
         scaled.append(c)
-    monkeypatch.setattr(checkpoint_series, "_residual_scale", lambda second, mean: np.ones(second.shape))
+    # (the residuals as they are, unscaled)
+    monkeypatch.setattr(checkpoint_series._k, "scaled_by_moment_into",
+                        lambda rest, v, mean, floor, out: out.__setitem__(slice(None), rest))
     plain = dc.CheckpointSeries(tmp_path / "plain.dcs", key_every=100)
     for c in run:
         plain.append(c)

@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -56,6 +56,7 @@ from ..model.optimizer_state import (
 from ..model.settings import DEFAULT_MOMENTS_QP, EncodeSettings, is_glob, lookup_qp, matches
 from ..quant import portable
 from ..quant.steps import qp_at_most
+from . import _series_kernels as _k
 from .records import SeriesFile
 
 __all__ = ["CheckpointSeries", "SeriesEntry", "DEFAULT_KEY_EVERY", "DEFAULT_SERIES_QP"]
@@ -153,9 +154,7 @@ class CheckpointSeries:
                     and _same_tensors(self._last[1], ckpt):
                 previous = self._last[1]
             pairing = _weight_pairs(ckpt, previous)
-            # (tensors coded alone on the way, their values needed before the entry is coded: the
-            # entry takes them as they are)
-            done: dict[str, CodedTensor] = {}
+            work = _Work()
             if parent is None:
                 settings = dict(self.settings)
                 coded = ckpt
@@ -163,16 +162,16 @@ class CheckpointSeries:
                     stepped = _step_qps(ckpt, self.settings, pairing) if self._steps_from_optimizer else {}
                     coarser = {n: qp for n, (qp, base) in stepped.items() if qp > base}
                     coded, meta["update_domain"], overrides, _ = _in_update_domain(ckpt, settings, coarser, [], None,
-                                                                                   done)
+                                                                                   work)
                     settings["qp_overrides"] = {**overrides, **(self.settings.get("qp_overrides") or {})}
-                result = _coded(coded, settings, done)
+                result = _coded(coded, settings, work.tensors)
                 self._key = (index, _quantized_qps(result.data))
                 residuals: list[str] = []
             elif self.settings.get("keep_exact") is True:
                 coded, keyed, xored, meta["bit_predicted"] = _bit_residual_checkpoint(ckpt, parent, pairing.pairs)
                 meta["bit_residuals"], meta["xor_residuals"] = keyed, xored
                 residuals = []
-                result = _coded(coded, self.settings, done)
+                result = _coded(coded, self.settings, work.tensors)
             else:
                 coded, residuals, log_ratios = _residual_checkpoint(ckpt, parent)
                 meta["log_ratios"] = log_ratios
@@ -190,15 +189,15 @@ class CheckpointSeries:
                                 for n, (qp, base) in stepped.items() if n in residuals},
                              **{n + LOG_RATIO_SUFFIX: log_ratio_qp for n in log_ratios}}
                 coded, meta["update_domain"], overrides, seconds = _in_update_domain(coded, settings, overrides,
-                                                                                     log_ratios, parent, done)
+                                                                                     log_ratios, parent, work)
                 coded, meta["predicted"], meta["v_scaled"] = _predicted_residuals(
-                    coded, residuals, settings, overrides, meta["update_domain"], seconds, parent, pairing.pairs, done)
+                    coded, residuals, settings, overrides, meta["update_domain"], seconds, parent, pairing.pairs, work)
                 settings["qp_overrides"] = {**overrides, **(self.settings.get("qp_overrides") or {})}
-                result = _coded(coded, settings, done)
+                result = _coded(coded, settings, work.tensors)
             meta["residuals"] = residuals
             f.append(meta, result.data)
             # (the entry as a reader will decode it, from the levels as they were coded)
-            self._last = (index, _reconstruct(f.path, index, result.decoded, meta, parent))
+            self._last = (index, _reconstruct(f.path, index, result.decoded, meta, parent, work.restored))
         return index
 
     def _key_qps(self, f: SeriesFile, index: int) -> dict[str, int]:
@@ -265,11 +264,25 @@ class CheckpointSeries:
         return ckpt
 
 
-def _reconstruct(path: str, index: int, decoded: Checkpoint, meta: dict, parent: Checkpoint | None) -> Checkpoint:
-    """Entry ``index`` from its stream as decoded (``decoded``), its meta and its parent."""
+@dataclass
+class _Work:
+    """What an append has made on the way to its entry: tensors coded alone (their values were
+    needed first; the entry takes them as they were coded) and moments as a reader restores them
+    (the writer's reconstruction of the entry takes them instead of restoring them again)."""
+
+    tensors: dict[str, CodedTensor] = field(default_factory=dict)
+    restored: dict[str, Any] = field(default_factory=dict)
+
+
+def _reconstruct(path: str, index: int, decoded: Checkpoint, meta: dict, parent: Checkpoint | None,
+                 restored: Mapping[str, Any] | None = None) -> Checkpoint:
+    """Entry ``index`` from its stream as decoded (``decoded``), its meta and its parent
+    (``restored``: moments the writer has restored already, by name)."""
+    restored = restored or {}
     where = f"{path}: entry {index}"
     if meta.get("kind") == KEY:
-        return _with_tensors(decoded, _from_update_domain(where, decoded.tensors, meta.get("update_domain", {})))
+        return _with_tensors(decoded, _from_update_domain(where, decoded.tensors, meta.get("update_domain", {}),
+                                                          restored))
     if parent is None:
         raise CorruptStreamError(f"{path}: entry {index} is a residual without its parent")
     residuals, ratios = _names(meta.get("residuals")), _names(meta.get("ratios", []))
@@ -279,7 +292,7 @@ def _reconstruct(path: str, index: int, decoded: Checkpoint, meta: dict, parent:
             or not set(residuals + ratios + keyed + xored + [n + LOG_RATIO_SUFFIX for n in log_ratios])
             <= set(decoded.tensors)):
         raise CorruptStreamError(f"{path}: entry {index} lists residuals it does not hold")
-    tensors = _from_log_ratios(where, decoded.tensors, log_ratios, parent)
+    tensors = _from_log_ratios(where, decoded.tensors, log_ratios, parent, restored)
     # (the moments' roles by the entry's structure, a state dict keyed by parameter names too: the
     # names each tensor has once the update domain is undone)
     moment_roles = roles([n.removesuffix(UPDATE_SUFFIX) for n in tensors], decoded.skeleton)
@@ -306,7 +319,7 @@ def _reconstruct(path: str, index: int, decoded: Checkpoint, meta: dict, parent:
     for name in ratios:
         tensors[name] = _applied(where, name, tensors[name], parent.tensors.get(name), RATIO)
     # the moments first: a residual may be predicted from the step they make
-    tensors = _from_update_domain(where, tensors, meta.get("update_domain", {}))
+    tensors = _from_update_domain(where, tensors, meta.get("update_domain", {}), restored)
     predicted = _predictions(where, meta.get("predicted", {}), residuals, tensors, moment_roles)
     scaled = _scalings(where, meta.get("v_scaled", {}), list(predicted), tensors, moment_roles)
     for name in residuals:
@@ -316,7 +329,7 @@ def _reconstruct(path: str, index: int, decoded: Checkpoint, meta: dict, parent:
             extra = _prediction(tensors, parent.tensors, moment, coefs)
         if name in scaled:
             second, mean = scaled[name]
-            scale = _residual_scale(tensor_to_numpy(tensors[second])[0], mean)
+            scale = (tensor_to_numpy(tensors[second])[0], mean)
         tensors[name] = _applied(where, name, tensors[name], parent.tensors.get(name), RESIDUAL, extra, scale)
     return _with_tensors(decoded, tensors)
 
@@ -329,10 +342,12 @@ def _direction(tensors: dict[str, Any], moment: str) -> np.ndarray:
     partner = _partner_of(moment, tensors)
     if partner is None:
         raise CorruptStreamError(f"first moment {moment!r} has no second moment")
-    m, v = tensor_to_numpy(tensors[moment])[0], tensor_to_numpy(tensors[partner])[0]
+    (m, dm, _), (v, dv, _) = tensor_to_numpy(tensors[moment]), tensor_to_numpy(tensors[partner])
     if m.shape != v.shape:
         raise CorruptStreamError(f"first moment {moment!r} does not match its second moment")
-    return m.astype(np.float64) / _update_scale(v)
+    out = np.empty(m.size, dtype=np.float64)
+    _k.direction_into(_flat(m, dm), _flat(v, dv), ADAM_EPS, out)
+    return out.reshape(m.shape)
 
 
 def _prediction(tensors: dict[str, Any], parent: dict[str, Any], moment: str, coefs: tuple[float, float]) -> np.ndarray:
@@ -349,13 +364,13 @@ def _combined(coefs: tuple[float, float], now: np.ndarray, before: np.ndarray) -
 
 
 def _fitted_prediction(change: np.ndarray, tensors: dict[str, Any], parent: dict[str, Any],
-                       moment: str) -> tuple[tuple[float, float], np.ndarray] | None:
+                       moment: str) -> tuple[tuple[float, float], np.ndarray, np.ndarray] | None:
     """The writer's side of :func:`_prediction`: the coefficients of ``change`` on the entry's and
-    the parent's directions of ``moment`` and the prediction they make (each direction computed
-    once), None where they do not hold."""
+    the parent's directions of ``moment``, and those directions (each computed once), None where
+    the coefficients do not hold."""
     now, before = _direction(tensors, moment), _direction(parent, moment)
     coefs = _fitted(change, now, before)
-    return None if coefs is None else (coefs, _combined(coefs, now, before))
+    return None if coefs is None else (coefs, now, before)
 
 
 def _fitted(change: np.ndarray, now: np.ndarray, before: np.ndarray) -> tuple[float, float] | None:
@@ -415,38 +430,47 @@ RATIO, LOG_RATIO = "ratio", "log2 ratio"
 
 
 def _applied(where: str, name: str, change: Any, parent: Any, kind: str, extra: np.ndarray | None = None,
-             scale: np.ndarray | None = None) -> Any:
+             scale: tuple[np.ndarray, float] | None = None) -> Any:
     """The tensor ``name`` of an entry from its parent's and its decoded change: a ``RESIDUAL``
-    (divided by ``scale`` if given: its second moment's, then added, with ``extra`` if given: its
-    prediction), a ``RATIO`` (multiplied; written before log2 ratios were) or a ``LOG_RATIO``."""
+    (divided by its second moment's scale if ``scale``, (that moment, its mean), is given: see
+    :func:`._series_kernels.residual_scale`; then added, with ``extra`` if given: its prediction), a ``RATIO``
+    (multiplied; written before log2 ratios were) or a ``LOG_RATIO``."""
     if parent is None:
         raise CorruptStreamError(f"{where}: residual {name!r} has no parent tensor")
     base, dtype, is_torch = tensor_to_numpy(parent)
-    delta, _, _ = tensor_to_numpy(change)
+    delta, delta_dtype, _ = tensor_to_numpy(change)
     if delta.shape != base.shape:
         raise CorruptStreamError(f"{where}: residual {name!r} does not match its parent")
-    # (a change is float32 or float64 whatever its parent's dtype)
-    factor = delta.astype(np.float64)
-    if kind == RESIDUAL:
-        if scale is not None:
-            factor = factor / scale
-        value = _floats(base, dtype) + factor
-        if extra is not None:
-            value += extra
+    if kind == RATIO:
+        value = base * delta.astype(np.float64)
+        return numpy_to_tensor(_to_carrier(value, dtype), dtype, is_torch)
+    out = _output(base.size, dtype)
+    if kind == LOG_RATIO:
+        _k.ratio_applied_into(_flat(base, dtype), _flat(delta, delta_dtype), out)
     else:
-        if kind == LOG_RATIO:
-            factor = portable.exp2(factor)
-        value = base * factor
-    return numpy_to_tensor(_to_carrier(value, dtype), dtype, is_torch)
+        second, mean = scale if scale is not None else (delta, 1.0)  # (a placeholder, unread)
+        if second.shape != base.shape:
+            raise CorruptStreamError(f"{where}: the second moment of {name!r} does not match it")
+        _k.residual_applied_into(_flat(base, dtype), _flat(delta, delta_dtype), _flat(second, _dtype_of(second)),
+                                 mean, RESIDUAL_SCALE_FLOOR, np.ravel(extra) if extra is not None else out,
+                                 scale is not None, extra is not None, out)
+    return numpy_to_tensor(_carrier(out, dtype).reshape(base.shape), dtype, is_torch)
 
 
-def _from_log_ratios(where: str, tensors: dict[str, Any], names: list[str], parent: Checkpoint) -> dict[str, Any]:
-    """The decoded tensors with each second moment coded as a log2 ratio back as itself, in its place."""
+def _from_log_ratios(where: str, tensors: dict[str, Any], names: list[str], parent: Checkpoint,
+                     restored: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The decoded tensors with each second moment coded as a log2 ratio back as itself, in its
+    place (those of ``restored`` as they are there)."""
     if not names:
         return dict(tensors)
+    restored = restored or {}
     coded = {n + LOG_RATIO_SUFFIX: n for n in names}
-    return {coded.get(k, k): _applied(where, coded[k], t, parent.tensors.get(coded[k]), LOG_RATIO) if k in coded else t
-            for k, t in tensors.items()}
+
+    def back(k: str, t: Any) -> Any:
+        name = coded[k]
+        return restored[name] if name in restored else _applied(where, name, t, parent.tensors.get(name), LOG_RATIO)
+
+    return {coded.get(k, k): back(k, t) if k in coded else t for k, t in tensors.items()}
 
 
 def _update_partners(tensors: dict[str, Any], skeleton: Any) -> dict[str, str | None]:
@@ -486,17 +510,14 @@ def _partner_of(name: str, tensors: dict[str, Any]) -> str | None:
     return next((stem + p for p in ("max_exp_avg_sq", "exp_avg_sq") if stem + p in tensors), None)
 
 
-def _update_scale(second: np.ndarray) -> np.ndarray:
-    return np.sqrt(np.abs(second.astype(np.float64))) + ADAM_EPS
-
-
 def _in_update_domain(coded: Checkpoint, settings: dict[str, Any], overrides: dict[str, int], log_ratios: list[str],
-                      parent: Checkpoint | None, done: dict[str, CodedTensor]
+                      parent: Checkpoint | None, work: _Work
                       ) -> tuple[Checkpoint, dict[str, float], dict[str, int], dict[str, Any]]:
     """``coded`` (an entry as it will be coded) with its first moments in the update domain, their
     ``r`` by name, the qp overrides with theirs, and the second moments they are divided by as the
     entry decodes them: coded alone with the entry's settings (each is quantized on its own,
-    without importance: the same levels; into ``done``), their log2 ratios applied to the parent's."""
+    without importance: the same levels; into ``work``), their log2 ratios applied to the parent's
+    (restored: into ``work`` too)."""
     # (a second moment coded as a log2 ratio has its moment's shape and dtype)
     partners = _update_partners({**coded.tensors, **{n: coded.tensors[n + LOG_RATIO_SUFFIX] for n in log_ratios}},
                                 coded.skeleton)
@@ -504,12 +525,13 @@ def _in_update_domain(coded: Checkpoint, settings: dict[str, Any], overrides: di
         return coded, {}, overrides, {}
     names = sorted({p for p in partners.values() if p is not None})
     sources = sorted(n + LOG_RATIO_SUFFIX if n in log_ratios else n for n in names)
-    decoded = _decoded_alone(coded, sources, settings, overrides, done) if sources else {}
+    decoded = _decoded_alone(coded, sources, settings, overrides, work.tensors) if sources else {}
     if log_ratios:
         if parent is None:
             raise RuntimeError("internal error: log2 ratios without a parent")
         decoded = _from_log_ratios("a second moment", decoded, [n for n in names if n in log_ratios], parent)
     seconds = {n: decoded[n] for n in names}
+    work.restored.update(seconds)
     second = {n: tensor_to_numpy(t)[0] for n, t in seconds.items()}
     tensors: dict[str, Any] = {}
     scales: dict[str, float] = {}
@@ -518,14 +540,20 @@ def _in_update_domain(coded: Checkpoint, settings: dict[str, Any], overrides: di
         if name in partners:
             m, dtype, is_torch = tensor_to_numpy(t)
             partner = partners[name]
+            if partner is None:
+                u = m.astype(np.float64)
+            else:
+                u = np.empty(m.size, dtype=np.float64)
+                _k.direction_into(_flat(m, dtype), _flat(second[partner], _dtype_of(second[partner])), ADAM_EPS, u)
             with np.errstate(over="ignore", invalid="ignore"):
-                u = m.astype(np.float64) / (1.0 if partner is None else _update_scale(second[partner]))
                 r = float(np.sqrt(np.mean(u * u)))
-            if np.isfinite(r) and r > 0 and np.all(np.isfinite(u / r)):
-                tensors[name + UPDATE_SUFFIX] = numpy_to_tensor((u / r).astype(dtype), dtype, is_torch)
-                scales[name] = r
-                overrides[name + UPDATE_SUFFIX] = UPDATE_QP
-                continue
+            if np.isfinite(r) and r > 0:
+                out = np.empty(m.size, dtype=dtype)  # (float32 or float64: _update_partners)
+                if _k.divided_into(u.reshape(-1), r, out):
+                    tensors[name + UPDATE_SUFFIX] = numpy_to_tensor(out.reshape(m.shape), dtype, is_torch)
+                    scales[name] = r
+                    overrides[name + UPDATE_SUFFIX] = UPDATE_QP
+                    continue
         tensors[name] = t
     return _with_tensors(coded, tensors), scales, overrides, seconds
 
@@ -538,12 +566,8 @@ def _in_update_domain(coded: Checkpoint, settings: dict[str, Any], overrides: di
 # char-LSTM series 8.0% smaller at the same fidelity; the digits CNN's 1.0% smaller, its smallest
 # next-step cosine 0.9962 -> 0.9931 (Adam divides the next step by sqrt(v), so the weights where v
 # is small weigh more in it than in the loss).
+# (:func:`._series_kernels.residual_scale`)
 RESIDUAL_SCALE_FLOOR = 1 / 16
-
-
-def _residual_scale(second: np.ndarray, mean: float) -> np.ndarray:
-    """What a weight's predicted residual is multiplied by before it is coded (float64)."""
-    return np.maximum(np.sqrt(np.abs(second.astype(np.float64)) / mean), RESIDUAL_SCALE_FLOOR)
 
 
 # A weight's residual is predicted from its step direction (:func:`_direction`) only where that takes
@@ -553,24 +577,25 @@ MIN_PREDICTION_GAIN = 0.05
 
 def _predicted_residuals(coded: Checkpoint, residuals: list[str], settings: dict[str, Any], overrides: dict[str, int],
                          scales: dict[str, float], seconds: dict[str, Any], parent: Checkpoint,
-                         pairs: dict[str, str], done: dict[str, CodedTensor]
+                         pairs: dict[str, str], work: _Work
                          ) -> tuple[Checkpoint, dict[str, list], dict[str, list]]:
     """``coded`` with each weight's residual less its prediction from the step directions of its
     first moment (:func:`_direction`), as the entry decodes it and as the parent did (the steps
     since the parent follow the moments: for the char-LSTM of bench_series their correlation is
     0.7-0.9), the two coefficients fitted by least squares, and then in its second moment's scale
-    (:func:`_residual_scale`; Adam's only); the meta's ``predicted``: weight -> [first moment, c_entry,
+    (:func:`._series_kernels.residual_scale`; Adam's only); the meta's ``predicted``: weight -> [first moment, c_entry,
     c_parent], and ``v_scaled``: weight -> [second moment, its mean]. ``scales`` are the first
     moments' in the update domain and ``seconds`` the second moments as :func:`_in_update_domain`
     decoded them; ``pairs`` pair weights with first moments (:func:`_weight_pairs`); the first
-    moments as coded go into ``done``."""
+    moments as coded and as restored go into ``work``."""
     firsts = _in_optimizer_order(scales, coded.skeleton)
     if not firsts or not residuals:
         return coded, {}, {}
     # the first moments as the entry decodes them (quantized on their own: the same levels)
     sources = sorted(m + UPDATE_SUFFIX for m in firsts)
-    decoded = _decoded_alone(coded, sources, settings, overrides, done)
+    decoded = _decoded_alone(coded, sources, settings, overrides, work.tensors)
     decoded = _from_update_domain("a first moment", {**seconds, **decoded}, scales)
+    work.restored.update({m: decoded[m] for m in firsts})
     tensors = dict(coded.tensors)
     predicted: dict[str, list] = {}
     v_scaled: dict[str, list] = {}
@@ -580,23 +605,26 @@ def _predicted_residuals(coded: Checkpoint, residuals: list[str], settings: dict
         delta, dtype, is_torch = tensor_to_numpy(coded.tensors[name])
         if matches(name, exact):  # (kept as its residual is: a prediction would round it)
             continue
-        d = delta.astype(np.float64)
+        d = delta.astype(np.float64).reshape(-1)
         fit = _fitted_prediction(d, decoded, parent.tensors, moment)
         if fit is None:
             continue
-        coefs, guess = fit
-        rest = d - guess
+        coefs, now, before = fit
+        rest = np.empty(d.size, dtype=np.float64)
+        _k.rest_into(d, now.reshape(-1), before.reshape(-1), coefs[0], coefs[1], rest)
         if not np.all(np.isfinite(rest)) or np.vdot(rest, rest) > (1 - MIN_PREDICTION_GAIN) * np.vdot(d, d):
             continue
+        out = np.empty(d.size, dtype=dtype)  # (a residual is float32 or float64: _residual_checkpoint)
         # (a first moment in the update domain has a second moment of its shape)
         second = _partner_of(moment, decoded)
-        if second is not None:
-            v = tensor_to_numpy(decoded[second])[0]
-            mean = float(np.mean(np.abs(v.astype(np.float64))))
-            if np.isfinite(mean) and mean > 0:
-                rest = rest * _residual_scale(v, mean)
-                v_scaled[name] = [second, mean]
-        tensors[name] = numpy_to_tensor(rest.astype(dtype), dtype, is_torch)
+        v = tensor_to_numpy(decoded[second])[0] if second is not None else None
+        mean = float(np.mean(np.abs(v.astype(np.float64)))) if v is not None else 0.0
+        if v is not None and np.isfinite(mean) and mean > 0:
+            _k.scaled_by_moment_into(rest, _flat(v, _dtype_of(v)), mean, RESIDUAL_SCALE_FLOOR, out)
+            v_scaled[name] = [second, mean]
+        else:
+            out[:] = rest
+        tensors[name] = numpy_to_tensor(out.reshape(delta.shape), dtype, is_torch)
         predicted[name] = [moment, *coefs]
     return _with_tensors(coded, tensors), predicted, v_scaled
 
@@ -665,10 +693,12 @@ def _step_size(tensors: dict[str, Any], moment: str, group: AdamGroup | Momentum
     partner = _partner_of(moment, tensors)
     if partner is None or first <= 0 or second <= 0:
         return None
-    m = tensor_to_numpy(tensors[moment])[0].astype(np.float64) / first
-    v = np.abs(tensor_to_numpy(tensors[partner])[0].astype(np.float64)) / second
-    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-        return _rms_times(group.lr, m / (np.sqrt(v) + group.eps))
+    (m, dm, _), (v, dv, _) = tensor_to_numpy(tensors[moment]), tensor_to_numpy(tensors[partner])
+    if m.shape != v.shape:
+        return None
+    step = np.empty(m.size, dtype=np.float64)
+    _k.bias_corrected_step_into(_flat(m, dm), _flat(v, dv), first, second, group.eps, step)
+    return _rms_times(group.lr, step)
 
 
 def _rms_times(lr: float, step: np.ndarray) -> float | None:
@@ -874,9 +904,11 @@ def _in_optimizer_order(firsts, skeleton: Any) -> list[str]:
             + sorted(rest, key=lambda n: (optimizers[n.rsplit(".", 2)[0]], int(n.split(".")[-2]))))
 
 
-def _from_update_domain(where: str, tensors: dict[str, Any], scales: Any) -> dict[str, Any]:
+def _from_update_domain(where: str, tensors: dict[str, Any], scales: Any,
+                        restored: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The decoded tensors with every first moment coded in the update domain back as itself, in
-    its place."""
+    its place (those of ``restored`` as they are there)."""
+    restored = restored or {}
     if not isinstance(scales, dict) or not all(
             isinstance(n, str) and type(r) is float and np.isfinite(r) and r > 0 for n, r in scales.items()):
         raise CorruptStreamError(f"{where}: malformed update-domain scales")
@@ -891,18 +923,19 @@ def _from_update_domain(where: str, tensors: dict[str, Any], scales: Any) -> dic
         partner = _partner_of(name, tensors)
         if name not in scales or (partner is None and not _is_momentum_buffer(name)):
             raise CorruptStreamError(f"{where}: first moment {name!r} has no second moment or scale")
-        u, dtype, is_torch = tensor_to_numpy(t)
-        if partner is None:  # (SGD's momentum buffer: its own update domain)
-            with np.errstate(over="ignore", invalid="ignore"):
-                m = u.astype(np.float64) * scales[name]
-            out[name] = numpy_to_tensor(_to_carrier(m, dtype), dtype, is_torch)
+        if name in restored:
+            out[name] = restored[name]
             continue
-        v, _, _ = tensor_to_numpy(tensors[partner])
-        if u.shape != v.shape:
-            raise CorruptStreamError(f"{where}: first moment {name!r} does not match its second moment")
-        with np.errstate(over="ignore", invalid="ignore"):
-            m = u.astype(np.float64) * scales[name] * _update_scale(v)
-        out[name] = numpy_to_tensor(_to_carrier(m, dtype), dtype, is_torch)
+        u, dtype, is_torch = tensor_to_numpy(t)
+        m = _output(u.size, dtype)
+        if partner is None:  # (SGD's momentum buffer: its own update domain)
+            _k.times_into(_flat(u, dtype), scales[name], m)
+        else:
+            v, dv, _ = tensor_to_numpy(tensors[partner])
+            if u.shape != v.shape:
+                raise CorruptStreamError(f"{where}: first moment {name!r} does not match its second moment")
+            _k.from_update_into(_flat(u, dtype), scales[name], _flat(v, dv), ADAM_EPS, m)
+        out[name] = numpy_to_tensor(_carrier(m, dtype).reshape(u.shape), dtype, is_torch)
     if len(out) != len(tensors) or not set(scales) <= set(out):
         raise CorruptStreamError(f"{where}: update-domain scales name tensors the entry does not hold")
     return out
@@ -927,6 +960,35 @@ def _to_carrier(x: np.ndarray, dtype: str) -> np.ndarray:
     return float64_to_bfloat16(x) if dtype == "bfloat16" else x.astype(dtype)
 
 
+# The kernels (:mod:`._series_kernels`) read float32 or float64 and write the dtype of their
+# output; half-precision values are widened exactly on the way in, and results meant for them are
+# written in float64 and rounded once on the way out, as NumPy's expressions did.
+_KERNEL_FLOATS = ("float32", "float64")
+
+
+def _flat(arr: np.ndarray, dtype: str) -> np.ndarray:
+    """A tensor's values (numpy carrier of ``dtype``) as a kernel reads them: flat, float32 or float64."""
+    if dtype not in _KERNEL_FLOATS:
+        arr = bfloat16_to_float32(arr) if dtype == "bfloat16" else arr.astype(np.float32 if dtype == "float16"
+                                                                               else np.float64)
+    return np.ascontiguousarray(arr).reshape(-1)
+
+
+def _dtype_of(arr: np.ndarray) -> str:
+    """The dtype name of a numpy carrier as :func:`_flat` takes it (uint16 is bfloat16's)."""
+    return "bfloat16" if arr.dtype == np.uint16 else arr.dtype.name
+
+
+def _output(size: int, dtype: str) -> np.ndarray:
+    """Where a kernel writes values meant for ``dtype`` (float64 for any other than float32 and float64)."""
+    return np.empty(size, dtype=dtype if dtype in _KERNEL_FLOATS else np.float64)
+
+
+def _carrier(out: np.ndarray, dtype: str) -> np.ndarray:
+    """A kernel's output (:func:`_output`) as ``dtype``'s numpy carrier, rounded once."""
+    return out if dtype in _KERNEL_FLOATS else _to_carrier(out, dtype)
+
+
 def _residual_checkpoint(ckpt: Checkpoint, parent: Checkpoint) -> tuple[Checkpoint, list[str], list[str]]:
     """``ckpt`` with every weight-like float tensor replaced by its difference from ``parent``, and
     every second moment by log2 of its ratio to ``parent``'s (under its name with
@@ -937,24 +999,19 @@ def _residual_checkpoint(ckpt: Checkpoint, parent: Checkpoint) -> tuple[Checkpoi
     for name, t in ckpt.tensors.items():
         arr, dtype, is_torch = tensor_to_numpy(t)
         if dtype in ("float32", "float64") and kinds.get(name) == SECOND_MOMENT and arr.size:
-            base, _, _ = tensor_to_numpy(parent.tensors[name])
-            x, b = arr.astype(np.float64), base.astype(np.float64)
-            if (not np.any((b == 0) & (x != 0)) and np.all(np.isfinite(x)) and np.all(np.isfinite(b))
-                    and x.min() >= 0 and b.min() >= 0):
-                with np.errstate(divide="ignore", invalid="ignore"):
-                    ratio = np.where(x == 0, 1.0, x) / np.where(b == 0, 1.0, b)
-                    log_ratio = np.where(b == 0, 0.0, portable.log2(ratio))
-                if np.all(np.isfinite(log_ratio)):
-                    tensors[name + LOG_RATIO_SUFFIX] = numpy_to_tensor(log_ratio.astype(dtype), dtype, is_torch)
-                    log_ratios.append(name)
-                    continue
+            base, base_dtype, _ = tensor_to_numpy(parent.tensors[name])
+            log_ratio = np.empty(arr.size, dtype=dtype)
+            if base.shape == arr.shape and _k.log_ratio_into(_flat(arr, dtype), _flat(base, base_dtype), log_ratio):
+                tensors[name + LOG_RATIO_SUFFIX] = numpy_to_tensor(log_ratio.reshape(arr.shape), dtype, is_torch)
+                log_ratios.append(name)
+                continue
         if dtype in _FLOATS and name not in kinds and arr.size:
-            base, _, _ = tensor_to_numpy(parent.tensors[name])
-            delta = _floats(arr, dtype) - _floats(base, dtype)
-            if np.all(np.isfinite(delta)):
-                # (float32 holds any difference of half-precision values; float64 stays float64)
-                out_dtype = "float64" if dtype == "float64" else "float32"
-                tensors[name] = numpy_to_tensor(delta.astype(out_dtype), out_dtype, is_torch)
+            base, base_dtype, _ = tensor_to_numpy(parent.tensors[name])
+            # (float32 holds any difference of half-precision values; float64 stays float64)
+            out_dtype = "float64" if dtype == "float64" else "float32"
+            delta = np.empty(arr.size, dtype=out_dtype)
+            if _k.difference_into(_flat(arr, dtype), _flat(base, base_dtype), delta):
+                tensors[name] = numpy_to_tensor(delta.reshape(arr.shape), out_dtype, is_torch)
                 residuals.append(name)
                 continue
         tensors[name] = t
@@ -1008,8 +1065,9 @@ def _bit_residual_checkpoint(ckpt: Checkpoint, parent: Checkpoint,
             moment = pairs[name]
             fit = _fitted_prediction(_floats(arr, dtype) - _floats(base, dtype), ckpt.tensors, parent.tensors, moment)
             if fit is not None:
-                coefs, change = fit
-                guess = np.require(_predicted_bits(base, dtype, change), requirements="C").view(words)
+                coefs, now, before = fit
+                guess = np.require(_predicted_bits(base, dtype, _combined(coefs, now, before)),
+                                   requirements="C").view(words)
                 wrong = np.asarray(_order_key(mine) - _order_key(guess)).reshape(arr.shape).view(_DELTAS[dtype])
                 options.append((numpy_to_tensor(wrong, _DELTAS[dtype], is_torch), (moment, *coefs)))
         sizes = [len(encode_model({name: option}, keep_exact=True, threads=1)) for option, _ in options]
