@@ -769,3 +769,27 @@ def test_a_zero_dimensional_parameter_with_adam_state(tmp_path, exact):
         assert got["model"]["logit_scale"].shape == () and got["optimizer"]["state"][2]["exp_avg"].shape == ()
         error = (got["model"]["logit_scale"] - c["model"]["logit_scale"]).abs().item()
         assert error == 0.0 if exact else error <= 2 * _coded_steps(tmp_path / "run.dcs", i)["logit_scale"]
+
+
+def test_a_second_moment_that_falls_to_zero_comes_back_zero(tmp_path):
+    # (its log2 ratio to the parent is not defined: the moment is coded on its own; it once came
+    # back as 1.0, the parent times 2 ** -log2(parent))
+    torch.manual_seed(0)
+    checkpoints = []
+    for i in range(2):
+        v = torch.rand(64, 32) * 1e-6 + 1e-8
+        m = torch.randn(64, 32) * 1e-4
+        if i:
+            v[3, 5] = v[7, 1] = m[3, 5] = 0.0
+        checkpoints.append({
+            "model": {"w": torch.randn(64, 32) * 0.1},
+            "optimizer": {"state": {0: {"step": torch.tensor(10.0 + i), "exp_avg": m, "exp_avg_sq": v}},
+                          "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "amsgrad": False,
+                                            "params": [0]}]}})
+    series = dc.CheckpointSeries(tmp_path / "zero.dcs")
+    for c in checkpoints:
+        series.append(c)
+    assert series.entries()[1].kind == "residual"
+    got = series[1]["optimizer"]["state"][0]["exp_avg_sq"]
+    assert got[3, 5].item() == 0.0 and got[7, 1].item() == 0.0
+    assert bool((got > 0).sum() == got.numel() - 2)

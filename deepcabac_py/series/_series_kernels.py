@@ -98,17 +98,17 @@ def ratio_applied_into(base, delta, out):
 
 @float_kernel
 def log_ratio_into(x, b, out):
-    """log2(x / b) in float64 (the C library's log2), 0 where ``b`` is 0; False (and ``out`` left
-    partly written) where it is not defined: ``x`` or ``b`` negative or not finite, ``x`` nonzero
-    where ``b`` is 0, or a ratio whose log2 is not finite."""
+    """log2(x / b) in float64 (the C library's log2), 0 where both are 0; False (and ``out`` left
+    partly written) where it is not defined: ``x`` or ``b`` negative or not finite, one of them 0
+    where the other is not, or a ratio whose log2 is not finite."""
     for i in range(x.shape[0]):
         xi, bi = np.float64(x[i]), np.float64(b[i])
-        if not (np.isfinite(xi) and np.isfinite(bi)) or xi < 0 or bi < 0 or (bi == 0 and xi != 0):
+        if not (np.isfinite(xi) and np.isfinite(bi)) or xi < 0 or bi < 0 or (bi == 0) != (xi == 0):
             return False
         if bi == 0:
             out[i] = 0.0
             continue
-        lr = np.log2((1.0 if xi == 0 else xi) / bi)
+        lr = np.log2(xi / bi)
         if not np.isfinite(lr):
             return False
         out[i] = lr
