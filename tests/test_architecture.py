@@ -21,7 +21,7 @@ ALLOWED = {
     "tuning": {"errors", "io", "model", "quant"},
     "updates": {"errors", "_jit", "io", "entropy", "quant", "model"},
     "matrix": {"errors", "_jit", "io", "quant", "model"},
-    "series": {"errors", "io", "quant", "model"},
+    "series": {"errors", "_jit", "io", "quant", "model"},
     "integrations": {"errors", "io", "entropy", "quant", "model", "tuning", "updates", "matrix", "series"},
     "cli": {"errors", "io", "entropy", "quant", "model", "tuning", "updates", "matrix", "series"},
 }
