@@ -81,15 +81,19 @@ def test_the_kernels_are_the_numpy_expressions(case, r, c):
         k.scaled_by_moment_into(d, v, mean, FLOOR, out)
         assert same(out, (d * residual_scale(v, mean)).astype(dm))
 
+        pm, pv = arrays(dm, n, seed + 6), arrays(dv, n, seed + 7)
         for scaled in (False, True):
             for predicted in (False, True):
-                out = np.empty(n, dtype=dm)
-                k.residual_applied_into(m, u, v, mean, FLOOR, d, scaled, predicted, out)
-                value = m.astype(np.float64) + (u.astype(np.float64) / residual_scale(v, mean) if scaled
-                                                else u.astype(np.float64))
-                if predicted:
-                    value += d
-                assert same(out, value.astype(dm))
+                for adam in (False, True):
+                    out = np.empty(n, dtype=dm)
+                    k.residual_applied_into(d, u, v, mean, FLOOR, scaled, m, v, pm, pv, c, 1 - c, EPS, predicted,
+                                            adam, out)
+                    value = d + (u.astype(np.float64) / residual_scale(v, mean) if scaled else u.astype(np.float64))
+                    if predicted:
+                        m64, pm64 = m.astype(np.float64), pm.astype(np.float64)
+                        now, before = (m64 / update_scale(v), pm64 / update_scale(pv)) if adam else (m64, pm64)
+                        value += c * now + (1 - c) * before
+                    assert same(out, value.astype(dm))
 
         out = np.empty(n, dtype=dm)
         k.ratio_applied_into(m, u, out)

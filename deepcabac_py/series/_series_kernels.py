@@ -23,11 +23,17 @@ def residual_scale(v, mean, floor):
     return floor if s < floor else s
 
 
+@float_helper
+def direction(m, v, eps):
+    """m / (sqrt(|v|) + eps) in float64: Adam's step direction."""
+    return np.float64(m) / (np.sqrt(np.abs(np.float64(v))) + eps)
+
+
 @float_kernel
 def direction_into(m, v, eps, out):
-    """out[i] = m[i] / (sqrt(|v[i]|) + eps) in float64: Adam's step direction."""
+    """out[i] = direction(m[i], v[i], eps)."""
     for i in range(m.shape[0]):
-        out[i] = np.float64(m[i]) / (np.sqrt(np.abs(np.float64(v[i]))) + eps)
+        out[i] = direction(m[i], v[i], eps)
 
 
 @float_kernel
@@ -74,17 +80,24 @@ def scaled_by_moment_into(x, v, mean, floor, out):
 
 
 @float_kernel
-def residual_applied_into(base, delta, v, mean, floor, extra, scaled, predicted, out):
-    """out[i] = base[i] + delta[i] / scale[i] + extra[i] in float64, rounded once to ``out``'s
-    dtype: a weight from its parent and its decoded residual (``scale`` the residual's, from ``v``
-    and ``mean`` where ``scaled``; ``extra`` the prediction where ``predicted``)."""
+def residual_applied_into(base, delta, v, mean, floor, scaled, m, mv, pm, pv, c0, c1, eps, predicted, adam, out):
+    """out[i] = base[i] + delta[i] / scale + (c0 * now + c1 * before) in float64, rounded once to
+    ``out``'s dtype: a weight from its parent and its decoded residual. ``scale`` is
+    residual_scale(v[i], mean, floor) where ``scaled``, else 1; the prediction is added where
+    ``predicted``: ``now`` and ``before`` the step directions of the entry's first moment ``m``
+    and the parent's ``pm``, divided by their second moments ``mv`` and ``pv`` where ``adam``
+    (:func:`direction`), themselves otherwise (SGD's buffers)."""
     for i in range(base.shape[0]):
         factor = np.float64(delta[i])
         if scaled:
             factor = factor / residual_scale(v[i], mean, floor)
         value = np.float64(base[i]) + factor
         if predicted:
-            value += extra[i]
+            if adam:
+                now, before = direction(m[i], mv[i], eps), direction(pm[i], pv[i], eps)
+            else:
+                now, before = np.float64(m[i]), np.float64(pm[i])
+            value += c0 * now + c1 * before
         out[i] = value
 
 

@@ -323,14 +323,14 @@ def _reconstruct(path: str, index: int, decoded: Checkpoint, meta: dict, parent:
     predicted = _predictions(where, meta.get("predicted", {}), residuals, tensors, moment_roles)
     scaled = _scalings(where, meta.get("v_scaled", {}), list(predicted), tensors, moment_roles)
     for name in residuals:
-        extra = scale = None
+        guess = scale = None
         if name in predicted:
             moment, coefs = predicted[name]
-            extra = _prediction(tensors, parent.tensors, moment, coefs)
+            guess = (_prediction_inputs(tensors, parent.tensors, moment), coefs)
         if name in scaled:
             second, mean = scaled[name]
             scale = (tensor_to_numpy(tensors[second])[0], mean)
-        tensors[name] = _applied(where, name, tensors[name], parent.tensors.get(name), RESIDUAL, extra, scale)
+        tensors[name] = _applied(where, name, tensors[name], parent.tensors.get(name), RESIDUAL, guess, scale)
     return _with_tensors(decoded, tensors)
 
 
@@ -348,6 +348,29 @@ def _direction(tensors: dict[str, Any], moment: str) -> np.ndarray:
     out = np.empty(m.size, dtype=np.float64)
     _k.direction_into(_flat(m, dm), _flat(v, dv), ADAM_EPS, out)
     return out.reshape(m.shape)
+
+
+def _prediction_inputs(tensors: dict[str, Any], parent: dict[str, Any], moment: str) -> list[np.ndarray]:
+    """What :func:`_prediction` reads, as the kernel that adds it reads it (flat float32/float64):
+    the entry's first moment ``moment`` and its second moment, then the parent's; no second moments
+    for SGD's buffers (the direction is the buffer itself). Checked as :func:`_direction` checks
+    them."""
+    if moment not in parent:
+        raise CorruptStreamError(f"prediction from {moment!r}, which the parent does not hold")
+    out: list[np.ndarray] = []
+    for held in (tensors, parent):
+        m, dm, _ = tensor_to_numpy(held[moment])
+        out.append(_flat(m, dm))
+        if _is_momentum_buffer(moment):
+            continue
+        partner = _partner_of(moment, held)
+        if partner is None:
+            raise CorruptStreamError(f"first moment {moment!r} has no second moment")
+        v, dv, _ = tensor_to_numpy(held[partner])
+        if m.shape != v.shape:
+            raise CorruptStreamError(f"first moment {moment!r} does not match its second moment")
+        out.append(_flat(v, dv))
+    return out
 
 
 def _prediction(tensors: dict[str, Any], parent: dict[str, Any], moment: str, coefs: tuple[float, float]) -> np.ndarray:
@@ -429,12 +452,14 @@ def _moment_references(where: str, listed: Any, names: list[str], tensors: dict[
 RATIO, LOG_RATIO = "ratio", "log2 ratio"
 
 
-def _applied(where: str, name: str, change: Any, parent: Any, kind: str, extra: np.ndarray | None = None,
+def _applied(where: str, name: str, change: Any, parent: Any, kind: str,
+             guess: tuple[list[np.ndarray], tuple[float, float]] | None = None,
              scale: tuple[np.ndarray, float] | None = None) -> Any:
     """The tensor ``name`` of an entry from its parent's and its decoded change: a ``RESIDUAL``
     (divided by its second moment's scale if ``scale``, (that moment, its mean), is given: see
-    :func:`._series_kernels.residual_scale`; then added, with ``extra`` if given: its prediction), a ``RATIO``
-    (multiplied; written before log2 ratios were) or a ``LOG_RATIO``."""
+    :func:`._series_kernels.residual_scale`; then added, with its prediction if ``guess`` is given:
+    :func:`_prediction`'s inputs and coefficients), a ``RATIO`` (multiplied; written before log2
+    ratios were) or a ``LOG_RATIO``."""
     if parent is None:
         raise CorruptStreamError(f"{where}: residual {name!r} has no parent tensor")
     base, dtype, is_torch = tensor_to_numpy(parent)
@@ -448,12 +473,15 @@ def _applied(where: str, name: str, change: Any, parent: Any, kind: str, extra: 
     if kind == LOG_RATIO:
         _k.ratio_applied_into(_flat(base, dtype), _flat(delta, delta_dtype), out)
     else:
-        second, mean = scale if scale is not None else (delta, 1.0)  # (a placeholder, unread)
-        if second.shape != base.shape:
-            raise CorruptStreamError(f"{where}: the second moment of {name!r} does not match it")
+        second, mean = scale if scale is not None else (delta, 1.0)  # (placeholders, unread)
+        moments, (c0, c1) = guess if guess is not None else ([out], (0.0, 0.0))
+        adam = len(moments) == 4
+        m, mv, pm, pv = moments if adam else (moments[0], out, moments[-1], out)
+        if second.shape != base.shape or any(a.size != base.size for a in moments):
+            raise CorruptStreamError(f"{where}: the moments of {name!r} do not match it")
         _k.residual_applied_into(_flat(base, dtype), _flat(delta, delta_dtype), _flat(second, _dtype_of(second)),
-                                 mean, RESIDUAL_SCALE_FLOOR, np.ravel(extra) if extra is not None else out,
-                                 scale is not None, extra is not None, out)
+                                 mean, RESIDUAL_SCALE_FLOOR, scale is not None, m, mv, pm, pv, c0, c1, ADAM_EPS,
+                                 guess is not None, adam, out)
     return numpy_to_tensor(_carrier(out, dtype).reshape(base.shape), dtype, is_torch)
 
 
