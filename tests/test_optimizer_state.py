@@ -34,6 +34,7 @@ from deepcabac_py.model.optimizer_state import (
     roles,
 )
 from deepcabac_py.model.settings import DEFAULT_MOMENTS_QP
+from deepcabac_py.quant import portable
 from deepcabac_py.quant.log_domain import log_levels, log_values
 from deepcabac_py.quant.steps import step_from_qp
 from deepcabac_py.series.records import SeriesFile
@@ -405,6 +406,27 @@ def test_log_levels_match_a_plain_python_reference(values, qp):
         # half a step, plus the float32 rounding (and the clamp at the smallest subnormal)
         tiny = np.abs(values[nonzero]) < np.finfo(np.float32).tiny
         assert np.all((rel <= 2 ** (step / 2) - 1 + 1e-6) | tiny)
+
+
+def _reference_values(levels: np.ndarray, offset: int, step: float, dtype) -> np.ndarray:
+    """NumPy, element by element as the format says: sign * clip(2 ** ((|level| + offset) * step))
+    rounded once to the dtype, 0 for a level 0."""
+    info = np.finfo(dtype)
+    lv = levels.astype(np.int64)
+    x = portable.exp2((np.abs(lv) + offset).astype(np.float64) * step)
+    x = np.clip(x, float(info.smallest_subnormal), float(info.max)).astype(dtype)
+    x[lv == 0] = 0
+    return np.where(lv < 0, -x, x)
+
+
+@settings(max_examples=200, deadline=None)
+@given(levels=hnp.arrays(np.int32, st.integers(0, 64), elements=st.integers(-2**31 + 1, 2**31 - 1)),
+       offset=st.integers(-2**20, 2**20), qp=st.integers(-24, 4), dtype=st.sampled_from([np.float32, np.float64]))
+def test_log_values_are_the_formats_arithmetic(levels, offset, qp, dtype):
+    step = step_from_qp(qp)
+    got = log_values(levels, offset, step, np.dtype(dtype).name)
+    want = _reference_values(levels, offset, step, dtype)
+    assert got.dtype == want.dtype and got.tobytes() == want.tobytes()
 
 
 def _golden_input() -> dict:

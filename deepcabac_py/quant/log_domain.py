@@ -16,7 +16,7 @@ import numpy as np
 
 from ..errors import CorruptStreamError
 from ..io.dtypes import carrier
-from . import portable
+from . import _math_kernels as _k
 
 __all__ = ["LOG_DTYPES", "MAX_OFFSET", "log_levels", "log_values"]
 
@@ -27,21 +27,21 @@ MAX_OFFSET = 1 << 40
 
 def log_levels(values: np.ndarray, step: float) -> tuple[np.ndarray, int]:
     """``(levels, offset)`` of finite ``values`` at ``step`` octaves (int32 levels, flat)."""
-    flat = np.ascontiguousarray(values).reshape(-1).astype(np.float64, copy=False)
-    if not np.all(np.isfinite(flat)):
-        raise ValueError("the log domain codes finite values only")
-    nonzero = flat != 0
+    flat = np.ascontiguousarray(values).reshape(-1)
+    if flat.dtype not in (np.float32, np.float64):
+        flat = flat.astype(np.float64)
+    k = np.empty(flat.shape[0], dtype=np.int64)
+    lo, hi, seen, ok = _k.log_exponents(flat, float(step), k)
+    if not ok:
+        raise ValueError("the log domain codes finite values only (and a step that holds their exponents)")
     levels = np.zeros(flat.shape[0], dtype=np.int32)
-    if not nonzero.any():
+    if not seen:
         return levels, 0
-    mag = np.abs(flat[nonzero])
-    k = np.rint(portable.log2(mag) / step).astype(np.int64)
-    offset = int(k.min()) - 1
-    span = int(k.max()) - offset
+    offset = int(lo) - 1
+    span = int(hi) - offset
     if span >= 2**31 - 1 or abs(offset) > MAX_OFFSET:
         raise ValueError(f"a step of {step} octaves is too fine for these magnitudes")
-    mags = (k - offset).astype(np.int32)
-    levels[nonzero] = np.where(flat[nonzero] < 0, -mags, mags)
+    _k.signed_magnitudes(flat, k, offset, levels)
     return levels, offset
 
 
@@ -53,12 +53,9 @@ def log_values(levels: np.ndarray, offset: int, step: float, dtype: str) -> np.n
     if abs(offset) > MAX_OFFSET:
         raise CorruptStreamError(f"log-domain offset {offset} is out of range")
     out_type = carrier(dtype)
-    lv = levels.astype(np.int64)
-    mag = np.abs(lv)
     info = np.finfo(out_type)
+    out = np.empty(levels.shape[0], dtype=out_type)
     # ((|level| + offset) * step) is exact in float64: the step is dyadic with few significant bits
-    x = portable.exp2((mag + offset).astype(np.float64) * step)
-    x = np.clip(x, float(info.smallest_subnormal), float(info.max)).astype(out_type)
-    x[lv == 0] = 0
-    np.negative(x, out=x, where=lv < 0)
-    return x
+    _k.log_values_into(np.ascontiguousarray(levels), int(offset), float(step), float(info.smallest_subnormal),
+                       float(info.max), out)
+    return out
