@@ -365,7 +365,7 @@ def values_into(e: TensorEntry, fill: Callable[[np.ndarray], None], out: np.ndar
     """The values of a chunk of level-coded entry ``e`` into ``out`` (its part of the tensor's
     carrier array): ``fill(window)`` writes the chunk's levels (int32, as its substream carries them)
     into ``window``. The decoder's one way from levels to values, for its substreams and for the
-    levels an encoder has just coded (:func:`values_of_levels`)."""
+    levels an encoder has just coded (:func:`~.encoder.code_model`)."""
     dependent = e.mode == Mode.DEPENDENT
     step = e.step if e.step is not None else 0.0  # (used by quantized tensors only)
     if e.mode == Mode.LOG:

@@ -359,8 +359,7 @@ class _TensorCoder:
         out = self.outputs.get(p.name)
         if out is not None and levels is not None:
             start, stop = p.chunks.bounds(k)
-            chunk_levels = levels  # (the function below runs before this one returns)
-            values_into(p.entry, lambda window: np.copyto(window, chunk_levels), out[start:stop], p.log_offset or 0)
+            values_into(p.entry, lambda window: np.copyto(window, levels), out[start:stop], p.log_offset or 0)
         if self.progress is not None:
             self.progress(p.chunk_size(k))
         return data, levels if keep else None

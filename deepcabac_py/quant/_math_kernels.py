@@ -28,7 +28,7 @@ def log_exponents(x, step, k):
     zero; returns (the smallest and largest k of the nonzero elements, whether there is one, and
     whether every x[i] is finite and every k fits an int64)."""
     lo, hi = np.int64(0), np.int64(0)
-    seen, ok = False, True
+    seen = False
     for i in range(x.shape[0]):
         xi = np.float64(x[i])
         if not np.isfinite(xi):
@@ -47,7 +47,7 @@ def log_exponents(x, step, k):
             lo = ki
         elif ki > hi:
             hi = ki
-    return lo, hi, seen, ok
+    return lo, hi, seen, True
 
 
 @kernel

@@ -326,59 +326,62 @@ def _reconstruct(path: str, index: int, decoded: Checkpoint, meta: dict, parent:
         guess = scale = None
         if name in predicted:
             moment, coefs = predicted[name]
-            guess = (_prediction_inputs(tensors, parent.tensors, moment), coefs)
+            guess = (*_prediction_moments(tensors, parent.tensors, moment), coefs)
         if name in scaled:
             second, mean = scaled[name]
-            scale = (tensor_to_numpy(tensors[second])[0], mean)
+            v, dv, _ = tensor_to_numpy(tensors[second])
+            scale = (v, dv, mean)
         tensors[name] = _applied(where, name, tensors[name], parent.tensors.get(name), RESIDUAL, guess, scale)
     return _with_tensors(decoded, tensors)
+
+
+def _direction_inputs(tensors: dict[str, Any], moment: str) -> _Moments:
+    """An entry's decoded first moment ``moment`` and the second moment its step divides it by, as
+    the kernels read them (:func:`_flat`; None for SGD's momentum buffer, its own direction), and
+    its shape; checked."""
+    m, dm, _ = tensor_to_numpy(tensors[moment])
+    if _is_momentum_buffer(moment):
+        return _flat(m, dm), None, m.shape
+    partner = _partner_of(moment, tensors)
+    if partner is None:
+        raise CorruptStreamError(f"first moment {moment!r} has no second moment")
+    v, dv, _ = tensor_to_numpy(tensors[partner])
+    if m.shape != v.shape:
+        raise CorruptStreamError(f"first moment {moment!r} does not match its second moment")
+    return _flat(m, dm), _flat(v, dv), m.shape
 
 
 def _direction(tensors: dict[str, Any], moment: str) -> np.ndarray:
     """The direction of the optimizer's step of an entry's decoded first moment ``moment``
     (float64): m / (sqrt(v) + eps) for Adam's, SGD's momentum buffer itself."""
-    if _is_momentum_buffer(moment):
-        return tensor_to_numpy(tensors[moment])[0].astype(np.float64)
-    partner = _partner_of(moment, tensors)
-    if partner is None:
-        raise CorruptStreamError(f"first moment {moment!r} has no second moment")
-    (m, dm, _), (v, dv, _) = tensor_to_numpy(tensors[moment]), tensor_to_numpy(tensors[partner])
-    if m.shape != v.shape:
-        raise CorruptStreamError(f"first moment {moment!r} does not match its second moment")
+    return _direction_of(*_direction_inputs(tensors, moment))
+
+
+def _direction_of(m: np.ndarray, v: np.ndarray | None, shape: tuple[int, ...]) -> np.ndarray:
+    """:func:`_direction` of what :func:`_direction_inputs` gives."""
+    if v is None:
+        return m.astype(np.float64).reshape(shape)
     out = np.empty(m.size, dtype=np.float64)
-    _k.direction_into(_flat(m, dm), _flat(v, dv), ADAM_EPS, out)
-    return out.reshape(m.shape)
+    _k.direction_into(m, v, ADAM_EPS, out)
+    return out.reshape(shape)
 
 
-def _prediction_inputs(tensors: dict[str, Any], parent: dict[str, Any], moment: str) -> list[np.ndarray]:
-    """What :func:`_prediction` reads, as the kernel that adds it reads it (flat float32/float64):
-    the entry's first moment ``moment`` and its second moment, then the parent's; no second moments
-    for SGD's buffers (the direction is the buffer itself). Checked as :func:`_direction` checks
-    them."""
+_Moments = tuple[np.ndarray, "np.ndarray | None", tuple[int, ...]]  # (what _direction_inputs gives)
+
+
+def _prediction_moments(tensors: dict[str, Any], parent: dict[str, Any], moment: str) -> tuple[_Moments, _Moments]:
+    """What a prediction from first moment ``moment`` reads: the entry's and the parent's moments
+    (:func:`_direction_inputs`), checked."""
     if moment not in parent:
         raise CorruptStreamError(f"prediction from {moment!r}, which the parent does not hold")
-    out: list[np.ndarray] = []
-    for held in (tensors, parent):
-        m, dm, _ = tensor_to_numpy(held[moment])
-        out.append(_flat(m, dm))
-        if _is_momentum_buffer(moment):
-            continue
-        partner = _partner_of(moment, held)
-        if partner is None:
-            raise CorruptStreamError(f"first moment {moment!r} has no second moment")
-        v, dv, _ = tensor_to_numpy(held[partner])
-        if m.shape != v.shape:
-            raise CorruptStreamError(f"first moment {moment!r} does not match its second moment")
-        out.append(_flat(v, dv))
-    return out
+    return _direction_inputs(tensors, moment), _direction_inputs(parent, moment)
 
 
 def _prediction(tensors: dict[str, Any], parent: dict[str, Any], moment: str, coefs: tuple[float, float]) -> np.ndarray:
     """A weight's change since the parent as its entry's and its parent's step directions of first
     moment ``moment`` predict it (the optimizer's steps in between went from the one to the other)."""
-    if moment not in parent:
-        raise CorruptStreamError(f"prediction from {moment!r}, which the parent does not hold")
-    return _combined(coefs, _direction(tensors, moment), _direction(parent, moment))
+    now, before = _prediction_moments(tensors, parent, moment)
+    return _combined(coefs, _direction_of(*now), _direction_of(*before))
 
 
 def _combined(coefs: tuple[float, float], now: np.ndarray, before: np.ndarray) -> np.ndarray:
@@ -453,13 +456,13 @@ RATIO, LOG_RATIO = "ratio", "log2 ratio"
 
 
 def _applied(where: str, name: str, change: Any, parent: Any, kind: str,
-             guess: tuple[list[np.ndarray], tuple[float, float]] | None = None,
-             scale: tuple[np.ndarray, float] | None = None) -> Any:
+             guess: tuple[_Moments, _Moments, tuple[float, float]] | None = None,
+             scale: tuple[np.ndarray, str, float] | None = None) -> Any:
     """The tensor ``name`` of an entry from its parent's and its decoded change: a ``RESIDUAL``
-    (divided by its second moment's scale if ``scale``, (that moment, its mean), is given: see
-    :func:`._series_kernels.residual_scale`; then added, with its prediction if ``guess`` is given:
-    :func:`_prediction`'s inputs and coefficients), a ``RATIO`` (multiplied; written before log2
-    ratios were) or a ``LOG_RATIO``."""
+    (divided by its second moment's scale if ``scale``, (that moment, its dtype, its mean), is
+    given: see :func:`._series_kernels.residual_scale`; then added, with its prediction if
+    ``guess`` is given: :func:`_prediction_moments` and the coefficients), a ``RATIO``
+    (multiplied; written before log2 ratios were) or a ``LOG_RATIO``."""
     if parent is None:
         raise CorruptStreamError(f"{where}: residual {name!r} has no parent tensor")
     base, dtype, is_torch = tensor_to_numpy(parent)
@@ -473,15 +476,16 @@ def _applied(where: str, name: str, change: Any, parent: Any, kind: str,
     if kind == LOG_RATIO:
         _k.ratio_applied_into(_flat(base, dtype), _flat(delta, delta_dtype), out)
     else:
-        second, mean = scale if scale is not None else (delta, 1.0)  # (placeholders, unread)
-        moments, (c0, c1) = guess if guess is not None else ([out], (0.0, 0.0))
-        adam = len(moments) == 4
-        m, mv, pm, pv = moments if adam else (moments[0], out, moments[-1], out)
-        if second.shape != base.shape or any(a.size != base.size for a in moments):
+        # (the kernel takes arrays for what it does not read: ``out`` stands in)
+        second, mean = (_flat(scale[0], scale[1]), scale[2]) if scale is not None else (out, 1.0)
+        (m, mv, _), (pm, pv, _), (c0, c1) = guess if guess is not None else ((out, None, ()), (out, None, ()),
+                                                                             (0.0, 0.0))
+        adam = mv is not None and pv is not None
+        mv, pv = (mv, pv) if mv is not None and pv is not None else (out, out)
+        if any(a.size != base.size for a in (second, m, pm, mv, pv)):
             raise CorruptStreamError(f"{where}: the moments of {name!r} do not match it")
-        _k.residual_applied_into(_flat(base, dtype), _flat(delta, delta_dtype), _flat(second, _dtype_of(second)),
-                                 mean, RESIDUAL_SCALE_FLOOR, scale is not None, m, mv, pm, pv, c0, c1, ADAM_EPS,
-                                 guess is not None, adam, out)
+        _k.residual_applied_into(_flat(base, dtype), _flat(delta, delta_dtype), second, mean, RESIDUAL_SCALE_FLOOR,
+                                 scale is not None, m, mv, pm, pv, c0, c1, ADAM_EPS, guess is not None, adam, out)
     return numpy_to_tensor(_carrier(out, dtype).reshape(base.shape), dtype, is_torch)
 
 
@@ -560,7 +564,7 @@ def _in_update_domain(coded: Checkpoint, settings: dict[str, Any], overrides: di
         decoded = _from_log_ratios("a second moment", decoded, [n for n in names if n in log_ratios], parent)
     seconds = {n: decoded[n] for n in names}
     work.restored.update(seconds)
-    second = {n: tensor_to_numpy(t)[0] for n, t in seconds.items()}
+    second = {n: _flat(*tensor_to_numpy(t)[:2]) for n, t in seconds.items()}
     tensors: dict[str, Any] = {}
     scales: dict[str, float] = {}
     overrides = dict(overrides)
@@ -572,7 +576,7 @@ def _in_update_domain(coded: Checkpoint, settings: dict[str, Any], overrides: di
                 u = m.astype(np.float64)
             else:
                 u = np.empty(m.size, dtype=np.float64)
-                _k.direction_into(_flat(m, dtype), _flat(second[partner], _dtype_of(second[partner])), ADAM_EPS, u)
+                _k.direction_into(_flat(m, dtype), second[partner], ADAM_EPS, u)
             with np.errstate(over="ignore", invalid="ignore"):
                 r = float(np.sqrt(np.mean(u * u)))
             if np.isfinite(r) and r > 0:
@@ -645,10 +649,10 @@ def _predicted_residuals(coded: Checkpoint, residuals: list[str], settings: dict
         out = np.empty(d.size, dtype=dtype)  # (a residual is float32 or float64: _residual_checkpoint)
         # (a first moment in the update domain has a second moment of its shape)
         second = _partner_of(moment, decoded)
-        v = tensor_to_numpy(decoded[second])[0] if second is not None else None
+        v = _flat(*tensor_to_numpy(decoded[second])[:2]) if second is not None else None
         mean = float(np.mean(np.abs(v.astype(np.float64)))) if v is not None else 0.0
         if v is not None and np.isfinite(mean) and mean > 0:
-            _k.scaled_by_moment_into(rest, _flat(v, _dtype_of(v)), mean, RESIDUAL_SCALE_FLOOR, out)
+            _k.scaled_by_moment_into(rest, v, mean, RESIDUAL_SCALE_FLOOR, out)
             v_scaled[name] = [second, mean]
         else:
             out[:] = rest
@@ -1000,11 +1004,6 @@ def _flat(arr: np.ndarray, dtype: str) -> np.ndarray:
         arr = bfloat16_to_float32(arr) if dtype == "bfloat16" else arr.astype(np.float32 if dtype == "float16"
                                                                                else np.float64)
     return np.ascontiguousarray(arr).reshape(-1)
-
-
-def _dtype_of(arr: np.ndarray) -> str:
-    """The dtype name of a numpy carrier as :func:`_flat` takes it (uint16 is bfloat16's)."""
-    return "bfloat16" if arr.dtype == np.uint16 else arr.dtype.name
 
 
 def _output(size: int, dtype: str) -> np.ndarray:
