@@ -212,6 +212,10 @@ def float_chunks() -> dict[str, bytes]:
             odd = (words | 1).view(flat.dtype)
             out[f"{name}_mode4.bin"] = (struct.pack("<BHH", code, flat.size, seg)
                                         + floatcoder.encode_chunk(odd, name, seg, wide=True))
+        if name == "float32":  # low-bit mode 6: bfloat16 values (a low bit of each upper half set: mode 4 inside)
+            halves = (flat.view(np.uint32) & np.uint32(0xFFFF0000)) | np.uint32(1 << 16)
+            out[f"{name}_mode6.bin"] = (struct.pack("<BHH", code, flat.size, seg)
+                                        + floatcoder.encode_chunk(halves.view(np.float32), name, seg, wide=True))
         # low-bit mode 3 (float32) or 2 (trailing zeros), of the values rounded to one grid
         grid = np.ldexp(np.round(np.ldexp(torch.as_tensor(t).double().numpy(), 30)), -30)
         g = torch.from_numpy(grid).to(t.dtype if name == "bfloat16" else torch.float64)

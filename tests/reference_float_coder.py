@@ -316,6 +316,7 @@ def encode_trailing(words: list[int], dtype_name: str, seg: int) -> bytes:
 
 TZ_BYTE = 0x83
 TZ_WIDE_BYTE = 0x85
+HALVES_BYTE = 0x86
 TZ_BITS = 4
 TZ_CAP = 15
 
@@ -456,6 +457,9 @@ def decode(data: bytes, dtype_name: str, seg: int, n: int) -> list[int]:
     nseg = -(-n // seg)
     r = _Parse(data)
     (mode,) = r.bytes(1)
+    if mode == HALVES_BYTE:
+        assert W == 32
+        return [h << 16 for h in decode(data[1:], "bfloat16", seg, n)]
     if mode == 2:
         return _decode_trailing(r, W, M, seg, n)
     if mode == TZ_BYTE:
@@ -590,6 +594,16 @@ def encode_wide(words: list[int], dtype_name: str, seg: int) -> bytes | None:
     classes = [c >> (4 - klog) for c in classes16]
     raw = _packed([_split(w, W, M, 0)[1:] for w in words])
     return _wide(TANS_FLAG | 4, [_split(w, W, M, 0)[0] for w in words], seg, klog, precision, sent, classes, raw)
+
+
+def encode_halves(words: list[int], seg: int) -> bytes:
+    """Low-bit mode 6 (docs/format.md §4.4): float32 words whose low 16 bits are all zero, as the
+    mode byte and the bfloat16 substream of their upper halves (mode 4 where it takes them, else
+    tANS)."""
+    assert all(w & 0xFFFF == 0 for w in words)
+    halves = [w >> 16 for w in words]
+    inner = encode_wide(halves, "bfloat16", seg)
+    return bytes([HALVES_BYTE]) + (inner if inner is not None else encode(halves, "bfloat16", seg))
 
 
 def _wide(mode_byte: int, symbols: list[int], seg: int, klog: int, precision: int, sent: list[list[int]],

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from llvmlite import ir
 from reference_float_coder import decode as ref_decode
 from reference_float_coder import encode as ref_encode
+from reference_float_coder import encode_halves as ref_encode_halves
 from reference_float_coder import encode_trailing as ref_encode_trailing
 from reference_float_coder import encode_tz as ref_encode_tz
 from reference_float_coder import encode_wide as ref_encode_wide
@@ -832,6 +833,82 @@ def test_mode_4_matches_the_reference_and_round_trips(n, seg, dtype_name, seed, 
     assert np.array_equal(out, words)
 
 
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(1, 900), seg=st.integers(256, 400), seed=st.integers(0, 2**32 - 1),
+       scale=st.sampled_from([1e-3, 0.05, 3.0]), case=st.sampled_from(["weights", "zeros", "any bits", "odd segment"]))
+def test_mode_6_matches_the_reference_and_round_trips(n, seg, seed, scale, case):
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal(n) * scale).astype(np.float32)
+    words = x.view(np.uint32) & np.uint32(0xFFFF0000)  # (bfloat16 values)
+    if case == "zeros":  # (a segment of zeros drops every bit: mode 4 refuses the halves, tANS takes them)
+        words[:seg] = 0
+    elif case == "any bits":  # (NaN payloads, infinities, negative zero, subnormals)
+        words[:] = rng.integers(0, 2**16, size=n, dtype=np.uint32) << np.uint32(16)
+        specials = np.array([0x7FC10000, 0xFF800000, 0x80000000, 0x00010000, 0xFFFF0000], dtype=np.uint32)
+        words[:min(n, 5)] = specials[:min(n, 5)]
+    elif case == "odd segment":  # (halves whose low bit is set everywhere but one segment: still bfloat16 values)
+        words |= np.uint32(1 << 16)
+        words[seg:2 * seg] &= np.uint32(0xFFFC0000)
+    data = floatcoder.encode_chunk(words.view(np.float32), "float32", seg, wide=True)
+    assert data[0] == floatcoder.HALVES_BYTE
+    assert data == ref_encode_halves([int(w) for w in words], seg)
+    if data[1] != floatcoder.WIDE_BYTE:  # (the reference decodes modes 0 to 3; mode 4 by the kernel's round trip)
+        assert ref_decode(data, "float32", seg, n) == [int(w) for w in words]
+    assert floatcoder.revision_of([data], "float32") & floatcoder.HALVES_REVISION
+    out = np.full(n, 0x12345678, dtype=np.uint32)
+    floatcoder.decode_chunk(data, "float32", seg, out.view(np.float32))
+    assert np.array_equal(out, words)
+
+
+def test_mode_6_takes_float32_chunks_of_bfloat16_values_only():
+    rng = np.random.default_rng(3)
+    seg = 384
+    x = (rng.standard_normal(floatcoder.WIDE_FROM) * 0.02).astype(np.float32)
+    halves = x.view(np.uint32) & np.uint32(0xFFFF0000)
+    data = floatcoder.encode_chunk(halves.view(np.float32), "float32", seg)  # (large enough: untold)
+    assert data[:2] == bytes([floatcoder.HALVES_BYTE, floatcoder.WIDE_BYTE])
+    # (the same halves as a bfloat16 tensor: the same substream after the mode byte)
+    assert data[1:] == floatcoder.encode_chunk((halves >> 16).astype(np.uint16), "bfloat16", seg)
+    one_bit = halves.copy()
+    one_bit[12345] |= 1 << 15  # (one element with a bit below bfloat16's: the segments drop 15 bits at most)
+    assert floatcoder.encode_chunk(one_bit.view(np.float32), "float32", seg)[0] != floatcoder.HALVES_BYTE
+    small = halves[:floatcoder.WIDE_FROM - 1]  # (below mode 4's size: mode 0 drops the 16 bits)
+    assert floatcoder.encode_chunk(small.view(np.float32), "float32", seg)[0] == floatcoder.TANS_FLAG
+    out = np.empty_like(halves)
+    for revision in (floatcoder.REVISIONS[-1] & ~floatcoder.HALVES_REVISION, 0):
+        with pytest.raises(CorruptStreamError, match="mode byte of 0x86"):
+            floatcoder.decode_chunk(data, "float32", seg, out.view(np.float32), revision=revision)
+    for dtype_name in ("bfloat16", "float16", "float64"):
+        carrier = np.empty(halves.size, dtype=WORDS[dtype_name])
+        with pytest.raises(CorruptStreamError, match="low-bit mode 6"):
+            floatcoder.decode_chunk(data, dtype_name, seg, carrier.view(DTYPES[dtype_name])
+                                    if dtype_name != "bfloat16" else carrier)
+    for cut in (1, 2, 100, len(data) - 1):  # (the inner substream's own checks)
+        with pytest.raises(CorruptStreamError):
+            floatcoder.decode_chunk(data[:cut], "float32", seg, out.view(np.float32))
+
+
+def test_a_model_of_bfloat16_values_in_float32_takes_mode_6_and_format_version_13():
+    rng = np.random.default_rng(5)
+    x = torch.from_numpy((rng.standard_normal((512, 384)) * 0.05).astype(np.float32))
+    model = {"w": x.to(torch.bfloat16).float(), "b": x[0].to(torch.bfloat16).float(), "full": x[:8]}
+    data = dc.encode_model(model, keep_exact=True)
+    header = dc.read_stream_header(data)
+    assert header.version == 13
+    params = {e.name: e.coder_param for e in header.tensors}
+    assert params["w"] == floatcoder.HALVES_REVISION | floatcoder.WIDE_REVISION
+    assert not params["b"] & floatcoder.HALVES_REVISION and not params["full"] & floatcoder.HALVES_REVISION
+    out = dc.decode_model(data)
+    assert all(torch.equal(out[k].view(torch.int32), v.view(torch.int32)) for k, v in model.items())
+    import struct
+
+    from helpers import reseal_header
+    old = bytearray(data)
+    struct.pack_into("<H", old, 8, 12)
+    with pytest.raises(CorruptStreamError, match=r"needs format version 13, the stream says 12"):
+        dc.decode_model(reseal_header(old))
+
+
 def _wide_chunk(seed: int, dtype_name: str, shape) -> tuple[np.ndarray, int, bytes, dict[str, int]]:
     """A mode 4 substream of weights of ``shape`` (rows of different scales), their segment length
     and where its fields begin."""
@@ -1103,7 +1180,7 @@ _LOWER_TIERS = {"avx512": ["avx2", None], "avx2": [None], None: []}[_vector_kern
 @pytest.mark.parametrize("tier", _LOWER_TIERS or [pytest.param(None, marks=pytest.mark.skip(reason="no lower tier"))],
                          ids=lambda tier: tier or "scalar")
 def test_the_lower_tiers_give_this_processors_bytes_and_values(tmp_path, tier):
-    """Processors without AVX-512's VBMI and VBMI2 run modes 4 and 5 and the 16-bit split with
+    """Processors without AVX-512's VBMI and VBMI2 run modes 4 to 6 and the 16-bit split with
     AVX2's steps, and those without AVX2 one element at a time: their tests again (reference
     bytes, round trips, damage, golden substreams) with each lower tier forced, in a Numba cache
     of its own (a cached kernel keeps the steps it was compiled with)."""
@@ -1114,7 +1191,7 @@ def test_the_lower_tiers_give_this_processors_bytes_and_values(tmp_path, tier):
     check = f"from deepcabac_py.entropy import _vector_kernels as v; assert v.VECTOR_LEVEL == {tier!r}"
     subprocess.run([sys.executable, "-c", check], env=env, check=True, timeout=300)
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0",
-                           "-k", "mode_4 or mode_5 or 16bit_split",
+                           "-k", "mode_4 or mode_5 or mode_6 or 16bit_split",
                            str(tests / "test_floatcoder.py"), str(tests / "test_golden.py")],
                           env=env, cwd=tests.parent, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]

@@ -260,6 +260,23 @@ def test_the_mode_4_golden_substreams_decode_and_are_reproduced(dtype_name):
     assert data == committed
 
 
+def test_the_mode_6_golden_substream_decodes_and_is_reproduced():
+    from deepcabac_py.entropy import floatcoder
+    # (mode 4's bfloat16 draws as float32 values: the upper halves of 1,200 floats, the lower zero)
+    words = (_mode4_words("bfloat16").astype(np.uint32) << 16).view(np.float32)
+    seg = floatcoder.segment_length((4, 300))
+    path = GOLDEN / "mode6_float32.bin"
+    data = floatcoder.encode_chunk(words, "float32", seg, wide=True)
+    if REGEN:
+        path.write_bytes(data)
+    committed = path.read_bytes()
+    assert committed[:2] == bytes([floatcoder.HALVES_BYTE, floatcoder.WIDE_BYTE])
+    out = np.empty_like(words)
+    floatcoder.decode_chunk(committed, "float32", seg, out)
+    assert out.tobytes() == words.tobytes()
+    assert data == committed
+
+
 def test_the_mode_5_golden_substream_decodes_and_is_reproduced():
     from deepcabac_py.entropy import floatcoder
     # (1,200 exact float32s from frozen draws: multiples of 2**-13, every other one plus a multiple of

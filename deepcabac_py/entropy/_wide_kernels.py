@@ -139,6 +139,9 @@ def _decode_step(W, M):
     @intrinsic
     def step(typingctx, states, lane0, table, base_lo, base_hi, split, words, p, raw, out, i, precision, sym0):
         narrow = table.dtype.bitwidth == 32
+        # (bfloat16 into 32-bit words: low-bit mode 6's float32 chunk of bfloat16 values, each the
+        # upper half of its float, stored at once instead of widened in a pass of its own)
+        widen = M == 7 and out.dtype.bitwidth == 32
 
         def codegen(context, builder, signature, args):
             v = Step(context, builder, signature, args)
@@ -171,7 +174,10 @@ def _decode_step(W, M):
             r = b.and_(b.lshr(b.bitcast(lanes, v.vec(It)), v.const(It, shifts)), v.const(It, [(1 << k) - 1] * GROUP))
             value = b.or_(symbol, b.and_(r, v.const(It, [(1 << low) - 1] * GROUP)))
             value = b.or_(value, b.shl(b.lshr(r, v.const(It, [low] * GROUP)), v.const(It, [W - 1] * GROUP)))
-            b.store(value, v.at(9, i_, It), align=W // 8)
+            if widen:
+                b.store(b.shl(b.zext(value, v.vec(I32)), v.const(I32, [16] * GROUP)), v.at(9, i_, I32), align=4)
+            else:
+                b.store(value, v.at(9, i_, It), align=W // 8)
             return _renormalised(v, states_at, x, p_)
 
         return (types.int64(states, lane0, table, base_lo, base_hi, split, words, p, raw, out, i, precision, sym0),
@@ -336,7 +342,8 @@ def _group_elements(states, lane0, table, base_lo, base_hi, split, words, p, raw
         else:
             x = (e >> 32) * (x >> precision) + ((e >> 16) & 0xFFFF)
             symbol = (e & 0xFFFF) << shift
-        out[_U(i + lane)] = ((r >> (k - 1)) << top) | symbol | (r & low)
+        value = ((r >> (k - 1)) << top) | symbol | (r & low)
+        out[_U(i + lane)] = value << 16 if M == 7 and out.itemsize == 4 else value  # (mode 6: see the vector step)
         x, p, ok = _renormalise(x, words, p, checked)
         if not ok:
             return p, ERR_OVERRUN
@@ -521,7 +528,8 @@ TZ_WINDOW = 64
 
 @kernel
 def decode_wide(words, raw, states, seg_len, M, classes, precision, table, sym0, out, tz):
-    """Rebuild ``out`` (the bits of a chunk of bf16, fp16 or fp32 floats, as uint16 or uint32) from
+    """Rebuild ``out`` (the bits of a chunk of bf16, fp16 or fp32 floats, as uint16 or uint32; bf16
+    into uint32, each word the upper half of its float: low-bit mode 6) from
     its rANS ``words``, its ``raw`` words (exactly those of its n * k bits, u32), the decoder's 64
     initial ``states`` (each at least WIDE_L: the front checks), its segments' classes,
     :func:`_fill_table`'s ``table`` and the lowest symbol ``sym0`` its 4-byte entries count

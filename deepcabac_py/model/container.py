@@ -53,10 +53,12 @@ MAGIC = STREAM_MAGIC
 # tANS, version 9 float32 FLOAT substreams with their trailing zeros in the symbol (low-bit mode 3;
 # each said by a bit of the entry's coder parameter), version 10 16-bit FLOAT substreams with 64
 # rANS states (low-bit mode 4), version 11 float32 ones, version 12 float32 ones with their trailing
-# zeros in the symbol (low-bit mode 5). This reader reads all twelve.
-FORMAT_VERSION = 12
-READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12)
-REVISION_VERSIONS = ((floatcoder.TZ_WIDE_REVISION, 12), (floatcoder.WIDE32_REVISION, 11),
+# zeros in the symbol (low-bit mode 5), version 13 float32 ones of bfloat16 values coded as their
+# upper halves (low-bit mode 6). This reader reads all thirteen.
+FORMAT_VERSION = 13
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13)
+REVISION_VERSIONS = ((floatcoder.HALVES_REVISION, 13), (floatcoder.TZ_WIDE_REVISION, 12),
+                     (floatcoder.WIDE32_REVISION, 11),
                      (floatcoder.WIDE_REVISION, 10), (floatcoder.TZ_REVISION, 9),
                      (floatcoder.TANS_REVISION, 8), (floatcoder.TRAILING_REVISION, 7))  # FLOAT coder parameter bits
 SWITCHES_VERSION = 3  # LINEAR_BIT and NO_COLUMNS_BIT
