@@ -898,6 +898,12 @@ def test_a_model_of_bfloat16_values_in_float32_takes_mode_6_and_format_version_1
     params = {e.name: e.coder_param for e in header.tensors}
     assert params["w"] == floatcoder.HALVES_REVISION | floatcoder.WIDE_REVISION
     assert not params["b"] & floatcoder.HALVES_REVISION and not params["full"] & floatcoder.HALVES_REVISION
+    # (what `deepcabac info` and `report` say of it)
+    from deepcabac_py.model.report import build_report, format_report, mode_words
+    report = build_report(header)
+    assert {t.name: t.mode for t in report.tensors} == {"w": "FLOAT+BF16", "b": "FLOAT", "full": "FLOAT"}
+    assert "+bf16 = float32 chunks holding bfloat16 values" in format_report(report)
+    assert mode_words("FLOAT+TZ+BF16") == "float-lossless+tz+bf16"
     out = dc.decode_model(data)
     assert all(torch.equal(out[k].view(torch.int32), v.view(torch.int32)) for k, v in model.items())
     import struct

@@ -179,6 +179,12 @@ class TensorEntry:
         return bool(self.coder_param & LINEAR_BIT) and not self.is_alias and not self.mode.is_class_coded
 
     @property
+    def codes_halves(self) -> bool:
+        """A FLOAT entry whose float32 substreams may hold bfloat16 values as their upper halves
+        (low-bit mode 6)."""
+        return self.mode == Mode.FLOAT and bool(self.coder_param & floatcoder.HALVES_REVISION)
+
+    @property
     def codes_trailing_zeros(self) -> bool:
         """A FLOAT entry whose substreams may code their trailing zeros (low-bit modes 2, 3 and 5)."""
         return self.mode == Mode.FLOAT and bool(self.coder_param & (floatcoder.TRAILING_REVISION

@@ -23,7 +23,7 @@ class TensorReport:
     dtype: str
     mode: str  # the coding mode's name; "+LP" when the levels go through the linear prediction,
     # "+TZ" when float chunks code their trailing zeros (low-bit modes 2, 3 and 5: bits 0, 2 and 5 of a
-    # FLOAT entry's coder parameter)
+    # FLOAT entry's coder parameter), "+BF16" when float32 chunks hold bfloat16 values (mode 6, bit 6)
     qp: int | None
     step: float | None
     params: int
@@ -121,7 +121,7 @@ def build_report(header: StreamHeader, original: Checkpoint | None = None,
         rep = TensorReport(
             name=e.name, shape=list(e.shape), dtype=dtype,
             mode="ALIAS" if e.is_alias else e.mode.name + ("+LP" if e.is_linear else "")
-            + ("+TZ" if e.codes_trailing_zeros else ""),
+            + ("+TZ" if e.codes_trailing_zeros else "") + ("+BF16" if e.codes_halves else ""),
             qp=e.qp if e.mode.has_step and not e.is_alias else None,
             step=e.step if not e.is_alias else None, params=params, bytes=e.size,
             bits_per_param=(8.0 * e.size / params) if params and not e.is_alias else None,
@@ -177,14 +177,15 @@ _MODE_LEGEND = {
     "log": "log = optimizer moments, log2 of each magnitude in steps of qp's step (in octaves)",
     "+pred": "+pred = coded as residuals of a prediction across columns",
     "+tz": "+tz = float32/float64 chunks coding each element's trailing zeros (by its exponent, or in its symbol)",
+    "+bf16": "+bf16 = float32 chunks holding bfloat16 values, coded as their upper halves",
 }
-_SUFFIX_WORDS = {"LP": "+pred", "TZ": "+tz"}
+_SUFFIX_WORDS = {"LP": "+pred", "TZ": "+tz", "BF16": "+bf16"}
 
 
 def mode_words(mode: str) -> str:
     """A table entry's mode in words: ``DEPENDENT+LP`` -> ``trellis+pred``."""
-    base, _, rest = mode.partition("+")
-    return _MODE_WORDS.get(base, base.lower()) + _SUFFIX_WORDS.get(rest, "")
+    base, *rest = mode.split("+")
+    return _MODE_WORDS.get(base, base.lower()) + "".join(_SUFFIX_WORDS.get(r, "") for r in rest)
 
 
 def format_report(rep: ModelReport, *, per_tensor: bool = True, internals: bool = False) -> str:
@@ -218,7 +219,7 @@ def format_report(rep: ModelReport, *, per_tensor: bool = True, internals: bool 
         if not internals:
             used = {mode_words(t.mode) for t in rep.tensors}
             words = [text for key, text in _MODE_LEGEND.items()
-                     if key in used or (key.startswith("+") and any(u.endswith(key) for u in used))
+                     if key in used or (key.startswith("+") and any(key in u for u in used))
                      or any(u.startswith(key + "+") for u in used)]
             if words:
                 lines.append("modes: " + "; ".join(words) + ".")
