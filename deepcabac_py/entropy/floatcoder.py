@@ -512,8 +512,6 @@ def decode_chunk(data, dtype_name: str, seg_len: int, out: np.ndarray, where: st
     nseg = -(-n // seg_len)
     buf = _read_only(np.frombuffer(data, dtype=np.uint8))
     byte = int(buf[0]) if buf.shape[0] else -1
-    # (the whole-substream kernels read the bytes as they are: a chunk of a small tensor cost
-    # twice its kernel's time in Python before them)
     if byte == HALVES_BYTE and revision & HALVES_REVISION:
         if W != 32:
             raise CorruptStreamError(f"{where}: low-bit mode 6 (bfloat16 values) in a {dtype_name} tensor, which only "
@@ -529,6 +527,8 @@ def decode_chunk(data, dtype_name: str, seg_len: int, out: np.ndarray, where: st
         decode_chunk(inner, "bfloat16", seg_len, halves, where, revision)
         np.left_shift(halves, HALF_BITS, out=words, dtype=np.uint32)
         return
+    # (the whole-substream kernels read the bytes as they are: a chunk of a small tensor cost
+    # twice its kernel's time in Python before them)
     if whole_tans(byte, revision, W):
         detail = np.zeros(2, dtype=np.int64)
         _check_substream(_k.decode_tans_substream(buf, n, seg_len, W, M, words, detail), detail, where, dtype_name)
