@@ -257,6 +257,35 @@ def test_a_directory_round_trips_as_one_checkpoint(tmp_path):
     save_checkpoint_directory(back, tmp_path / "e", force=True)
 
 
+def test_a_directory_with_a_tokenizer_of_megabytes_goes_into_a_series(tmp_path):
+    # (a Trainer given a tokenizer saves its files in every checkpoint-N/: tokenizer.json is 7-9 MB
+    # for today's LLMs, more than the 2^23 bytes of metadata JSON a stream of format version 12 held)
+    import struct
+
+    from helpers import reseal_header
+
+    from deepcabac_py.errors import CorruptStreamError
+    d = tmp_path / "checkpoint-7"
+    _directory(d)
+    rng = np.random.default_rng(0)
+    vocab = {f"tok{i}_{w}": i for i, w in enumerate(rng.integers(0, 2**40, 450_000).tolist())}
+    (d / "tokenizer.json").write_text(json.dumps({"model": {"vocab": vocab}}))
+    assert 8 << 20 < (d / "tokenizer.json").stat().st_size
+    data = dc.encode_model(load_checkpoint_directory(d), keep_exact=True)
+    assert dc.read_stream_header(data).version == 13
+    save_checkpoint_directory(dc.decode_checkpoint(data), tmp_path / "back")
+    assert (tmp_path / "back" / "tokenizer.json").read_bytes() == (d / "tokenizer.json").read_bytes()
+    old = bytearray(data)  # (a reader of version 12 held 2^23 bytes of metadata at most)
+    struct.pack_into("<H", old, 8, 12)
+    with pytest.raises(CorruptStreamError, match="more than a header of format version 12 holds"):
+        dc.read_stream_header(reseal_header(old))
+    s = dc.CheckpointSeries(tmp_path / "s.dcs")
+    s.append(d)
+    s.append(d)
+    s.extract(1, tmp_path / "out")
+    assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (d / "tokenizer.json").read_bytes()
+
+
 def test_the_series_api_takes_and_gives_paths(tmp_path):
     _directory(tmp_path / "checkpoint-7")
     torch.save({"w": torch.ones(4)}, tmp_path / "one.pt")

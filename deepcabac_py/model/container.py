@@ -54,7 +54,8 @@ MAGIC = STREAM_MAGIC
 # each said by a bit of the entry's coder parameter), version 10 16-bit FLOAT substreams with 64
 # rANS states (low-bit mode 4), version 11 float32 ones, version 12 float32 ones with their trailing
 # zeros in the symbol (low-bit mode 5), version 13 float32 ones of bfloat16 values coded as their
-# upper halves (low-bit mode 6). This reader reads all thirteen.
+# upper halves (low-bit mode 6), and metadata JSON of more than 2^23 bytes (up to 2^26: a
+# directory's files kept as their bytes, a tokenizer's among them). This reader reads all thirteen.
 FORMAT_VERSION = 13
 READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13)
 REVISION_VERSIONS = ((floatcoder.HALVES_REVISION, 13), (floatcoder.TZ_WIDE_REVISION, 12),
@@ -64,12 +65,18 @@ REVISION_VERSIONS = ((floatcoder.HALVES_REVISION, 13), (floatcoder.TZ_WIDE_REVIS
 SWITCHES_VERSION = 3  # LINEAR_BIT and NO_COLUMNS_BIT
 PREAMBLE = struct.Struct("<8sHHI")
 HEADER_DEFLATE_LEVEL = 6  # (any level inflates; the writer's is fixed, for the same bytes from the same input)
-MAX_HEADER_SIZE = 1 << 27  # (more than the limits below let a header need)
+MAX_HEADER_SIZE = 1 << 28  # (more than the limits below let a header need)
 # What a header may hold (docs/format.md §6.5): the writer refuses more, the reader stops at the
 # first part that exceeds its share, before inflating or parsing what the header merely declares.
 MAX_TENSORS = 1 << 18
 MAX_NAME_BYTES = 1 << 24  # all tensor names together (one name: 65,535 bytes)
-MAX_METADATA_BYTES = 1 << 23
+MAX_METADATA_BYTES = 1 << 26
+# Before format version 13 a stream held at most this much metadata JSON: a writer stamps version 13
+# on a stream with more, and a reader refuses more in a stream of an earlier version. (A Trainer's
+# checkpoint-N/ keeps its tokenizer's files, 7-9 MB of tokenizer.json for today's LLMs, a third
+# more as base64: 2^23 refused them.)
+OLD_METADATA_BYTES = 1 << 23
+LARGE_METADATA_VERSION = 13
 MAX_METADATA_CONTAINERS_BASE = 1 << 16  # JSON objects and arrays: this many plus 8 per tensor
 MAX_CHUNKS = 1 << 22  # substreams of all tensors together (4 T elements in chunks of 1 Mi)
 _ENTRY_MIN = 47  # bytes of an entry with a 0-byte name, no dimension and no chunk
@@ -304,7 +311,8 @@ def pack_header(qp: int, qp_1d: int, qp_density: int, meta: Any, tensors: list[T
     # header would otherwise be a large share of the stream. Level 6, not 9: a tenth of the time
     # (0.4 against 3.2 ms for EfficientNet-Lite0's 22 KB) for 0.5% more header bytes.
     packed = struct.pack("<I", len(raw)) + zlib.compress(raw, HEADER_DEFLATE_LEVEL)
-    version = max([1] + [t.min_version for t in tensors])
+    version = max([1 if len(meta) <= OLD_METADATA_BYTES else LARGE_METADATA_VERSION]
+                  + [t.min_version for t in tensors])
     head = PREAMBLE.pack(MAGIC, version, 0, len(packed) + 4) + packed
     return head + struct.pack("<I", crc32(head))
 
@@ -380,14 +388,15 @@ def read_header(data, *, total_size: int | None = None, payload_known: bool = Tr
     # What a header of ``count`` tensors can need at most: refuse a larger declared body before
     # inflating it (every chunk of a tensor holds at least one payload byte or element).
     chunks_bound = min(max(payload_size, 0), MAX_CHUNKS) if payload_known else MAX_CHUNKS
-    need = (_SETTINGS.size + 4 + MAX_METADATA_BYTES + MAX_NAME_BYTES
+    meta_limit = MAX_METADATA_BYTES if version >= LARGE_METADATA_VERSION else OLD_METADATA_BYTES
+    need = (_SETTINGS.size + 4 + meta_limit + MAX_NAME_BYTES
             + count * (_ENTRY_MIN + 8 * MAX_NDIM) + 4 * (chunks_bound + 2 * count))
     if r.raw_size > need:
         raise CorruptStreamError(f"a header body of {r.raw_size:,} bytes is more than {count} tensors can need")
     (meta_len,) = r.unpack(struct.Struct("<I"), "metadata size")
-    if meta_len > MAX_METADATA_BYTES:
-        raise CorruptStreamError(f"metadata of {meta_len:,} bytes is more than a header holds "
-                                 f"({MAX_METADATA_BYTES:,})")
+    if meta_len > meta_limit:
+        raise CorruptStreamError(f"metadata of {meta_len:,} bytes is more than a header of format version {version} "
+                                 f"holds ({meta_limit:,})")
     metadata = parse_metadata(r.take(meta_len, "metadata"), count)
     if count > r.remaining // _ENTRY_MIN:
         raise CorruptStreamError(f"tensor count {count} does not fit in a {header_size}-byte header")
