@@ -161,6 +161,31 @@ def test_a_crash_mid_append_leaves_the_series_as_it_was(run, tmp_path):
     assert path.read_bytes().startswith(complete)
 
 
+def test_an_append_that_fails_leaves_the_series_as_it_was_and_a_first_one_no_file(run, tmp_path, monkeypatch):
+    from deepcabac_py.errors import CheckpointError
+    from deepcabac_py.model import container
+    path = tmp_path / "run.dcs"
+    monkeypatch.setattr(container, "MAX_METADATA_BYTES", 10)  # (every checkpoint is refused)
+    with pytest.raises(CheckpointError, match="bytes of JSON"):
+        dc.CheckpointSeries(path).append(run[0])
+    assert not path.exists()
+    r = CliRunner().invoke(main, ["series", "add", str(path), str(_saved(run[0], tmp_path / "c.pt"))])
+    assert r.exit_code == 1 and "bytes of JSON" in r.output and "Traceback" not in r.output, r.output
+    assert not path.exists()
+    monkeypatch.undo()
+    dc.CheckpointSeries(path).append(run[0])
+    before = path.read_bytes()
+    monkeypatch.setattr(container, "MAX_METADATA_BYTES", 10)
+    with pytest.raises(CheckpointError):
+        dc.CheckpointSeries(path).append(run[1])
+    assert path.read_bytes() == before
+
+
+def _saved(obj, path):
+    torch.save(obj, path)
+    return path
+
+
 def test_a_second_writer_is_refused(run, tmp_path):
     path = tmp_path / "run.dcs"
     dc.CheckpointSeries(path).append(run[0])

@@ -10,6 +10,7 @@ second writer out.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -54,9 +55,14 @@ class SeriesFile:
     def __init__(self, path: str | os.PathLike, *, writer: bool = False):
         self.path = os.fspath(path)
         self.writer = writer
+        self._created = False  # (a writer that made the file takes it away again if nothing goes in)
         try:
             if writer:
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+                try:
+                    fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+                    self._created = True
+                except FileExistsError:
+                    fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
                 self._f: BinaryIO = os.fdopen(fd, "r+b")
             else:
                 self._f = open(self.path, "rb")
@@ -170,4 +176,8 @@ class SeriesFile:
         return self
 
     def __exit__(self, *exc) -> None:
+        # (a first append that failed leaves no empty series behind; the lock is still held)
+        if exc[0] is not None and self._created and not self.records:
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
         self.close()
