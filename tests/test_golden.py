@@ -248,12 +248,19 @@ def test_the_mode_4_golden_substreams_decode_and_are_reproduced(dtype_name):
     from deepcabac_py.entropy import floatcoder
     words = _mode4_words(dtype_name)
     seg = floatcoder.segment_length((4, 300))
-    path = GOLDEN / f"mode4_{dtype_name}.bin"
-    data = floatcoder.encode_chunk(words, dtype_name, seg, wide=True)
+    _golden_substream(f"mode4_{dtype_name}.bin", floatcoder.encode_chunk(words, dtype_name, seg, wide=True), words,
+                      dtype_name, seg, bytes([floatcoder.WIDE_BYTE]))
+
+
+def _golden_substream(name: str, data: bytes, words: np.ndarray, dtype_name: str, seg: int, head: bytes) -> None:
+    """The lone substream committed as ``name`` begins with ``head``, decodes to ``words`` and is
+    what today's writer made of them (``data``)."""
+    from deepcabac_py.entropy import floatcoder
+    path = GOLDEN / name
     if REGEN:
         path.write_bytes(data)
     committed = path.read_bytes()
-    assert committed[0] == floatcoder.WIDE_BYTE
+    assert committed[:len(head)] == head
     out = np.empty_like(words)
     floatcoder.decode_chunk(committed, dtype_name, seg, out)
     assert out.tobytes() == words.tobytes()
@@ -265,16 +272,8 @@ def test_the_mode_6_golden_substream_decodes_and_is_reproduced():
     # (mode 4's bfloat16 draws as float32 values: the upper halves of 1,200 floats, the lower zero)
     words = (_mode4_words("bfloat16").astype(np.uint32) << 16).view(np.float32)
     seg = floatcoder.segment_length((4, 300))
-    path = GOLDEN / "mode6_float32.bin"
-    data = floatcoder.encode_chunk(words, "float32", seg, wide=True)
-    if REGEN:
-        path.write_bytes(data)
-    committed = path.read_bytes()
-    assert committed[:2] == bytes([floatcoder.HALVES_BYTE, floatcoder.WIDE_BYTE])
-    out = np.empty_like(words)
-    floatcoder.decode_chunk(committed, "float32", seg, out)
-    assert out.tobytes() == words.tobytes()
-    assert data == committed
+    _golden_substream("mode6_float32.bin", floatcoder.encode_chunk(words, "float32", seg, wide=True), words,
+                      "float32", seg, bytes([floatcoder.HALVES_BYTE, floatcoder.WIDE_BYTE]))
 
 
 def test_the_mode_5_golden_substream_decodes_and_is_reproduced():
@@ -285,13 +284,5 @@ def test_the_mode_5_golden_substream_decodes_and_is_reproduced():
     x[:, ::2] += golden_floats(38, (4, 300), -14)[:, ::2]
     words = x.astype(np.float32).reshape(-1)
     seg = floatcoder.segment_length((4, 300))
-    path = GOLDEN / "mode5_float32.bin"
-    data = floatcoder.encode_trailing(words, "float32", seg, wide=True)
-    if REGEN:
-        path.write_bytes(data)
-    committed = path.read_bytes()
-    assert committed[0] == floatcoder.TZ_WIDE_BYTE
-    out = np.empty_like(words)
-    floatcoder.decode_chunk(committed, "float32", seg, out)
-    assert out.tobytes() == words.tobytes()
-    assert data == committed
+    _golden_substream("mode5_float32.bin", floatcoder.encode_trailing(words, "float32", seg, wide=True), words,
+                      "float32", seg, bytes([floatcoder.TZ_WIDE_BYTE]))
