@@ -288,6 +288,24 @@ def test_tied_tensors_shared_after_torch_roundtrip(tmp_path):
     del emb
 
 
+def test_only_the_same_view_of_the_same_memory_is_tied():
+    # Tensors that begin at one address are told apart by the rest of what they view.
+    w = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    a = np.arange(6, dtype=np.float32)
+    views = {"w": w, "same": w.view(3, 4), "t": w.t(), "flat": w.view(-1), "row": w[0], "ints": w.view(torch.int32),
+             "neg": torch._neg_view(w), "np": w.numpy(),
+             "a": a, "a_again": a[:], "a_head": a[:3], "a_ints": a.view(np.int32)}
+    ck = flatten(views)
+    assert ck.aliases == {"same": "w", "a_again": "a"}
+    out = unflatten(ck)
+    for name, t in views.items():
+        back = out[name]
+        if isinstance(t, torch.Tensor):
+            assert torch.equal(back.resolve_neg(), t.resolve_neg()) and back.shape == t.shape and back.dtype == t.dtype
+        else:
+            assert np.array_equal(back, t) and back.dtype == t.dtype
+
+
 @pytest.mark.parametrize("kind", ["safetensors", "npz"])
 def test_tied_tensors_restored_from_copies(tmp_path, kind):
     w = torch.arange(6, dtype=torch.float32).reshape(2, 3)

@@ -383,17 +383,23 @@ def _encode_trailing(words: np.ndarray, W: int, M: int, seg_len: int, classes16:
 def revision_of(substreams: Sequence[Buffer], dtype_name: str) -> int:
     """The coder parameter of a FLOAT entry of ``dtype_name`` with these substreams: what they use,
     bit by bit."""
-    modes = {int(data[0]) for data in substreams if len(data)}
+    modes = frozenset([int(data[0]) for data in substreams if len(data)])
     # (mode 6's bfloat16 substream takes the bits a bfloat16 entry's would)
-    halves = [data[1:] for data in substreams if len(data) and data[0] == HALVES_BYTE]
-    inner = revision_of(halves, "bfloat16") | HALVES_REVISION if halves else 0
-    wide = WIDE32_REVISION if FORMATS[dtype_name][0] == 32 else WIDE_REVISION
+    inner = 0
+    if HALVES_BYTE in modes:
+        inner = revision_of([data[1:] for data in substreams if len(data) and data[0] == HALVES_BYTE],
+                            "bfloat16") | HALVES_REVISION
+    return _revision_of_modes(modes, FORMATS[dtype_name][0] == 32) | inner
+
+
+@functools.lru_cache(maxsize=256)
+def _revision_of_modes(modes: frozenset[int], wide32: bool) -> int:
+    # (a few combinations in all, asked for once per tensor: a model has hundreds of small ones)
     return ((TRAILING_REVISION if TRAILING_MODE in modes else 0)
             | (TANS_REVISION if modes & {TANS_FLAG, TANS_FLAG | 1} else 0)
             | (TZ_REVISION if TZ_BYTE in modes else 0)
-            | (wide if WIDE_BYTE in modes else 0)
-            | (TZ_WIDE_REVISION if TZ_WIDE_BYTE in modes else 0)
-            | inner)
+            | ((WIDE32_REVISION if wide32 else WIDE_REVISION) if WIDE_BYTE in modes else 0)
+            | (TZ_WIDE_REVISION if TZ_WIDE_BYTE in modes else 0))
 
 
 _LITTLE_ENDIAN = sys.byteorder == "little"  # (elsewhere the words are copied into the native order)

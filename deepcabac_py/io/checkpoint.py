@@ -92,6 +92,7 @@ _MAX_JSON_INT = 2**53
 # (a library dtype name is the name of the torch dtype: "bfloat16" is torch.bfloat16; remembered per
 # dtype, as it is asked for every tensor)
 @functools.cache
+@functools.lru_cache(maxsize=64)
 def _name_of_torch_dtype(dtype: Any) -> str | None:
     name = str(dtype).removeprefix("torch.")
     return name if name in DTYPE_NAMES else None
@@ -173,7 +174,8 @@ def tensor_to_numpy(t: TensorLike) -> tuple[np.ndarray, str, bool]:
         if not x.is_contiguous():
             x = x.contiguous()
         if name == "bfloat16":
-            arr = x.view(torch.int16).numpy().view(np.uint16)
+            u16 = getattr(torch, "uint16", None)  # (torch 2.3 on: one view fewer)
+            arr = x.view(u16).numpy() if u16 is not None else x.view(torch.int16).numpy().view(np.uint16)
         else:
             arr = x.numpy()
         return arr, name, True
@@ -247,6 +249,18 @@ def _key_component(k: Any) -> str:
     if isinstance(k, (str, int, float)) or k is None:
         return str(k)
     return f"<{type(k).__name__}>"
+
+
+def _data_place(t: TensorLike) -> Any:
+    """Where a tensor's data starts: equal for every two tensors whose :func:`_alias_key` is equal."""
+    if isinstance(t, RawTensor):
+        t = t.bits
+    if is_torch_tensor(t):
+        try:
+            return t.data_ptr()
+        except (RuntimeError, NotImplementedError, TypeError):  # (no storage: a key of its own)
+            return ("id", id(t))
+    return t.__array_interface__["data"][0]
 
 
 def _alias_key(t: TensorLike) -> Any:
@@ -385,7 +399,11 @@ def flatten(obj: Any) -> Checkpoint:
     tensors: dict[str, TensorLike] = {}
     aliases: dict[str, str] = {}
     first_by_key: dict[Any, str] = {}
-    for base, (_, t, node) in zip(bases, fl.leaves):
+    # Only tensors that start at the same address can be tied: the full identity (a dozen calls into
+    # torch per tensor, a tenth of a small model's encode) is asked of those alone.
+    places = [_data_place(t) for _, t, _ in fl.leaves]
+    shared = Counter(places)
+    for place, base, (_, t, node) in zip(places, bases, fl.leaves):
         name = base
         if name in used:
             i = 1
@@ -394,7 +412,7 @@ def flatten(obj: Any) -> Checkpoint:
             name = f"{base}~{i}"
         used.add(name)
         node["$tensor"] = name
-        key = _alias_key(t)
+        key = _alias_key(t) if shared[place] > 1 else ("leaf", place)
         target = first_by_key.get(key)
         if target is not None:  # keys embed "torch"/"numpy", so a tie never mixes the two
             aliases[name] = target

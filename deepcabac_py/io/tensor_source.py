@@ -95,8 +95,8 @@ class CheckpointSource(TensorSource):
             # (from the dtype alone: no conversion; an unsupported one is refused when it is planned)
             is_torch = is_torch_tensor(t) or isinstance(t, RawTensor)
             known = dtype_name_of(t) if is_torch or isinstance(t, np.ndarray) else None
-            self._specs[name] = TensorSpec(name, tuple(int(d) for d in t.shape),
-                                           known or str(getattr(t, "dtype", "?")), is_torch)
+            self._specs[name] = TensorSpec(name, tuple(map(int, t.shape)), known or str(getattr(t, "dtype", "?")),
+                                           is_torch)
 
     def spec(self, name: str) -> TensorSpec:
         return self._specs[name]

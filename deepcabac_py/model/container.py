@@ -242,6 +242,14 @@ _SETTINGS = struct.Struct("<IhhBB")  # tensor_count, qp, qp_1d, qp_density, rese
 _ENTRY_FIXED = struct.Struct("<BBBBB")  # dtype, mode, coder, flags, ndim
 _ENTRY_QUANT = struct.Struct("<hBBIQI")  # qp, qp_density, coder_param, alias_of, chunk_elements, chunk_count
 _ENTRY_TAIL = struct.Struct("<QQI")  # offset, size, crc32
+
+
+@functools.lru_cache(maxsize=1024)
+def _entry_struct(name_bytes: int, ndim: int, chunks: int) -> struct.Struct:
+    """A whole table entry's layout (docs/format.md §1.2): the fields above, the name's bytes, the
+    shape and the chunk sizes; one pack per entry (a model has hundreds)."""
+    return struct.Struct(f"<H{name_bytes}s" + _ENTRY_FIXED.format[1:] + f"{ndim}Q" + _ENTRY_QUANT.format[1:]
+                         + f"{chunks}I" + _ENTRY_TAIL.format[1:])
 _NAME_LENGTH = struct.Struct("<H")
 # an entry's shape of each dimension count, and its coding parameters after it
 _SHAPE_AND_CODING = [struct.Struct(f"<{ndim}Q" + _ENTRY_QUANT.format[1:]) for ndim in range(MAX_NDIM + 1)]
@@ -281,14 +289,16 @@ def metadata_bytes(metadata: dict, tensors: list[tuple[str, tuple[int, ...]]]) -
     return meta
 
 
-def write_header(qp: int, qp_1d: int, qp_density: int, metadata: dict, tensors: list[TensorEntry]) -> bytes:
+def write_header(qp: int, qp_1d: int, qp_density: int, metadata: dict | bytes, tensors: list[TensorEntry]) -> bytes:
     """Serialize the header; ``tensors`` must carry final offsets, sizes and checksums. Refuses
-    (CheckpointError) what the format's limits do not hold."""
+    (CheckpointError) what the format's limits do not hold. ``metadata``: the dict, or the bytes
+    :func:`metadata_bytes` gave for it and for these tensors' names and shapes."""
     chunks = sum(len(t.chunk_sizes) for t in tensors)
     if chunks > MAX_CHUNKS:
         raise CheckpointError(f"{chunks:,} substreams: a stream holds at most {MAX_CHUNKS:,}")
-    return pack_header(qp, qp_1d, qp_density, metadata_bytes(metadata, [(t.name, t.shape) for t in tensors]),
-                       tensors)
+    if not isinstance(metadata, bytes):
+        metadata = metadata_bytes(metadata, [(t.name, t.shape) for t in tensors])
+    return pack_header(qp, qp_1d, qp_density, metadata, tensors)
 
 
 def pack_header(qp: int, qp_1d: int, qp_density: int, meta: Any, tensors: list[TensorEntry]) -> bytes:
@@ -300,12 +310,10 @@ def pack_header(qp: int, qp_1d: int, qp_density: int, meta: Any, tensors: list[T
     body = [_SETTINGS.pack(len(tensors), qp, qp_1d, qp_density, 0), struct.pack("<I", len(meta)), meta]
     for t in tensors:
         name = t.name.encode("utf-8")
-        body += [struct.pack("<H", len(name)), name, _ENTRY_FIXED.pack(t.dtype, t.mode, t.coder, t.flags, len(t.shape))]
-        body.append(struct.pack(f"<{len(t.shape)}Q", *t.shape))
-        body.append(_ENTRY_QUANT.pack(t.qp, t.qp_density, t.coder_param, t.alias_of, t.chunk_elements,
-                                      len(t.chunk_sizes)))
-        body.append(struct.pack(f"<{len(t.chunk_sizes)}I", *t.chunk_sizes))
-        body.append(_ENTRY_TAIL.pack(t.offset, t.size, t.crc32))
+        body.append(_entry_struct(len(name), len(t.shape), len(t.chunk_sizes)).pack(
+            len(name), name, t.dtype, t.mode, t.coder, t.flags, len(t.shape), *t.shape,
+            t.qp, t.qp_density, t.coder_param, t.alias_of, t.chunk_elements, len(t.chunk_sizes), *t.chunk_sizes,
+            t.offset, t.size, t.crc32))
     raw = b"".join(body)
     # The body is deflated: names and the skeleton repeat themselves, and for small models the
     # header would otherwise be a large share of the stream. Level 6, not 9: a tenth of the time

@@ -222,7 +222,7 @@ def _write(out: BinaryIO | _Pieces, model: Mapping[str, Any] | Checkpoint | Tens
             e.offset = offset
             offset += e.size
         entries += plan.alias_entries(coder.entries)
-        header = write_header(settings.qp, settings.qp_1d_resolved, settings.qp_density, plan.metadata, entries)
+        header = write_header(settings.qp, settings.qp_1d_resolved, settings.qp_density, plan.metadata_json, entries)
         out.write(header)
         for name in plan.names:
             payloads.copy_to(out, name)

@@ -56,7 +56,9 @@ class ModelPlan:
     planner: TensorPlanner  # plans a tensor with the model's resolved settings
     fixed: dict[str, TensorPlan]  # planned up front: the rules' vectors (BatchNorm weight and bias compensated)
     shifts: list[Shift]
-    metadata: dict  # the header's metadata: the checkpoint's kind and structure
+    # the header's metadata (the checkpoint's kind and structure) as the header stores it, checked
+    # against the format's limits together with the tensors' names and shapes
+    metadata_json: bytes
 
     @property
     def names(self) -> list[str]:
@@ -117,11 +119,11 @@ def plan_model(model: Mapping[str, Any] | Checkpoint | TensorSource, settings: E
     metadata = stream_metadata(source)
     # Before any work: what the stream cannot hold (too many tensors, names too long, shapes numpy
     # cannot hold, a structure too large) is refused now, not after coding every tensor.
-    metadata_bytes(metadata, [(n, source.spec(n).shape) for n in source.names]
-                   + [(alias, source.spec(target).shape) for alias, target in source.aliases.items()])
+    metadata_json = metadata_bytes(metadata, [(n, source.spec(n).shape) for n in source.names]
+                                   + [(alias, source.spec(target).shape) for alias, target in source.aliases.items()])
     if settings.keep_exact is True and not isinstance(settings.importance, Mapping):
         # nothing is quantized: no rule, importance or allocation has anything to decide
-        return ModelPlan(source, TensorPlanner(settings, {}, {}), {}, [], metadata)
+        return ModelPlan(source, TensorPlanner(settings, {}, {}), {}, [], metadata_json)
     given = rule_vectors(source)  # (read once: every rule below works on them)
     arrays = rule_arrays(source, given)
     # (the absorbers are found from the statistics as given, before any compensation)
@@ -130,7 +132,7 @@ def plan_model(model: Mapping[str, Any] | Checkpoint | TensorSource, settings: E
     planner = _planner(source, given, arrays, settings, bn.overrides(settings))
     fixed = {name: planner.plan(name, t) for name, t in given.items()}
     fixed, eps_modules = bn.compensate(fixed, planner)
-    return ModelPlan(source, planner, fixed, _shifts(given, fixed, absorbers, eps_modules), metadata)
+    return ModelPlan(source, planner, fixed, _shifts(given, fixed, absorbers, eps_modules), metadata_json)
 
 
 def stream_metadata(source: TensorSource) -> dict:
