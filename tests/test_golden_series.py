@@ -6,16 +6,19 @@ second moments as ratios), ``v2.dcs`` by the version-2 writer (first moments in 
 second moments as log2 ratios, weights predicted from Adam's direction), ``v3.dcs`` and
 ``v3_adam.dcs`` by the version-3 writer (the weights' predicted residuals in their second moment's
 scale), ``v4*.dcs`` by the version-4 writer (SGD's momentum buffers in the update domain as well);
-none is regenerated. ``v5.dcs`` is today's format (moments named by the state dict's structure)
-with every weight at the series' qp, as the writer codes a series whose qp is given;
-``v5_adam.dcs`` the same checkpoints at the writer's defaults (a weight with Adam state at Adam's
-step size where that is coarser); ``v5_named.dcs`` the same with the state keyed by parameter
-name, as torch.distributed.checkpoint keys it; ``v5_sgd.dcs`` checkpoints of SGD with momentum at
-the defaults; ``v5_lossless.dcs`` the Adam checkpoints bit for bit (``v4_lossless.dcs``, ``v3_lossless.dcs``,
-``v2_lossless.dcs``, ``v2_lossless_rans.dcs`` and ``v2_lossless_v8.dcs`` too, from earlier
-writers, the ``v2`` ones from before the float symbols went by tANS and before float32's trailing
-zeros went into the symbol: never regenerated). Each ``.npz`` holds every entry's extracted
-tensors as ``"<entry>/<name>"``. Regenerate the ``v5`` files only for an intended change of the
+``v5*.dcs`` by the version-5 writer (moments named by the state dict's structure); none is
+regenerated. ``v6.dcs`` is today's format (a directory entry's carried files coded against its
+parent's) with every weight at the series' qp, as the writer codes a series whose qp is given;
+``v6_adam.dcs`` the same checkpoints at the writer's defaults (a weight with Adam state at Adam's
+step size where that is coarser); ``v6_named.dcs`` the same with the state keyed by parameter
+name, as torch.distributed.checkpoint keys it; ``v6_sgd.dcs`` checkpoints of SGD with momentum at
+the defaults; ``v6_lossless.dcs`` the Adam checkpoints bit for bit (``v5_lossless.dcs``,
+``v4_lossless.dcs``, ``v3_lossless.dcs``, ``v2_lossless.dcs``, ``v2_lossless_rans.dcs`` and
+``v2_lossless_v8.dcs`` too, from earlier writers, the ``v2`` ones from before the float symbols
+went by tANS and before float32's trailing zeros went into the symbol: never regenerated);
+``v6_directory.dcs`` three checkpoint directories (a key and two residuals) whose tokenizer and
+trainer state the residuals take from their parents. Each ``.npz`` holds every entry's extracted
+tensors as ``"<entry>/<name>"``. Regenerate the ``v6`` files only for an intended change of the
 format or of the writer's choices:
 
     DEEPCABAC_REGEN_GOLDEN=1 .venv/bin/python -m pytest -n 0 tests/test_golden_series.py
@@ -23,7 +26,9 @@ format or of the writer's choices:
 
 from __future__ import annotations
 
+import json
 import os
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +37,8 @@ import torch
 from helpers import coded_steps, golden_floats
 
 import deepcabac_py as dc
+from deepcabac_py.io.checkpoint import flatten
+from deepcabac_py.io.files import save_checkpoint
 from deepcabac_py.quant.steps import step_from_qp
 from deepcabac_py.series.checkpoint_series import DEFAULT_SERIES_QP, UPDATE_QP
 
@@ -39,8 +46,9 @@ GOLDEN = Path(__file__).resolve().parent / "golden" / "series"
 REGEN = os.environ.get("DEEPCABAC_REGEN_GOLDEN") == "1"
 SETTINGS = {"key_every": 2}  # a key, a residual, a key
 # today's writer's golden files and how it writes them
-TODAYS: dict[str, dict] = {"v5": {"qp": DEFAULT_SERIES_QP}, "v5_adam": {}, "v5_named": {"named": True},
-                           "v5_sgd": {"sgd": True}, "v5_lossless": {"keep_exact": True}}
+TODAYS: dict[str, dict] = {"v6": {"qp": DEFAULT_SERIES_QP}, "v6_adam": {}, "v6_named": {"named": True},
+                           "v6_sgd": {"sgd": True}, "v6_lossless": {"keep_exact": True},
+                           "v6_directory": {"directory": True, "key_every": 3}}
 
 
 def series_checkpoints(sgd: bool = False, named: bool = False) -> list[dict]:
@@ -68,6 +76,25 @@ def series_checkpoints(sgd: bool = False, named: bool = False) -> list[dict]:
     return out
 
 
+def series_directories(root: Path) -> list[Path]:
+    """Three checkpoint-N/ directories as a Trainer writes them, small: weights drifting, the same
+    tokenizer in each, a trainer state that grows by a log line, a config too short to share."""
+    vocab = {f"piece{i:04d}": i for i in range(300)}
+    out = []
+    for i in range(3):
+        d = root / f"checkpoint-{40 * (i + 1)}"
+        d.mkdir(parents=True)
+        w = golden_floats(40, (12, 10), -3) + golden_floats(41 + i, (12, 10), -9)
+        save_checkpoint(flatten({"w": torch.from_numpy(w).float()}), d / "model.safetensors", kind="safetensors")
+        (d / "tokenizer.json").write_text(json.dumps({"model": {"type": "WordPiece", "vocab": vocab}}, indent=2))
+        log = [{"loss": 2.0 - k / 8, "step": 40 * (k + 1)} for k in range(i + 1)]
+        (d / "trainer_state.json").write_text(json.dumps({"global_step": 40 * (i + 1), "log_history": log,
+                                                          "max_steps": 120, "save_steps": 40}, indent=2))
+        (d / "config.json").write_text(json.dumps({"layers": 1 + i}))
+        out.append(d)
+    return out
+
+
 def extracted(path: Path) -> dict[str, np.ndarray]:
     series = dc.CheckpointSeries(path)
     arrays = {}
@@ -77,9 +104,14 @@ def extracted(path: Path) -> dict[str, np.ndarray]:
     return arrays
 
 
-def write(path: Path, sgd: bool = False, named: bool = False, **settings) -> None:
+def write(path: Path, sgd: bool = False, named: bool = False, directory: bool = False, **settings) -> None:
     path.unlink(missing_ok=True)
-    series = dc.CheckpointSeries(path, **SETTINGS, **settings)
+    series = dc.CheckpointSeries(path, **{**SETTINGS, **settings})
+    if directory:
+        with tempfile.TemporaryDirectory() as tmp:
+            for d in series_directories(Path(tmp)):
+                series.append(d)
+        return
     for c in series_checkpoints(sgd, named):
         series.append(c)
 
@@ -90,21 +122,22 @@ def golden_files():
         GOLDEN.mkdir(parents=True, exist_ok=True)
         for name, settings in TODAYS.items():
             write(GOLDEN / f"{name}.dcs", **settings)
-            if name != "v5_lossless":
+            if name != "v6_lossless":
                 np.savez_compressed(GOLDEN / f"{name}.npz", **extracted(GOLDEN / f"{name}.dcs"))
     names = ("v1.dcs", "v1.npz", "v2.dcs", "v2.npz", "v3.dcs", "v3.npz", "v3_adam.dcs", "v3_adam.npz",
              "v4.dcs", "v4.npz", "v4_adam.dcs", "v4_adam.npz", "v4_sgd.dcs", "v4_sgd.npz",
              "v5.dcs", "v5.npz", "v5_adam.dcs", "v5_adam.npz", "v5_named.dcs", "v5_named.npz", "v5_sgd.dcs",
-             "v5_sgd.npz",
+             "v5_sgd.npz", "v6.dcs", "v6.npz", "v6_adam.dcs", "v6_adam.npz", "v6_named.dcs", "v6_named.npz",
+             "v6_sgd.dcs", "v6_sgd.npz", "v6_directory.dcs", "v6_directory.npz",
              "v2_lossless.dcs", "v2_lossless_rans.dcs", "v2_lossless_v8.dcs", "v3_lossless.dcs", "v4_lossless.dcs",
-             "v5_lossless.dcs")
+             "v5_lossless.dcs", "v6_lossless.dcs")
     missing = [n for n in names if not (GOLDEN / n).exists()]
     if missing:
         pytest.fail(f"golden series files missing: {missing}")
 
 
 @pytest.mark.parametrize("name", ["v1", "v2", "v3", "v3_adam", "v4", "v4_adam", "v4_sgd", "v5", "v5_adam", "v5_named",
-                                  "v5_sgd"])
+                                  "v5_sgd", "v6", "v6_adam", "v6_named", "v6_sgd", "v6_directory"])
 def test_a_golden_series_extracts_to_its_values(name):
     path = GOLDEN / f"{name}.dcs"
     assert int.from_bytes(path.read_bytes()[8:10], "little") == int(name[1])
@@ -122,20 +155,21 @@ def test_todays_writer_reproduces_the_golden_series(tmp_path, name):
     assert (tmp_path / "again.dcs").read_bytes() == (GOLDEN / f"{name}.dcs").read_bytes()
 
 
-@pytest.mark.parametrize("name", ["v3", "v3_adam", "v4", "v4_adam", "v4_sgd", "v5", "v5_adam", "v5_named", "v5_sgd"])
+@pytest.mark.parametrize("name", ["v3", "v3_adam", "v4", "v4_adam", "v4_sgd", "v5", "v5_adam", "v5_named", "v5_sgd",
+                                  "v6", "v6_adam", "v6_named", "v6_sgd"])
 def test_the_golden_series_stays_close_to_its_checkpoints(name):
     # (the values are what the writer meant: the weights within the trellis's bound of twice the
     # step their stream names; the golden second moments vary less than twofold, so their scale
     # keeps the residuals within it)
     series = dc.CheckpointSeries(GOLDEN / f"{name}.dcs")
     steps = [coded_steps(GOLDEN / f"{name}.dcs", i) for i in range(len(series))]
-    if name in ("v3", "v4", "v5"):  # (a qp given: every weight at it)
+    if name in ("v3", "v4", "v5", "v6"):  # (a qp given: every weight at it)
         assert all(steps[i][f"model.{k}"] == step_from_qp(DEFAULT_SERIES_QP) for i in range(3) for k in ("0.weight",))
     else:  # (these golden moments make the optimizer's steps far coarser than the series' qp)
         assert all(steps[i][f"model.{k}"] > step_from_qp(DEFAULT_SERIES_QP) for i in range(3)
                    for k in ("0.weight", "0.bias"))
-    named = name == "v5_named"
-    for i, original in enumerate(series_checkpoints(sgd=name in ("v4_sgd", "v5_sgd"), named=named)):
+    named = name in ("v5_named", "v6_named")
+    for i, original in enumerate(series_checkpoints(sgd=name in ("v4_sgd", "v5_sgd", "v6_sgd"), named=named)):
         got = series[i]
         for name, t in original["model"].items():
             assert (got["model"][name].double() - t.double()).abs().max() <= 2 * steps[i][f"model.{name}"]
@@ -160,7 +194,7 @@ def test_moments_keyed_by_parameter_name_are_coded_in_the_update_domain():
 
 
 @pytest.mark.parametrize("name", ["v2_lossless_rans.dcs", "v2_lossless_v8.dcs", "v2_lossless.dcs",
-                                  "v3_lossless.dcs", "v4_lossless.dcs", "v5_lossless.dcs"])
+                                  "v3_lossless.dcs", "v4_lossless.dcs", "v5_lossless.dcs", "v6_lossless.dcs"])
 def test_a_golden_lossless_series_is_its_checkpoints_bit_for_bit(name):
     series = dc.CheckpointSeries(GOLDEN / name)
     for i, original in enumerate(series_checkpoints()):
@@ -171,3 +205,16 @@ def test_a_golden_lossless_series_is_its_checkpoints_bit_for_bit(name):
             for key, t in state.items():
                 assert got["optimizer"]["state"][k][key].numpy().tobytes() == t.numpy().tobytes()
 
+
+
+def test_a_golden_directory_series_restores_its_files_and_takes_the_carried_ones_from_parents(tmp_path):
+    from deepcabac_py.series.records import SeriesFile
+
+    series = dc.CheckpointSeries(GOLDEN / "v6_directory.dcs")
+    for i, original in enumerate(series_directories(tmp_path / "in")):
+        series.extract(i, tmp_path / f"out{i}")
+        for name in ("tokenizer.json", "trainer_state.json", "config.json"):
+            assert (tmp_path / f"out{i}" / name).read_bytes() == (original / name).read_bytes(), (i, name)
+    with SeriesFile(GOLDEN / "v6_directory.dcs") as f:
+        carried = [sorted(r.meta.get("carried", {})) for r in f.records]
+    assert carried == [[], ["tokenizer.json", "trainer_state.json"], ["tokenizer.json", "trainer_state.json"]]

@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -57,6 +57,7 @@ from ..model.settings import DEFAULT_MOMENTS_QP, EncodeSettings, is_glob, lookup
 from ..quant import portable
 from ..quant.steps import qp_at_most
 from . import _series_kernels as _k
+from . import carried_files
 from .records import SeriesFile
 
 __all__ = ["CheckpointSeries", "SeriesEntry", "DEFAULT_KEY_EVERY", "DEFAULT_SERIES_QP"]
@@ -171,7 +172,7 @@ class CheckpointSeries:
                 coded, keyed, xored, meta["bit_predicted"] = _bit_residual_checkpoint(ckpt, parent, pairing.pairs)
                 meta["bit_residuals"], meta["xor_residuals"] = keyed, xored
                 residuals = []
-                result = _coded(coded, self.settings, work.tensors)
+                result = _coded(_carried_against(coded, parent, meta), self.settings, work.tensors)
             else:
                 coded, residuals, log_ratios = _residual_checkpoint(ckpt, parent)
                 meta["log_ratios"] = log_ratios
@@ -193,7 +194,7 @@ class CheckpointSeries:
                 coded, meta["predicted"], meta["v_scaled"] = _predicted_residuals(
                     coded, residuals, settings, overrides, meta["update_domain"], seconds, parent, pairing.pairs, work)
                 settings["qp_overrides"] = {**overrides, **(self.settings.get("qp_overrides") or {})}
-                result = _coded(coded, settings, work.tensors)
+                result = _coded(_carried_against(coded, parent, meta), settings, work.tensors)
             meta["residuals"] = residuals
             f.append(meta, result.data)
             # (the entry as a reader will decode it, from the levels as they were coded)
@@ -285,6 +286,9 @@ def _reconstruct(path: str, index: int, decoded: Checkpoint, meta: dict, parent:
                                                           restored))
     if parent is None:
         raise CorruptStreamError(f"{path}: entry {index} is a residual without its parent")
+    if "carried" in meta:
+        decoded = replace(decoded, skeleton=carried_files.restored(where, decoded.skeleton, meta["carried"],
+                                                                   parent.skeleton))
     residuals, ratios = _names(meta.get("residuals")), _names(meta.get("ratios", []))
     keyed, xored = _names(meta.get("bit_residuals", [])), _names(meta.get("xor_residuals", []))
     log_ratios = _names(meta.get("log_ratios", []))
@@ -333,6 +337,18 @@ def _reconstruct(path: str, index: int, decoded: Checkpoint, meta: dict, parent:
             scale = (v, dv, mean)
         tensors[name] = _applied(where, name, tensors[name], parent.tensors.get(name), RESIDUAL, guess, scale)
     return _with_tensors(decoded, tensors)
+
+
+def _carried_against(coded: Checkpoint, parent: Checkpoint, meta: dict[str, Any]) -> Checkpoint:
+    """A directory entry with the files it carries as bytes cut to what differs from its parent's
+    (named in the meta's ``carried``)."""
+    if coded.kind != DIRECTORY_KIND or parent.kind != DIRECTORY_KIND:
+        return coded
+    skeleton, refs = carried_files.referenced(coded.skeleton, parent.skeleton)
+    if not refs:
+        return coded
+    meta["carried"] = refs
+    return replace(coded, skeleton=skeleton)
 
 
 def _direction_inputs(tensors: dict[str, Any], moment: str) -> _Moments:

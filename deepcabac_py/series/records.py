@@ -26,11 +26,12 @@ from ..io.inputs import unreadable
 __all__ = ["SERIES_MAGIC", "SERIES_VERSION", "Record", "SeriesFile"]
 
 SERIES_MAGIC = b"\x89DCS\r\n\x1a\n"
-SERIES_VERSION = 5  # 2: first moments in the update domain (``update_domain`` in a record's meta);
+SERIES_VERSION = 6  # 2: first moments in the update domain (``update_domain`` in a record's meta);
 # 3: weights' predicted residuals in their second moment's scale (``v_scaled``); 4: SGD's momentum
 # buffers in the update domain and predicting their weights' residuals; 5: moments named by the
-# state dict's structure too (torch.distributed.checkpoint keys state by parameter name)
-_READABLE = (1, 2, 3, 4, 5)
+# state dict's structure too (torch.distributed.checkpoint keys state by parameter name); 6: a
+# directory entry's carried files coded against its parent's (``carried``)
+_READABLE = (1, 2, 3, 4, 5, 6)
 _PREAMBLE = struct.Struct("<8sHH")  # magic, version, flags (0)
 _RECORD = struct.Struct("<4sIIQI")  # tag, index, meta length, payload length, crc32
 _TAG = b"DCSR"
