@@ -92,7 +92,6 @@ _MAX_JSON_INT = 2**53
 # (a library dtype name is the name of the torch dtype: "bfloat16" is torch.bfloat16; remembered per
 # dtype, as it is asked for every tensor)
 @functools.cache
-@functools.lru_cache(maxsize=64)
 def _name_of_torch_dtype(dtype: Any) -> str | None:
     name = str(dtype).removeprefix("torch.")
     return name if name in DTYPE_NAMES else None

@@ -242,6 +242,9 @@ _SETTINGS = struct.Struct("<IhhBB")  # tensor_count, qp, qp_1d, qp_density, rese
 _ENTRY_FIXED = struct.Struct("<BBBBB")  # dtype, mode, coder, flags, ndim
 _ENTRY_QUANT = struct.Struct("<hBBIQI")  # qp, qp_density, coder_param, alias_of, chunk_elements, chunk_count
 _ENTRY_TAIL = struct.Struct("<QQI")  # offset, size, crc32
+_NAME_LENGTH = struct.Struct("<H")
+# an entry's shape of each dimension count, and its coding parameters after it
+_SHAPE_AND_CODING = [struct.Struct(f"<{ndim}Q" + _ENTRY_QUANT.format[1:]) for ndim in range(MAX_NDIM + 1)]
 
 
 @functools.lru_cache(maxsize=1024)
@@ -250,9 +253,8 @@ def _entry_struct(name_bytes: int, ndim: int, chunks: int) -> struct.Struct:
     shape and the chunk sizes; one pack per entry (a model has hundreds)."""
     return struct.Struct(f"<H{name_bytes}s" + _ENTRY_FIXED.format[1:] + f"{ndim}Q" + _ENTRY_QUANT.format[1:]
                          + f"{chunks}I" + _ENTRY_TAIL.format[1:])
-_NAME_LENGTH = struct.Struct("<H")
-# an entry's shape of each dimension count, and its coding parameters after it
-_SHAPE_AND_CODING = [struct.Struct(f"<{ndim}Q" + _ENTRY_QUANT.format[1:]) for ndim in range(MAX_NDIM + 1)]
+
+
 # (by value: a dict lookup, where calling the enum costs a microsecond per field and entry)
 _DTYPES: dict[int, DType] = {m.value: m for m in DType}
 _MODES: dict[int, Mode] = {m.value: m for m in Mode}

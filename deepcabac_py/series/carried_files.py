@@ -69,8 +69,8 @@ def restored(where: str, skeleton: Any, refs: Any, parent: Any) -> Any:
 
 
 def _carried(skeleton: Any) -> dict[str, dict]:
-    """Path -> the ``{"$bytes": ...}`` node of every file of a directory skeleton whose content
-    is its bytes alone (no file of another skeleton)."""
+    """Path -> the ``{"$bytes": ...}`` node of every file of a directory skeleton kept as its
+    bytes (not a safetensors, torch or npz file read as tensors)."""
     files = _item(_root(skeleton), "files")
     listed = files.get("$dict") if isinstance(files, dict) else None
     out = {}
@@ -105,12 +105,16 @@ def _bytes_of(node: dict) -> bytes:
 def _with_carried(skeleton: Any, data: dict[str, bytes]) -> Any:
     """A copy of ``skeleton`` whose carried files ``data`` names hold those bytes; only the
     containers on their way are copied."""
+    def content(path: str, node: Any) -> Any:
+        if path not in data:
+            return node
+        return {"$dict": [["bytes", {"$bytes": base64.b64encode(data[path]).decode("ascii")}]]}
+
     root = skeleton["root"]
     items = []
     for key, value in root["$dict"]:
         if key == "files":
-            value = {"$dict": [[path, {"$dict": [["bytes", {"$bytes": base64.b64encode(data[path]).decode("ascii")}]]}]
-                               if path in data else [path, content] for path, content in value["$dict"]]}
+            value = {"$dict": [[path, content(path, node)] for path, node in value["$dict"]]}
         items.append([key, value])
     return {**skeleton, "root": {**root, "$dict": items}}
 
