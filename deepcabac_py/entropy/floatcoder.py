@@ -396,7 +396,7 @@ def revision_of(substreams: Sequence[Buffer], dtype_name: str) -> int:
 def _revision_of_modes(modes: frozenset[int], wide32: bool) -> int:
     # (a few combinations in all, asked for once per tensor: a model has hundreds of small ones)
     return ((TRAILING_REVISION if TRAILING_MODE in modes else 0)
-            | (TANS_REVISION if modes & {TANS_FLAG, TANS_FLAG | 1} else 0)
+            | (TANS_REVISION if not modes.isdisjoint(_TANS_BYTES) else 0)
             | (TZ_REVISION if TZ_BYTE in modes else 0)
             | ((WIDE32_REVISION if wide32 else WIDE_REVISION) if WIDE_BYTE in modes else 0)
             | (TZ_WIDE_REVISION if TZ_WIDE_BYTE in modes else 0))

@@ -313,7 +313,7 @@ class _Flattener:
         if t is complex:
             return {"$complex": [_float_node(obj.real), _float_node(obj.imag)]}
         if t is bytes:
-            return {"$bytes": base64.b64encode(obj).decode("ascii")}
+            return bytes_node(obj)
         if t is bytearray:
             return {"$bytearray": base64.b64encode(bytes(obj)).decode("ascii")}
         torch = loaded_torch()  # (None: no object can be a torch one)
@@ -434,6 +434,27 @@ def _decode_float(node: Any) -> float:
         if v in ("nan", "inf", "-inf"):
             return float(v)
     raise _bad_skeleton(f"expected a float, got {node!r:.80}")
+
+
+def bytes_node(data: bytes) -> dict:
+    """The skeleton node of a ``bytes`` value."""
+    return {"$bytes": base64.b64encode(data).decode("ascii")}
+
+
+def node_bytes(node: Any) -> bytes:
+    """The value of a skeleton's ``bytes`` node (:func:`bytes_node`); CheckpointError for any other."""
+    return _b64(node.get("$bytes") if isinstance(node, dict) else None)
+
+
+def skeleton_entries(node: Any) -> dict | None:
+    """The entries of a skeleton's dict node (keys that are plain numbers or strings), or None."""
+    if not isinstance(node, dict) or len(node) != 1:
+        return None
+    tag, pairs = next(iter(node.items()))
+    if tag not in ("$dict", "$odict") or not isinstance(pairs, list):
+        return None
+    return {p[0]: p[1] for p in pairs
+            if isinstance(p, list) and len(p) == 2 and type(p[0]) in (str, int)}
 
 
 def _b64(value: Any) -> bytes:

@@ -291,16 +291,14 @@ def metadata_bytes(metadata: dict, tensors: list[tuple[str, tuple[int, ...]]]) -
     return meta
 
 
-def write_header(qp: int, qp_1d: int, qp_density: int, metadata: dict | bytes, tensors: list[TensorEntry]) -> bytes:
-    """Serialize the header; ``tensors`` must carry final offsets, sizes and checksums. Refuses
-    (CheckpointError) what the format's limits do not hold. ``metadata``: the dict, or the bytes
-    :func:`metadata_bytes` gave for it and for these tensors' names and shapes."""
+def write_header(qp: int, qp_1d: int, qp_density: int, metadata_json: bytes, tensors: list[TensorEntry]) -> bytes:
+    """Serialize the header; ``tensors`` must carry final offsets, sizes and checksums, and
+    ``metadata_json`` is what :func:`metadata_bytes` gave for the metadata and these tensors' names
+    and shapes. Refuses (CheckpointError) what the format's limits do not hold."""
     chunks = sum(len(t.chunk_sizes) for t in tensors)
     if chunks > MAX_CHUNKS:
         raise CheckpointError(f"{chunks:,} substreams: a stream holds at most {MAX_CHUNKS:,}")
-    if not isinstance(metadata, bytes):
-        metadata = metadata_bytes(metadata, [(t.name, t.shape) for t in tensors])
-    return pack_header(qp, qp_1d, qp_density, metadata, tensors)
+    return pack_header(qp, qp_1d, qp_density, metadata_json, tensors)
 
 
 def pack_header(qp: int, qp_1d: int, qp_density: int, meta: Any, tensors: list[TensorEntry]) -> bytes:

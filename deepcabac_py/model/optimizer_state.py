@@ -32,6 +32,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from ..io.checkpoint import skeleton_entries
+
 __all__ = ["AdamGroup", "EXACT", "FIRST_MOMENT", "MomentumGroup", "SECOND_MOMENT", "adam_groups", "first_moments",
            "momentum_groups", "role_of", "roles"]
 
@@ -162,19 +164,19 @@ def _parameter_states(skeleton: Any) -> Iterator[tuple[dict, dict]]:
             continue
         if not isinstance(node, dict) or "$tensor" in node:
             continue
-        entries = _entries(node)
+        entries = skeleton_entries(node)
         if entries is None:
             stack.extend(reversed(list(node.values())))
             continue
         stack.extend(reversed(list(entries.values())))
-        state, groups = _entries(entries.get("state")), entries.get("param_groups")
+        state, groups = skeleton_entries(entries.get("state")), entries.get("param_groups")
         if state is None or not isinstance(groups, list):
             continue
         for group in groups:
-            g = _entries(group) or {}
+            g = skeleton_entries(group) or {}
             params = g.get("params")
             for index in params if isinstance(params, list) else []:
-                yield g, (_entries(state.get(index)) if type(index) in (int, str) else None) or {}
+                yield g, (skeleton_entries(state.get(index)) if type(index) in (int, str) else None) or {}
 
 
 def _tensor_names(nodes: list) -> Iterator[str]:
@@ -194,17 +196,6 @@ def _tensor_names(nodes: list) -> Iterator[str]:
 def _tensor_name(node: Any) -> str | None:
     name = node.get("$tensor") if isinstance(node, dict) else None
     return name if isinstance(name, str) else None
-
-
-def _entries(node: Any) -> dict | None:
-    """The entries of a skeleton's dict node (keys that are plain numbers or strings), or None."""
-    if not isinstance(node, dict) or len(node) != 1:
-        return None
-    tag, pairs = next(iter(node.items()))
-    if tag not in ("$dict", "$odict") or not isinstance(pairs, list):
-        return None
-    return {p[0]: p[1] for p in pairs
-            if isinstance(p, list) and len(p) == 2 and type(p[0]) in (str, int)}
 
 
 def _adam_hyper(group: dict) -> tuple[float, float, float, float] | None:

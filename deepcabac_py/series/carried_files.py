@@ -1,7 +1,7 @@
 """Files a directory entry carries as bytes (configs, tokenizers, ``trainer_state.json``), coded
 against the parent entry's file of the same path (series format version 6).
 
-A Trainer writes the same tokenizer (up to 10 MB for today's LLMs) into every ``checkpoint-N/``, and
+A Trainer writes the same tokenizer (megabytes for today's LLMs) into every ``checkpoint-N/``, and
 a ``trainer_state.json`` that only grows by its newest log lines. A residual entry keeps of such a
 file only what differs from its parent's: the parent's first ``P`` and last ``S`` bytes are taken
 as they are and the entry's stream holds the bytes between them. The record's meta names each such
@@ -10,12 +10,12 @@ file with ``[P, S, CRC-32 of the whole file]`` (docs/format.md, "Carried files")
 
 from __future__ import annotations
 
-import base64
 from typing import Any
 
 import numpy as np
 
-from ..errors import CorruptStreamError
+from ..errors import CheckpointError, CorruptStreamError
+from ..io.checkpoint import bytes_node, node_bytes, skeleton_entries
 from ..io.checksum import crc32
 
 __all__ = ["referenced", "restored"]
@@ -35,8 +35,9 @@ def referenced(skeleton: Any, parent: Any) -> tuple[Any, dict[str, list[int]]]:
         if path not in theirs:
             continue
         data, before = _bytes_of(node), _bytes_of(theirs[path])
-        head = _common_prefix(data, before)
-        tail = _common_prefix(data[head:][::-1], before[head:][::-1])
+        x, y = np.frombuffer(data, np.uint8), np.frombuffer(before, np.uint8)
+        head = _common_prefix(x, y)
+        tail = _common_prefix(x[head:][::-1], y[head:][::-1])  # (views: no copy of either file)
         if head + tail >= MIN_SHARED:
             refs[path] = [head, tail, crc32(data)]
             cut[path] = data[head:len(data) - tail]
@@ -71,60 +72,44 @@ def restored(where: str, skeleton: Any, refs: Any, parent: Any) -> Any:
 def _carried(skeleton: Any) -> dict[str, dict]:
     """Path -> the ``{"$bytes": ...}`` node of every file of a directory skeleton kept as its
     bytes (not a safetensors, torch or npz file read as tensors)."""
-    files = _item(_root(skeleton), "files")
-    listed = files.get("$dict") if isinstance(files, dict) else None
+    root = skeleton.get("root") if isinstance(skeleton, dict) else None
+    files = skeleton_entries((skeleton_entries(root) or {}).get("files")) or {}
     out = {}
-    for pair in listed if isinstance(listed, list) else []:
-        if isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], str):
-            node = _item(pair[1], "bytes")
-            if isinstance(node, dict) and isinstance(node.get("$bytes"), str) and len(pair[1]["$dict"]) == 1:
-                out[pair[0]] = node
+    for path, content in files.items():
+        entries = skeleton_entries(content)
+        if isinstance(path, str) and entries is not None and list(entries) == ["bytes"] \
+                and isinstance(entries["bytes"], dict) and isinstance(entries["bytes"].get("$bytes"), str):
+            out[path] = entries["bytes"]
     return out
-
-
-def _root(skeleton: Any) -> Any:
-    return skeleton.get("root") if isinstance(skeleton, dict) else None
-
-
-def _item(node: Any, key: str) -> Any:
-    """The value of ``key`` in a skeleton's ``$dict`` node, None without one."""
-    items = node.get("$dict") if isinstance(node, dict) else None
-    for pair in items if isinstance(items, list) else []:
-        if isinstance(pair, list) and len(pair) == 2 and pair[0] == key:
-            return pair[1]
-    return None
 
 
 def _bytes_of(node: dict) -> bytes:
     try:
-        return base64.b64decode(node["$bytes"], validate=True)
-    except ValueError:
+        return node_bytes(node)
+    except CheckpointError:
         raise CorruptStreamError("a carried file's bytes are not base64") from None
 
 
 def _with_carried(skeleton: Any, data: dict[str, bytes]) -> Any:
-    """A copy of ``skeleton`` whose carried files ``data`` names hold those bytes; only the
-    containers on their way are copied."""
-    def content(path: str, node: Any) -> Any:
-        if path not in data:
-            return node
-        return {"$dict": [["bytes", {"$bytes": base64.b64encode(data[path]).decode("ascii")}]]}
-
+    """A copy of ``skeleton`` (one :func:`_carried` found files in) whose carried files ``data``
+    names hold those bytes; only the containers on their way are copied."""
     root = skeleton["root"]
-    items = []
-    for key, value in root["$dict"]:
-        if key == "files":
-            value = {"$dict": [[path, content(path, node)] for path, node in value["$dict"]]}
-        items.append([key, value])
-    return {**skeleton, "root": {**root, "$dict": items}}
+    files = _with_entries((skeleton_entries(root) or {})["files"],
+                          {path: {"$dict": [["bytes", bytes_node(b)]]} for path, b in data.items()})
+    return {**skeleton, "root": _with_entries(root, {"files": files})}
 
 
-def _common_prefix(a: bytes, b: bytes) -> int:
-    """The bytes ``a`` and ``b`` begin with alike."""
-    n = min(len(a), len(b))
-    if n == 0:
-        return 0
-    x, y = np.frombuffer(a, np.uint8, n), np.frombuffer(b, np.uint8, n)
+def _with_entries(node: dict, new: dict) -> dict:
+    """A copy of a skeleton's dict node with the values of the entries ``new`` names replaced."""
+    ((tag, pairs),) = node.items()
+    return {tag: [[p[0], new[p[0]]] if isinstance(p, list) and len(p) == 2 and type(p[0]) in (str, int)
+                  and p[0] in new else p for p in pairs]}
+
+
+def _common_prefix(x: np.ndarray, y: np.ndarray) -> int:
+    """The bytes the uint8 arrays ``x`` and ``y`` begin with alike."""
+    n = min(x.shape[0], y.shape[0])
+    x, y = x[:n], y[:n]
     step = 1 << 20  # (a mismatch is usually early: compare a megabyte at a time)
     for start in range(0, n, step):
         differ = np.flatnonzero(x[start:start + step] != y[start:start + step])
