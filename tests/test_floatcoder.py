@@ -1161,8 +1161,8 @@ def _quotients(x, f, precision, q, r):
 
 @pytest.mark.parametrize("precision", range(1, _w.WIDE_MAX_BITS + 1))
 def test_the_encoders_vector_quotient_is_exact_at_every_precision(precision):
-    """The step's x div f (AVX2: in single precision from a precision of 10 on, corrected by one
-    step) against the integers', over the states the encoder divides: x below f << (32 -
+    """The step's x div f (in single precision from a precision of 10 on, corrected by one step)
+    against the integers', over the states the encoder divides: x below f << (32 -
     precision), the largest of them, exact multiples and their neighbours, f of 1 and 2**precision."""
     rng = np.random.default_rng(precision)
     n = 1 << 16
