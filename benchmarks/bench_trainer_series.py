@@ -62,14 +62,12 @@ def _model():
     return transformers.GPT2LMHeadModel(cfg)
 
 
-TOKENIZER = None  # (--tokenizer: saved by the Trainer into every checkpoint)
-
-
-def _trainer(out: Path, train: Chunks, max_steps: int, every: int):
+def _trainer(out: Path, train: Chunks, max_steps: int, every: int, tokenizer=None):
+    """``tokenizer`` (--tokenizer): saved by the Trainer into every checkpoint."""
     args = transformers.TrainingArguments(output_dir=str(out), per_device_train_batch_size=16, max_steps=max_steps,
                                           save_steps=every, save_strategy="steps", report_to=[], use_cpu=True,
                                           learning_rate=1e-3, disable_tqdm=True, logging_strategy="no", seed=0)
-    return transformers.Trainer(model=_model(), args=args, train_dataset=train, processing_class=TOKENIZER)
+    return transformers.Trainer(model=_model(), args=args, train_dataset=train, processing_class=tokenizer)
 
 
 def _files(d: Path) -> list[Path]:
@@ -83,9 +81,9 @@ def _held_out_loss(path: Path, held: Chunks) -> float:
         return float(model(input_ids=batch, labels=batch).loss)
 
 
-def _next_step(start: Path, out: Path, train: Chunks, step: int, every: int) -> torch.Tensor:
+def _next_step(start: Path, out: Path, train: Chunks, step: int, every: int, tokenizer=None) -> torch.Tensor:
     from safetensors.torch import load_file
-    trainer = _trainer(out, train, step + 1, every)
+    trainer = _trainer(out, train, step + 1, every, tokenizer)
     trainer.train(resume_from_checkpoint=str(start))
     begin = load_file(start / "model.safetensors")
     # (GPT-2's lm_head is tied to wte: the file holds it once)
@@ -98,16 +96,14 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=25)
     ap.add_argument("--tokenizer", help="a tokenizer directory the Trainer saves into every checkpoint")
     args = ap.parse_args()
-    if args.tokenizer:
-        global TOKENIZER
-        TOKENIZER = transformers.AutoTokenizer.from_pretrained(args.tokenizer)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(args.tokenizer) if args.tokenizer else None
     data = _text()
     split = int(0.95 * data.numel())
     train, held = Chunks(data[:split]), Chunks(data[split:])
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         steps = args.checkpoints * args.every
-        _trainer(root / "run", train, steps, args.every).train()
+        _trainer(root / "run", train, steps, args.every, tokenizer).train()
         dirs = [root / "run" / f"checkpoint-{s}" for s in range(args.every, steps + 1, args.every)]
         raw = sum(p.stat().st_size for d in dirs for p in _files(d))
         params = sum(t.numel() for t in _model().parameters())
@@ -136,8 +132,8 @@ def main() -> None:
             worst_loss = max(worst_loss, abs(_held_out_loss(got, held) / _held_out_loss(d, held) - 1))
             step = (i + 1) * args.every
             if step < steps:
-                a = _next_step(d, root / f"resumed-a{i}", train, step, args.every)
-                b = _next_step(got, root / f"resumed-b{i}", train, step, args.every)
+                a = _next_step(d, root / f"resumed-a{i}", train, step, args.every, tokenizer)
+                b = _next_step(got, root / f"resumed-b{i}", train, step, args.every, tokenizer)
                 worst_cos = min(worst_cos, float(torch.nn.functional.cosine_similarity(a, b, dim=0)))
                 worst_norm = max(worst_norm, abs(float(b.norm() / a.norm()) - 1))
             back = root / f"lossless-{i}"

@@ -411,13 +411,14 @@ def flatten(obj: Any) -> Checkpoint:
             name = f"{base}~{i}"
         used.add(name)
         node["$tensor"] = name
-        key = _alias_key(t) if shared[place] > 1 else ("leaf", place)
-        target = first_by_key.get(key)
-        if target is not None:  # keys embed "torch"/"numpy", so a tie never mixes the two
-            aliases[name] = target
-        else:
+        if shared[place] > 1:
+            key = _alias_key(t)
+            target = first_by_key.get(key)
+            if target is not None:  # keys embed "torch"/"numpy", so a tie never mixes the two
+                aliases[name] = target
+                continue
             first_by_key[key] = name
-            tensors[name] = t
+        tensors[name] = t
     skeleton = {"format": SKELETON_FORMAT, "version": SKELETON_VERSION, "root": root}
     return Checkpoint(tensors=tensors, skeleton=skeleton, kind="mapping", metadata=None, aliases=aliases)
 
@@ -453,8 +454,19 @@ def skeleton_entries(node: Any) -> dict | None:
     tag, pairs = next(iter(node.items()))
     if tag not in ("$dict", "$odict") or not isinstance(pairs, list):
         return None
-    return {p[0]: p[1] for p in pairs
-            if isinstance(p, list) and len(p) == 2 and type(p[0]) in (str, int)}
+    return {p[0]: p[1] for p in pairs if _is_entry(p)}
+
+
+def with_entries(node: dict, new: dict) -> dict:
+    """A copy of a skeleton's dict node (one :func:`skeleton_entries` reads) with the values of the
+    entries ``new`` names replaced; the other pairs are kept as they are."""
+    ((tag, pairs),) = node.items()
+    return {tag: [[p[0], new[p[0]]] if _is_entry(p) and p[0] in new else p for p in pairs]}
+
+
+def _is_entry(pair: Any) -> bool:
+    """A pair of a dict node whose key is a plain number or string."""
+    return isinstance(pair, list) and len(pair) == 2 and type(pair[0]) in (str, int)
 
 
 def _b64(value: Any) -> bytes:

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import CheckpointError, CorruptStreamError
-from ..io.checkpoint import bytes_node, node_bytes, skeleton_entries
+from ..io.checkpoint import bytes_node, node_bytes, skeleton_entries, with_entries
 from ..io.checksum import crc32
 
 __all__ = ["referenced", "restored"]
@@ -94,16 +94,9 @@ def _with_carried(skeleton: Any, data: dict[str, bytes]) -> Any:
     """A copy of ``skeleton`` (one :func:`_carried` found files in) whose carried files ``data``
     names hold those bytes; only the containers on their way are copied."""
     root = skeleton["root"]
-    files = _with_entries((skeleton_entries(root) or {})["files"],
-                          {path: {"$dict": [["bytes", bytes_node(b)]]} for path, b in data.items()})
-    return {**skeleton, "root": _with_entries(root, {"files": files})}
-
-
-def _with_entries(node: dict, new: dict) -> dict:
-    """A copy of a skeleton's dict node with the values of the entries ``new`` names replaced."""
-    ((tag, pairs),) = node.items()
-    return {tag: [[p[0], new[p[0]]] if isinstance(p, list) and len(p) == 2 and type(p[0]) in (str, int)
-                  and p[0] in new else p for p in pairs]}
+    files = with_entries((skeleton_entries(root) or {})["files"],
+                         {path: {"$dict": [["bytes", bytes_node(b)]]} for path, b in data.items()})
+    return {**skeleton, "root": with_entries(root, {"files": files})}
 
 
 def _common_prefix(x: np.ndarray, y: np.ndarray) -> int:
