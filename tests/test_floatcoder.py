@@ -1027,6 +1027,40 @@ def test_damaged_mode_4_substreams_are_refused_or_decode_within_bounds(dtype_nam
             assert "substream" in str(exc)
 
 
+@pytest.mark.parametrize("dtype_name", WIDE_DTYPES)
+def test_mode_4_gives_the_same_substream_whatever_room_its_array_keeps(dtype_name):
+    """The rANS words go straight into the substream's own array, in a room sized by the thread's
+    last chunk (``hint``); where that is too short for this chunk, the chunk is coded again with
+    room for any. Rooms from none to plenty give the reference's bytes, and the hint left behind
+    is this chunk's rANS words per element."""
+    rng = np.random.default_rng(17)
+    n, seg = 4_099, 301  # (the last group short, groups across segment boundaries)
+    # (segments of scales octaves apart: classes of their own)
+    x = (rng.standard_normal(n) * np.repeat(2.0 ** -rng.integers(3, 12, -(-n // seg)), seg)[:n]).astype(np.float32)
+    words = {"bfloat16": lambda: ((x.view(np.uint32) >> 16) | 1).astype(np.uint16),
+             "float16": lambda: x.astype(np.float16).view(np.uint16) | 1,
+             "float32": lambda: x.view(np.uint32) | 1}[dtype_name]()
+    W, M = floatcoder.FORMATS[dtype_name]
+    expected = ref_encode_wide([int(w) for w in words], dtype_name, seg)
+    assert expected[1] > 0  # (klog)
+    # the rANS words' count: after the class nibbles, the tables and the 64 states
+    nibbles = (-(-n // seg) + 1) // 2
+    table_bytes = int.from_bytes(expected[3 + nibbles:7 + nibbles], "little")
+    at = 7 + nibbles + table_bytes + 4 * _w.WIDE_LANES
+    count = int.from_bytes(expected[at:at + 4], "little")
+    own = (count << 16) // n
+    zeros, classes16 = np.empty(0, np.uint8), np.empty(0, np.uint8)
+    if W == 32:
+        zeros, classes16 = floatcoder._segment_classes(words, W, M, seg)
+    work = np.empty(_float_kernels.tans_work_bytes(n, seg, W, M), dtype=np.uint8)
+    # (none yet: room for any; far too short; a little short; its own; plenty)
+    for hint in [0, 1, own * 3 // 4, own, 1 << 16]:
+        kept = np.array([hint], dtype=np.int64)
+        data = _w.encode_wide_substream(words, seg, W, M, zeros, classes16, floatcoder._COSTS, True, work, kept)
+        assert data.tobytes() == expected, hint
+        assert kept[0] == own
+
+
 def test_mode_4_is_taken_for_large_16_bit_chunks_that_drop_no_bit():
     rng = np.random.default_rng(15)
     a = _weights(rng, "float16", (512, 256)).reshape(-1)

@@ -1669,6 +1669,13 @@ def _used_histogram(symbols, seg_len, classes16, alphabet):
 
 
 @helper
+def raw_words_most(n, M):
+    """The raw words of ``n`` floats of ``M`` mantissa bits split with no low bit dropped (the most
+    any split keeps), and a word more for the split's last store."""
+    return ((n * (M - TOP_BITS + 1) + 31) >> 5) + 1
+
+
+@helper
 def _tans_work_parts(n, seg_len, W, M):
     """The bytes of each array :func:`encode_tans_substream` carves from its work memory, in order:
     symbols, raw words (for no low bit dropped: the most), histograms, partial histograms, coded
@@ -1677,7 +1684,7 @@ def _tans_work_parts(n, seg_len, W, M):
     nseg = (n + seg_len - 1) // seg_len
     alphabet = np.int64(1) << (W - 1 - M + TOP_BITS)
     classes = np.int64(1) << MAX_CLASSES_LOG2
-    raw_words = ((n * (M - TOP_BITS + 1) + 31) >> 5) + 1
+    raw_words = raw_words_most(n, M)
     # (low-bit mode 4: a u16 word per element at most, gathered at the front and turned around into the end)
     coded_words = max(n * TANS_MAX_BITS // 32 + 3, n + 16)
     tables = 8 + 4 * classes + 7 * classes * alphabet  # (as encode_tans_substream bounds them)
@@ -1791,12 +1798,13 @@ def _put_tans_fields(out, pos, klog, precision, classes, tables, table_bytes, fi
 
 
 @inline
-def split_and_choose(words, seg_len, W, M, zeros, classes16, costs, max_bits, work):
+def split_and_choose(words, seg_len, W, M, zeros, classes16, costs, max_bits, work, raw_into):
     """The front of a substream's encoding: the split into symbols and raw bits, the histograms and
     the tables' choice (``zeros``, ``classes16``: as :func:`encode_tans_substream` takes them).
     Returns (zeros, classes16, symbols, raw words, their count, klog, precision, the used symbols,
     the chosen tables, the coded words' bytes, the next free byte of ``work``), all carved from
-    ``work`` (:func:`tans_work_bytes` of it)."""
+    ``work`` (:func:`tans_work_bytes` of it) but the raw words, which go into ``raw_into`` (uint32,
+    room for :func:`raw_words_most` of them) unless it is empty."""
     n = words.shape[0]
     alphabet = np.int64(1) << (W - 1 - M + TOP_BITS)
     nclasses = np.int64(1) << MAX_CLASSES_LOG2
@@ -1812,7 +1820,8 @@ def split_and_choose(words, seg_len, W, M, zeros, classes16, costs, max_bits, wo
         nseg = zeros.shape[0]
         mean_exponent = np.empty(0, dtype=np.float64)
     b, at = _carve(work, at, parts[1])
-    raw = b.view(np.uint32)[:((raw_bit_count(n, seg_len, M, zeros) + 31) >> 5) + 1]
+    raw = raw_into if raw_into.shape[0] else b.view(np.uint32)
+    raw = raw[:((raw_bit_count(n, seg_len, M, zeros) + 31) >> 5) + 1]
     nraw = encode_kernel(words, seg_len, W, M, zeros, symbols, raw, mean_exponent)
     if mean_exponent.shape[0]:
         rank_classes(mean_exponent, classes16, seg_len, n)
@@ -1842,7 +1851,7 @@ def encode_tans_substream(words, seg_len, W, M, zeros, classes16, costs, work):
     to chunk: buffers of megabytes allocated for every chunk cost their first touch, page by page,
     every time. Returns the substream, a view into ``work``."""
     zeros, classes16, symbols, raw, nraw, klog, precision, used_syms, sent, b, at = split_and_choose(
-        words, seg_len, W, M, zeros, classes16, costs, TANS_MAX_BITS, work)
+        words, seg_len, W, M, zeros, classes16, costs, TANS_MAX_BITS, work, np.empty(0, dtype=np.uint32))
     return tans_substream(W, M, seg_len, zeros, classes16, symbols, raw, nraw, klog, precision, used_syms, sent, b, at,
                           work)
 

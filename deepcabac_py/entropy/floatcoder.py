@@ -203,6 +203,7 @@ class _Work(threading.local):
 
     def __init__(self):
         self.buffer = np.empty(0, dtype=np.uint8)
+        self.hint = np.zeros(1, dtype=np.int64)  # (see _w.encode_wide_substream)
 
     def take(self, nbytes: int) -> np.ndarray:
         if self.buffer.size < nbytes:
@@ -221,7 +222,7 @@ def _tans_substream(words: np.ndarray, seg_len: int, W: int, M: int, zeros: np.n
     then)."""
     work = _WORK.take(_k.tans_work_bytes(words.shape[0], seg_len, W, M))
     if W == 16 or wide:
-        data = _w.encode_wide_substream(words, seg_len, W, M, zeros, classes16, _COSTS, wide, work)
+        data = _w.encode_wide_substream(words, seg_len, W, M, zeros, classes16, _COSTS, wide, work, _WORK.hint)
         # (mode 4 comes in an array of its own, kept as it is; modes 0 and 1 in the work memory)
         return memoryview(data) if data[0] == WIDE_BYTE else data.tobytes()
     return _k.encode_tans_substream(words, seg_len, W, M, zeros, classes16, _COSTS, work).tobytes()
