@@ -1685,8 +1685,8 @@ def _tans_work_parts(n, seg_len, W, M):
     alphabet = np.int64(1) << (W - 1 - M + TOP_BITS)
     classes = np.int64(1) << MAX_CLASSES_LOG2
     raw_words = raw_words_most(n, M)
-    # (low-bit mode 4: a u16 word per element at most, gathered at the front and turned around into the end)
-    coded_words = max(n * TANS_MAX_BITS // 32 + 3, n + 16)
+    # (tANS words at the largest precision; mode 4 codes its words into its substream's own array)
+    coded_words = n * TANS_MAX_BITS // 32 + 3
     tables = 8 + 4 * classes + 7 * classes * alphabet  # (as encode_tans_substream bounds them)
     out = 1 + nseg + 2 + ((nseg + 1) >> 1) + 4 + tables + 4 * 64 + 4 + 4 * coded_words + 4 * raw_words  # (64 states)
     return 2 * n, 4 * raw_words, 8 * classes * alphabet, 16 * classes * alphabet, 4 * coded_words, out
@@ -2316,8 +2316,8 @@ def _tz_work_parts(n, seg_len):
     words, coded words (at the largest precision) and the substream (bounded by the largest tables)."""
     nseg = (n + seg_len - 1) // seg_len
     raw_words = ((n * (_TZ_L + 1) + 31) >> 5) + 3  # (tz_split stores eight bytes from the last one it fills)
-    # (tANS words at the largest precision, or mode 5's: a u16 word per element at most, and 64 states)
-    coded_words = max(n * TANS_MAX_BITS // 32 + 3, n + 16 + 64)
+    # (tANS words at the largest precision; mode 5 codes its words into its substream's own array)
+    coded_words = n * TANS_MAX_BITS // 32 + 3
     used = min(n, np.int64(1) << (8 + TOP_BITS + TZ_BITS))
     classes = np.int64(1) << MAX_CLASSES_LOG2
     tables = 8 + 4 * classes + 7 * classes * used

@@ -197,7 +197,7 @@ def _joined(head: list[bytes], coder: np.ndarray, begin: int, raw: np.ndarray, n
 
 class _Work(threading.local):
     """Each thread's work memory for :func:`_k.encode_tans_substream`, kept from chunk to chunk and
-    grown when a chunk needs more (at most about 25 MB, float64 chunks of 2**20 elements). Buffers
+    grown when a chunk needs more (at most about 23 MB, float64 chunks of 2**20 elements). Buffers
     of megabytes allocated afresh for every chunk cost their first touch, page by page, every time:
     a scratch measurement put that at 15-25% of MiniLM bf16's encoding time."""
 
