@@ -1669,6 +1669,13 @@ def _used_histogram(symbols, seg_len, classes16, alphabet):
 
 
 @helper
+def table_bytes_most(classes, used):
+    """The most bytes :func:`classes_and_tables` writes for ``classes`` tables over ``used`` (class,
+    symbol) pairs: gamma codes, a count per class, then a gap and a frequency per pair."""
+    return 8 + 4 * classes + 7 * used
+
+
+@helper
 def raw_words_most(n, M):
     """The raw words of ``n`` floats of ``M`` mantissa bits split with no low bit dropped (the most
     any split keeps), and a word more for the split's last store."""
@@ -1687,7 +1694,7 @@ def _tans_work_parts(n, seg_len, W, M):
     raw_words = raw_words_most(n, M)
     # (tANS words at the largest precision; mode 4 codes its words into its substream's own array)
     coded_words = n * TANS_MAX_BITS // 32 + 3
-    tables = 8 + 4 * classes + 7 * classes * alphabet  # (as encode_tans_substream bounds them)
+    tables = table_bytes_most(classes, classes * alphabet)
     out = 1 + nseg + 2 + ((nseg + 1) >> 1) + 4 + tables + 4 * 64 + 4 + 4 * coded_words + 4 * raw_words  # (64 states)
     return 2 * n, 4 * raw_words, 8 * classes * alphabet, 16 * classes * alphabet, 4 * coded_words, out
 
@@ -1726,7 +1733,7 @@ def classes_and_tables(classes16, klog, used_syms, sent):
     for c in range(K):
         for u in range(sent.shape[1]):
             used += sent[c, u] > 0
-    tables = np.zeros(8 + 4 * K + 7 * used, dtype=np.uint8)  # (gamma codes: a count, then a gap and a frequency)
+    tables = np.zeros(table_bytes_most(K, used), dtype=np.uint8)
     table_bytes = _write_used_tables(used_syms, sent, tables)
     return classes, tables, table_bytes
 
@@ -2320,7 +2327,7 @@ def _tz_work_parts(n, seg_len):
     coded_words = n * TANS_MAX_BITS // 32 + 3
     used = min(n, np.int64(1) << (8 + TOP_BITS + TZ_BITS))
     classes = np.int64(1) << MAX_CLASSES_LOG2
-    tables = 8 + 4 * classes + 7 * classes * used
+    tables = table_bytes_most(classes, classes * used)
     return 2 * n, 4 * raw_words, 4 * coded_words, 1 + _tans_fields_size(1, nseg, tables, coded_words, raw_words)
 
 

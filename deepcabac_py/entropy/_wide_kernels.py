@@ -51,6 +51,7 @@ from ._float_kernels import (
     put_u32,
     raw_words_most,
     split_and_choose,
+    table_bytes_most,
     tans_substream,
     tz_front,
     tz_layout,
@@ -780,9 +781,10 @@ def encode_wide_substream(words, seg_len, W, M, zeros, classes16, costs, wide, w
     4's in an array of its own, modes 0 and 1's a view into ``work``."""
     alphabet = np.int64(1) << (W - 1 - M + TOP_BITS)
     n = words.shape[0]
+    # (none for modes 0 and 1, typed as mode 4's)
     dest, coded, raw_into, coded_end = np.empty(0, np.uint8), np.empty(0, np.uint16), np.empty(0, np.uint32), 0
     if wide:
-        room = n + 2 * GROUP
+        room = _room_for_any(n)
         if hint[0] > 0:  # (the last chunk's rANS words per element, and an eighth more)
             room = min(room, ((n * hint[0]) >> 16) * 9 // 8 + 4 * GROUP)
         dest, coded, raw_into, coded_end = _wide_dest(n, (n + seg_len - 1) // seg_len, alphabet,
@@ -806,10 +808,24 @@ def encode_tz_wide_substream(words, seg_len, classes16, costs, work):
     :func:`._float_kernels.encode_tz_substream`'s; the substream in an array of its own."""
     symbols, raw, nraw, klog, precision, used_syms, sent, rest = tz_front(words, seg_len, classes16, costs, work)
     n = words.shape[0]
-    dest, coded, raw_into, coded_end = _wide_dest(n, classes16.shape[0], TZ_ALPHABET, nraw, n + 2 * GROUP)
+    dest, coded, raw_into, coded_end = _wide_dest(n, classes16.shape[0], TZ_ALPHABET, nraw, _room_for_any(n))
     copy_bytes(raw_into, 0, raw, 0, 4 * nraw)
     return _wide_substream(TZ_WIDE_BYTE, symbols, seg_len, classes16, klog, precision, used_syms, sent, TZ_ALPHABET,
                            dest, coded, coded_end, raw_into, nraw, np.zeros(1, dtype=np.int64))
+
+
+@helper
+def _room_for_any(n):
+    """The u16 words that hold the rANS words of any ``n`` symbols: a symbol pushes one word at
+    most, and a group's store reaches GROUP words below its last."""
+    return n + 2 * GROUP
+
+
+@helper
+def _fields_size(klog, nseg, table_bytes):
+    """The bytes of a mode 4 or 5 substream before its rANS words: the mode byte, class count and
+    precision, class nibbles, table size, tables, the 64 states and the words' count."""
+    return 1 + 2 + (((nseg + 1) >> 1) if klog else 0) + 4 + table_bytes + 4 * WIDE_LANES + 4
 
 
 @inline
@@ -818,14 +834,12 @@ def _wide_dest(n, nseg, alphabet, raw_words, room):
     words for their rANS words and at most ``raw_words`` raw words, and its parts: (the array; the
     rANS words' part, filled from its end down; the byte where it ends; the raw words from there
     on). The rANS words and the raw words go straight into the place they keep in the substream,
-    and the fields before them after them: coded in work memory and copied out, into memory the
-    previous encoding had left cold, MiniLM's fp16 encoding at one thread took 50.3 ms instead of
-    46.4 (scratch, medians of four runs)."""
+    and the fields before them after them: coded in work memory and copied out (into memory the
+    previous encoding had freed), MiniLM's fp16 encoding at one thread took 50.3 ms instead of 46.4
+    (scratch, medians of four runs)."""
     K = np.int64(1) << MAX_CLASSES_LOG2
-    head = 1 + 2 + ((nseg + 1) >> 1) + 4 + (8 + 4 * K + 7 * K * alphabet) + 4 * WIDE_LANES + 4
-    head = (head + 7) & ~7
-    words = (room + 3) & ~3
-    end = head + 2 * words
+    head = (_fields_size(1, nseg, table_bytes_most(K, K * alphabet)) + 7) & ~7
+    end = head + 2 * ((room + 3) & ~3)
     dest = np.empty(end + 4 * raw_words, dtype=np.uint8)
     return dest, dest[head:end].view(np.uint16), dest[end:].view(np.uint32), end
 
@@ -844,12 +858,11 @@ def _wide_substream(mode_byte, symbols, seg_len, classes16, klog, precision, use
     classes, tables, table_bytes = classes_and_tables(classes16, klog, used_syms, sent)
     begin, xs = _wide_encode(symbols, seg_len, classes, precision, used_syms, sent, alphabet, coded)
     if begin < 0:
-        dest, coded, raw_into, coded_end = _wide_dest(n, nseg, alphabet, nraw, n + 2 * GROUP)
+        dest, coded, raw_into, coded_end = _wide_dest(n, nseg, alphabet, nraw, _room_for_any(n))
         copy_bytes(raw_into, 0, raw, 0, 4 * nraw)
         begin, xs = _wide_encode(symbols, seg_len, classes, precision, used_syms, sent, alphabet, coded)
     hint[0] = ((coded.shape[0] - begin) << 16) // max(n, 1)
-    fields = 1 + 2 + (((nseg + 1) >> 1) if klog else 0) + 4 + table_bytes + 4 * WIDE_LANES + 4
-    start = coded_end - 2 * (coded.shape[0] - begin) - fields
+    start = coded_end - 2 * (coded.shape[0] - begin) - _fields_size(klog, nseg, table_bytes)
     dest[start] = mode_byte
     pos = put_class_tables(dest, start + 1, klog, precision, classes, tables, table_bytes)
     for lane in range(WIDE_LANES):
