@@ -19,8 +19,8 @@ from deepcabac_py.errors import CorruptStreamError, FormatError, InputError, Out
 from deepcabac_py.model.decoder import read_stream_header
 from deepcabac_py.model.settings import DEFAULT_MOMENTS_QP
 from deepcabac_py.quant.steps import step_from_qp
+from deepcabac_py.series.changes import LOG_RATIO_QP_OFFSET, RESIDUAL_SCALE_FLOOR
 from deepcabac_py.series.checkpoint_series import DEFAULT_SERIES_QP as SERIES_QP
-from deepcabac_py.series.checkpoint_series import LOG_RATIO_QP_OFFSET, RESIDUAL_SCALE_FLOOR
 from deepcabac_py.series.records import SeriesFile
 
 
@@ -414,13 +414,13 @@ def test_a_lossless_residual_survives_sign_changes_nan_and_inf(tmp_path, dtype):
 
 
 def test_the_order_key_keeps_value_order_and_comes_back():
-    from deepcabac_py.series.checkpoint_series import _from_order_key, _order_key
+    from deepcabac_py.series.bit_residuals import from_order_key, order_key
     rng = np.random.default_rng(2)
     for words in (np.uint16, np.uint32, np.uint64):
         w = rng.integers(0, np.iinfo(words).max, size=5000, dtype=words, endpoint=True)
-        assert np.array_equal(_from_order_key(_order_key(w)), w)
+        assert np.array_equal(from_order_key(order_key(w)), w)
     x = np.sort((rng.standard_normal(3000) * 10.0 ** rng.integers(-30, 30, 3000)).astype(np.float32))
-    keys = _order_key(x.view(np.uint32))
+    keys = order_key(x.view(np.uint32))
     assert np.all(np.diff(keys.astype(np.int64)) >= 0)
 
 
@@ -438,7 +438,7 @@ def test_the_cli_adds_losslessly(run, tmp_path):
 
 def test_first_moments_are_coded_in_the_update_domain(run, tmp_path):
     from deepcabac_py.model.decoder import decode_checkpoint
-    from deepcabac_py.series.checkpoint_series import ADAM_EPS, UPDATE_QP, UPDATE_SUFFIX
+    from deepcabac_py.series.moments import ADAM_EPS, UPDATE_QP, UPDATE_SUFFIX
 
     series = dc.CheckpointSeries(tmp_path / "run.dcs", key_every=3)
     for c in run[:4]:
@@ -479,12 +479,12 @@ def test_malformed_update_domain_scales_are_refused(run, tmp_path):
 
 
 def test_a_version_1_series_still_reads_and_takes_appends(run, tmp_path, monkeypatch):
-    from deepcabac_py.series import checkpoint_series, records
+    from deepcabac_py.series import moments, records
 
     path = tmp_path / "old.dcs"
     with monkeypatch.context() as m:  # a series as version 1 wrote it: first moments in the log domain
         m.setattr(records, "SERIES_VERSION", 1)
-        m.setattr(checkpoint_series, "_update_partners", lambda tensors, skeleton: {})
+        m.setattr(moments, "update_partners", lambda tensors, skeleton: {})
         old = dc.CheckpointSeries(path)
         for c in run[:2]:
             old.append(c)
@@ -522,7 +522,7 @@ def test_settings_that_name_weights_reach_only_the_weights(run, tmp_path):
 
 def test_residuals_are_predicted_from_the_adam_direction(run, tmp_path):
     from deepcabac_py.model.decoder import decode_checkpoint
-    from deepcabac_py.series.checkpoint_series import ADAM_EPS
+    from deepcabac_py.series.moments import ADAM_EPS
 
     series = dc.CheckpointSeries(tmp_path / "run.dcs")
     for c in run[:3]:
@@ -614,7 +614,7 @@ def test_residuals_in_their_second_moments_scale_take_fewer_bytes(run, tmp_path,
 def test_the_step_size_is_the_size_of_the_optimizers_last_step(optimizer):
     from deepcabac_py.io.checkpoint import flatten
     from deepcabac_py.model.optimizer_state import adam_groups, momentum_groups
-    from deepcabac_py.series.checkpoint_series import _step_size
+    from deepcabac_py.series.steps import step_size
 
     torch.manual_seed(3)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
@@ -632,14 +632,14 @@ def test_the_step_size_is_the_size_of_the_optimizers_last_step(optimizer):
     for i, (p, b) in enumerate(zip(model.parameters(), before)):
         moment = f"optimizer.state.{i}.{'exp_avg' if optimizer == 'adam' else 'momentum_buffer'}"
         taken = (p.detach() - b).double().pow(2).mean().sqrt().item()
-        assert _step_size(ckpt.tensors, moment, groups[moment]) == pytest.approx(taken, rel=1e-5)
+        assert step_size(ckpt.tensors, moment, groups[moment]) == pytest.approx(taken, rel=1e-5)
 
 
 def test_weights_with_adam_state_take_adams_step_size_where_coarser(run, tmp_path):
     from deepcabac_py.io.checkpoint import flatten
     from deepcabac_py.model.optimizer_state import adam_groups
     from deepcabac_py.quant.steps import qp_at_most
-    from deepcabac_py.series.checkpoint_series import STEP_FRACTION, _step_size
+    from deepcabac_py.series.steps import STEP_FRACTION, step_size
 
     series = dc.CheckpointSeries(tmp_path / "run.dcs", key_every=3)
     for c in run[:4]:
@@ -652,7 +652,7 @@ def test_weights_with_adam_state_take_adams_step_size_where_coarser(run, tmp_pat
         qps = {e.name: e.qp for e in series_header(tmp_path / "run.dcs", i).tensors}
         for k, (name, t) in enumerate(c["model"].items()):
             moment = f"optimizer.state.{k}.exp_avg"
-            adam = qp_at_most(STEP_FRACTION * _step_size(ckpt.tensors, moment, groups[moment]))
+            adam = qp_at_most(STEP_FRACTION * step_size(ckpt.tensors, moment, groups[moment]))
             series_qp = SERIES_QP if t.dim() >= 2 else SERIES_QP - 24
             if adam > series_qp:
                 assert qps[f"model.{name}"] == adam, (i, name)
@@ -693,7 +693,7 @@ def test_an_sgd_series_codes_by_the_size_and_direction_of_sgds_step(sgd_run, tmp
     # qp, and each weight's residual predicted from its buffers (docs/format.md)
     from deepcabac_py.model.decoder import decode_checkpoint
     from deepcabac_py.quant.steps import qp_at_most
-    from deepcabac_py.series.checkpoint_series import UPDATE_QP, UPDATE_SUFFIX
+    from deepcabac_py.series.moments import UPDATE_QP, UPDATE_SUFFIX
 
     path = tmp_path / "run.dcs"
     series = dc.CheckpointSeries(path, key_every=3)
@@ -747,7 +747,7 @@ def test_two_optimizers_pair_each_weight_with_its_own_state(tmp_path):
     from deepcabac_py.io.checkpoint import flatten
     from deepcabac_py.model.optimizer_state import adam_groups
     from deepcabac_py.quant.steps import qp_at_most
-    from deepcabac_py.series.checkpoint_series import STEP_FRACTION, _step_size
+    from deepcabac_py.series.steps import STEP_FRACTION, step_size
 
     torch.manual_seed(7)
     nets = [torch.nn.Sequential(torch.nn.Linear(16, 24), torch.nn.Tanh(), torch.nn.Linear(24, 16)) for _ in range(2)]
@@ -766,7 +766,7 @@ def test_two_optimizers_pair_each_weight_with_its_own_state(tmp_path):
     for j, prefix in enumerate("gd"):
         for i, (name, t) in enumerate(nets[j].state_dict().items()):
             moment = f"optimizer_states.{j}.state.{i}.exp_avg"
-            own = qp_at_most(STEP_FRACTION * _step_size(flat.tensors, moment, groups[moment]))
+            own = qp_at_most(STEP_FRACTION * step_size(flat.tensors, moment, groups[moment]))
             base = SERIES_QP if t.dim() >= 2 else SERIES_QP - 24
             assert qps[f"state_dict.{prefix}.{name}"] == max(own, base), (prefix, name)
 

@@ -40,7 +40,8 @@ import deepcabac_py as dc
 from deepcabac_py.io.checkpoint import flatten
 from deepcabac_py.io.files import save_checkpoint
 from deepcabac_py.quant.steps import step_from_qp
-from deepcabac_py.series.checkpoint_series import DEFAULT_SERIES_QP, UPDATE_QP
+from deepcabac_py.series.checkpoint_series import DEFAULT_SERIES_QP
+from deepcabac_py.series.moments import UPDATE_QP
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "series"
 REGEN = os.environ.get("DEEPCABAC_REGEN_GOLDEN") == "1"

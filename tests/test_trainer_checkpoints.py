@@ -27,8 +27,11 @@ from deepcabac_py.io.directories import (  # noqa: E402
     load_checkpoint_directory,
     save_checkpoint_directory,
 )
+from deepcabac_py.model.optimizer_state import adam_groups  # noqa: E402
 from deepcabac_py.model.settings import EncodeSettings  # noqa: E402
+from deepcabac_py.quant.steps import qp_at_most  # noqa: E402
 from deepcabac_py.series import checkpoint_series as cs  # noqa: E402
+from deepcabac_py.series import steps  # noqa: E402
 from deepcabac_py.series.checkpoint_series import DEFAULT_SERIES_QP  # noqa: E402
 from deepcabac_py.series.records import SeriesFile  # noqa: E402
 
@@ -206,7 +209,7 @@ def test_correlated_pairs_follow_the_changes_not_the_order():
         step = now[firsts[m]] / np.sqrt(now[f"opt.state.{m}.exp_avg_sq"])
         now[w] = before[w] - 1e-3 * step + (1e-3 * rng.standard_normal((40, 30)) if k < 4 else 0)
     now["w4"] = before["w4"] + 1e-3 * rng.standard_normal((40, 30)).astype(np.float32)  # (unrelated)
-    pairs = cs._correlated_pairs(weights, now, firsts, before)
+    pairs = steps.correlated_pairs(weights, now, firsts, before)
     assert pairs == {f"w{k}": firsts[owner[k]] for k in range(4)}
 
 
@@ -219,14 +222,14 @@ def test_unpaired_weights_take_a_step_only_where_no_buffer_can_be_among_them():
     opt.step()
     ckpt = flatten({"model": model.state_dict(), "optimizer": opt.state_dict()})
     settings = {"qp": DEFAULT_SERIES_QP, "qp_1d": DEFAULT_SERIES_QP}
-    sizes = {i: cs._step_size(ckpt.tensors, f"optimizer.state.{i}.exp_avg",
-                              cs.adam_groups(ckpt.skeleton)[f"optimizer.state.{i}.exp_avg"]) for i in range(4)}
-    qps = cs._step_qps(ckpt, settings, replace(cs._weight_pairs(ckpt), pairs={}))
+    sizes = {i: steps.step_size(ckpt.tensors, f"optimizer.state.{i}.exp_avg",
+                                adam_groups(ckpt.skeleton)[f"optimizer.state.{i}.exp_avg"]) for i in range(4)}
+    qps = steps.step_qps(ckpt, settings, replace(steps.weight_pairs(ckpt), pairs={}))
     assert set(qps) == {"model.0.weight"}  # (the one of its shape: its own step)
-    assert qps["model.0.weight"][0] == cs.qp_at_most(sizes[0], DENSITY)
+    assert qps["model.0.weight"][0] == qp_at_most(sizes[0], DENSITY)
     del ckpt.tensors["model.1.running_mean"], ckpt.tensors["model.1.running_var"]
-    qps = cs._step_qps(ckpt, settings, replace(cs._weight_pairs(ckpt), pairs={}))
-    smallest = cs.qp_at_most(min(sizes[1], sizes[2], sizes[3]), DENSITY)
+    qps = steps.step_qps(ckpt, settings, replace(steps.weight_pairs(ckpt), pairs={}))
+    smallest = qp_at_most(min(sizes[1], sizes[2], sizes[3]), DENSITY)
     assert {n: q for n, (q, _) in qps.items() if n != "model.0.weight"} == {
         "model.0.bias": smallest, "model.1.weight": smallest, "model.1.bias": smallest}
 
