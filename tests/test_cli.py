@@ -320,6 +320,13 @@ def test_decode_needs_a_name_it_can_derive(model_dir):
     assert_usage_error(run(["decode", stream]), ["-o"])
 
 
+@pytest.mark.parametrize("name", ["model.pt", "model.npz"])
+def test_decode_of_a_checkpoint_says_what_it_is_not_that_a_name_is_missing(model_dir, name):
+    before = sorted(p.name for p in model_dir.iterdir())
+    assert_error(run(["decode", model_dir / name]), [name, "not a deepcabac model stream", "deepcabac encode"])
+    assert sorted(p.name for p in model_dir.iterdir()) == before
+
+
 def test_output_equal_to_input_is_a_usage_error(model_dir, monkeypatch):
     src = model_dir / "model.pt"
     before = src.read_bytes()
