@@ -24,7 +24,7 @@ from reference_float_coder import encode_tz as ref_encode_tz
 from reference_float_coder import encode_wide as ref_encode_wide
 
 import deepcabac_py as dc
-from deepcabac_py.entropy import _float_kernels, _vector_kernels, floatcoder
+from deepcabac_py.entropy import _float_kernels, _tans_kernels, _trailing_kernels, _vector_kernels, floatcoder
 from deepcabac_py.entropy import _wide_kernels as _w
 from deepcabac_py.errors import CorruptStreamError
 from deepcabac_py.model.container import Mode, read_header
@@ -398,7 +398,7 @@ def test_small_float32_chunks_choose_their_mode_as_each_would_alone():
         plain = rng.random(2048) < (0.92 + 0.05 * f if f > 0.2 else f)
         x[plain] = (rng.standard_normal(int(plain.sum())) * 2.0 ** -26).astype(np.float32)
         chunks.append(x)
-    promises = [_float_kernels.trailing_promise(c.view(np.uint32), 32, 23, 256,
+    promises = [_trailing_kernels.trailing_promise(c.view(np.uint32), 32, 23, 256,
                                                 np.zeros(8, dtype=np.uint8)) for c in chunks]
     gain = floatcoder.TRAILING_GAIN
     assert any(p >= floatcoder.TRAILING_SURE * gain for p in promises)
@@ -1052,7 +1052,7 @@ def test_mode_4_gives_the_same_substream_whatever_room_its_array_keeps(dtype_nam
     zeros, classes16 = np.empty(0, np.uint8), np.empty(0, np.uint8)
     if W == 32:
         zeros, classes16 = floatcoder._segment_classes(words, W, M, seg)
-    work = np.empty(_float_kernels.tans_work_bytes(n, seg, W, M), dtype=np.uint8)
+    work = np.empty(_tans_kernels.tans_work_bytes(n, seg, W, M), dtype=np.uint8)
     # (none yet: room for any; far too short; a little short; its own; plenty)
     for hint in [0, 1, own * 3 // 4, own, 1 << 16]:
         kept = np.array([hint], dtype=np.int64)

@@ -11,5 +11,8 @@ update coder (which reuses the range coder).
 * :mod:`.linear_prediction`: pivots, integer coefficients and the exact residual arithmetic.
 * :mod:`.floatcoder`: ``encode_chunk``/``decode_chunk`` (floats bit for bit) and
   ``encode_magnitudes``/``decode_magnitudes`` (signed integers by magnitude class), the validated
-  front of ``_float_kernels``.
+  front of its kernels: ``_float_kernels`` (the split, the classes, the tables, rANS),
+  ``_tans_kernels`` (the symbols by tANS: low-bit modes 0, 1 and 3), ``_trailing_kernels`` (mode 2),
+  ``_wide_kernels`` (modes 4 to 6, sixteen lanes at a time, on ``_vector_kernels``' steps) and
+  ``_magnitude_kernels`` (integers).
 """

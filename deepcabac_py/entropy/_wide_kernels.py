@@ -26,23 +26,25 @@ from numba.extending import intrinsic
 
 from .._jit import copy_bytes, helper, inline, kernel
 from ._float_kernels import (
-    _TZ_L,
     _U,
-    ERR_AFTER_RAW,
     ERR_BAD_END,
     ERR_OVERRUN,
-    ERR_PRECISION,
-    ERR_SHORT,
     ERR_TRAILING,
     MAX_CLASSES_LOG2,
     OK,
-    TANS_MAX_BITS,
     TOP_BITS,
+    _raw_at,
+    _raw_near,
+)
+from ._tans_kernels import (
+    _TZ_L,
+    ERR_AFTER_RAW,
+    ERR_PRECISION,
+    ERR_SHORT,
+    TANS_MAX_BITS,
     TZ_ALPHABET,
     TZ_BITS,
     TZ_CAP,
-    _raw_at,
-    _raw_near,
     _u32_at,
     class_tables_at,
     classes_and_tables,
@@ -617,7 +619,7 @@ def decode_wide(words, raw, states, seg_len, M, classes, precision, table, sym0,
 @inline
 def _narrow_entries(syms, freqs, used):
     """(whether the decoding table of these tables (each class's used symbols, increasing, their
-    frequencies and count, as :func:`._float_kernels.class_tables_at` gives them) fits 4-byte
+    frequencies and count, as :func:`._tans_kernels.class_tables_at` gives them) fits 4-byte
     entries (:data:`NARROW_FREQ`), the lowest symbol they use). Every class uses a symbol."""
     lowest = np.int64(syms[0, 0])
     highest = lowest
@@ -774,7 +776,7 @@ def encode_wide_substream(words, seg_len, W, M, zeros, classes16, costs, wide, w
     mantissa bits): low-bit mode 4 with ``wide`` where no segment has low bits zero in all its
     elements, else mode 0 or 1 by tANS (which drop those bits), from one split and one choice of
     tables (the two modes choose them alike). ``zeros`` and ``classes16`` as
-    :func:`._float_kernels.encode_tans_substream` takes them (16-bit floats: empty, found as they
+    :func:`._tans_kernels.encode_tans_substream` takes them (16-bit floats: empty, found as they
     split). Large arrays are carved from ``work`` as that function carves them. ``hint`` (int64[1],
     kept with ``work``): the rANS words per element of the thread's last mode 4 chunk, in 1/2**16
     (0: none yet), for the room its substream's array keeps for them. Returns the substream: mode
@@ -804,8 +806,8 @@ def encode_wide_substream(words, seg_len, W, M, zeros, classes16, costs, wide, w
 @kernel
 def encode_tz_wide_substream(words, seg_len, classes16, costs, work):
     """The whole substream of low-bit mode 5 of the float32 bits ``words``: mode 3's symbols and raw
-    bits (:func:`._float_kernels.tz_front`) on mode 4's 64 states. Arguments as
-    :func:`._float_kernels.encode_tz_substream`'s; the substream in an array of its own."""
+    bits (:func:`._tans_kernels.tz_front`) on mode 4's 64 states. Arguments as
+    :func:`._tans_kernels.encode_tz_substream`'s; the substream in an array of its own."""
     symbols, raw, nraw, klog, precision, used_syms, sent, rest = tz_front(words, seg_len, classes16, costs, work)
     n = words.shape[0]
     dest, coded, raw_into, coded_end = _wide_dest(n, classes16.shape[0], TZ_ALPHABET, nraw, _room_for_any(n))

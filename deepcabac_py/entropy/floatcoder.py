@@ -8,7 +8,7 @@ density inside an octave. So the tensor is cut into *segments* (whole rows, at l
 each class its own frequency table for the symbol (exponent, top mantissa bits). The rest of the
 bits go out raw, less the low mantissa bits that are zero in every element of the segment (float32
 tensors holding bfloat16 or float16 values). Tables are static per chunk, so decoding is a table
-lookup per element (:mod:`._float_kernels`); large chunks of bf16, fp16 and fp32 take sixteen
+lookup per element (:mod:`._tans_kernels`); large chunks of bf16, fp16 and fp32 take sixteen
 elements per vector step instead (low-bit mode 4, :mod:`._wide_kernels`).
 
 Chunks of :func:`chunk_elements` elements are independent substreams, like the level coder's.
@@ -28,6 +28,9 @@ import numpy as np
 from .._jit import not_yet_compiled
 from ..errors import CorruptStreamError
 from . import _float_kernels as _k
+from . import _magnitude_kernels as _m
+from . import _tans_kernels as _t
+from . import _trailing_kernels as _z
 from . import _wide_kernels as _w
 
 Buffer = bytes | memoryview  # a substream: bytes, or a view of the array a kernel wrote it into
@@ -55,7 +58,7 @@ HALVES_REVISION = 64
 REVISIONS = tuple(range(128))  # (any combination of the seven)
 TRAILING_MODE = 2  # the substream's low-bit mode byte for the trailing zeros by exponent (rANS)
 TANS_FLAG = 0x80  # in the mode byte of low-bit modes 0 and 1: the symbols by tANS, not rANS
-TZ_BYTE = TANS_FLAG | _k.TZ_MODE  # low-bit mode 3's byte: the trailing zeros in the symbol, by tANS
+TZ_BYTE = TANS_FLAG | _t.TZ_MODE  # low-bit mode 3's byte: the trailing zeros in the symbol, by tANS
 WIDE_BYTE = _w.WIDE_BYTE  # low-bit mode 4's byte: bf16, fp16 or fp32 dropping no bit, 64 rANS states
 TZ_WIDE_BYTE = _w.TZ_WIDE_BYTE  # low-bit mode 5's: float32's trailing zeros in the symbol, 64 rANS states
 _TANS_BYTES = (TANS_FLAG, TANS_FLAG | 1)  # low-bit modes 0 and 1 by tANS
@@ -96,14 +99,14 @@ _ERRORS = {
     _k.ERR_BAD_END: "the coder does not end in its initial state (the substream is damaged)",
     _k.ERR_BAD_TABLE: "a frequency table is invalid",
     _k.ERR_TRAILING: "bytes are left after the last element",
-    _k.ERR_BAD_INTEGER: "a decoded integer is outside its dtype (or a negative zero)",
+    _m.ERR_BAD_INTEGER: "a decoded integer is outside its dtype (or a negative zero)",
 }
 
 
 def first_call_compiles(decoder: bool) -> bool:
     """Whether the first lossless decode (``decoder``) or encode of this process compiles the float
     coder's kernels (those of small and mid-sized chunks: every model has some)."""
-    return not_yet_compiled(_k.decode_tans_substream if decoder else _k.encode_tans_substream)
+    return not_yet_compiled(_t.decode_tans_substream if decoder else _t.encode_tans_substream)
 
 
 @functools.lru_cache(maxsize=1024)  # (asked for each entry and chunk, of a model's few dozen shapes)
@@ -196,7 +199,7 @@ def _joined(head: list[bytes], coder: np.ndarray, begin: int, raw: np.ndarray, n
 
 
 class _Work(threading.local):
-    """Each thread's work memory for :func:`_k.encode_tans_substream`, kept from chunk to chunk and
+    """Each thread's work memory for :func:`_t.encode_tans_substream`, kept from chunk to chunk and
     grown when a chunk needs more (at most about 23 MB, float64 chunks of 2**20 elements). Buffers
     of megabytes allocated afresh for every chunk cost their first touch, page by page, every time:
     a scratch measurement put that at 15-25% of MiniLM bf16's encoding time."""
@@ -220,12 +223,12 @@ def _tans_substream(words: np.ndarray, seg_len: int, W: int, M: int, zeros: np.n
     """Low-bit mode 0 or 1 by tANS, or with ``wide`` mode 4 where no segment drops a low bit (16-bit
     floats find their segments' statistics as they split: ``zeros`` and ``classes16`` are empty
     then)."""
-    work = _WORK.take(_k.tans_work_bytes(words.shape[0], seg_len, W, M))
+    work = _WORK.take(_t.tans_work_bytes(words.shape[0], seg_len, W, M))
     if W == 16 or wide:
         data = _w.encode_wide_substream(words, seg_len, W, M, zeros, classes16, _COSTS, wide, work, _WORK.hint)
         # (mode 4 comes in an array of its own, kept as it is; modes 0 and 1 in the work memory)
         return memoryview(data) if data[0] == WIDE_BYTE else data.tobytes()
-    return _k.encode_tans_substream(words, seg_len, W, M, zeros, classes16, _COSTS, work).tobytes()
+    return _t.encode_tans_substream(words, seg_len, W, M, zeros, classes16, _COSTS, work).tobytes()
 
 
 def encode_chunk(values: np.ndarray, dtype_name: str, seg_len: int, wide: bool | None = None) -> bytes:
@@ -256,7 +259,7 @@ def encode_chunk_buffer(values: np.ndarray, dtype_name: str, seg_len: int, wide:
         return _halves_substream(words, seg_len, wide)
     if W == 32 and wide:
         return _tans_substream(words, seg_len, W, M, zeros, classes16, wide=True)
-    promise = _k.trailing_promise(words, W, M, seg_len, zeros)
+    promise = _z.trailing_promise(words, W, M, seg_len, zeros)
     if promise >= TRAILING_SURE * TRAILING_GAIN:
         return _trailing_substream(words, W, M, seg_len, classes16)
     wide = W == 32 and wide is None and words.shape[0] >= WIDE_FROM
@@ -313,12 +316,12 @@ def encode_small_chunks(chunks: Sequence[np.ndarray], dtype_name: str, seg_lens:
     # (work memory grows with the elements and the segments: the most and the shortest bound every chunk's)
     shortest = min(seg_lens, default=MIN_SEGMENT)
     if W == 16:
-        work = _WORK.take(_k.tans_work_bytes(SMALL_TOGETHER, shortest, W, M))
-        out = _k.encode_tans_chunks(flat, starts, lens, W, M, _COSTS, work, ends)
+        work = _WORK.take(_t.tans_work_bytes(SMALL_TOGETHER, shortest, W, M))
+        out = _t.encode_tans_chunks(flat, starts, lens, W, M, _COSTS, work, ends)
     else:
-        work = _WORK.take(max(_k.tans_work_bytes(SMALL_TOGETHER, shortest, W, M),
-                              _k.tz_work_bytes(SMALL_TOGETHER, shortest)))
-        out = _k.encode_float32_chunks(flat, starts, lens, _COSTS, work, ends, TRAILING_SURE * TRAILING_GAIN,
+        work = _WORK.take(max(_t.tans_work_bytes(SMALL_TOGETHER, shortest, W, M),
+                              _t.tz_work_bytes(SMALL_TOGETHER, shortest)))
+        out = _t.encode_float32_chunks(flat, starts, lens, _COSTS, work, ends, TRAILING_SURE * TRAILING_GAIN,
                                        TRAILING_GAIN)
     view = memoryview(out)
     begins = [0, *ends[:-1].tolist()]
@@ -331,10 +334,10 @@ def _trailing_substream(words: np.ndarray, W: int, M: int, seg_len: int, classes
     and mode 3 below (``wide`` True or False: the one said), mode 2 with ``rans``; mode 2 for
     float64."""
     if W == 32 and not rans:
-        work = _WORK.take(_k.tz_work_bytes(words.shape[0], seg_len))
+        work = _WORK.take(_t.tz_work_bytes(words.shape[0], seg_len))
         if (words.shape[0] >= TZ_WIDE_FROM) if wide is None else wide:
             return _w.encode_tz_wide_substream(words, seg_len, classes16, _COSTS, work).tobytes()
-        return _k.encode_tz_substream(words, seg_len, classes16, _COSTS, work).tobytes()
+        return _t.encode_tz_substream(words, seg_len, classes16, _COSTS, work).tobytes()
     return _encode_trailing(words, W, M, seg_len, classes16)
 
 
@@ -364,18 +367,18 @@ def _encode_trailing(words: np.ndarray, W: int, M: int, seg_len: int, classes16:
     symbols = np.empty(n, dtype=np.uint16)
     tz = np.empty(n, dtype=np.uint8)
     raw = np.empty(2 * n + 2, dtype=np.uint32)
-    nraw, e_top = _k.trailing_split(words, W, M, symbols, tz, raw)
+    nraw, e_top = _z.trailing_split(words, W, M, symbols, tz, raw)
     t = _class_tables(symbols, seg_len, classes16, _alphabet(W, M))
-    tz_hist = np.zeros((_k.TRAILING_CONTEXTS, L + 1), dtype=np.int64)
-    _k.trailing_histogram(symbols, tz, e_top, tz_hist)
+    tz_hist = np.zeros((_z.TRAILING_CONTEXTS, L + 1), dtype=np.int64)
+    _z.trailing_histogram(symbols, tz, e_top, tz_hist)
     # (the contexts' tables, merged in pairs like the segments' classes; no nibbles: a context's
     # table is its number >> (4 - klog))
-    for c in range(1, _k.TRAILING_CONTEXTS):  # (context 0 holds the top exponent)
+    for c in range(1, _z.TRAILING_CONTEXTS):  # (context 0 holds the top exponent)
         if not tz_hist[c].any():  # (an empty context borrows the counts above it: every class occupied)
             tz_hist[c] = tz_hist[c - 1]
     tzt = _Tables(tz_hist, np.zeros(0, dtype=np.uint8), TRAILING_TABLE_BITS)
     rans = np.empty(2 * n + 2 * _k.LANES + 2, dtype=np.uint16)
-    begin = _k.rans_encode_trailing(symbols, tz, seg_len, t.classes, t.freq, t.start, e_top,
+    begin = _z.rans_encode_trailing(symbols, tz, seg_len, t.classes, t.freq, t.start, e_top,
                                     _k.MAX_CLASSES_LOG2 - tzt.klog, tzt.freq, tzt.start, rans)
     return _joined([bytes([TRAILING_MODE]), struct.pack("<H", e_top), *t.header(), *tzt.header()], rans, begin, raw,
                    nraw)
@@ -544,7 +547,7 @@ def decode_chunk(data, dtype_name: str, seg_len: int, out: np.ndarray, where: st
     # twice its kernel's time in Python before them)
     if whole_tans(byte, revision, W):
         detail = np.zeros(2, dtype=np.int64)
-        _check_substream(_k.decode_tans_substream(buf, n, seg_len, W, M, words, detail), detail, where, dtype_name)
+        _check_substream(_t.decode_tans_substream(buf, n, seg_len, W, M, words, detail), detail, where, dtype_name)
         return
     # (modes 4 and 5, most of a large model's elements, read their mode byte in the kernel)
     wide = byte == WIDE_BYTE and bool(revision & (WIDE32_REVISION if W == 32 else WIDE_REVISION))
@@ -570,13 +573,13 @@ def decode_chunk(data, dtype_name: str, seg_len: int, out: np.ndarray, where: st
                                  f"which only float32 takes")
     tans = bool(byte & TANS_FLAG) and bool(revision & (TZ_REVISION if byte == TZ_BYTE else TANS_REVISION))
     mode = byte & ~TANS_FLAG if tans else byte
-    if mode not in ((0, 1, _k.TZ_MODE) if tans else (0, 1)):
+    if mode not in ((0, 1, _t.TZ_MODE) if tans else (0, 1)):
         raise CorruptStreamError(f"{where}: a mode byte of {byte:#04x}, unknown to an entry of coder parameter "
                                  f"{revision} (low-bit mode {byte & ~TANS_FLAG}"
                                  f"{', symbols by tANS' if byte & TANS_FLAG else ''})")
     if tans:
         detail = np.zeros(2, dtype=np.int64)
-        _check_substream(_k.decode_tans_substream(r.data, n, seg_len, W, M, words, detail), detail, where,
+        _check_substream(_t.decode_tans_substream(r.data, n, seg_len, W, M, words, detail), detail, where,
                          dtype_name)
         return
     if mode == 0:
@@ -584,7 +587,7 @@ def decode_chunk(data, dtype_name: str, seg_len: int, out: np.ndarray, where: st
     else:
         zeros = r.take(nseg, "low-bit counts")
     if nseg and int(zeros.max()) > M:
-        raise CorruptStreamError(f"{where}: {_SUBSTREAM_ERRORS[_k.ERR_DROPS](0, 0, dtype_name)}")
+        raise CorruptStreamError(f"{where}: {_SUBSTREAM_ERRORS[_t.ERR_DROPS](0, 0, dtype_name)}")
     classes, up, lut_step, lut_sym, rans = r.coder(n, seg_len, _alphabet(W, M))
     raw = r.raw(-(-_k.raw_bit_count(n, seg_len, M, zeros) // 32), padding=0)
     r.check(_k.decode_floats(rans, raw, seg_len, W, M, zeros, classes, up, lut_step, lut_sym, words))
@@ -606,7 +609,7 @@ def decode_tans_chunks(data: np.ndarray, starts: np.ndarray, counts: np.ndarray,
     CorruptStreamError names the first damaged one by ``where(j)``."""
     W, M = FORMATS[dtype_name]
     detail = np.zeros(3, dtype=np.int64)
-    failed = _k.decode_tans_chunks(_read_only(data), starts, counts, seg_lens, W, M, _words(out, dtype_name), detail)
+    failed = _t.decode_tans_chunks(_read_only(data), starts, counts, seg_lens, W, M, _words(out, dtype_name), detail)
     if failed >= 0:
         _check_substream(int(detail[2]), detail, where(failed), dtype_name)
 
@@ -615,17 +618,17 @@ def decode_tans_chunks(data: np.ndarray, starts: np.ndarray, counts: np.ndarray,
 # function each, so that only the error found is worded (another's detail may be a count of bytes,
 # not a shift)
 _SUBSTREAM_ERRORS = {
-    _k.ERR_SHORT: lambda a, b, dtype: f"the substream ends inside its {_k.TANS_FIELDS[a]}",
-    _k.ERR_DROPS: lambda a, b, dtype: f"drops more low bits than a {dtype} mantissa has",
-    _k.ERR_CLASS_COUNT: lambda a, b, dtype: f"{1 << a} classes (at most {MAX_CLASSES})",
-    _k.ERR_PRECISION: lambda a, b, dtype: (f"tANS tables of {a}-bit precision "
-                                           f"({_k.TANS_MIN_BITS} to {_k.TANS_MAX_BITS})"),
-    _k.ERR_CLASS: lambda a, b, dtype: f"a segment of class {a} of {b}",
-    _k.ERR_TABLE_BYTES: lambda a, b, dtype: "the frequency tables do not fill their bytes",
-    _k.ERR_STATE: lambda a, b, dtype: f"an initial state of {a} in a table of {b}",
-    _k.ERR_FIRST_BIT: lambda a, b, dtype: f"the first bit at {a} of a 32-bit word",
-    _k.ERR_BEFORE_FIRST: lambda a, b, dtype: "bits set before the coder's first bit, or no word to hold it",
-    _k.ERR_AFTER_RAW: lambda a, b, dtype: f"{a} bytes after the raw bits",
+    _t.ERR_SHORT: lambda a, b, dtype: f"the substream ends inside its {_t.TANS_FIELDS[a]}",
+    _t.ERR_DROPS: lambda a, b, dtype: f"drops more low bits than a {dtype} mantissa has",
+    _t.ERR_CLASS_COUNT: lambda a, b, dtype: f"{1 << a} classes (at most {MAX_CLASSES})",
+    _t.ERR_PRECISION: lambda a, b, dtype: (f"tANS tables of {a}-bit precision "
+                                           f"({_t.TANS_MIN_BITS} to {_t.TANS_MAX_BITS})"),
+    _t.ERR_CLASS: lambda a, b, dtype: f"a segment of class {a} of {b}",
+    _t.ERR_TABLE_BYTES: lambda a, b, dtype: "the frequency tables do not fill their bytes",
+    _t.ERR_STATE: lambda a, b, dtype: f"an initial state of {a} in a table of {b}",
+    _t.ERR_FIRST_BIT: lambda a, b, dtype: f"the first bit at {a} of a 32-bit word",
+    _t.ERR_BEFORE_FIRST: lambda a, b, dtype: "bits set before the coder's first bit, or no word to hold it",
+    _t.ERR_AFTER_RAW: lambda a, b, dtype: f"{a} bytes after the raw bits",
     _w.ERR_WIDE_PRECISION: lambda a, b, dtype: f"mode 4 tables of {a}-bit precision (1 to {_w.WIDE_MAX_BITS})",
     _w.ERR_WIDE_STATE: lambda a, b, dtype: f"an initial coder state of {a}, below {_w.WIDE_L}",
 }
@@ -649,7 +652,7 @@ def _decode_trailing(r: _Reader, W: int, M: int, n: int, seg_len: int, words: np
     shift = _k.MAX_CLASSES_LOG2 - (tz_step.shape[0].bit_length() - 1)
     rans = r.rans_words(padding=2)
     raw = r.raw(None, padding=3)
-    r.check(_k.decode_trailing(rans, raw, seg_len, W, M, classes, up, lut_step, lut_sym, e_top, shift, tz_up, tz_step,
+    r.check(_z.decode_trailing(rans, raw, seg_len, W, M, classes, up, lut_step, lut_sym, e_top, shift, tz_up, tz_step,
                                tz_sym, words))
 
 
@@ -661,7 +664,7 @@ INTEGER_WIDTHS = {"int8": 8, "int16": 16, "int32": 32, "int64": 64}
 
 def mean_bit_length(values: np.ndarray, out: np.ndarray) -> None:
     """out[0] = the mean bit length of |v| over the flat signed integers ``values``."""
-    _k.int_stats(values, max(values.shape[0], 1), out)
+    _m.int_stats(values, max(values.shape[0], 1), out)
 
 
 def encode_magnitudes(values: np.ndarray, seg_len: int) -> bytes:
@@ -675,12 +678,12 @@ def encode_magnitudes(values: np.ndarray, seg_len: int) -> bytes:
     n = values.shape[0]
     nseg = -(-n // seg_len)
     mean = np.empty(nseg, dtype=np.float64)
-    _k.int_stats(values, seg_len, mean)
+    _m.int_stats(values, seg_len, mean)
     classes16 = np.empty(nseg, dtype=np.uint8)
     _k.rank_classes(mean, classes16, seg_len, n)
     symbols = np.empty(n, dtype=np.uint16)
     raw = np.empty(2 * n + 2, dtype=np.uint32)
-    nraw = _k.int_encode_kernel(values, symbols, raw)
+    nraw = _m.int_encode_kernel(values, symbols, raw)
     return _coded([], classes16, (width + 1) << _k.TOP_BITS, seg_len, symbols, raw, nraw)
 
 
@@ -692,4 +695,4 @@ def decode_magnitudes(data, seg_len: int, out: np.ndarray, where: str = "substre
     symbols = r.symbols(n, seg_len, (width + 1) << _k.TOP_BITS)
     raw = r.raw(None)
     info = np.iinfo(out.dtype)
-    r.check(_k.int_decode_kernel(raw, symbols, int(info.min), int(info.max), out))
+    r.check(_m.int_decode_kernel(raw, symbols, int(info.min), int(info.max), out))
