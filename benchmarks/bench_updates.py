@@ -31,7 +31,9 @@ import fl_common as fc  # noqa: E402
 
 from deepcabac_py.updates import _update_kernels as K  # noqa: E402
 from deepcabac_py.updates import golomb  # noqa: E402
-from deepcabac_py.updates.messages import UpdateSession, encode_sparse, read_update_header  # noqa: E402
+from deepcabac_py.updates.message_format import read_update_header  # noqa: E402
+from deepcabac_py.updates.messages import encode_sparse  # noqa: E402
+from deepcabac_py.updates.sessions import UpdateSession  # noqa: E402
 from deepcabac_py.updates.sparsify import ErrorFeedback, stc  # noqa: E402
 
 DENSITIES = (0.1, 0.01, 0.001)

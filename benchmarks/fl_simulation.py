@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fl_common as fc  # noqa: E402
 
 from deepcabac_py.updates.federated import FedClient, FedServer  # noqa: E402
-from deepcabac_py.updates.messages import read_update_header  # noqa: E402
+from deepcabac_py.updates.message_format import read_update_header  # noqa: E402
 
 CLIENTS = 20
 PARTICIPATION = 0.25

@@ -63,15 +63,15 @@ _EXPORTS = {
     "SparseTensor": "updates.sparsify",
     "sparsify": "updates.sparsify",
     "UpdateMismatchError": "errors",
-    "UpdateSession": "updates.messages",
+    "UpdateSession": "updates.sessions",
     "UpdateStreamWriter": "updates.messages",
     "apply_update": "updates.messages",
     "decode_update": "updates.messages",
     "encode_sparse": "updates.messages",
     "encode_update": "updates.messages",
     "iter_messages": "updates.messages",
-    "model_hash": "updates.messages",
-    "read_update_header": "updates.messages",
+    "model_hash": "updates.parent_model",
+    "read_update_header": "updates.message_format",
     "CheckpointSeries": "series.checkpoint_series",
 }
 

@@ -69,7 +69,9 @@ from deepcabac_py.entropy import floatcoder
 from deepcabac_py.errors import DeepCabacError, UpdateMismatchError
 from deepcabac_py.io.files import load_checkpoint
 from deepcabac_py.model.container import MAGIC, PREAMBLE, pack_header, read_header
+from deepcabac_py.updates import message_format as upf
 from deepcabac_py.updates import messages as up
+from deepcabac_py.updates import sessions as ups
 
 
 class Finding(Exception):
@@ -158,7 +160,7 @@ def seal_update_message(data: bytes) -> bytes:
     buf = bytearray(data)
     struct.pack_into("<I", buf, end - 4, zlib.crc32(bytes(buf[:end - 4])))
     try:
-        header = up.read_update_header(bytes(buf[:end]), total_size=1 << 62)
+        header = upf.read_update_header(bytes(buf[:end]), total_size=1 << 62)
     except DeepCabacError:
         return bytes(buf)
     p0, p1 = header.header_size, header.header_size + header.payload_size
@@ -201,10 +203,10 @@ def target_model_sealed(data: bytes) -> None:
 
 
 def _decode_update(data: bytes):
-    header = up.read_update_header(data)
+    header = upf.read_update_header(data)
     session = None
     if header.session_id:
-        session = up.UpdateSession(header.session_id)
+        session = ups.UpdateSession(header.session_id)
         session.seq = header.session_seq
     try:
         return up.decode_update(data, BASE, session=session)
@@ -223,7 +225,7 @@ def _iterate(data: bytes) -> int:
 
 
 def target_update(data: bytes) -> None:
-    _check(up.read_update_header, data)
+    _check(upf.read_update_header, data)
     _check(_apply, data)
     _check(_iterate, data)
 
@@ -380,7 +382,7 @@ def target_info(data: bytes) -> None:
 
 
 def _session_then_decode(data: bytes):
-    session = up.UpdateSession.from_snapshot(data, max_bytes=64 << 20)
+    session = ups.UpdateSession.from_snapshot(data, max_bytes=64 << 20)
     session.seq = 0  # the message below is its session's first
     return up.decode_update(_SESSION_MESSAGE, BASE, session=session, check_parent=False)
 
@@ -423,7 +425,7 @@ def _session_message() -> bytes:
     rng = np.random.default_rng(1)
     new = {k: (v + (rng.standard_normal(v.shape) * 0.05).astype(v.dtype)) if v.dtype.kind == "f" else v + 1
            for k, v in BASE.items()}
-    return up.encode_update(new, BASE, density=0.3, session=up.UpdateSession(9))
+    return up.encode_update(new, BASE, density=0.3, session=ups.UpdateSession(9))
 
 
 _SESSION_MESSAGE = _session_message()
@@ -495,7 +497,7 @@ def target_update_sizes(data: bytes) -> None:
     claim, delta = struct.unpack_from("<Qh", data)
     msg = bytes(data[10:])
     try:
-        header = up.read_update_header(msg)
+        header = upf.read_update_header(msg)
     except DeepCabacError:
         return
     body = msg[PREAMBLE.size:header.header_size]

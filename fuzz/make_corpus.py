@@ -23,7 +23,9 @@ from fuzz_targets import BASE, unpack_model_stream  # noqa: E402
 import deepcabac_py as dc  # noqa: E402
 from deepcabac_py.io.checkpoint import flatten  # noqa: E402
 from deepcabac_py.io.files import checkpoint_writer
+from deepcabac_py.updates import message_format as upf  # noqa: E402
 from deepcabac_py.updates import messages as up  # noqa: E402
+from deepcabac_py.updates import sessions as ups  # noqa: E402
 
 CORPUS = HERE / "corpus"
 
@@ -73,7 +75,7 @@ def update_messages() -> dict[str, bytes]:
         "stc_cabac_v2": up.encode_update(new, BASE, density=0.2, compact=False),
         "golomb_v1": up.encode_update(new, BASE, density=0.2, coder="golomb", compact=False),
     }
-    session = up.UpdateSession(3)
+    session = ups.UpdateSession(3)
     out["session0"] = up.encode_update(new, BASE, density=0.2, session=session)
     out["session1"] = up.encode_update(new, BASE, density=0.25, session=session, round_index=2, parent_round=1)
     out["stream2"] = out["stc_cabac"] + out["golomb"]
@@ -149,8 +151,8 @@ def encode_inputs() -> dict[str, bytes]:
 
 def session_snapshots() -> dict[str, bytes]:
     rng = np.random.default_rng(13)
-    out = {"fresh": up.UpdateSession(9).snapshot()}
-    session, model = up.UpdateSession(9), BASE
+    out = {"fresh": ups.UpdateSession(9).snapshot()}
+    session, model = ups.UpdateSession(9), BASE
     for r in range(3):
         new = {k: (v + (rng.standard_normal(v.shape) * 0.05).astype(v.dtype)) if v.dtype.kind == "f" else v + 1
                for k, v in model.items()}
@@ -178,7 +180,7 @@ def size_and_output_seeds() -> dict[str, bytes]:
         for which in (0, 1, 2, 4, 7):
             out[f"header_sizes/{name}-{which}.bin"] = struct.pack("<IIII", which, 1 << 20, 3, 12) + unpacked
     for name, data in update_messages().items():
-        out[f"update_sizes/{name}.bin"] = struct.pack("<Qh", up.read_update_header(data).payload_size, 0) + data
+        out[f"update_sizes/{name}.bin"] = struct.pack("<Qh", upf.read_update_header(data).payload_size, 0) + data
     for i, kind in enumerate(("new", "file", "link", "dangling", "dir", "missing-dir", "fifo", "device")):
         out[f"output/{kind}.bin"] = bytes([i]) + b"stream bytes"
         out[f"output/{kind}-force.bin"] = bytes([i | 0x80]) + b"stream bytes"

@@ -28,7 +28,7 @@ from deepcabac_py.integrations.ddp import (
     encode_bucket,
     sparsify_bucket,
 )
-from deepcabac_py.updates.messages import UpdateSession
+from deepcabac_py.updates.sessions import UpdateSession
 from deepcabac_py.updates.sparsify import SparseTensor
 
 SHAPES = [(6, 4, 3), (6,), (10, 7), (10,)]

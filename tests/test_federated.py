@@ -7,7 +7,7 @@ import pytest
 
 from deepcabac_py.errors import UpdateMismatchError
 from deepcabac_py.updates.federated import FedClient, FedServer, crc_of_model
-from deepcabac_py.updates.messages import read_update_header
+from deepcabac_py.updates.message_format import read_update_header
 
 
 def test_federated_rounds_keep_everyone_in_sync():

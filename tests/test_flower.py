@@ -29,7 +29,7 @@ from flwr.serverapp.strategy import FedAvg  # noqa: E402
 from deepcabac_py import decode_checkpoint  # noqa: E402
 from deepcabac_py.integrations.flower import STATE, DeepCabacStrategy, deepcabac_mod, make_deepcabac_mod  # noqa: E402
 from deepcabac_py.updates.federated import CatchUp, FedClient, FedServer, crc_of_model  # noqa: E402
-from deepcabac_py.updates.messages import model_hash  # noqa: E402
+from deepcabac_py.updates.parent_model import model_hash  # noqa: E402
 
 CLIENTS = 4
 DENSITY = 0.05

@@ -111,12 +111,13 @@ def test_update_table_without_base_claims_a_huge_tensor():
     """Finding 3 (by review while writing the update target): with no base, the shapes come from the
     message's tensor table, unchecked against anything; a 2**40-element claim raised MemoryError (a
     smaller one, e.g. 2**33, allocated tens of GB). Now bounded by decode_update's max_elements."""
+    from deepcabac_py.updates import message_format as upf
     from deepcabac_py.updates import messages as up
 
     data = (HERE.parent / "fuzz" / "corpus" / "update" / "stc_table.dcu").read_bytes()
-    h = up.read_update_header(data)
+    h = upf.read_update_header(data)
     table = [(n, d, (1 << 40,) if n == "a.weight" else s) for n, d, s in h.table]
-    msg = up._write_message(round_index=h.round, parent_round=h.parent_round, parent_hash=h.parent_hash,
+    msg = upf.write_message(round_index=h.round, parent_round=h.parent_round, parent_hash=h.parent_hash,
                             session_id=h.session_id, session_seq=h.session_seq, coder=h.coder,
                             tensor_total=h.tensor_total, table=table, entries=h.entries,
                             payload=data[h.header_size:h.header_size + h.payload_size])

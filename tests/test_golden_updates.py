@@ -19,7 +19,9 @@ import pytest
 from helpers import golden_floats, golden_ints
 
 from deepcabac_py.updates import _update_kernels
+from deepcabac_py.updates import message_format as upf
 from deepcabac_py.updates import messages as up
+from deepcabac_py.updates import sessions as ups
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "updates"
 REGEN = os.environ.get("DEEPCABAC_REGEN_GOLDEN") == "1"
@@ -46,7 +48,7 @@ def rounds(n: int) -> list[dict[str, np.ndarray]]:
 
 
 # The default features of update format 1 (today's default adds MIX, a format-2 feature).
-V1 = up.DEFAULT_FEATURES & _update_kernels.F_ALL_V1
+V1 = upf.DEFAULT_FEATURES & _update_kernels.F_ALL_V1
 
 
 def golden_cases() -> dict[str, list[dict]]:
@@ -92,7 +94,7 @@ CASES = sorted(golden_cases())
 
 def encode_stream(name: str) -> bytes:
     models = rounds(len(golden_cases()[name]))
-    parent, sender, receiver, out = base_model(), up.UpdateSession(7), up.UpdateSession(7), []
+    parent, sender, receiver, out = base_model(), ups.UpdateSession(7), ups.UpdateSession(7), []
     for r, (settings, new) in enumerate(zip(golden_cases()[name], models)):
         settings = dict(settings)
         in_session = settings.pop("session", False)
@@ -108,9 +110,9 @@ def decode_stream(data: bytes) -> tuple[dict[str, np.ndarray], dict[str, np.ndar
     """Every message's delta (keys ``"<message>/<tensor>"``) and the final model, decoded in order."""
     model, session, deltas = base_model(), None, {}
     for i, msg in enumerate(up.iter_messages(data)):
-        header = up.read_update_header(msg)
+        header = upf.read_update_header(msg)
         if header.session_id and session is None:
-            session = up.UpdateSession(header.session_id)
+            session = ups.UpdateSession(header.session_id)
         upd = up.decode_update(msg, model, session=session if header.session_id else None)
         for name, delta in upd.delta().items():
             deltas[f"{i}/{name}"] = delta
@@ -145,7 +147,7 @@ def _committed(name: str) -> tuple[bytes, dict[str, np.ndarray]]:
 @pytest.mark.parametrize("name", CASES)
 def test_committed_update_stream_decodes_exactly(name):
     data, expected = _committed(name)
-    assert {up.read_update_header(m).version for m in up.iter_messages(data)} == {format_version(name)}
+    assert {upf.read_update_header(m).version for m in up.iter_messages(data)} == {format_version(name)}
     deltas, model = decode_stream(data)
     got = {**deltas, **{f"model/{k}": v for k, v in model.items()}}
     assert sorted(got) == sorted(expected)

@@ -193,7 +193,7 @@ def _snapshot_of(npz_bytes: bytes) -> bytes:
 
 def test_snapshot_zlib_bomb_stops_at_max_bytes():
     from deepcabac_py.errors import LimitExceededError
-    from deepcabac_py.updates.messages import UpdateSession
+    from deepcabac_py.updates.sessions import UpdateSession
 
     bomb = zlib.compressobj(9)
     blob = b"".join(bomb.compress(bytes(1 << 22)) for _ in range(16)) + bomb.flush()  # 64 MiB of zeros
@@ -204,7 +204,7 @@ def test_snapshot_zlib_bomb_stops_at_max_bytes():
 
 def test_snapshot_with_a_deflated_member_or_damage_is_refused():
     from deepcabac_py.errors import CorruptStreamError
-    from deepcabac_py.updates.messages import UpdateSession
+    from deepcabac_py.updates.sessions import UpdateSession
 
     good = UpdateSession(3)
     assert UpdateSession.from_snapshot(good.snapshot()).session_id == 3

@@ -9,7 +9,7 @@ import torch
 from click.testing import CliRunner
 
 from deepcabac_py.cli.main import main
-from deepcabac_py.updates.messages import read_update_header
+from deepcabac_py.updates.message_format import read_update_header
 
 
 def _runner() -> CliRunner:
@@ -65,7 +65,8 @@ def test_cli_encode_info_report_apply(models):
 
 
 def test_cli_test_checks_update_files(models):
-    from deepcabac_py.updates.messages import UpdateSession, apply_update, encode_update
+    from deepcabac_py.updates.messages import apply_update, encode_update
+    from deepcabac_py.updates.sessions import UpdateSession
 
     r = _runner()
     out = models / "r1.dcu"

@@ -20,17 +20,17 @@ from deepcabac_py.errors import (
 )
 from deepcabac_py.updates import _update_kernels as K
 from deepcabac_py.updates import golomb
+from deepcabac_py.updates.message_format import read_update_header
 from deepcabac_py.updates.messages import (
-    UpdateSession,
     UpdateStreamWriter,
     apply_update,
     decode_update,
     encode_sparse,
     encode_update,
     iter_messages,
-    model_hash,
-    read_update_header,
 )
+from deepcabac_py.updates.parent_model import model_hash
+from deepcabac_py.updates.sessions import UpdateSession
 from deepcabac_py.updates.sparsify import (
     ErrorFeedback,
     SparseTensor,
@@ -361,20 +361,20 @@ def test_more_rounds_cost_fewer_bits_with_contexts():
 
 
 def test_session_history_tracks_age_count_and_sign():
-    from deepcabac_py.updates.messages import _next_hist
+    from deepcabac_py.updates.sessions import next_hist
 
     h = np.zeros(4, np.uint16)
     for levels in ([1, 0, 0, 0], [-1, 0, 0, 0], None, [0, 1, 0, 0]):
-        h = _next_hist(h, None if levels is None else np.array(levels))
+        h = next_hist(h, None if levels is None else np.array(levels))
     sign, count, age = h & 3, (h >> K.HIST_COUNT_SHIFT) & K.HIST_COUNT_MAX, (h >> K.HIST_AGE_SHIFT) & K.HIST_AGE_MAX
     assert sign.tolist() == [2, 1, 0, 0] and count.tolist() == [2, 1, 0, 0] and age.tolist() == [3, 1, 0, 0]
     h = np.full(1, 2 | (K.HIST_COUNT_MAX << K.HIST_COUNT_SHIFT) | (K.HIST_AGE_MAX << K.HIST_AGE_SHIFT), np.uint16)
-    assert _next_hist(h, None)[0] == h[0]  # both saturate
-    assert _next_hist(h, np.array([3]))[0] == 1 | (K.HIST_COUNT_MAX << K.HIST_COUNT_SHIFT) | (1 << K.HIST_AGE_SHIFT)
+    assert next_hist(h, None)[0] == h[0]  # both saturate
+    assert next_hist(h, np.array([3]))[0] == 1 | (K.HIST_COUNT_MAX << K.HIST_COUNT_SHIFT) | (1 << K.HIST_AGE_SHIFT)
 
 
 def test_session_advance_kernel_matches_next_hist():
-    from deepcabac_py.updates.messages import _next_hist
+    from deepcabac_py.updates.sessions import next_hist
 
     g = np.random.default_rng(5)
     for listed in (True, False):
@@ -382,7 +382,7 @@ def test_session_advance_kernel_matches_next_hist():
         hist[:3] = [0, K.HIST_AGE_MAX << K.HIST_AGE_SHIFT, (1 << 12) - 1]
         levels = (g.integers(-4, 5, size=500) * (g.random(500) < 0.3)).astype(np.int32)
         parent = g.integers(-2, 3, size=500).astype(np.int8)
-        want_h = _next_hist(hist, levels if listed else None)
+        want_h = next_hist(hist, levels if listed else None)
         want_p = np.clip(levels, -K.PARENT_MAX, K.PARENT_MAX) if listed else np.zeros(500, np.int8)
         K.advance_session_kernel(hist, parent, levels if listed else np.zeros(0, np.int32), listed)
         assert np.array_equal(hist, want_h) and np.array_equal(parent, want_p)

@@ -111,7 +111,8 @@ def apply_cmd(base, update, output, force, quiet):
 def update_report_dict(message: bytes) -> dict:
     """Sizes and ratios of one message; decodes it when it stands alone (tensor table, no session)."""
     from deepcabac_py.updates import golomb
-    from deepcabac_py.updates.messages import UpdateCoder, decode_update, read_update_header
+    from deepcabac_py.updates.message_format import UpdateCoder, read_update_header
+    from deepcabac_py.updates.messages import decode_update
 
     h = read_update_header(message)
     rep: dict[str, Any] = {"round": h.round, "parent_round": h.parent_round, "parent_sha256": h.parent_hash.hex(),
@@ -147,7 +148,8 @@ def update_report_dict(message: bytes) -> dict:
 
 def info_update(inp: Input, as_json: bool) -> None:
     """``deepcabac info`` on an update file: every message's header."""
-    from deepcabac_py.updates.messages import iter_messages, read_update_header
+    from deepcabac_py.updates.message_format import read_update_header
+    from deepcabac_py.updates.messages import iter_messages
 
     messages = list(iter_messages(inp))
     headers = [read_update_header(m) for m in messages]
@@ -195,7 +197,7 @@ def report_update(inp: Input, as_json: bool) -> None:
 
 def _receiver_session(sessions: dict, header):
     """The session a receiver keeps for the message's session id (None for a sessionless one)."""
-    from deepcabac_py.updates.messages import UpdateSession
+    from deepcabac_py.updates.sessions import UpdateSession
 
     if not header.session_id:
         return None
@@ -205,7 +207,8 @@ def _receiver_session(sessions: dict, header):
 def apply_messages(tensors, messages):
     """Apply update messages in order, following their sessions as a receiver would; returns the
     model and the number of messages."""
-    from deepcabac_py.updates.messages import apply_update, read_update_header
+    from deepcabac_py.updates.message_format import read_update_header
+    from deepcabac_py.updates.messages import apply_update
 
     sessions: dict = {}
     count = 0
@@ -223,7 +226,8 @@ def test_update_file(inp: Input, base_path: str | None = None) -> str:
     for their shapes, so only their header and payload checksums are checked.
     """
     from deepcabac_py.io.files import load_checkpoint
-    from deepcabac_py.updates.messages import checked_payload, decode_update, iter_messages, read_update_header
+    from deepcabac_py.updates.message_format import read_update_header
+    from deepcabac_py.updates.messages import checked_payload, decode_update, iter_messages
 
     if base_path is not None:
         with about(base_path):

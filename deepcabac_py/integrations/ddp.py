@@ -51,7 +51,10 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CorruptStreamError, UpdateMismatchError
-from ..updates.messages import UpdateSession, _Tensor, decode_update, encode_sparse, read_update_header
+from ..updates.message_format import read_update_header
+from ..updates.messages import decode_update, encode_sparse
+from ..updates.parent_model import ParentTensor
+from ..updates.sessions import UpdateSession
 from ..updates.sparsify import ErrorFeedback, SparseTensor, reconstruct, sparsify
 
 METHODS = ("stc", "sbc")
@@ -132,10 +135,10 @@ class BucketLayout:
         return h.digest()
 
     @cached_property
-    def base(self) -> dict[str, _Tensor]:
+    def base(self) -> dict[str, ParentTensor]:
         # Only the shapes are read (the parent hash is given): zero-strided arrays cost nothing.
         zero = np.zeros((), dtype=np.float32)
-        return {n: _Tensor(n, np.broadcast_to(zero, s), "float32", False) for n, s in zip(self.names, self.shapes)}
+        return {n: ParentTensor(n, np.broadcast_to(zero, s), "float32", False) for n, s in zip(self.names, self.shapes)}
 
     def segments(self, flat: np.ndarray) -> list[np.ndarray]:
         """Views of each gradient in the flat bucket ``flat``, shaped."""

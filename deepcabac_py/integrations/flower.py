@@ -62,7 +62,9 @@ from ..errors import DeepCabacError, FormatError, UpdateMismatchError
 from ..model.decoder import decode_checkpoint
 from ..model.encoder import encode_model
 from ..updates.federated import CatchUp, FedClient, FedServer, check_server_lr
-from ..updates.messages import UpdateSession, model_hash, read_update_header
+from ..updates.message_format import read_update_header
+from ..updates.parent_model import model_hash
+from ..updates.sessions import UpdateSession
 from ..updates.sparsify import METHODS
 
 __all__ = ["KEY", "DeepCabacStrategy", "deepcabac_mod", "make_deepcabac_mod"]

@@ -567,7 +567,7 @@ def advance_session_kernel(hist, parent, levels, listed):
     """One more message in a tensor's session memory, in place: ``hist`` (uint16) ages and, where
     ``levels`` (listed tensors only) is nonzero, takes the sign, one more count and age 1; ``parent``
     (int8) becomes the levels clipped to [-PARENT_MAX, PARENT_MAX] (0 if not listed). One pass; the
-    plain-numpy statement of the same is ``updates._next_hist``."""
+    plain-numpy statement of the same is :func:`.sessions.next_hist`."""
     for i in range(hist.shape[0]):
         h = np.int64(hist[i])
         sign = h & 3

@@ -27,22 +27,16 @@ import numpy as np
 
 from ..errors import UpdateMismatchError
 from ..io.checksum import crc32
-from .messages import (
-    UpdateSession,
-    _flat_model,
-    _hash_flat,
-    apply_delta,
-    decode_update,
-    encode_sparse,
-    update_difference,
-)
+from .messages import apply_delta, decode_update, encode_sparse, update_difference
+from .parent_model import flat_model, hash_flat
+from .sessions import UpdateSession
 from .sparsify import ErrorFeedback, SparseTensor, sparsify
 
 DOWNSTREAM_SESSION = 0xD0D0
 
 
 def _numpy_model(model) -> dict[str, np.ndarray]:
-    return {n: t.array.copy() for n, t in _flat_model(model).items()}
+    return {n: t.array.copy() for n, t in flat_model(model).items()}
 
 
 @dataclass
@@ -95,7 +89,7 @@ class FedServer:
         self.messages: dict[int, bytes] = {}  # downstream message that produced round r (parent r - 1)
         self.keep_messages = keep_messages
         self._pending: list[dict[str, np.ndarray]] = []
-        self._hash = _hash_flat(_flat_model(self.model))
+        self._hash = hash_flat(flat_model(self.model))
 
     def receive(self, client_id: int, data: bytes) -> dict[str, np.ndarray]:
         """Decode one client's upstream message against the current global model; returns its delta."""
@@ -137,14 +131,15 @@ class FedServer:
         data = encode_sparse(sparse, self.model, round_index=self.round + 1, parent_round=self.round,
                              session=self.down_session, coder=self.coder, parent_hash=self._hash,
                              table=False)  # both ends hold the model: no tensor table, whatever the coder
-        from .messages import Update, read_update_header
+        from .message_format import read_update_header
+        from .messages import Update
 
         # Exactly what a client applies: the tensors the message carries (all-zero ones are not sent).
         carried = {n: s for n, s in sparse.items()
                    if (s.nnz if isinstance(s, SparseTensor) else int(np.count_nonzero(s)))}
         upd = Update(read_update_header(data), carried)
         self.model = {n: np.asarray(v) for n, v in apply_delta(self.model, upd).items()}
-        self._hash = _hash_flat(_flat_model(self.model))
+        self._hash = hash_flat(flat_model(self.model))
         self.round += 1
         self.messages[self.round] = data
         self.messages.pop(self.round - self.keep_messages, None)
@@ -216,6 +211,6 @@ class FedClient:
 def crc_of_model(model) -> int:
     """A cheap fingerprint of a model (for tests and logs)."""
     crc = 0
-    for n, t in _flat_model(model).items():
+    for n, t in flat_model(model).items():
         crc = crc32(n.encode() + t.array.tobytes(), crc)
     return crc
