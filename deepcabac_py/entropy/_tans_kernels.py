@@ -417,6 +417,21 @@ ERR_BEFORE_FIRST = -15  # bits set before the first bit, or no word to hold it
 ERR_AFTER_RAW = -16  # detail[0]: bytes after the raw bits
 TANS_FIELDS = ("low-bit count", "low-bit counts", "class count and table precision", "classes", "table size",
                "tables", "coder states", "coder size", "coder words", "raw bits")
+_RAW_FIELD = TANS_FIELDS.index("raw bits")
+
+
+@inline
+def raw_field_status(size, at, nraw, short, detail):
+    """The status of a substream's last field, its ``nraw`` raw words from byte ``at`` of ``size``
+    (``short``: the substream ends inside them): OK, ERR_SHORT, or ERR_AFTER_RAW with the count of
+    bytes after them in ``detail[0]``."""
+    if short:
+        detail[0] = _RAW_FIELD
+        return ERR_SHORT
+    if at + 4 * nraw != size:
+        detail[0] = size - at - 4 * nraw
+        return ERR_AFTER_RAW
+    return OK
 
 
 @helper
@@ -550,12 +565,9 @@ def decode_tans_substream(data, n, seg_len, W, M, out, detail):
     else:
         nraw = (raw_bit_count(n, seg_len, M, zeros) + 31) >> 5
         short = raw_at + 4 * nraw > size
-    if short:
-        detail[0] = 9
-        return ERR_SHORT
-    if raw_at + 4 * nraw != size:
-        detail[0] = size - raw_at - 4 * nraw
-        return ERR_AFTER_RAW
+    status = raw_field_status(size, raw_at, nraw, short, detail)
+    if status != OK:
+        return status
     if n == 0:  # (no element: no bits, and the states where the encoder starts)
         return ERR_TRAILING if count else (ERR_BAD_END if x.any() or first_bit else OK)
     # the decoder reads one word past its bits, to drop it: the raw words' first (there is one, as

@@ -38,7 +38,6 @@ from ._float_kernels import (
 )
 from ._tans_kernels import (
     _TZ_L,
-    ERR_AFTER_RAW,
     ERR_PRECISION,
     ERR_SHORT,
     TANS_MAX_BITS,
@@ -51,6 +50,7 @@ from ._tans_kernels import (
     counted_at,
     put_class_tables,
     put_u32,
+    raw_field_status,
     raw_words_most,
     split_and_choose,
     table_bytes_most,
@@ -689,12 +689,9 @@ def decode_wide_substream(data, n, seg_len, M, out, detail, tz):
     else:
         nraw = (n * (M - TOP_BITS + 1) + 31) >> 5
         short = pos + 4 * nraw > size
-    if short:
-        detail[0] = 9
-        return ERR_SHORT
-    if pos + 4 * nraw != size:
-        detail[0] = size - pos - 4 * nraw
-        return ERR_AFTER_RAW
+    status = raw_field_status(size, pos, nraw, short, detail)
+    if status != OK:
+        return status
     raw = data[pos:size].view(np.uint32)
     narrow, sym0 = _narrow_entries(syms, freqs, used)
     if narrow and not tz:
