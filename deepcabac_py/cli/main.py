@@ -17,8 +17,8 @@ import click
 
 from deepcabac_py import __version__
 from deepcabac_py.errors import DeepCabacError, InputError
-from deepcabac_py.io.kinds import KINDS
-from deepcabac_py.model.container import PREAMBLE, is_model_stream, read_header, read_preamble
+from deepcabac_py.io.kinds import KINDS, read_head
+from deepcabac_py.model.container import is_model_stream, read_header, read_preamble
 from deepcabac_py.model.report import build_report, format_report
 from deepcabac_py.model.settings import DEFAULT_MOMENTS_QP, DEFAULT_QP, DEFAULT_QP_DENSITY, DEFAULT_QUANTIZER
 from deepcabac_py.quant.quantizers import QUANTIZERS
@@ -344,8 +344,8 @@ def _decoded_name(input: str) -> str:
         return name[: -len(STREAM_SUFFIX)]
     # (a checkpoint given to decode by mistake: what it is says more than the name it lacks)
     if os.path.isfile(input):
-        with about(input), open(input, "rb") as f:
-            head = f.read(PREAMBLE.size)
+        with about(input):
+            head = read_head(input)
             if not is_model_stream(head):
                 read_preamble(head)
     raise click.UsageError(f"cannot derive an output name from {input!r}: use -o")
